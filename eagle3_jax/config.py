@@ -1,0 +1,183 @@
+"""Frozen configuration dataclasses (static arguments of every jitted function)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from eagle3_jax.errors import Eagle3Error
+
+# HF `architectures` / `model_type` -> our family name.
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Olmo2ForCausalLM": "olmo2",
+}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "olmo2": "olmo2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: `kind` is "default", "linear" or "llama3"."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """A decoder-only target model (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2).
+
+    `qk_norm`: "none", "head" (Qwen3: RMSNorm over head_dim per head) or "full" (OLMo 2: RMSNorm over
+    all heads' q and k before the head split). `norm_placement`: "pre" (Llama) or "post" (OLMo 2: the
+    norm is applied to each block's output before the residual add).
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = RopeConfig()
+    attention_bias: bool = False
+    qk_norm: str = "none"
+    norm_placement: str = "pre"
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def default_aux_layer_ids(self) -> tuple[int, ...]:
+        """EAGLE-3's low/mid/high features: the inputs to layers 2, L//2 and L-3."""
+        n = self.num_layers
+        return (2, n // 2, n - 3) if n >= 6 else tuple(sorted({min(1, n - 1), n // 2, max(n - 2, 0)}))
+
+    def check_aux_layer_ids(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Aux ids index HF `hidden_states`: i in [0, L) is the input to layer i, L the final norm."""
+        ids = tuple(int(i) for i in ids)
+        if not ids:
+            raise Eagle3Error("aux layer ids are empty: name at least one target layer (e.g. 2,15,27)")
+        bad = [i for i in ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise Eagle3Error(
+                f"aux layer id(s) {bad} outside the target's 0..{self.num_layers} "
+                f"({self.num_layers} layers); use ids in that range"
+            )
+        return ids
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TargetConfig:
+        d = dict(d)
+        d["rope"] = RopeConfig(**d.get("rope", {}))
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    # transformers 5.x keeps theta and scaling under `rope_parameters`; 4.x under rope_theta/rope_scaling.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    if scaling:
+        params = {**params, **scaling}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind == "linear":
+        return RopeConfig(theta=theta, kind="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return RopeConfig(
+            theta=theta,
+            kind="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position=int(params["original_max_position_embeddings"]),
+        )
+    raise Eagle3Error(
+        f"unsupported RoPE scaling {kind!r}: supported are default, linear and llama3; "
+        "convert the checkpoint or drop rope_scaling from config.json"
+    )
+
+
+def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
+    """Builds a TargetConfig from a transformers `config.json` dict; refuses what we cannot run."""
+    archs = hf.get("architectures") or []
+    family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
+    if family is None:
+        family = MODEL_TYPES.get(hf.get("model_type", ""))
+    if family is None:
+        raise Eagle3Error(
+            f"unsupported architecture {archs or hf.get('model_type')!r}: eagle3_jax runs "
+            f"{', '.join(FAMILIES)} checkpoints"
+        )
+    hidden = int(hf["hidden_size"])
+    heads = int(hf["num_attention_heads"])
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    window = hf.get("sliding_window")
+    if family == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None
+    if family in ("qwen3",) and not hf.get("use_sliding_window", False):
+        window = None
+    return TargetConfig(
+        family=family,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(hf),
+        attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
+        qk_norm={"qwen3": "head", "olmo2": "full"}.get(family, "none"),
+        norm_placement="post" if family == "olmo2" else "pre",
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        sliding_window=int(window) if window else None,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Per-pair inverse frequencies [K/2], float32, computed as transformers does (so parity is tight)."""
+    exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv = (np.float32(1.0) / (np.float32(rope.theta) ** exps)).astype(np.float32)
+    if rope.kind == "linear":
+        return (inv / np.float32(rope.factor)).astype(np.float32)
+    if rope.kind == "llama3":
+        old = np.float32(rope.original_max_position)
+        low_wavelen = old / np.float32(rope.low_freq_factor)
+        high_wavelen = old / np.float32(rope.high_freq_factor)
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > low_wavelen, inv / np.float32(rope.factor), inv)
+        smooth = (old / wavelen - np.float32(rope.low_freq_factor)) / np.float32(
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / np.float32(rope.factor) + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv

@@ -1,0 +1,335 @@
+"""The frozen target model: a functional decoder (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2).
+
+Parameters are a plain pytree:
+  {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (absent when tied),
+   "layers": [per-layer dict] (a list: unrolled, fastest decode on CPU) or one dict of
+             [L, ...]-stacked arrays (scanned: fast compiles, the layout for training on pods)}
+Per layer: attn_norm, mlp_norm [D]; wq [D, H*K], wk/wv [D, G*K], wo [H*K, D]; optional bq/bk/bv;
+optional q_norm/k_norm ([K] for Qwen3, [H*K]/[G*K] for OLMo 2); w_gate/w_up [D, F], w_down [F, D].
+
+`forward` runs T new tokens against a static-shape KV cache under an explicit attention mask and
+returns logits, the final (normed) hidden state and the EAGLE-3 auxiliary hidden states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.config import TargetConfig, rope_inv_freq
+from eagle3_jax.models.layers import apply_rope, attention, rms_norm, rope_cos_sin, swiglu
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # logical axis names, mapped to the mesh in sharding.py
+    init: str  # "normal" | "ones" | "zeros"
+
+
+def layer_param_specs(cfg: TargetConfig) -> dict[str, ParamSpec]:
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    hk, gk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    specs = {
+        "attn_norm": ParamSpec((d,), (None,), "ones"),
+        "mlp_norm": ParamSpec((d,), (None,), "ones"),
+        "wq": ParamSpec((d, hk), ("embed", "heads"), "normal"),
+        "wk": ParamSpec((d, gk), ("embed", "kv_heads"), "normal"),
+        "wv": ParamSpec((d, gk), ("embed", "kv_heads"), "normal"),
+        "wo": ParamSpec((hk, d), ("heads", "embed"), "normal"),
+        "w_gate": ParamSpec((d, f), ("embed", "mlp"), "normal"),
+        "w_up": ParamSpec((d, f), ("embed", "mlp"), "normal"),
+        "w_down": ParamSpec((f, d), ("mlp", "embed"), "normal"),
+    }
+    if cfg.attention_bias:
+        specs["bq"] = ParamSpec((hk,), ("heads",), "zeros")
+        specs["bk"] = ParamSpec((gk,), ("kv_heads",), "zeros")
+        specs["bv"] = ParamSpec((gk,), ("kv_heads",), "zeros")
+    if cfg.qk_norm == "head":
+        specs["q_norm"] = ParamSpec((cfg.head_dim,), (None,), "ones")
+        specs["k_norm"] = ParamSpec((cfg.head_dim,), (None,), "ones")
+    elif cfg.qk_norm == "full":
+        specs["q_norm"] = ParamSpec((hk,), ("heads",), "ones")
+        specs["k_norm"] = ParamSpec((gk,), ("kv_heads",), "ones")
+    return specs
+
+
+def top_param_specs(cfg: TargetConfig) -> dict[str, ParamSpec]:
+    specs = {
+        "embed": ParamSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "normal"),
+        "final_norm": ParamSpec((cfg.hidden_size,), (None,), "ones"),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), "normal")
+    return specs
+
+
+def check_params(params: Params, cfg: TargetConfig) -> None:
+    """Asserts every parameter's shape against the config (loaders call this)."""
+    for name, spec in top_param_specs(cfg).items():
+        assert params[name].shape == spec.shape, (name, params[name].shape, spec.shape)
+    layers = params["layers"]
+    per_layer = layers if isinstance(layers, list) else [None]
+    for i, lp in enumerate(per_layer):
+        for name, spec in layer_param_specs(cfg).items():
+            shape = layers[name].shape[1:] if lp is None else lp[name].shape
+            assert tuple(shape) == spec.shape, (i, name, shape, spec.shape)
+
+
+def init_params(
+    cfg: TargetConfig, key: jax.Array, dtype=jnp.float32, stacked: bool = False, scale: float = 0.02
+) -> Params:
+    """Random parameters (tests, benchmarks): normal(0, scale) matrices, unit norms, zero biases."""
+
+    def make(spec: ParamSpec, k: jax.Array, lead: tuple[int, ...] = ()) -> jax.Array:
+        shape = lead + spec.shape
+        if spec.init == "ones":
+            return jnp.ones(shape, dtype)
+        if spec.init == "zeros":
+            return jnp.zeros(shape, dtype)
+        return (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    k_top, k_layers = jax.random.split(key)
+    top = top_param_specs(cfg)
+    params: Params = {n: make(s, k) for (n, s), k in zip(top.items(), jax.random.split(k_top, len(top)))}
+    lspecs = layer_param_specs(cfg)
+    if stacked:
+        ks = jax.random.split(k_layers, len(lspecs))
+        params["layers"] = {n: make(s, k, (cfg.num_layers,)) for (n, s), k in zip(lspecs.items(), ks)}
+    else:
+        params["layers"] = []
+        for lk in jax.random.split(k_layers, cfg.num_layers):
+            ks = jax.random.split(lk, len(lspecs))
+            params["layers"].append({n: make(s, k) for (n, s), k in zip(lspecs.items(), ks)})
+    return params
+
+
+def stack_layers(params: Params) -> Params:
+    """List-of-layers params -> [L, ...]-stacked params (for lax.scan)."""
+    if not isinstance(params["layers"], list):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])}
+
+
+def unstack_layers(params: Params) -> Params:
+    if isinstance(params["layers"], list):
+        return params
+    n = jax.tree.leaves(params["layers"])[0].shape[0]
+    return {**params, "layers": [jax.tree.map(lambda x: x[i], params["layers"]) for i in range(n)]}
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+def make_cache(
+    cfg: TargetConfig, batch: int, slots: int, dtype=jnp.float32, stacked: bool = False
+) -> dict[str, Any]:
+    """Static-shape KV cache. k and v are allocated separately so both can be donated."""
+    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    if stacked:
+        return {
+            "k": jnp.zeros((cfg.num_layers,) + shape, dtype),
+            "v": jnp.zeros((cfg.num_layers,) + shape, dtype),
+        }
+    return {
+        "k": [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+        "v": [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+    }
+
+
+def _write_rows(cache_BSGK: jax.Array, new_BTGK: jax.Array, start_B: jax.Array) -> jax.Array:
+    """Writes each row's T new entries at its own slot offset."""
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(
+        cache_BSGK, new_BTGK.astype(cache_BSGK.dtype), start_B
+    )
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+class Output(NamedTuple):
+    logits: jax.Array | None  # [B, T, V] or [B, P, V] when logits_idx is given
+    hidden: jax.Array  # [B, T, D] final hidden state (after the final norm: what lm_head reads)
+    aux: jax.Array | None  # [B, T, n_aux * D] concatenated aux hidden states, in the order asked
+    cache: dict[str, Any] | None
+
+
+def _layer(
+    p: Params,
+    h_BTD: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    write_B: jax.Array | None,
+    cos: jax.Array,
+    sin: jax.Array,
+    mask: jax.Array,
+    cfg: TargetConfig,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    b, t, _ = h_BTD.shape
+    eps = cfg.rms_norm_eps
+    pre = cfg.norm_placement == "pre"
+    x = rms_norm(h_BTD, p["attn_norm"], eps) if pre else h_BTD
+    q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if cfg.qk_norm == "full":
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm == "head":
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if kv is not None:
+        k_all, v_all = _write_rows(kv[0], k, write_B), _write_rows(kv[1], v, write_B)
+        kv = (k_all, v_all)
+    else:
+        k_all, v_all = k, v
+    with jax.named_scope("attention"):
+        o = attention(q, k_all, v_all, mask).reshape(b, t, -1) @ p["wo"]
+    if pre:
+        h_BTD = h_BTD + o
+        h_BTD = h_BTD + swiglu(rms_norm(h_BTD, p["mlp_norm"], eps), p["w_gate"], p["w_up"], p["w_down"])
+    else:
+        h_BTD = h_BTD + rms_norm(o, p["attn_norm"], eps)
+        m = swiglu(h_BTD, p["w_gate"], p["w_up"], p["w_down"])
+        h_BTD = h_BTD + rms_norm(m, p["mlp_norm"], eps)
+    return h_BTD, kv
+
+
+def forward(
+    params: Params,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    mask: jax.Array,
+    cfg: TargetConfig,
+    cache: dict[str, Any] | None = None,
+    write_B: jax.Array | None = None,
+    aux_ids: tuple[int, ...] = (),
+    logits_idx_BP: jax.Array | None = None,
+    compute_logits: bool = True,
+) -> Output:
+    """Runs T new tokens through the decoder.
+
+    Args:
+      tokens_BT, positions_BT: int32 [B, T] token ids and RoPE positions (tree depth offsets allowed).
+      mask: bool [B, T, S] over cache slots after this call's writes (cache given), else [B, T, T].
+      cache: from `make_cache`; the new K/V of row b go to slots write_B[b] .. write_B[b] + T - 1.
+      aux_ids: HF `hidden_states` indices to capture (i < L: input to layer i; L: final normed state).
+      logits_idx_BP: optional [B, P] token indices whose logits are computed (saves the lm_head cost).
+    """
+    cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(cfg.rope, cfg.head_dim))
+    h = params["embed"][tokens_BT]
+    captured: dict[int, jax.Array] = {}
+    layers = params["layers"]
+    new_k, new_v = [], []
+    if isinstance(layers, list):
+        for i, lp in enumerate(layers):
+            if i in aux_ids:
+                captured[i] = h
+            kv = None if cache is None else (cache["k"][i], cache["v"][i])
+            with jax.named_scope(f"layer_{i}"):
+                h, kv = _layer(lp, h, kv, write_B, cos, sin, mask, cfg)
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+        new_cache = None if cache is None else {"k": new_k, "v": new_v}
+    else:
+        h, new_cache, captured = _scan_layers(layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids)
+    hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    if cfg.num_layers in aux_ids:
+        captured[cfg.num_layers] = hidden
+    aux = jnp.concatenate([captured[i] for i in aux_ids], axis=-1) if aux_ids else None
+    logits = None
+    if compute_logits:
+        x = hidden if logits_idx_BP is None else jnp.take_along_axis(hidden, logits_idx_BP[..., None], 1)
+        logits = lm_head(params, x, cfg)
+    return Output(logits, hidden, aux, new_cache)
+
+
+def lm_head(params: Params, hidden: jax.Array, cfg: TargetConfig) -> jax.Array:
+    """Logits [..., V] from final normed hidden states (tied embeddings read the embedding)."""
+    if cfg.tie_word_embeddings:
+        return jnp.einsum("...d,vd->...v", hidden, params["embed"])
+    return hidden @ params["lm_head"]
+
+
+def _scan_layers(layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids):
+    """Stacked layers: one lax.scan per segment between aux capture points."""
+    bounds = sorted({0, cfg.num_layers, *[i for i in aux_ids if i < cfg.num_layers]})
+    captured, ks, vs = {}, [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if lo in aux_ids:
+            captured[lo] = h
+        seg = jax.tree.map(lambda x: x[lo:hi], layers)
+        if cache is None:
+
+            def body(h, lp):
+                return _layer(lp, h, None, None, cos, sin, mask, cfg)[0], None
+
+            h, _ = jax.lax.scan(body, h, seg)
+        else:
+
+            def body_c(h, xs):
+                lp, k, v = xs
+                h, (k, v) = _layer(lp, h, (k, v), write_B, cos, sin, mask, cfg)
+                return h, (k, v)
+
+            h, (k, v) = jax.lax.scan(body_c, h, (seg, cache["k"][lo:hi], cache["v"][lo:hi]))
+            ks.append(k)
+            vs.append(v)
+    new_cache = None if cache is None else {"k": jnp.concatenate(ks), "v": jnp.concatenate(vs)}
+    return h, new_cache, captured
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "aux_ids"))
+def full_forward(params: Params, tokens_BT: jax.Array, cfg: TargetConfig, aux_ids=()) -> Output:
+    """Causal forward over whole sequences without a cache (tests, training features)."""
+    b, t = tokens_BT.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    q = jnp.arange(t)
+    mask = q[None, :] <= q[:, None]
+    if cfg.sliding_window is not None:
+        mask = mask & (q[None, :] > q[:, None] - cfg.sliding_window)
+    return forward(params, tokens_BT, positions, jnp.broadcast_to(mask, (b, t, t)), cfg, aux_ids=aux_ids)
+
+
+def num_params(params: Params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def param_shardings(cfg: TargetConfig, mesh, rules=None, stacked: bool = False) -> Params:
+    """NamedShardings matching `init_params(cfg, stacked=...)`, derived from the same ParamSpecs."""
+    from eagle3_jax.sharding import Rules, named
+
+    rules = rules or Rules()
+    out: Params = {n: named(mesh, s.axes, s.shape, rules) for n, s in top_param_specs(cfg).items()}
+    lspecs = layer_param_specs(cfg)
+    if stacked:
+        out["layers"] = {
+            n: named(mesh, (None,) + s.axes, (cfg.num_layers,) + s.shape, rules) for n, s in lspecs.items()
+        }
+    else:
+        one = {n: named(mesh, s.axes, s.shape, rules) for n, s in lspecs.items()}
+        out["layers"] = [dict(one) for _ in range(cfg.num_layers)]
+    return out
+
+
+def cache_sharding(cfg: TargetConfig, mesh, rules=None, stacked: bool = False):
+    """KV cache [.., B, S, G, K]: batch over data, kv heads over model where they divide."""
+    from eagle3_jax.sharding import Rules, named
+
+    rules = rules or Rules()
+    axes = ("batch", None, "kv_heads", None)
+    shape = (mesh.shape["data"], 1, cfg.num_kv_heads, cfg.head_dim)
+    if stacked:
+        s = named(mesh, (None,) + axes, (cfg.num_layers,) + shape, rules)
+        return {"k": s, "v": s}
+    s = named(mesh, axes, shape, rules)
+    return {"k": [s] * cfg.num_layers, "v": [s] * cfg.num_layers}

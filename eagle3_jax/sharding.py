@@ -1,0 +1,73 @@
+"""The one place that knows the device mesh: logical axis names -> mesh axes.
+
+Model code names logical axes only (`ParamSpec.axes`); `Rules` maps them onto a mesh with a `data`
+and a `model` axis. A dimension that does not divide the mesh axis is replicated rather than refused,
+so a small model still runs on a big mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from eagle3_jax.errors import Eagle3Error
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Logical axis -> mesh axis (None: replicated). Tensor parallel over `model`, batch over `data`."""
+
+    batch: str | None = "data"
+    vocab: str | None = "model"
+    embed: str | None = None
+    heads: str | None = "model"
+    kv_heads: str | None = "model"
+    mlp: str | None = "model"
+    draft_vocab: str | None = "model"
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        return None if logical is None else getattr(self, logical)
+
+
+def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
+    """A (data, model) mesh; `model` defaults to all devices not used by `data`."""
+    devices = list(jax.devices() if devices is None else devices)
+    if model is None:
+        model = len(devices) // data
+    if data * model != len(devices) and data * model > len(devices):
+        raise Eagle3Error(f"mesh {data}x{model} needs {data * model} devices, {len(devices)} present")
+    grid = np.array(devices[: data * model]).reshape(data, model)
+    return Mesh(grid, ("data", "model"))
+
+
+def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules: Rules) -> P:
+    out = []
+    for name, dim in zip(axes, shape):
+        ax = rules.mesh_axis(name)
+        out.append(ax if ax is not None and dim % mesh.shape[ax] == 0 else None)
+    return P(*out)
+
+
+def named(mesh: Mesh, axes, shape, rules: Rules = Rules()) -> NamedSharding:
+    return NamedSharding(mesh, spec_for(tuple(axes), tuple(shape), mesh, rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def put(array: np.ndarray, sharding: NamedSharding | None, dtype) -> jax.Array:
+    """Places a host array (possibly a memory map) so each device only ever reads its own shard."""
+    if sharding is None:
+        return jax.device_put(np.asarray(array).astype(dtype))
+    return jax.make_array_from_callback(
+        array.shape, sharding, lambda idx: np.asarray(array[idx]).astype(dtype)
+    )
+
+
+def shard_tree(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(jax.device_put, tree, shardings)

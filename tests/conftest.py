@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny randomly initialised transformers models for every family, built offline."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import pytest  # noqa: E402
+
+FAMILY_CONFIGS = {
+    "llama": dict(
+        cls="LlamaConfig",
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+    ),
+    "mistral": dict(cls="MistralConfig", sliding_window=12),
+    "qwen2": dict(cls="Qwen2Config"),
+    "qwen3": dict(cls="Qwen3Config", head_dim=16),
+    "olmo2": dict(cls="Olmo2Config"),
+}
+FAMILIES = list(FAMILY_CONFIGS)
+
+
+def tiny_hf_model(family: str, seed: int = 0, tie: bool = False):
+    """A ~100k-parameter transformers model of `family` with random weights (fp32, eval mode)."""
+    import torch
+    import transformers
+
+    spec = dict(FAMILY_CONFIGS[family])
+    cls = getattr(transformers, spec.pop("cls"))
+    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+                pad_token_id=0)
+    if family == "qwen2":
+        base["use_sliding_window"] = False
+    base.update(spec)
+    config = cls(**base)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so their placement is really tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """family -> (transformers model, saved checkpoint directory)."""
+    cache = {}
+
+    def get(family: str, tie: bool = False):
+        if (family, tie) not in cache:
+            model = tiny_hf_model(family, tie=tie)
+            d = tmp_path_factory.mktemp(f"{family}_{tie}")
+            model.save_pretrained(d)
+            cache[(family, tie)] = (model, d)
+        return cache[(family, tie)]
+
+    return get

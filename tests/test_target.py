@@ -1,0 +1,72 @@
+"""Target model parity with transformers' PyTorch models, per family."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from conftest import FAMILIES
+from eagle3_jax.checkpoints.hf import load_hf
+from eagle3_jax.models import target as tgt
+from eagle3_jax.models.layers import causal_mask
+
+
+def _tokens(b, t, v, seed=0):
+    return np.random.default_rng(seed).integers(3, v, size=(b, t)).astype(np.int32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_hidden_states_match_transformers(family, hf_checkpoint):
+    model, path = hf_checkpoint(family)
+    params, cfg = load_hf(path)
+    toks = _tokens(2, 20, cfg.vocab_size)
+    with torch.no_grad():
+        ref = model(torch.tensor(toks, dtype=torch.long), output_hidden_states=True)
+    aux_ids = tuple(range(cfg.num_layers + 1))
+    out = tgt.full_forward(params, jnp.asarray(toks), cfg, aux_ids)
+    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), rtol=1e-4, atol=1e-4)
+    d = cfg.hidden_size
+    for i in aux_ids:
+        ours = np.asarray(out.aux[..., i * d : (i + 1) * d])
+        np.testing.assert_allclose(ours, ref.hidden_states[i].numpy(), rtol=1e-4, atol=1e-4,
+                                   err_msg=f"hidden_states[{i}]")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_then_stepwise_decode_equals_full_forward(family, hf_checkpoint):
+    _, path = hf_checkpoint(family)
+    params, cfg = load_hf(path)
+    b, t, prompt, s = 2, 24, 9, 32
+    toks = jnp.asarray(_tokens(b, t, cfg.vocab_size, seed=1))
+    aux_ids = cfg.default_aux_layer_ids()
+    full = tgt.full_forward(params, toks, cfg, aux_ids)
+    step = jax.jit(tgt.forward, static_argnames=("cfg", "aux_ids"))
+    for stacked in (False, True):
+        p = tgt.stack_layers(params) if stacked else params
+        cache = tgt.make_cache(cfg, b, s, stacked=stacked)
+        cursor = jnp.zeros((b,), jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
+        out = step(p, toks[:, :prompt], pos, causal_mask(cursor, prompt, s, cfg.sliding_window), cfg,
+                   cache, cursor, aux_ids)
+        logits, aux = [out.logits], [out.aux]
+        cache, cursor = out.cache, cursor + prompt
+        for i in range(prompt, t):
+            out = step(p, toks[:, i : i + 1], cursor[:, None], causal_mask(cursor, 1, s, cfg.sliding_window),
+                       cfg, out.cache, cursor, aux_ids)
+            logits.append(out.logits)
+            aux.append(out.aux)
+            cursor = cursor + 1
+        np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.concatenate(aux, 1), full.aux, rtol=1e-4, atol=1e-4)
+
+
+def test_tied_embeddings(hf_checkpoint):
+    model, path = hf_checkpoint("llama", tie=True)
+    params, cfg = load_hf(path)
+    assert cfg.tie_word_embeddings and "lm_head" not in params
+    toks = _tokens(1, 12, cfg.vocab_size)
+    with torch.no_grad():
+        ref = model(torch.tensor(toks, dtype=torch.long)).logits.numpy()
+    out = tgt.full_forward(params, jnp.asarray(toks), cfg)
+    np.testing.assert_allclose(np.asarray(out.logits), ref, rtol=1e-4, atol=1e-4)
