@@ -1,0 +1,37 @@
+# Two commands do all the set-up on a fresh machine (Python 3.11):
+#   make demo   speculative decoding on the embedded default (plain decoding until the head ships)
+#   make test   the test suite (what .ci/run calls)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast bench lint clean
+
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.base
+	$(PY) decode.py --max-new-tokens 128
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: $(VENV)/.test
+	$(PY) benchmarks/plain_decoding.py
+
+lint: $(VENV)/.test
+	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check eagle3_jax tests decode.py benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,53 @@
+"""Prompts: chat templating and prompt files (plain lines, FastChat / Spec-Bench question.jsonl)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+from eagle3_jax.errors import Eagle3Error
+
+
+class Prompt(NamedTuple):
+    id: str
+    text: str
+
+
+def encode_chat(tokenizer, messages: list[dict[str, str]], chat_template: bool = True) -> list[int]:
+    """Token ids of a conversation ready for the assistant's turn (the target's own chat template)."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    text = "\n".join(m["content"] for m in messages)
+    return [int(i) for i in tokenizer(text)["input_ids"]]
+
+
+def read_prompt_file(path: str | Path) -> list[Prompt]:
+    """One prompt per line, or JSONL records: FastChat `turns` (first turn), `prompt`, `question`."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise Eagle3Error(f"cannot read prompt file {path}: {e}") from e
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise Eagle3Error(f"{path}:{n} is not valid JSON: {e}") from e
+            text = (rec.get("turns") or [None])[0] or rec.get("prompt") or rec.get("question")
+            if not text:
+                raise Eagle3Error(f"{path}:{n} has no `turns`, `prompt` or `question` field")
+            pid = rec.get("question_id", rec.get("id", n))
+            prompts.append(Prompt(str(pid), text))
+        else:
+            prompts.append(Prompt(str(n), line))
+    if not prompts:
+        raise Eagle3Error(f"prompt file {path} holds no prompts")
+    return prompts

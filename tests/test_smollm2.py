@@ -1,0 +1,45 @@
+"""The real embedded default: SmolLM2-135M-Instruct from the GGUF, against transformers' own GGUF load."""
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3_jax.checkpoints import default_gguf_path, load_target
+from eagle3_jax.decoding import plain
+from eagle3_jax.prompts import encode_chat
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "List three uses of a paperclip."]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoModelForCausalLM
+
+    target = load_target(None)
+    g = default_gguf_path()
+    ref = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
+    return target, ref.eval()
+
+
+def test_greedy_is_token_identical_to_transformers(smollm2):
+    target, ref = smollm2
+    ids = [encode_chat(target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    ours = plain.generate(target.params, target.cfg, ids, 48, pad_id=2)
+    for p, got in zip(ids, ours.output_ids):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([p]), max_new_tokens=48, do_sample=False, pad_token_id=2)
+        assert got == out[0, len(p):].tolist()
+
+
+def test_config_and_tokenizer_of_the_default(smollm2):
+    target, _ = smollm2
+    cfg = target.cfg
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
+    assert cfg.tie_word_embeddings and cfg.rope.theta == 100000.0 and cfg.eos_token_ids == (2,)
+    assert cfg.default_aux_layer_ids() == (2, 15, 27)
+    ids = encode_chat(target.tokenizer, [{"role": "user", "content": "Hi"}])
+    assert ids[0] == 1 and ids[-4:] == target.tokenizer("<|im_start|>assistant\n")["input_ids"]
+    assert np.isfinite(np.asarray(target.params["embed"][:10])).all()
