@@ -1,0 +1,339 @@
+"""The EAGLE-3 draft head: fc fusion of target features, one decoder "midlayer", lm_head over Vd.
+
+Parameters are a plain pytree, matrices laid out [in, out] (x @ W):
+  {"fc": [n_aux*Ht, D], "final_norm": [D], "lm_head": [D, Vd],
+   "layer": {hidden_norm, input_norm, post_attn_norm [D]; wq [2D, H*K], wk/wv [2D, G*K],
+             wo [H*K, D]; w_gate/w_up [D, F], w_down [F, D]}}
+The token embedding is the TARGET's ([V, D]) and is passed to `forward` as an argument, never stored
+here (it is frozen and, for a 128k vocabulary, the largest tensor in sight). The d2t/t2d vocabulary
+mapping is not trainable either and lives in `eagle3_jax.vocab.DraftVocab`.
+
+One step (`forward`) takes token ids and a feature per position: either the concatenated target
+features (n_aux*Ht wide: fc is applied) or the draft's own previous output (D wide: fc is skipped),
+decided statically from the shape, as the official code decides it at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.config import RopeConfig, TargetConfig, rope_inv_freq
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.models.layers import apply_rope, attention, rms_norm, rope_cos_sin, swiglu
+from eagle3_jax.models.target import ParamSpec
+from eagle3_jax.vocab import DraftVocab
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """Sizes of one EAGLE-3 head.
+
+    `aux_layer_ids` use OUR convention: HF `hidden_states` indices, i.e. the INPUTS to target layers
+    (default (2, L//2, L-3)). SGLang/SpecForge configs name the same tensors as layer OUTPUTS, one
+    less; the checkpoint converter translates. `rope` is the draft's own (theta 10000 unless the
+    head's config says otherwise), not the target's.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    target_hidden_size: int | None = None  # None: same as hidden_size
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = RopeConfig()
+
+    def __post_init__(self):
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if self.target_hidden_size is None:
+            object.__setattr__(self, "target_hidden_size", self.hidden_size)
+        if not self.aux_layer_ids:
+            raise Eagle3Error("draft aux_layer_ids are empty: name the target layers whose inputs "
+                              "feed the head, e.g. (2, L//2, L-3)")
+        if min(self.aux_layer_ids) < 0:
+            raise Eagle3Error(f"draft aux_layer_ids {self.aux_layer_ids} contain a negative id: "
+                              "use HF hidden_states indices (inputs to target layers), all >= 0")
+        if self.num_heads % self.num_kv_heads:
+            raise Eagle3Error(f"draft num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                              f"{self.num_kv_heads}: fix the head's config")
+        if self.head_dim % 2:
+            raise Eagle3Error(f"draft head_dim {self.head_dim} is odd: RoPE needs an even head_dim")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise Eagle3Error(f"draft_vocab_size {self.draft_vocab_size} must be between 1 and "
+                              f"vocab_size {self.vocab_size} (the target vocab)")
+
+    @property
+    def n_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the concatenated target features fed to fc (3 * Ht for EAGLE-3)."""
+        return self.n_aux * self.target_hidden_size
+
+    @classmethod
+    def from_target(cls, target_cfg: TargetConfig, **overrides) -> DraftConfig:
+        """A head sized like the target (as published EAGLE-3 heads are), full vocab by default.
+
+        RoPE defaults to theta 10000 without scaling whatever the target uses: the published
+        Llama-3.1 head is trained that way (override `rope` for a head that is not).
+        """
+        fields = dict(
+            hidden_size=target_cfg.hidden_size,
+            intermediate_size=target_cfg.intermediate_size,
+            num_heads=target_cfg.num_heads,
+            num_kv_heads=target_cfg.num_kv_heads,
+            head_dim=target_cfg.head_dim,
+            vocab_size=target_cfg.vocab_size,
+            draft_vocab_size=target_cfg.vocab_size,
+            aux_layer_ids=target_cfg.default_aux_layer_ids(),
+            target_hidden_size=target_cfg.hidden_size,
+            rms_norm_eps=target_cfg.rms_norm_eps,
+            rope=RopeConfig(theta=10000.0),
+        )
+        unknown = set(overrides) - set(fields)
+        if unknown:
+            raise Eagle3Error(
+                f"unknown DraftConfig field(s) {sorted(unknown)}: valid are {sorted(fields)}"
+            )
+        return cls(**{**fields, **overrides})
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def layer_param_specs(cfg: DraftConfig) -> dict[str, ParamSpec]:
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    hk, gk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {
+        "hidden_norm": ParamSpec((d,), (None,), "ones"),
+        "input_norm": ParamSpec((d,), (None,), "ones"),
+        "post_attn_norm": ParamSpec((d,), (None,), "ones"),
+        # q/k/v read [embedding half ; feature half], hence 2D inputs.
+        "wq": ParamSpec((2 * d, hk), ("embed", "heads"), "normal"),
+        "wk": ParamSpec((2 * d, gk), ("embed", "kv_heads"), "normal"),
+        "wv": ParamSpec((2 * d, gk), ("embed", "kv_heads"), "normal"),
+        "wo": ParamSpec((hk, d), ("heads", "embed"), "normal"),
+        "w_gate": ParamSpec((d, f), ("embed", "mlp"), "normal"),
+        "w_up": ParamSpec((d, f), ("embed", "mlp"), "normal"),
+        "w_down": ParamSpec((f, d), ("mlp", "embed"), "normal"),
+    }
+
+
+def param_specs(cfg: DraftConfig) -> dict[str, Any]:
+    """ParamSpecs in the shape of the params pytree (init, checks and shardings derive from it)."""
+    d = cfg.hidden_size
+    return {
+        "fc": ParamSpec((cfg.feature_size, d), (None, "embed"), "normal"),
+        "layer": layer_param_specs(cfg),
+        "final_norm": ParamSpec((d,), (None,), "ones"),
+        "lm_head": ParamSpec((d, cfg.draft_vocab_size), ("embed", "draft_vocab"), "normal"),
+    }
+
+
+def _flat_specs(cfg: DraftConfig) -> dict[str, ParamSpec]:
+    specs = param_specs(cfg)
+    flat = {k: v for k, v in specs.items() if k != "layer"}
+    flat.update({f"layer.{k}": v for k, v in specs["layer"].items()})
+    return flat
+
+
+def init_params(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+    """Random parameters: normal(0, scale) matrices, unit norms."""
+    leaves, treedef = jax.tree.flatten(param_specs(cfg))
+
+    def make(spec: ParamSpec, k: jax.Array) -> jax.Array:
+        if spec.init == "ones":
+            return jnp.ones(spec.shape, dtype)
+        if spec.init == "zeros":
+            return jnp.zeros(spec.shape, dtype)
+        return (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
+
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
+
+
+def check_params(params: Params, cfg: DraftConfig) -> None:
+    """Refuses missing, unexpected or wrongly shaped parameters with one message naming them."""
+    specs = _flat_specs(cfg)
+    if not isinstance(params, dict) or not isinstance(params.get("layer"), dict):
+        raise Eagle3Error("draft params must be a dict with a 'layer' dict (see models/draft.py)")
+    flat = {k: v for k, v in params.items() if k != "layer"}
+    flat.update({f"layer.{k}": v for k, v in params["layer"].items()})
+    problems = [f"{n} missing" for n in specs if n not in flat]
+    problems += [f"{n} unexpected" for n in flat if n not in specs]
+    problems += [
+        f"{n} has shape {tuple(flat[n].shape)}, expected {s.shape}"
+        for n, s in specs.items()
+        if n in flat and tuple(flat[n].shape) != s.shape
+    ]
+    if problems:
+        raise Eagle3Error(f"draft params do not match the DraftConfig: {'; '.join(problems[:4])}"
+                          f"{' ...' if len(problems) > 4 else ''}: load the head that config "
+                          "describes")
+
+
+def param_shardings(cfg: DraftConfig, mesh, rules=None) -> Params:
+    """NamedShardings matching `init_params(cfg)`, derived from the same ParamSpecs."""
+    from eagle3_jax.sharding import Rules, named
+
+    rules = rules or Rules()
+    return jax.tree.map(lambda s: named(mesh, s.axes, s.shape, rules), param_specs(cfg))
+
+
+def num_params(params: Params) -> int:
+    return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+def make_cache(cfg: DraftConfig, batch: int, slots: int, dtype=jnp.float32) -> dict[str, jax.Array]:
+    """The draft's own static-shape KV cache {"k", "v"}: [B, S, G, K] each, allocated separately."""
+    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def cache_sharding(cfg: DraftConfig, mesh, rules=None) -> dict[str, Any]:
+    """Batch over data, kv heads over model where they divide."""
+    from eagle3_jax.sharding import Rules, named
+
+    rules = rules or Rules()
+    s = named(mesh, ("batch", None, "kv_heads", None),
+              (mesh.shape["data"], 1, cfg.num_kv_heads, cfg.head_dim), rules)
+    return {"k": s, "v": s}
+
+
+def _write_rows(cache_BSGK: jax.Array, new_BTGK: jax.Array, start_B: jax.Array) -> jax.Array:
+    """Writes each row's T new entries at its own slot offset."""
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(
+        cache_BSGK, new_BTGK.astype(cache_BSGK.dtype), start_B
+    )
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+class Output(NamedTuple):
+    hidden: jax.Array  # [B, T, D] pre-norm midlayer output: the next step's feature
+    logits: jax.Array | None  # [B, T, Vd] = lm_head(final_norm(hidden))
+    cache: dict[str, jax.Array] | None
+
+
+def fuse(params: Params, aux_BTF: jax.Array) -> jax.Array:
+    """fc: concatenated target features [B, T, n_aux*Ht] -> [B, T, D] (no bias)."""
+    return aux_BTF.astype(params["fc"].dtype) @ params["fc"]
+
+
+def midlayer(
+    p: Params,
+    emb_BTD: jax.Array,
+    h_BTD: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    mask: jax.Array,
+    cfg: DraftConfig,
+    kv: tuple[jax.Array, jax.Array] | None = None,
+    write_B: jax.Array | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """The one decoder layer over x = [input_norm(emb) ; hidden_norm(h)] with residual h.
+
+    Returns the pre-norm output [B, T, D] and the updated (k, v) cache when one is given.
+    """
+    b, t, _ = h_BTD.shape
+    eps = cfg.rms_norm_eps
+    # The residual is the feature BEFORE hidden_norm; the embedding half comes first in the concat.
+    residual = h_BTD
+    x = jnp.concatenate(
+        [rms_norm(emb_BTD, p["input_norm"], eps), rms_norm(h_BTD, p["hidden_norm"], eps)], axis=-1
+    )
+    q = (x @ p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = (x @ p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = (x @ p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if kv is not None:
+        k_all, v_all = _write_rows(kv[0], k, write_B), _write_rows(kv[1], v, write_B)
+        kv = (k_all, v_all)
+    else:
+        k_all, v_all = k, v
+    with jax.named_scope("attention"):
+        o = attention(q, k_all, v_all, mask).reshape(b, t, -1) @ p["wo"]
+    h = residual + o
+    with jax.named_scope("mlp"):
+        h = h + swiglu(rms_norm(h, p["post_attn_norm"], eps), p["w_gate"], p["w_up"], p["w_down"])
+    return h, kv
+
+
+def head_logits(params: Params, hidden_BTD: jax.Array, cfg: DraftConfig) -> jax.Array:
+    """Draft logits [..., Vd] from the pre-norm midlayer output."""
+    return rms_norm(hidden_BTD, params["final_norm"], cfg.rms_norm_eps) @ params["lm_head"]
+
+
+def forward(
+    params: Params,
+    embed_VD: jax.Array,
+    tokens_BT: jax.Array,
+    feat_BTX: jax.Array,
+    positions_BT: jax.Array,
+    mask: jax.Array,
+    cfg: DraftConfig,
+    cache: dict[str, jax.Array] | None = None,
+    write_B: jax.Array | None = None,
+    compute_logits: bool = True,
+    target_features: bool | None = None,
+) -> Output:
+    """One draft step over T positions.
+
+    Args:
+      embed_VD: the target's token embedding [V, D] (frozen; a head with D != Ht brings its own).
+      tokens_BT: int [B, T] target-vocab token ids (the token FOLLOWING each feature's position).
+      feat_BTX: [B, T, n_aux*Ht] target features (fc applied) or [B, T, D] draft outputs (fc
+        skipped).
+      positions_BT: int [B, T] RoPE positions (the draft's own RoPE config).
+      mask: bool [B, T, S] over cache slots after this call's writes (cache given), else [B, T, T].
+      cache: from `make_cache`; row b's new K/V go to slots write_B[b] .. write_B[b] + T - 1.
+    Returns:
+      Output(hidden [B, T, D] pre-norm output feeding the next step, logits [B, T, Vd], new cache).
+    """
+    width = feat_BTX.shape[-1]
+    if target_features is None:
+        if cfg.feature_size == cfg.hidden_size:
+            # one aux layer with Ht == D (the EAGLE-1/2-style ablation): width cannot decide
+            raise Eagle3Error("n_aux * Ht == D: pass target_features=True/False to draft.forward")
+        target_features = width == cfg.feature_size
+    if target_features and width == cfg.feature_size:
+        h = fuse(params, feat_BTX)
+    elif not target_features and width == cfg.hidden_size:
+        h = feat_BTX.astype(params["fc"].dtype)
+    else:
+        raise Eagle3Error(f"draft feature width {width} is neither n_aux*Ht = {cfg.feature_size} "
+                          f"(target features) nor D = {cfg.hidden_size} (draft output): check aux "
+                          "ids and target_hidden_size against the target")
+    if tuple(embed_VD.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise Eagle3Error(f"embedding has shape {tuple(embed_VD.shape)}, the draft needs "
+                          f"[{cfg.vocab_size}, {cfg.hidden_size}] ([V, D]): pass the target's "
+                          "embedding, or the head's own when its hidden size differs")
+    if cache is not None and write_B is None:
+        raise Eagle3Error("draft forward got a cache but no write_B: pass the slot offsets per row")
+    emb = embed_VD[tokens_BT].astype(h.dtype)
+    cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(cfg.rope, cfg.head_dim))
+    kv = None if cache is None else (cache["k"], cache["v"])
+    with jax.named_scope("draft_midlayer"):
+        h, kv = midlayer(params["layer"], emb, h, cos, sin, mask, cfg, kv, write_B)
+    logits = head_logits(params, h, cfg) if compute_logits else None
+    return Output(h, logits, None if kv is None else {"k": kv[0], "v": kv[1]})
+
+
+def draft_to_target_ids(draft_ids: jax.Array, vocab: DraftVocab) -> jax.Array:
+    """Maps draft-vocab ids to target-vocab ids through d2t offsets (same shape and dtype)."""
+    d2t = jnp.asarray(vocab.d2t, dtype=draft_ids.dtype)
+    return draft_ids + d2t[draft_ids]

@@ -1,0 +1,376 @@
+"""EAGLE-3 draft head: parity with a PyTorch reference, official-format round trips, refusals,
+full-size shapes and the draft-vocabulary builder."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eagle3_jax import vocab as vocab_lib
+from eagle3_jax.checkpoints import eagle_format as ef
+from eagle3_jax.checkpoints.safetensors_io import read_safetensors
+from eagle3_jax.config import RopeConfig, TargetConfig
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.models import draft as dr
+from eagle3_jax.sharding import make_mesh
+from reference_eagle3 import Eagle3Draft
+
+# A tiny head whose hidden size differs from its target's (so fc, target_hidden_size and the
+# head's own embedding are all exercised), with GQA and a 40-of-97 draft vocabulary.
+V, VD, D, HT, F, NH, NKV, HD, L = 97, 40, 64, 48, 96, 4, 2, 16, 8
+THEIR_AUX = [1, 3, 4]  # layer OUTPUTS in config.json ...
+OUR_AUX = (2, 4, 5)  # ... = inputs to layers 2, L//2, L-3 for L = 8
+TARGET = TargetConfig(family="llama", vocab_size=V, hidden_size=HT, intermediate_size=80,
+                      num_layers=L, num_heads=4, num_kv_heads=2, head_dim=12)
+DRAFT_IDS = np.sort(np.random.default_rng(7).choice(V, VD, replace=False))
+
+
+def _hf_config(**over):
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": D,
+           "intermediate_size": F, "num_attention_heads": NH, "num_key_value_heads": NKV,
+           "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": V, "draft_vocab_size": VD,
+           "target_hidden_size": HT, "rope_theta": 10000.0, "tie_word_embeddings": False,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": THEIR_AUX}}
+    cfg.update(over)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+@functools.cache
+def _torch_head() -> Eagle3Draft:
+    torch.manual_seed(0)
+    m = Eagle3Draft(D, F, NH, NKV, HD, V, VD, HT, eps=1e-5, theta=10000.0).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            noise = torch.randn_like(p)
+            p.copy_((1.0 + 0.2 * noise) if "norm" in name else 0.08 * noise)
+        voc = vocab_lib.from_target_ids(DRAFT_IDS, V)
+        m.d2t.copy_(torch.from_numpy(voc.d2t))
+        m.t2d.copy_(torch.from_numpy(voc.t2d))
+    return m
+
+
+def _write_official(path, model=None, config=None, drop=(), replace=None, fmt="safetensors"):
+    """An official-format head directory from the torch reference's state dict."""
+    path.mkdir(parents=True, exist_ok=True)
+    model = model or _torch_head()
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    for k in drop:
+        state.pop(k)
+    state.update(replace or {})
+    (path / "config.json").write_text(json.dumps(config or _hf_config()))
+    if fmt == "safetensors":
+        save_file(state, str(path / "model.safetensors"))
+    else:
+        torch.save(state, path / "pytorch_model.bin")
+    return path
+
+
+@pytest.fixture(scope="module")
+def official_dir(tmp_path_factory):
+    return _write_official(tmp_path_factory.mktemp("official") / "head")
+
+
+# ----------------------------------------------------------------------------- (a) parity
+
+
+def test_forward_matches_pytorch_reference_two_step_chain(official_dir):
+    params, cfg, voc, embed = ef.load_draft(official_dir, TARGET)
+    assert embed is not None and cfg.aux_layer_ids == OUR_AUX and cfg.feature_size == 3 * HT
+    model = _torch_head()
+    b, t, s = 2, 7, 18  # 2T used slots + spare ones that stay masked
+    rng = np.random.default_rng(1)
+    feat = rng.normal(size=(b, t, 3 * HT)).astype(np.float32)
+    toks1 = rng.integers(0, V, (b, t)).astype(np.int32)
+    toks2 = rng.integers(0, V, (b, t)).astype(np.int32)
+    pos1 = np.broadcast_to(np.arange(t, dtype=np.int32) + np.array([[0], [5]], np.int32), (b, t))
+    pos2 = pos1 + 1  # TTT step i rotates at position t + i
+    # Step 1: causal over step-1 keys; row 1 has a padded key at slot 1.
+    valid = np.ones((b, t), bool)
+    valid[1, 1] = False
+    causal = np.tril(np.ones((t, t), bool))
+    m1 = causal[None] & (valid[:, None, :] | np.eye(t, dtype=bool)[None])
+    # Step 2 (a tree of depth 1 per position): the prefix 0..t of step 1 plus only its own node.
+    m2 = np.concatenate([m1, np.broadcast_to(np.eye(t, dtype=bool), (b, t, t))], axis=-1)
+
+    with torch.no_grad():
+        h1_ref, lg1_ref, kv = model(torch.from_numpy(feat), torch.from_numpy(toks1).long(),
+                                    torch.from_numpy(pos1.copy()).long(), torch.from_numpy(m1))
+        h2_ref, lg2_ref, _ = model(h1_ref, torch.from_numpy(toks2).long(),
+                                   torch.from_numpy(pos2.copy()).long(), torch.from_numpy(m2), kv)
+
+    step = jax.jit(dr.forward, static_argnames=("cfg",))
+    cache = dr.make_cache(cfg, b, s)
+    mask1 = np.zeros((b, t, s), bool)
+    mask1[:, :, :t] = m1
+    mask2 = np.zeros((b, t, s), bool)
+    mask2[:, :, : 2 * t] = m2
+    out1 = step(params, embed, toks1, feat, pos1, mask1, cfg, cache, jnp.zeros((b,), jnp.int32))
+    out2 = step(params, embed, toks2, out1.hidden, pos2, mask2, cfg, out1.cache,
+                jnp.full((b,), t, jnp.int32))
+    tol = dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out1.hidden, h1_ref.numpy(), **tol)
+    np.testing.assert_allclose(out1.logits, lg1_ref.numpy(), **tol)
+    np.testing.assert_allclose(out2.hidden, h2_ref.numpy(), **tol)
+    np.testing.assert_allclose(out2.logits, lg2_ref.numpy(), **tol)
+    # Without a cache ([B, T, T] mask) step 1 is the same computation.
+    nocache = step(params, embed, toks1, feat, pos1, m1, cfg)
+    np.testing.assert_allclose(nocache.logits, out1.logits, rtol=1e-6, atol=1e-6)
+    assert nocache.cache is None and out1.logits.shape == (b, t, VD)
+    # Draft ids map back to the target vocab through d2t.
+    top = jnp.argmax(out2.logits, -1).astype(jnp.int32)
+    np.testing.assert_array_equal(dr.draft_to_target_ids(top, voc), DRAFT_IDS[np.asarray(top)])
+
+
+def test_pytorch_bin_checkpoint_loads_like_safetensors(official_dir, tmp_path, monkeypatch):
+    a = ef.load_draft(official_dir, TARGET)
+    b = ef.load_draft(_write_official(tmp_path / "bin", fmt="bin"), TARGET)
+    jax.tree.map(np.testing.assert_array_equal, a[0], b[0])
+    assert a[1] == b[1]
+    np.testing.assert_array_equal(a[2].d2t, b[2].d2t)
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # "torch is not installed"
+    with pytest.raises(Eagle3Error, match="torch is not installed.*safetensors"):
+        ef.load_draft(tmp_path / "bin", TARGET)
+
+
+# ----------------------------------------------------------------------------- (b) round trips
+
+
+def _assert_same_head(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a[0], b[0])
+    assert a[1] == b[1]
+    np.testing.assert_array_equal(a[2].d2t, b[2].d2t)
+    np.testing.assert_array_equal(a[2].t2d, b[2].t2d)
+    assert a[2].d2t.dtype == np.int64 and a[2].t2d.dtype == np.bool_
+
+
+def test_import_export_import_round_trip(official_dir, tmp_path):
+    first = ef.load_draft(official_dir, TARGET)
+    ef.save_draft(tmp_path / "out", first[0], first[1], first[2], dtype="float32", embed=first[3])
+    hf = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert hf["architectures"] == ["LlamaForCausalLMEagle3"] and hf["num_hidden_layers"] == 1
+    assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in OUR_AUX]
+    assert hf["tie_word_embeddings"] is False and hf["draft_vocab_size"] == VD
+    tensors = read_safetensors(tmp_path / "out" / "model.safetensors")
+    ref = _torch_head().state_dict()
+    assert set(tensors) == set(ref)  # exactly the official names, nothing more
+    for k, v in ref.items():
+        np.testing.assert_array_equal(tensors[k], v.numpy(), err_msg=k)
+    second = ef.load_draft(tmp_path / "out", TARGET)
+    _assert_same_head(first, second)
+    np.testing.assert_array_equal(first[3], second[3])
+    # Saving over an existing head replaces it; bf16 export rounds each weight once.
+    ef.save_draft(tmp_path / "out", first[0], first[1], first[2], dtype="bfloat16", embed=first[3])
+    third = ef.load_draft(tmp_path / "out", TARGET)
+    rounded = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32),
+                           first[0])
+    jax.tree.map(np.testing.assert_array_equal, rounded, third[0])
+    assert not list(tmp_path.glob(".out.*"))  # no temporary directory left behind
+
+
+def test_load_onto_a_mesh_places_each_tensor_on_its_sharding(official_dir):
+    mesh = make_mesh(data=2)  # 2 x 4 over the 8 fake CPU devices
+    plain = ef.load_draft(official_dir, TARGET)[0]
+    sharded = ef.load_draft(official_dir, TARGET, mesh=mesh)[0]
+    jax.tree.map(np.testing.assert_array_equal, plain, sharded)
+    assert tuple(sharded["lm_head"].sharding.spec) == (None, "model")  # Vd = 40 splits over 4
+    assert tuple(sharded["layer"]["wk"].sharding.spec) == (None, "model")
+
+
+def test_aux_layer_id_conventions(tmp_path):
+    # config.json names layer outputs [1, L//2-1, L-4]: ours are the inputs (2, L//2, L-3).
+    p = _write_official(tmp_path / "a", config=_hf_config(
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, L // 2 - 1, L - 4]}))
+    assert ef.load_draft(p, TARGET)[1].aux_layer_ids == TARGET.default_aux_layer_ids() == (2, 4, 5)
+    # Absent: the target's defaults.
+    p = _write_official(tmp_path / "b", config=_hf_config(eagle_config=None))
+    assert ef.load_draft(p, TARGET)[1].aux_layer_ids == (2, 4, 5)
+    with pytest.raises(Eagle3Error, match="eagle_aux_hidden_state_layer_ids.*target_cfg"):
+        ef.load_draft(p)
+    # Ours -> config.json subtracts one; id 0 has no output name.
+    cfg = dr.DraftConfig.from_target(TARGET, aux_layer_ids=(1, 4, 7))
+    hf = ef.draft_config_to_hf(cfg)
+    assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 6]
+    with pytest.raises(Eagle3Error, match="aux layer id 0"):
+        ef.draft_config_to_hf(dataclasses.replace(cfg, aux_layer_ids=(0, 4, 7)))
+
+
+def test_full_vocab_head_has_no_mapping_and_rope_survives(tmp_path):
+    cfg = dr.DraftConfig.from_target(TARGET, rope=RopeConfig(theta=5e5, kind="llama3", factor=8.0,
+                                                             original_max_position=64))
+    params = dr.init_params(cfg, jax.random.key(0))
+    ef.save_draft(tmp_path / "full", params, cfg, vocab_lib.identity(V), dtype="float32")
+    assert not {"d2t", "t2d", "embed_tokens.weight"} & set(
+        read_safetensors(tmp_path / "full" / "model.safetensors"))
+    p2, cfg2, voc2, embed = ef.load_draft(tmp_path / "full", TARGET)
+    assert cfg2 == cfg and voc2.is_identity and embed is None
+    jax.tree.map(np.testing.assert_array_equal, params, p2)
+
+
+def test_orbax_round_trip(tmp_path):
+    cfg = dr.DraftConfig.from_target(TARGET, draft_vocab_size=VD)
+    params = dr.init_params(cfg, jax.random.key(1))
+    ef.save_orbax(tmp_path / "ckpt", params)
+    back = ef.restore_orbax(tmp_path / "ckpt", params)
+    jax.tree.map(np.testing.assert_array_equal, params, back)
+
+
+# ----------------------------------------------------------------------------- (c) refusals
+
+
+def test_wrong_shapes_are_refused(tmp_path):
+    bad_q = torch.zeros(NH * HD + 4, 2 * D)
+    p = _write_official(tmp_path / "q", replace={"midlayer.self_attn.q_proj.weight": bad_q})
+    with pytest.raises(Eagle3Error, match=r"q_proj.weight has shape \(68, 128\).*\(64, 128\)"):
+        ef.load_draft(p, TARGET)
+    p = _write_official(tmp_path / "miss", drop=["midlayer.hidden_norm.weight"])
+    with pytest.raises(Eagle3Error, match="missing.*hidden_norm"):
+        ef.load_draft(p, TARGET)
+    p = _write_official(tmp_path / "arch", config=_hf_config(architectures=["MistralForCausalLM"]))
+    with pytest.raises(Eagle3Error, match="architectures"):
+        ef.load_draft(p, TARGET)
+    params, cfg, voc, embed = ef.load_draft(_write_official(tmp_path / "ok"), TARGET)
+    bad = {**params, "layer": {**params["layer"], "wq": params["layer"]["wq"][:, :8]}}
+    with pytest.raises(Eagle3Error, match=r"layer.wq has shape \(128, 8\)"):
+        dr.check_params(bad, cfg)
+    with pytest.raises(Eagle3Error, match="feature width 50"):
+        dr.forward(params, embed, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2, 50)),
+                   jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2, 2), bool), cfg)
+    with pytest.raises(Eagle3Error, match=r"embedding has shape \(97, 48\)"):
+        dr.forward(params, jnp.zeros((V, HT)), jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2, D)),
+                   jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2, 2), bool), cfg)
+
+
+def test_wrong_draft_vocab_size_is_refused(tmp_path):
+    p = _write_official(tmp_path / "vd", config=_hf_config(draft_vocab_size=VD + 1))
+    with pytest.raises(Eagle3Error, match=r"lm_head.weight has shape \(40, 64\).*\(41, 64\)"):
+        ef.load_draft(p, TARGET)
+    p = _write_official(tmp_path / "d2t", replace={"d2t": torch.zeros(VD + 3, dtype=torch.int64)})
+    with pytest.raises(Eagle3Error, match=r"d2t has shape \(43,\) but draft_vocab_size is 40"):
+        ef.load_draft(p, TARGET)
+    p = _write_official(tmp_path / "nomap", drop=["d2t", "t2d"])
+    with pytest.raises(Eagle3Error, match="no d2t/t2d mapping"):
+        ef.load_draft(p, TARGET)
+
+
+def test_mapping_inconsistent_with_target_is_refused(tmp_path):
+    t2d = _torch_head().t2d.clone()
+    t2d[int(np.flatnonzero(~t2d.numpy())[0])] = True  # one id too many
+    p = _write_official(tmp_path / "t2d", replace={"t2d": t2d})
+    with pytest.raises(Eagle3Error, match="t2d marks 41 target ids, expected 40"):
+        ef.load_draft(p, TARGET)
+    # Same size, different set (SpecForge#764): d2t says one thing, t2d another.
+    moved = t2d.clone()
+    moved[int(DRAFT_IDS[0])] = False
+    p = _write_official(tmp_path / "moved", replace={"t2d": moved})
+    with pytest.raises(Eagle3Error, match="t2d is not True at the target ids d2t names"):
+        ef.load_draft(p, TARGET)
+    d2t = _torch_head().d2t.clone()
+    d2t[5] = d2t[4] - 1  # maps draft id 5 below draft id 4
+    p = _write_official(tmp_path / "order", replace={"d2t": d2t})
+    with pytest.raises(Eagle3Error, match="not strictly ascending"):
+        ef.load_draft(p, TARGET)
+    # The head itself is fine; the targets are not.
+    params, cfg, voc, embed = ef.load_draft(_write_official(tmp_path / "ok"), TARGET)
+    with pytest.raises(Eagle3Error, match="vocab_size 97 != the target's vocab size 101"):
+        ef.check_compatible(cfg, voc, dataclasses.replace(TARGET, vocab_size=101), embed)
+    with pytest.raises(Eagle3Error, match="target_hidden_size 48 != the target's hidden size 64"):
+        ef.check_compatible(cfg, voc, dataclasses.replace(TARGET, hidden_size=64), embed)
+    with pytest.raises(Eagle3Error, match=r"include \[5\], outside the target's layers 0..4"):
+        ef.check_compatible(cfg, voc, dataclasses.replace(TARGET, num_layers=5), embed)
+    with pytest.raises(Eagle3Error, match="no embed_tokens.weight"):
+        ef.check_compatible(cfg, voc, TARGET)
+    with pytest.raises(Eagle3Error, match=r"t2d has shape \(97,\), expected \[101\]"):
+        ef.check_compatible(dataclasses.replace(cfg, vocab_size=101), voc,
+                            dataclasses.replace(TARGET, vocab_size=101), embed)
+
+
+# ----------------------------------------------------------------------------- (d) full size
+
+
+def test_llama31_8b_head_has_the_published_shapes():
+    target = TargetConfig(family="llama", vocab_size=128256, hidden_size=4096,
+                          intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                          head_dim=128)
+    cfg = dr.DraftConfig.from_target(target, draft_vocab_size=32000)
+    assert cfg.aux_layer_ids == (2, 16, 29) and cfg.rope == RopeConfig(theta=10000.0)
+    shapes = jax.eval_shape(functools.partial(dr.init_params, cfg, dtype=jnp.bfloat16),
+                            jax.random.key(0))
+    published = {  # PyTorch [out, in] shapes of the released Llama-3.1-8B EAGLE-3 head
+        "fc.weight": (4096, 12288), "midlayer.self_attn.q_proj.weight": (4096, 8192),
+        "midlayer.self_attn.k_proj.weight": (1024, 8192),
+        "midlayer.self_attn.v_proj.weight": (1024, 8192),
+        "midlayer.self_attn.o_proj.weight": (4096, 4096),
+        "midlayer.mlp.gate_proj.weight": (14336, 4096),
+        "midlayer.mlp.down_proj.weight": (4096, 14336),
+        "lm_head.weight": (32000, 4096), "norm.weight": (4096,), "d2t": (32000,), "t2d": (128256,),
+    }
+    official = ef.official_shapes(cfg)
+    for name, shape in published.items():
+        assert official[name] == shape, name
+    ours = {"fc": shapes["fc"].shape, "wq": shapes["layer"]["wq"].shape,
+            "wk": shapes["layer"]["wk"].shape, "lm_head": shapes["lm_head"].shape}
+    assert ours == {"fc": (12288, 4096), "wq": (8192, 4096), "wk": (8192, 1024),
+                    "lm_head": (4096, 32000)}
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(shapes))
+    out = jax.eval_shape(
+        functools.partial(dr.forward, cfg=cfg), shapes,
+        jax.ShapeDtypeStruct((128256, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((1, 5), jnp.int32),
+        jax.ShapeDtypeStruct((1, 5, 12288), jnp.bfloat16), jax.ShapeDtypeStruct((1, 5), jnp.int32),
+        jax.ShapeDtypeStruct((1, 5, 5), jnp.bool_))
+    assert out.hidden.shape == (1, 5, 4096) and out.logits.shape == (1, 5, 32000)
+    # fc + q + k,v + o + mlp + 4 norms + lm_head
+    assert dr.num_params(shapes) == (12288 * 4096 + 8192 * 4096 + 2 * 8192 * 1024 + 4096 * 4096
+                                     + 3 * 4096 * 14336 + 4 * 4096 + 4096 * 32000)
+
+
+# ----------------------------------------------------------------------------- (e) vocab
+
+
+def test_build_from_counts_top_ids_sorted_with_ties_to_the_lower_id():
+    counts = np.array([0, 5, 9, 1, 9, 0, 3, 5, 2, 0])
+    voc = vocab_lib.build_from_counts(counts, 4)
+    # 2 and 4 (9), then 1 and 7 tie at 5: both fit; 6 (3) does not.
+    np.testing.assert_array_equal(vocab_lib.target_ids(voc), [1, 2, 4, 7])
+    np.testing.assert_array_equal(voc.d2t, [1, 1, 2, 4])
+    np.testing.assert_array_equal(np.flatnonzero(voc.t2d), [1, 2, 4, 7])
+    voc3 = vocab_lib.build_from_counts(counts, 3)  # tie at 5 broken toward id 1
+    np.testing.assert_array_equal(vocab_lib.target_ids(voc3), [1, 2, 4])
+    vocab_lib.check(voc, 10, 4)
+
+
+def test_build_from_counts_pads_with_low_ids_like_specforge():
+    counts = np.zeros(12, np.int64)
+    counts[[9, 2, 11]] = [4, 1, 7]
+    voc = vocab_lib.build_from_counts(counts, 6)
+    # 3 seen ids + the smallest of 0..5 not already used (0, 1, 3).
+    np.testing.assert_array_equal(vocab_lib.target_ids(voc), [0, 1, 2, 3, 9, 11])
+    vocab_lib.check(voc, 12, 6)
+    np.testing.assert_array_equal(vocab_lib.target_ids(vocab_lib.build_from_counts(np.zeros(5), 3)),
+                                  [0, 1, 2])
+    with pytest.raises(Eagle3Error, match="between 1 and the target vocab size 5"):
+        vocab_lib.build_from_counts(np.ones(5), 6)
+    with pytest.raises(Eagle3Error, match="non-negative"):
+        vocab_lib.build_from_counts(np.array([1, -1, 2]), 2)
+
+
+def test_vocab_check_and_identity():
+    vocab_lib.check(vocab_lib.identity(7), 7, 7)
+    assert vocab_lib.identity(7).is_identity
+    with pytest.raises(Eagle3Error, match="outside the target vocab"):
+        vocab_lib.check(vocab_lib.DraftVocab(np.array([0, 0, 5]), np.ones(6, bool)), 6, 3)
+    with pytest.raises(Eagle3Error, match="duplicates"):
+        vocab_lib.from_target_ids([1, 1, 2], 5)
+    # The mapping is a pytree: a jitted step can take it as an argument.
+    voc = vocab_lib.from_target_ids([1, 4, 6], 8)
+    f = jax.jit(dr.draft_to_target_ids)
+    np.testing.assert_array_equal(f(jnp.array([[0, 2, 1]], jnp.int32), voc), [[1, 6, 4]])
+
