@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Generate with a target model (plain decoding now; speculative methods plug in via --method).
+"""Generate with a target model: plain, prompt lookup, or EAGLE-3 speculative decoding.
 
   python decode.py --prompt "Explain speculative decoding in two sentences."
+  python decode.py --method eagle3 --draft heads/my_head --top-k 4 --depth 4 --total-tokens 16
   python decode.py --target ~/ckpt/Llama-3.1-8B-Instruct --prompt-file questions.jsonl --json out.json
   python decode.py --chat
 
@@ -21,16 +22,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target", default=None,
                    help="transformers checkpoint dir, .gguf file or eagle3_jax converted dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="vanilla", choices=["vanilla"],
-                   help="decoding method (speculative methods arrive with the draft head)")
+    p.add_argument("--method", default="vanilla", choices=["eagle3", "pld", "vanilla"],
+                   help="eagle3: draft tree from --draft; pld: prompt lookup chain; vanilla: plain")
+    p.add_argument("--draft", default=None,
+                   help="EAGLE-3 head directory in the official format (config.json + safetensors)")
+    p.add_argument("--top-k", type=int, default=4,
+                   help="children per expanded tree node (1 = a chain)")
+    p.add_argument("--depth", type=int, default=4, help="max drafted tokens per path (pld: chain length)")
+    p.add_argument("--total-tokens", type=int, default=16,
+                   help="tree nodes verified per round, root included")
+    p.add_argument("--same-engine", action="store_true",
+                   help="run vanilla through the speculative engine's verification step")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a user message (repeatable)")
     src.add_argument("--prompt-file", help="one prompt per line, or FastChat/Spec-Bench JSONL (first turn)")
     src.add_argument("--chat", action="store_true", help="interactive chat with streamed output")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sample-top-k", type=int, default=0, help="sampling: keep the k most likely (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass (1.0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-context", type=int, default=None,

@@ -93,3 +93,88 @@ def test_long_acceptances_keep_the_cache_exact(setup):
     assert out.accept_hist[:, 5].sum() > 0 and out.accept_hist[:, 2].sum() > 0
     tau = [48 / f for f in out.target_forwards]
     assert min(tau) > 3.0
+
+
+def test_tree_logits_equal_path_forward(setup):
+    """Verification's logits at every tree node equal a plain forward along its root-to-node path."""
+    params, cfg, dparams, dcfg, vocab = setup
+    prompt = _prompts(cfg.vocab_size, [9], seed=21)
+    shape = plain.plan_shape([9], 16, cfg.max_position_embeddings, extra_slots=TREE.total_tokens + 1)
+    toks, lengths = plain.pad_prompts(prompt, shape, 0)
+    state = spec.prefill(params, dparams, params["embed"], vocab, toks, lengths, np.array([16]),
+                         jax.random.PRNGKey(0), cfg, dcfg, shape, TREE, Sampling(), ())
+    trees, _ = spec.eagle3_drafter(dparams, params["embed"], vocab, state, dcfg, shape, TREE)
+    out = spec.verify(params, trees, state, cfg, dcfg, shape)
+    tokens, parent = np.asarray(trees.tokens[0]), np.asarray(trees.parent[0])
+    assert len(set(map(tuple, np.asarray(trees.mask[0]).astype(int)))) == TREE.total_tokens
+    for node in range(TREE.total_tokens):
+        path, u = [], node
+        while True:
+            path.append(int(tokens[u]))
+            if u == 0:
+                break
+            u = parent[u]
+        seq = jnp.asarray([prompt[0] + path[::-1]])
+        ref = tgt.full_forward(params, seq, cfg, dcfg.aux_layer_ids)
+        np.testing.assert_allclose(out.logits[0, node], ref.logits[0, -1], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(out.aux[0, node], ref.aux[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_draft_cache_equals_a_fresh_encode_of_the_sequence(setup):
+    """After many rounds the draft's stable cache holds exactly what encoding the whole accepted
+    sequence at once would: the re-encode of newly accepted tokens is right."""
+    params, cfg, dparams, dcfg, vocab = setup
+    prompt = _prompts(cfg.vocab_size, [8], seed=5)
+    shape = plain.plan_shape([8], 32, cfg.max_position_embeddings, extra_slots=TREE.total_tokens + 1)
+    toks, lengths = plain.pad_prompts(prompt, shape, 0)
+    args = (cfg, dcfg, shape, TREE, Sampling(), ())
+    state = spec.prefill(params, dparams, params["embed"], vocab, toks, lengths, np.array([32]),
+                         jax.random.PRNGKey(0), *args)
+    state = spec.decode_loop(params, dparams, params["embed"], vocab, state, *args)
+    n = int(state.num_new[0])
+    seq = prompt[0] + list(map(int, state.tokens[0, :n]))
+    done = int(state.length[0] - state.enc_n[0])  # positions encoded before the last round's pairs
+    assert done > 12
+    feats = tgt.full_forward(params, jnp.asarray([seq]), cfg, dcfg.aux_layer_ids).aux
+    t = len(seq) - 1
+    pos = jnp.arange(t)[None]
+    mask = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
+    kv = drf.make_cache(dcfg, 1, t, jnp.float32)
+    ref = drf.forward(dparams, params["embed"], jnp.asarray([seq[1:]]), feats[:, :t], pos, mask, dcfg,
+                      kv, jnp.zeros((1,), jnp.int32), target_features=True)
+    np.testing.assert_allclose(state.dcache["k"][0, :done], ref.cache["k"][0, :done], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(state.dcache["v"][0, :done], ref.cache["v"][0, :done], rtol=1e-4, atol=1e-4)
+
+
+def test_one_compilation_for_a_whole_generation(setup):
+    params, cfg, dparams, dcfg, vocab = setup
+    before = spec.decode_loop._cache_size(), spec.prefill._cache_size()
+    for n, new in ((4, 20), (13, 33), (30, 50)):  # same prompt / cache / max-new buckets
+        spec.generate(params, cfg, dparams, dcfg, vocab, _prompts(cfg.vocab_size, [n], seed=n), new,
+                      TREE, eos_ids=())
+    after = spec.decode_loop._cache_size(), spec.prefill._cache_size()
+    assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1
+
+
+def test_bad_tree_shapes_are_refused(setup):
+    params, cfg, dparams, dcfg, vocab = setup
+    from eagle3_jax.errors import Eagle3Error
+
+    p = _prompts(cfg.vocab_size, [5])
+    for tree, msg in [(spec.TreeConfig(2, 2, 9), "total_tokens 9 must be"),
+                      (spec.TreeConfig(61, 2, 8), "exceeds the draft vocabulary"),
+                      (spec.TreeConfig(2, 0, 3), "depth 0 < 1")]:
+        with pytest.raises(Eagle3Error, match=msg):
+            spec.generate(params, cfg, dparams, dcfg, vocab, p, 8, tree)
+    with pytest.raises(Eagle3Error, match="needs a draft head"):
+        spec.generate(params, cfg, None, None, None, p, 8, TREE)
+
+
+def test_eos_stops_a_row_inside_a_round(setup):
+    params, cfg, dparams, dcfg, vocab = setup
+    prompts = _prompts(cfg.vocab_size, [6, 10], seed=9)
+    ref = plain.generate(params, cfg, prompts, 24, eos_ids=())
+    eos = ref.output_ids[0][7]
+    want = plain.generate(params, cfg, prompts, 24, eos_ids=(eos,))
+    got = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=(eos,))
+    assert got.output_ids == want.output_ids and got.finish_reasons == want.finish_reasons

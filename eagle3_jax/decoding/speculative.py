@@ -367,3 +367,45 @@ def generate(tparams, tcfg: TargetConfig, dparams, dcfg: drf.DraftConfig | None,
     wall = time.perf_counter() - t0
     return SpecResult([list(map(int, tokens[i, : n[i]])) for i in range(len(n))],
                       [FINISH_REASONS[f] for f in finish], [int(x) for x in fw], np.asarray(hist), wall)
+
+
+def stream(tparams, tcfg: TargetConfig, dparams, dcfg, vocab, prompt: list[int], max_new_tokens: int,
+           tree: TreeConfig = TreeConfig(), sampling: Sampling = Sampling(), seed: int = 0,
+           eos_ids: tuple[int, ...] | None = None, max_context: int | None = None, embed=None,
+           method: str = "eagle3"):
+    """Yields each round's newly accepted tokens (a list) for one prompt, for interactive chat."""
+    if method != "eagle3":
+        dparams = dcfg = vocab = None
+    tree = method_tree(method, tree, None if dcfg is None else dcfg.draft_vocab_size)
+    eos = tuple(tcfg.eos_token_ids if eos_ids is None else eos_ids)
+    shape = plan_shape([len(prompt)], max_new_tokens, max_context or tcfg.max_position_embeddings,
+                       extra_slots=tree.total_tokens + 1)
+    embed = tparams["embed"] if embed is None else embed
+    toks, lengths = pad_prompts([prompt], shape, 0)
+    limit = np.full(1, max_new_tokens, np.int32)
+    state = prefill(tparams, dparams, embed, vocab, toks, lengths, limit, jax.random.PRNGKey(seed),
+                    tcfg, dcfg, shape, tree, sampling, eos)
+    shown = 0
+    while True:
+        n, finish = int(state.num_new[0]), int(state.finish[0])
+        yield [int(t) for t in np.asarray(state.tokens[0, shown:n])]
+        shown = n
+        if finish != 0:
+            return
+        state = round_step(tparams, dparams, embed, vocab, state, tcfg, dcfg, shape, tree, sampling, eos,
+                           method)
+
+
+def acceptance_rates(hist: np.ndarray) -> list[float]:
+    """Per-depth acceptance alpha_d = P(accept >= d+1 | accept >= d) from a rounds-by-length histogram
+    ([depth + 1] or [B, depth + 1], summed over rows). NaN where no round reached depth d."""
+    h = np.asarray(hist).reshape(-1, np.shape(hist)[-1]).sum(0)
+    at_least = np.cumsum(h[::-1])[::-1]  # rounds accepting >= d
+    return [float(at_least[d + 1] / at_least[d]) if at_least[d] else float("nan")
+            for d in range(len(h) - 1)]
+
+
+def tau(new_tokens: int, target_forwards: int) -> float:
+    """Mean tokens per verification round (bonus included; the prefill's token and pass excluded)."""
+    rounds = target_forwards - 1
+    return (new_tokens - 1) / rounds if rounds > 0 else float(new_tokens)

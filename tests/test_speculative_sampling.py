@@ -1,0 +1,89 @@
+"""Speculative sampling is lossless: same distribution as plain sampling (chi-square over many rows)."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.decoding import acceptance, plain, speculative as spec
+from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.models import draft as drf
+from eagle3_jax.models import target as tgt
+from eagle3_jax.vocab import identity
+
+ROWS = 3000
+TREE = spec.TreeConfig(top_k=2, depth=2, total_tokens=5)
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: significance 0.001)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def _homogeneity(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the cells either sample hit, and its df."""
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    n_a, n_b = a.sum(), b.sum()
+    exp_a = (a + b) * n_a / (n_a + n_b)
+    exp_b = (a + b) * n_b / (n_a + n_b)
+    stat = float(((a - exp_a) ** 2 / exp_a).sum() + ((b - exp_b) ** 2 / exp_b).sum())
+    return stat, int(keep.sum()) - 1
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = TargetConfig(family="llama", vocab_size=6, hidden_size=32, intermediate_size=48, num_layers=3,
+                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    params = tgt.init_params(cfg, jax.random.PRNGKey(1), scale=0.5)
+    dcfg = drf.DraftConfig.from_target(cfg, aux_layer_ids=(0, 1, 2))
+    dparams = drf.init_params(dcfg, jax.random.PRNGKey(2), scale=0.5)
+    return params, cfg, dparams, dcfg, identity(cfg.vocab_size)
+
+
+def _pair_counts(outputs, v):
+    """Counts of (token 2, token 3): both come from speculative rounds, not the prefill."""
+    counts = np.zeros(v * v)
+    for o in outputs:
+        counts[o[1] * v + o[2]] += 1
+    return counts
+
+
+def _run(tiny, sampling, seed):
+    params, cfg, dparams, dcfg, vocab = tiny
+    prompts = [[1, 3, 2, 4]] * ROWS
+    ref = plain.generate(params, cfg, prompts, 3, sampling, seed=seed, eos_ids=())
+    out = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 3, TREE, sampling, seed=seed + 1,
+                        eos_ids=())
+    return _pair_counts(ref.output_ids, cfg.vocab_size), _pair_counts(out.output_ids, cfg.vocab_size), out
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(1.3, top_k=4, top_p=0.9)],
+                         ids=["t1", "t1.3-topk-topp"])
+def test_sampling_matches_plain_sampling(tiny, sampling):
+    a, b, out = _run(tiny, sampling, seed=0)
+    stat, df = _homogeneity(a, b)
+    assert df >= 8, "the test needs a spread-out distribution to mean anything"
+    assert stat < _chi2_critical(df), (stat, df)
+    assert out.accept_hist[:, 1:].sum() > 0.2 * ROWS  # drafted tokens were really accepted
+
+
+def test_a_broken_rule_is_detected(tiny, monkeypatch):
+    """Accepting the first child with probability 1 skews the distribution: the test must see it."""
+    orig = acceptance.sample_accept
+
+    def broken(tree, logp, key, depth, max_children):
+        return orig(tree, logp.at[:, :].set(0.0), key, depth, max_children)  # p(x) = 1 for every x
+
+    monkeypatch.setattr(acceptance, "sample_accept", broken)
+    jax.clear_caches()
+    try:
+        a, b, _ = _run(tiny, Sampling(temperature=1.0), seed=0)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    stat, df = _homogeneity(a, b)
+    assert stat > _chi2_critical(df), (stat, df)
