@@ -66,3 +66,27 @@ def hf_checkpoint(tmp_path_factory):
         return cache[(family, tie)]
 
     return get
+
+
+def write_tiny_tokenizer(directory, vocab_size: int = 97) -> None:
+    """A word-level tokenizer over "w3".."w{V-1}" with a chat template, saved beside a tiny model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<pad>")
+    tok.chat_template = ("{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
+                         "{% if add_generation_prompt %}<s> {% endif %}")
+    tok.save_pretrained(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(hf_checkpoint):
+    """A tiny llama checkpoint directory with a tokenizer: a complete --target for the CLI."""
+    _, path = hf_checkpoint("llama")
+    write_tiny_tokenizer(path)
+    return path

@@ -178,3 +178,19 @@ def test_eos_stops_a_row_inside_a_round(setup):
     want = plain.generate(params, cfg, prompts, 24, eos_ids=(eos,))
     got = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=(eos,))
     assert got.output_ids == want.output_ids and got.finish_reasons == want.finish_reasons
+
+
+def test_sharded_target_gives_the_same_tokens(setup, hf_checkpoint):
+    """Target tensor-parallel over 8 simulated devices (draft replicated): same tokens as one device."""
+    from eagle3_jax.sharding import make_mesh, replicated
+
+    params, cfg, dparams, dcfg, vocab = setup
+    _, path = hf_checkpoint("llama")
+    mesh = make_mesh(1, 8)
+    sharded, _ = load_hf(path, mesh=mesh)
+    assert len(sharded["layers"][0]["w_gate"].sharding.device_set) == 8
+    dsharded = jax.device_put(dparams, replicated(mesh))
+    prompts = _prompts(cfg.vocab_size, [6, 11], seed=4)
+    ref = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=())
+    out = spec.generate(sharded, cfg, dsharded, dcfg, vocab, prompts, 24, TREE, eos_ids=())
+    assert out.output_ids == ref.output_ids

@@ -1,0 +1,95 @@
+"""decode.py end to end on a tiny checkpoint: records, methods agree, one-line errors."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from eagle3_jax.checkpoints.eagle_format import save_draft
+from eagle3_jax.checkpoints.hf import load_hf
+from eagle3_jax.models import draft as drf
+from eagle3_jax.vocab import identity
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("decode_cli", ROOT / "decode.py")
+decode_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decode_cli)
+
+PROMPTS = ["w5 w6 w7 w8 w5 w6 w7", "w40 w41 w12"]
+
+
+def run(*argv):
+    return decode_cli.decode_main(decode_cli.parse_args(list(argv)))
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_target_dir, tmp_path_factory):
+    _, cfg = load_hf(tiny_target_dir)
+    dcfg = drf.DraftConfig.from_target(cfg)
+    d = tmp_path_factory.mktemp("head")
+    save_draft(d, drf.init_params(dcfg, jax.random.PRNGKey(3), scale=0.2), dcfg, identity(cfg.vocab_size),
+               dtype="float32")
+    return d
+
+
+def _records(path):
+    return json.loads(Path(path).read_text())
+
+
+def test_vanilla_json_records(tiny_target_dir, tmp_path):
+    out = tmp_path / "o.json"
+    args = ["--target", str(tiny_target_dir), "--max-new-tokens", "12", "--json", str(out)]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    assert run(*args) == 0
+    recs = _records(out)
+    assert [r["id"] for r in recs] == ["0", "1"]
+    for r in recs:
+        assert set(r) >= {"id", "prompt_ids", "output_ids", "text", "new_tokens", "target_forwards",
+                          "wall_time_s", "tau", "finish_reason"}
+        assert r["prompt_ids"][0] == 1 and r["prompt_ids"][-1] == 1  # the chat template was applied
+        assert r["new_tokens"] == len(r["output_ids"]) <= 12 and r["tau"] == 1.0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "pld"])
+def test_speculative_methods_reproduce_vanilla(method, tiny_target_dir, head_dir, tmp_path):
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("\n".join(json.dumps({"question_id": i, "turns": [p, "ignored"]})
+                               for i, p in enumerate(PROMPTS)))
+    common = ["--target", str(tiny_target_dir), "--prompt-file", str(qfile), "--max-new-tokens", "20",
+              "--batch-size", "2"]
+    assert run(*common, "--json", str(tmp_path / "v.json")) == 0
+    extra = ["--draft", str(head_dir)] if method == "eagle3" else []
+    assert run(*common, "--method", method, *extra, "--top-k", "2", "--depth", "3", "--total-tokens",
+               "6", "--json", str(tmp_path / "s.json")) == 0
+    van, sp = _records(tmp_path / "v.json"), _records(tmp_path / "s.json")
+    assert [r["output_ids"] for r in sp] == [r["output_ids"] for r in van]
+    assert all(len(r["acceptance_by_depth"]) == 3 and r["target_forwards"] >= 1 for r in sp)
+
+
+def test_errors_are_one_line(tiny_target_dir, tmp_path, capsys):
+    cases = [
+        (["--target", str(tmp_path / "missing")], "does not exist"),
+        (["--target", str(tiny_target_dir), "--method", "eagle3"], "needs --draft"),
+        (["--target", str(tiny_target_dir), "--prompt", "w5 " * 300], "exceeds the context"),
+        (["--target", str(tiny_target_dir), "--prompt", "  "], "is empty"),
+        (["--target", str(tiny_target_dir), "--method", "pld", "--depth", "0"], "depth 0 < 1"),
+        (["--target", str(tiny_target_dir), "--method", "eagle3", "--draft", str(tmp_path)],
+         "config.json"),
+    ]
+    for argv, msg in cases:
+        assert run(*argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("error: ") and msg in err, err
+
+
+def test_chat_streams_and_keeps_history(tiny_target_dir, head_dir, monkeypatch, capsys):
+    lines = iter(["w5 w6 w7", "w9 w10", ""])
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    assert run("--target", str(tiny_target_dir), "--chat", "--method", "eagle3", "--draft",
+               str(head_dir), "--max-new-tokens", "8") == 0
+    err = capsys.readouterr().err
+    assert err.count("tokens/s, tau") == 2
