@@ -1,0 +1,177 @@
+"""The tokenized training set: fixed-size arrays, one .npz file, and a resumable batch order.
+
+Shapes (N records, L = max_len, b = per-host batch):
+  input_ids [N, L] int32  chat-templated ids, right-padded with pad_id
+  loss_mask [N, L] int8   1 on assistant answer tokens and their end-of-turn token
+  lengths   [N]    int32  real tokens per record
+Every record has the same L, so a training step compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from eagle3_jax.data.conversations import Conversation, Message
+from eagle3_jax.data.masks import UnrenderableConversation, tokenize_conversation
+from eagle3_jax.errors import Eagle3Error
+
+FORMAT = "eagle3_jax.data/1"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenizedDataset:
+    input_ids: np.ndarray  # [N, L] int32
+    loss_mask: np.ndarray  # [N, L] int8
+    lengths: np.ndarray  # [N] int32
+    pad_id: int
+    skipped: int = 0  # conversations dropped while building (empty mask, template refused them)
+
+    @property
+    def num_records(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def max_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def _pad_id(tokenizer) -> int:
+    for tid in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def build_dataset(tokenizer, conversations: Sequence[Conversation | list[Message]], max_len: int,
+                  progress: bool = True) -> TokenizedDataset:
+    """Tokenizes and masks every conversation (see masks.tokenize_conversation) into fixed arrays.
+
+    Records whose mask is empty after truncation, or that the chat template refuses, are skipped and
+    counted in `skipped`. Raises Eagle3Error when no record has an assistant token.
+    """
+    if max_len < 2:
+        raise Eagle3Error(f"max_len {max_len} < 2: give room for a prompt and an answer token")
+    pad_id = _pad_id(tokenizer)
+    rows: list[tuple[np.ndarray, np.ndarray]] = []
+    skipped = 0
+    for conv in tqdm(conversations, desc="tokenizing", unit="conv", disable=not progress,
+                     dynamic_ncols=True):
+        messages = conv.messages if isinstance(conv, Conversation) else conv
+        try:
+            ids, mask = tokenize_conversation(tokenizer, messages, max_len)
+        except UnrenderableConversation:
+            skipped += 1
+            continue
+        if not mask.any():
+            skipped += 1
+            continue
+        rows.append((ids, mask))
+    if not rows:
+        raise Eagle3Error(f"no assistant tokens in any of the {len(conversations)} conversations "
+                          f"(max_len {max_len}): the data needs assistant answers (regenerate them "
+                          "from the prompts) or a larger max_len")
+    input_ids = np.full((len(rows), max_len), pad_id, np.int32)
+    loss_mask = np.zeros((len(rows), max_len), np.int8)
+    lengths = np.zeros((len(rows),), np.int32)
+    for n, (ids, mask) in enumerate(rows):
+        input_ids[n, : ids.size] = ids
+        loss_mask[n, : mask.size] = mask
+        lengths[n] = ids.size
+    return TokenizedDataset(input_ids, loss_mask, lengths, pad_id, skipped)
+
+
+def save(ds: TokenizedDataset, path: str | Path) -> Path:
+    """Writes the dataset to one .npz, atomically (a crash never leaves a half-written file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:  # a file object: np.savez would append ".npz" to a name
+            np.savez(f, format=np.array(FORMAT), input_ids=ds.input_ids, loss_mask=ds.loss_mask,
+                     lengths=ds.lengths, pad_id=np.int64(ds.pad_id), skipped=np.int64(ds.skipped))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(path: str | Path) -> TokenizedDataset:
+    """Reads a dataset written by `save`; Eagle3Error if the file is missing or not one."""
+    path = Path(path)
+    try:
+        z = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise Eagle3Error(f"cannot read dataset {path} ({e}): rebuild it with build_dataset") from e
+    with z:
+        if "format" not in z.files or str(z["format"]) != FORMAT:
+            raise Eagle3Error(f"{path} is not an eagle3_jax dataset ({FORMAT}): rebuild it")
+        ds = TokenizedDataset(z["input_ids"], z["loss_mask"], z["lengths"], int(z["pad_id"]),
+                              int(z["skipped"]))
+    return ds
+
+
+def token_counts(ds: TokenizedDataset, vocab_size: int) -> np.ndarray:
+    """[V] int64 count of each target id where loss_mask == 1 (for vocab.build_from_counts)."""
+    ids = ds.input_ids[ds.loss_mask == 1]
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise Eagle3Error(f"dataset holds token id {int(ids.max())} outside the target "
+                          f"vocabulary of {vocab_size}: it was built with another tokenizer; "
+                          "rebuild it")
+    return np.bincount(ids, minlength=vocab_size).astype(np.int64)
+
+
+class Batch(NamedTuple):
+    step: int  # global step this batch belongs to
+    epoch: int
+    input_ids: np.ndarray  # [b, L] int32
+    loss_mask: np.ndarray  # [b, L] int8
+    lengths: np.ndarray  # [b] int32
+    rows: np.ndarray  # [b] dataset record indices (offline features are looked up by these)
+
+
+def steps_per_epoch(ds: TokenizedDataset, batch_size: int) -> int:
+    """Full global batches per epoch (the remainder is dropped: every step has one shape)."""
+    return ds.num_records // batch_size
+
+
+def epoch_order(num_records: int, seed: int, epoch: int) -> np.ndarray:
+    """[N] permutation for one epoch, a function of (seed, epoch) only: resuming needs no replay."""
+    return np.random.default_rng([seed, epoch]).permutation(num_records)
+
+
+def batches(ds: TokenizedDataset, batch_size: int, seed: int, start_step: int = 0,
+            process_index: int = 0, process_count: int = 1,
+            num_steps: int | None = None) -> Iterator[Batch]:
+    """Shuffled batches, epoch after epoch, from `start_step` (same order as a run from step 0).
+
+    batch_size is the GLOBAL batch; with process_count > 1 each host yields its own contiguous
+    slice of it (b = batch_size / process_count rows), so the hosts together see each global batch
+    exactly once. Stops after `num_steps` batches when given, else runs forever.
+    """
+    if batch_size < 1 or batch_size % process_count:
+        raise Eagle3Error(f"batch size {batch_size} must be a positive multiple of the "
+                          f"{process_count} processes")
+    if not 0 <= process_index < process_count:
+        raise Eagle3Error(f"process index {process_index} outside 0..{process_count - 1}")
+    per_epoch = steps_per_epoch(ds, batch_size)
+    if per_epoch == 0:
+        raise Eagle3Error(f"batch size {batch_size} exceeds the {ds.num_records} records: lower "
+                          "the batch size or add data")
+    local = batch_size // process_count
+    step, order, order_epoch = start_step, None, -1
+    while num_steps is None or step < start_step + num_steps:
+        epoch, k = divmod(step, per_epoch)
+        if epoch != order_epoch:
+            order, order_epoch = epoch_order(ds.num_records, seed, epoch), epoch
+        first = k * batch_size + process_index * local
+        rows = order[first: first + local]
+        yield Batch(step, epoch, ds.input_ids[rows], ds.loss_mask[rows], ds.lengths[rows], rows)
+        step += 1

@@ -1,0 +1,283 @@
+"""Training data: chat files, assistant-only loss masks from the chat template, resumable
+regeneration, the .npz dataset, token counts and the resumable, sharded batch order."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from conftest import write_tiny_tokenizer
+from eagle3_jax.data import dataset as dsm
+from eagle3_jax.data import masks
+from eagle3_jax.data.conversations import first_user_turns, read_conversations
+from eagle3_jax.data.regenerate import regenerate
+from eagle3_jax.errors import Eagle3Error
+
+TWO_TURNS = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+    {"role": "user", "content": "And of Italy?"},
+    {"role": "assistant", "content": "Rome is the capital of Italy."},
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from eagle3_jax.checkpoints import load_tokenizer, resolve_target
+
+    return load_tokenizer(resolve_target(None))
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    write_tiny_tokenizer(d)
+    return AutoTokenizer.from_pretrained(d)
+
+
+def masked_runs(tokenizer, ids, mask):
+    """The decoded text of each contiguous run of mask == 1 tokens."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [tokenizer.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
+
+
+# ---- reading -------------------------------------------------------------------------------------
+
+def test_reads_sharegpt_json_array_skipping_malformed_records(tmp_path):
+    recs = [
+        {"id": "a", "conversations": [{"from": "human", "value": "hi"},
+                                      {"from": "gpt", "value": "yo"}]},
+        {"id": "b", "conversations": [{"from": "system", "value": "be brief"},
+                                      {"from": "gpt", "value": "orphan"},  # dropped: no prompt
+                                      {"from": "human", "value": "q"},
+                                      {"from": "chatgpt", "value": "r"},
+                                      {"from": "bing", "value": "s"}]},
+        {"id": "c", "conversations": []},  # empty
+        {"id": "d", "conversations": [{"from": "robot", "value": "x"}]},  # unknown role
+        {"id": "e", "conversations": [{"from": "human", "value": 3}]},  # not text
+        {"id": "f"},  # no turns
+        "not a record",
+        {"id": "a", "conversations": [{"from": "human", "value": "again"}]},  # repeated id
+        {"conversations": [{"from": "human", "value": "no id"}]},
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(recs))
+    convs, skipped = read_conversations(path)
+    assert skipped == 5
+    assert [c.id for c in convs] == ["a", "b", "a#2", "sg:8"]
+    assert convs[0].messages == [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "yo"}]
+    assert [m["role"] for m in convs[1].messages] == ["system", "user", "assistant", "assistant"]
+    assert first_user_turns(convs) == [("a", "hi"), ("b", "q"), ("a#2", "again"), ("sg:8", "no id")]
+
+
+def test_reads_role_content_and_sharegpt_jsonl_with_bad_lines(tmp_path):
+    lines = [
+        json.dumps({"id": 7, "messages": [{"role": "user", "content": "u"},
+                                          {"role": "assistant", "content": "v"}]}),
+        '{"id": "cut", "messages": [{"role": "us',  # a partial line
+        "",
+        json.dumps({"id": "s", "conversations": [{"from": "human", "value": "w"}]}),
+        json.dumps({"id": "x", "messages": "nope"}),
+    ]
+    path = tmp_path / "rc.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    convs, skipped = read_conversations(path)
+    assert skipped == 2
+    assert [c.id for c in convs] == ["7", "s"]
+    assert convs[0].messages[1] == {"role": "assistant", "content": "v"}
+
+
+def test_unreadable_files_name_the_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"id": 1,')
+    with pytest.raises(Eagle3Error, match="bad.json"):
+        read_conversations(bad)
+    with pytest.raises(Eagle3Error, match="missing.jsonl"):
+        read_conversations(tmp_path / "missing.jsonl")
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text("nothing\nhere\n")
+    with pytest.raises(Eagle3Error, match="junk.jsonl.*no usable"):
+        read_conversations(junk)
+
+
+# ---- loss masks ----------------------------------------------------------------------------------
+
+def test_mask_is_exactly_the_answers_under_the_default_chatml_template(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids, mask = masks.tokenize_conversation(tok, TWO_TURNS, 4096)
+    assert ids.dtype == np.int32 and mask.dtype == np.int8 and ids.shape == mask.shape
+    assert ids.tolist() == masks.template_ids(tok, TWO_TURNS)
+    assert masked_runs(tok, ids, mask) == [
+        "The capital of France is Paris.<|im_end|>", "Rome is the capital of Italy.<|im_end|>"]
+    # The template's inserted system prompt, user turns and headers are all unmasked.
+    assert "You are a helpful AI assistant" in tok.decode(ids[mask == 0])
+    assert tok.decode(ids[mask == 1]) == ("The capital of France is Paris.<|im_end|>"
+                                          "Rome is the capital of Italy.<|im_end|>")
+
+
+def test_fallback_for_templates_that_rewrite_history_gives_the_same_mask(smollm2_tokenizer,
+                                                                       monkeypatch):
+    tok = smollm2_tokenizer
+    convo = [{"role": "system", "content": "Answer in one word."}, *TWO_TURNS,
+             {"role": "user", "content": "Paris?"}, {"role": "assistant", "content": "Paris"}]
+    ids, mask = masks.tokenize_conversation(tok, convo, 4096)
+    monkeypatch.setattr(masks, "prefix_turn_bounds", lambda *a: None)
+    ids2, mask2 = masks.tokenize_conversation(tok, convo, 4096)
+    np.testing.assert_array_equal(ids, ids2)
+    np.testing.assert_array_equal(mask, mask2)
+    assert masked_runs(tok, ids, mask)[-1] == "Paris<|im_end|>"
+
+
+def test_mask_under_the_tiny_trivial_template_and_truncation(tiny_tokenizer):
+    convo = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7 w8"},
+             {"role": "user", "content": "w9"}, {"role": "assistant", "content": "w10"}]
+    ids, mask = masks.tokenize_conversation(tiny_tokenizer, convo, 64)
+    # "<s> w5 w6 </s> <s> w7 w8 </s> <s> w9 </s> <s> w10 </s>"
+    assert ids.tolist() == [1, 5, 6, 2, 1, 7, 8, 2, 1, 9, 2, 1, 10, 2]
+    assert mask.tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1]
+    ids6, mask6 = masks.tokenize_conversation(tiny_tokenizer, convo, 6)
+    assert ids6.tolist() == ids[:6].tolist() and mask6.tolist() == mask[:6].tolist()
+    ids_u, mask_u = masks.tokenize_conversation(tiny_tokenizer, convo[:1], 64)
+    assert ids_u.size == 4 and not mask_u.any()
+
+
+# ---- dataset -------------------------------------------------------------------------------------
+
+def test_build_save_load_and_empty_records(tiny_tokenizer, tmp_path):
+    convs = [
+        [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6 w7"}],
+        [{"role": "user", "content": "w8"}],  # no answer: skipped
+        [{"role": "user", "content": " ".join(["w9"] * 7)},  # answer truncated away: skipped
+         {"role": "assistant", "content": "w4"}],
+        [{"role": "user", "content": "w8"}, {"role": "assistant", "content": "w4"}],
+    ]
+    ds = dsm.build_dataset(tiny_tokenizer, convs, max_len=8, progress=False)
+    assert (ds.skipped, ds.pad_id, ds.num_records, ds.max_len) == (2, 0, 2, 8)
+    assert ds.input_ids.dtype == np.int32 and ds.loss_mask.dtype == np.int8
+    assert ds.lengths.tolist() == [7, 6]
+    assert ds.input_ids.tolist() == [[1, 5, 2, 1, 6, 7, 2, 0], [1, 8, 2, 1, 4, 2, 0, 0]]
+    assert ds.loss_mask.tolist() == [[0, 0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 0, 0]]
+    path = dsm.save(ds, tmp_path / "sub" / "train.npz")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["train.npz"]  # no temp file left
+    back = dsm.load(path)
+    for name in ("input_ids", "loss_mask", "lengths"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(ds, name))
+    assert (back.pad_id, back.skipped) == (ds.pad_id, ds.skipped)
+    with pytest.raises(Eagle3Error, match="no assistant tokens"):
+        dsm.build_dataset(tiny_tokenizer, convs[1:2], max_len=5, progress=False)
+    (tmp_path / "x.npz").write_bytes(b"not a zip")
+    with pytest.raises(Eagle3Error, match="x.npz"):
+        dsm.load(tmp_path / "x.npz")
+
+
+def test_conversations_the_template_refuses_are_skipped(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}"
+                         "{% endif %}" + tiny_tokenizer.chat_template)
+    convs = [[{"role": "system", "content": "w3"}, {"role": "user", "content": "w5"},
+              {"role": "assistant", "content": "w6"}],
+             [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}]]
+    with pytest.raises(masks.UnrenderableConversation, match="user first"):
+        masks.tokenize_conversation(tok, convs[0], 16)
+    ds = dsm.build_dataset(tok, convs, max_len=16, progress=False)
+    assert ds.skipped == 1 and ds.loss_mask.tolist() == [[0, 0, 0, 0, 1, 1] + [0] * 10]
+
+
+def test_token_counts_on_a_hand_made_dataset():
+    ds = dsm.TokenizedDataset(
+        input_ids=np.array([[1, 5, 5, 7, 0], [1, 3, 7, 7, 7]], np.int32),
+        loss_mask=np.array([[0, 1, 1, 1, 0], [0, 0, 1, 0, 1]], np.int8),
+        lengths=np.array([4, 5], np.int32), pad_id=0)
+    counts = dsm.token_counts(ds, 10)
+    assert counts.tolist() == [0, 0, 0, 0, 0, 2, 0, 3, 0, 0]
+    with pytest.raises(Eagle3Error, match="vocabulary"):
+        dsm.token_counts(ds, 6)
+
+
+def _numbered(n, length=3):
+    ids = np.arange(n, dtype=np.int32)[:, None].repeat(length, 1)
+    return dsm.TokenizedDataset(ids, np.ones_like(ids, np.int8), np.full(n, length, np.int32), 0)
+
+
+def test_batches_resume_and_shard():
+    ds = _numbered(10)  # 3 steps per epoch at batch 3 (one record dropped per epoch)
+    full = list(dsm.batches(ds, 3, seed=4, num_steps=10))
+    assert [b.step for b in full] == list(range(10)) and [b.epoch for b in full[:4]] == [0, 0, 0, 1]
+    firsts = [b.input_ids[:, 0].tolist() for b in full]
+    epoch0 = sum(firsts[:3], [])
+    assert len(set(epoch0)) == 9 and epoch0 != sorted(epoch0)  # shuffled, no repeats in an epoch
+    assert sum(firsts[3:6], []) != epoch0  # a new order each epoch
+    resumed = list(dsm.batches(ds, 3, seed=4, start_step=4, num_steps=6))
+    assert [b.input_ids[:, 0].tolist() for b in resumed] == firsts[4:]
+    assert list(dsm.batches(ds, 3, seed=5, num_steps=1))[0].input_ids[:, 0].tolist() != firsts[0]
+    ds12 = _numbered(12)
+    whole = [b.input_ids[:, 0].tolist() for b in dsm.batches(ds12, 4, seed=1, num_steps=5)]
+    hosts = [[b.input_ids[:, 0].tolist() for b in dsm.batches(ds12, 4, 1, 0, p, 2, num_steps=5)]
+             for p in range(2)]
+    assert [h0 + h1 for h0, h1 in zip(*hosts)] == whole
+    with pytest.raises(Eagle3Error, match="multiple"):
+        next(dsm.batches(ds12, 3, 0, process_count=2))
+    with pytest.raises(Eagle3Error, match="exceeds"):
+        next(dsm.batches(ds12, 16, 0))
+
+
+# ---- regeneration --------------------------------------------------------------------------------
+
+PROMPTS = [(f"p{i}", " ".join(f"w{3 + (7 * i + j) % 90}" for j in range(3 + i))) for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_target_dir):
+    from eagle3_jax.checkpoints import load_target
+
+    return load_target(tiny_target_dir)
+
+
+def _read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_regenerate_writes_records_and_resumes_without_duplicates(tiny_target, tmp_path):
+    kw = dict(max_new_tokens=8, batch_size=2, progress=False)
+    long_prompt = ("long", " ".join(["w9"] * 40))
+    once = tmp_path / "once.jsonl"
+    stats = regenerate(tiny_target, PROMPTS + [long_prompt], once, max_prompt_tokens=30, **kw)
+    assert (stats.answered, stats.skipped, stats.resumed) == (5, 1, 0)
+    recs = _read_jsonl(once)
+    assert [r["id"] for r in recs] == [p for p, _ in PROMPTS]
+    tok = tiny_target.tokenizer
+    for r, (_, text) in zip(recs, PROMPTS):
+        assert r["conversations"][0] == {"from": "human", "value": text}
+        assert r["prompt_ids"] == [1, *tok.convert_tokens_to_ids(text.split()), 2, 1]
+        assert 1 <= len(r["output_ids"]) <= 8
+        answer = tok.decode(r["output_ids"], skip_special_tokens=True)
+        assert r["conversations"][1]["value"] == answer
+
+    # Interrupted: the first three answered, then a crash in the middle of writing the fourth.
+    part = tmp_path / "part.jsonl"
+    regenerate(tiny_target, PROMPTS[:3], part, max_prompt_tokens=30, **kw)
+    with open(part, "a") as f:
+        f.write(json.dumps(recs[3])[:25])
+    stats = regenerate(tiny_target, PROMPTS + [long_prompt], part, max_prompt_tokens=30, **kw)
+    assert (stats.answered, stats.skipped, stats.resumed) == (2, 1, 3)
+    assert _read_jsonl(part) == recs
+    stats = regenerate(tiny_target, PROMPTS, part, max_prompt_tokens=30, **kw)  # nothing left
+    assert (stats.answered, stats.resumed) == (0, 5) and _read_jsonl(part) == recs
+
+    # The regenerated file reads back as training data whose masks are exactly the answers.
+    convs, skipped = read_conversations(part)
+    assert skipped == 0 and len(convs) == 5
+    ds = dsm.build_dataset(tok, convs, max_len=64, progress=False)
+    for row, m, r in zip(ds.input_ids, ds.loss_mask, recs):
+        words = [i for i in r["output_ids"] if i > 2]
+        if len(words) == len(r["output_ids"]) - (r["output_ids"][-1] == 2):  # no stray specials
+            assert row[m == 1].tolist() == words + [2]
+
+
+def test_duplicate_prompt_ids_are_refused(tiny_target, tmp_path):
+    with pytest.raises(Eagle3Error, match="twice"):
+        regenerate(tiny_target, [("a", "w5"), ("a", "w6")], tmp_path / "d.jsonl", progress=False)
