@@ -234,6 +234,40 @@ def fuse(params: Params, aux_BTF: jax.Array) -> jax.Array:
     return aux_BTF.astype(params["fc"].dtype) @ params["fc"]
 
 
+def project_qkv(
+    p: Params, emb_BTD: jax.Array, h_BTD: jax.Array, cos: jax.Array, sin: jax.Array,
+    cfg: DraftConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The layer up to attention: q [B, T, H, K], k/v [B, T, G, K], RoPE applied to q and k.
+
+    Shared by `midlayer` and the training-time-test loss (which attends differently), so the layer
+    math lives in one place.
+    """
+    b, t, _ = h_BTD.shape
+    eps = cfg.rms_norm_eps
+    # The embedding half comes first in the concat.
+    x = jnp.concatenate(
+        [rms_norm(emb_BTD, p["input_norm"], eps), rms_norm(h_BTD, p["hidden_norm"], eps)], axis=-1
+    )
+    q = (x @ p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = (x @ p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = (x @ p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def finish_layer(
+    p: Params, h_BTD: jax.Array, attn_BTHK: jax.Array, cfg: DraftConfig
+) -> jax.Array:
+    """The layer after attention: o_proj onto the residual h (the feature BEFORE hidden_norm), then
+    the SwiGLU MLP block. Returns the pre-norm output [B, T, D]."""
+    b, t, _ = h_BTD.shape
+    h = h_BTD + attn_BTHK.reshape(b, t, -1) @ p["wo"]
+    with jax.named_scope("mlp"):
+        h = h + swiglu(rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"],
+                       p["w_down"])
+    return h
+
+
 def midlayer(
     p: Params,
     emb_BTD: jax.Array,
@@ -249,28 +283,15 @@ def midlayer(
 
     Returns the pre-norm output [B, T, D] and the updated (k, v) cache when one is given.
     """
-    b, t, _ = h_BTD.shape
-    eps = cfg.rms_norm_eps
-    # The residual is the feature BEFORE hidden_norm; the embedding half comes first in the concat.
-    residual = h_BTD
-    x = jnp.concatenate(
-        [rms_norm(emb_BTD, p["input_norm"], eps), rms_norm(h_BTD, p["hidden_norm"], eps)], axis=-1
-    )
-    q = (x @ p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = (x @ p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = (x @ p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = project_qkv(p, emb_BTD, h_BTD, cos, sin, cfg)
     if kv is not None:
         k_all, v_all = _write_rows(kv[0], k, write_B), _write_rows(kv[1], v, write_B)
         kv = (k_all, v_all)
     else:
         k_all, v_all = k, v
     with jax.named_scope("attention"):
-        o = attention(q, k_all, v_all, mask).reshape(b, t, -1) @ p["wo"]
-    h = residual + o
-    with jax.named_scope("mlp"):
-        h = h + swiglu(rms_norm(h, p["post_attn_norm"], eps), p["w_gate"], p["w_up"], p["w_down"])
-    return h, kv
+        o = attention(q, k_all, v_all, mask)
+    return finish_layer(p, h_BTD, o, cfg), kv
 
 
 def head_logits(params: Params, hidden_BTD: jax.Array, cfg: DraftConfig) -> jax.Array:

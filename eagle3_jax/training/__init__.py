@@ -1,0 +1,1 @@
+"""Training the draft head: the training-time-test (TTT) loss (`ttt`)."""

@@ -1,0 +1,288 @@
+"""The EAGLE-3 training-time-test (TTT) loss: `steps` draft steps unrolled with one `lax.scan`.
+
+Semantics as read from SafeAILab/EAGLE `eagle/traineagle3/cnets.py` and SpecForge's
+`OnlineEagle3Model` with the `cache_hidden` attention of `llama3_eagle.py` (both agree):
+
+* Data, once: `input_ids` and `target_logits` shifted left by 1 (zero fill), `loss_mask` NOT
+  shifted. Step 0 pairs the feature at t with token t+1 and is supervised by the target's
+  distribution at t+1; h0 = fc(aux).
+* Step i (0-based) at position t: token input_ids[t+i+1] (0 past the end), feature = h0 at step 0,
+  else the draft's own pre-norm output of step i-1 at t (D wide, fc skipped); RoPE at t+i. It is
+  supervised by target_logits[t+i+1] under loss_mask[t+i] (all three arrays are shifted left by one
+  more, zero filled, after each step).
+* Attention at step i: the query at t sees the step-0 keys 0..t (causal, non-padding keys only)
+  and, for j = 1..i, only the diagonal key K_j[t]; one softmax over both. This is the official
+  cache_hidden attention (whose diagonal keys are not padding-masked: they are the query's own
+  position); SpecForge's flex mask over the (i+1)*T keys is the same thing written densely (it
+  differs only on padding queries, which the loss never reads). Here the diagonal is kept as a
+  [steps, B, T, G, K] key/value buffer (slot 0 holds the step-0 keys, slot j the keys of step j)
+  and scored elementwise, so no [T, (i+1)*T] mask or score array exists.
+* Loss per step: target_p = softmax over the draft-vocab columns of the target logits (fp32,
+  renormalised); position_mask = loss_mask * t2d[argmax over the full target vocab];
+  ploss_i = -sum_v position_mask * target_p * log_softmax(draft logits), averaged over ALL B*T
+  positions (the official `.mean()`, not over the masked ones). Total = sum_i decay^i * ploss_i.
+* acc_i = sum[(argmax draft == argmax target_p) * position_mask] / (sum(loss_mask_i) + 1e-6): the
+  denominator counts every supervised position, also those whose target token is outside the
+  draft vocabulary (they can never be right).
+
+Quirks kept on purpose (they are the official behaviour): the zero-filled target rows past the end
+give a uniform target_p and argmax 0, so a position whose loss_mask is 1 there (the last position
+of a full-length row) is supervised towards uniform when t2d[0] is True.
+
+One deliberate difference, which is a no-op for right padding (what both official collators
+produce): loss_mask_i[t] is also multiplied by attention_mask[t], so a chain that STARTS at a
+padding position (left or middle padding) is never supervised; the official code would supervise
+it at later steps with a padding-derived feature. This factor enters the ploss, acc and its
+denominator and the feature loss alike.
+
+Memory: per step the scan keeps what one step's backward needs (the [B, H, T, T] probabilities
+of the step-0 block, [B, T, Vd] logits, ...), so that part is linear in steps; the carried key /
+value buffer adds steps * [steps, B, T, G, K] residuals, which is small beside the T*T terms
+(steps*G*K vs H*T per position). `remat=True` keeps only the carries per step and recomputes the
+rest in the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.config import rope_inv_freq
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.models.draft import DraftConfig, finish_layer, fuse, head_logits, project_qkv
+from eagle3_jax.models.layers import NEG_INF, rope_cos_sin
+
+Params = dict[str, Any]
+
+ACC_EPS = 1e-6  # the official acc denominator: loss_mask.sum() + 1e-6
+VLOSS_EPS = 1e-5  # EAGLE-1/2 vloss denominator: loss_mask.sum() + 1e-5
+
+
+def ttt_attention(
+    q_BTHK: jax.Array,
+    k_JBTGK: jax.Array,
+    v_JBTGK: jax.Array,
+    step: jax.Array | int,
+    key_valid_BT: jax.Array,
+) -> jax.Array:
+    """Attention of TTT step `step` in the diagonal form; GQA, one fp32 softmax over both blocks.
+
+    Args:
+      q_BTHK: [B, T, H, K] queries of this step (RoPE at t + step already applied).
+      k_JBTGK, v_JBTGK: [J, B, T, G, K] (J = steps) buffers: slot 0 the step-0 keys/values (the
+        causal block), slot j >= 1 those of step j. Slots beyond `step` are ignored (they may hold
+        anything finite).
+      step: int or int32 scalar, 0 <= step < J.
+      key_valid_BT: bool [B, T], False at padding (only step-0 keys are padding-masked; the
+        diagonal keys are the query's own position, as in the official cache_hidden attention).
+    Returns:
+      [B, T, H, K] in v's dtype. A query with no valid step-0 key at step 0 (a padding row) gets a
+      finite, meaningless output, as with `layers.attention`; the loss masks such rows.
+    """
+    b, t, h, kd = q_BTHK.shape
+    g = k_JBTGK.shape[3]
+    q = q_BTHK.reshape(b, t, g, h // g, kd)
+    scale = 1.0 / np.sqrt(kd)
+    # Step-0 block: [B, G, R, T, S] with S = T, causal and padding-masked like a plain prefill.
+    s0 = jnp.einsum("btgrk,bsgk->bgrts", q, k_JBTGK[0], preferred_element_type=jnp.float32) * scale
+    mask0 = jnp.tril(jnp.ones((t, t), bool))[None] & key_valid_BT.astype(bool)[:, None, :]
+    s0 = jnp.where(mask0[:, None, None], s0, NEG_INF)
+    # Diagonal block: query t against K_j[t] only, elementwise over t: [B, G, R, T, J].
+    sd = jnp.einsum("btgrk,jbtgk->bgrtj", q, k_JBTGK, preferred_element_type=jnp.float32) * scale
+    j = jnp.arange(k_JBTGK.shape[0])
+    sd = jnp.where((j >= 1) & (j <= step), sd, NEG_INF)  # slot 0 is the causal block itself
+    # One softmax over [S block ; J block] without concatenating them (no [T, T + J] copy).
+    m = jax.lax.stop_gradient(jnp.maximum(s0.max(-1, keepdims=True), sd.max(-1, keepdims=True)))
+    e0, ed = jnp.exp(s0 - m), jnp.exp(sd - m)
+    denom = e0.sum(-1, keepdims=True) + ed.sum(-1, keepdims=True)
+    p0, pd = (e0 / denom).astype(v_JBTGK.dtype), (ed / denom).astype(v_JBTGK.dtype)
+    out = jnp.einsum("bgrts,bsgk->btgrk", p0, v_JBTGK[0])
+    out = out + jnp.einsum("bgrtj,jbtgk->btgrk", pd, v_JBTGK)
+    return out.reshape(b, t, h, kd)
+
+
+def _shift_ext(x_BT: jax.Array, steps: int, fill) -> jax.Array:
+    """[B, T, ...] -> [B, T + steps, ...] with out[p] = x[p + 1] for p + 1 < T, else `fill`.
+
+    Step i reads out[i : i + T] (= x shifted left i + 1 times, filled) with one dynamic slice, so
+    the scan never materialises a shifted copy per step.
+    """
+    pad_shape = (x_BT.shape[0], steps + 1, *x_BT.shape[2:])
+    pad = jnp.broadcast_to(jnp.asarray(fill, x_BT.dtype), pad_shape)
+    return jnp.concatenate([x_BT[:, 1:], pad], axis=1)
+
+
+def _pad_ext(x_BT: jax.Array, steps: int) -> jax.Array:
+    """[B, T, ...] -> [B, T + steps, ...] zero padded: step i reads x shifted left i times."""
+    pad = jnp.zeros((x_BT.shape[0], steps, *x_BT.shape[2:]), x_BT.dtype)
+    return jnp.concatenate([x_BT, pad], axis=1)
+
+
+def _check(batch: Mapping[str, jax.Array], dcfg: DraftConfig, vocab_t2d, steps: int,
+           feature_loss_weight: float) -> None:
+    for name in ("input_ids", "aux", "target_logits", "loss_mask", "attention_mask"):
+        if name not in batch:
+            raise Eagle3Error(f"TTT batch has no '{name}': it needs input_ids, aux, target_logits, "
+                              "loss_mask and attention_mask (and target_hidden for the feature "
+                              "loss)")
+    if not isinstance(steps, int) or steps < 1:
+        raise Eagle3Error(f"TTT steps must be a static int >= 1 (1 = no TTT), got {steps!r}")
+    b, t = batch["input_ids"].shape
+    want = {
+        "aux": (b, t, dcfg.feature_size),
+        "target_logits": (b, t, dcfg.vocab_size),
+        "loss_mask": (b, t),
+        "attention_mask": (b, t),
+    }
+    if feature_loss_weight > 0:
+        if "target_hidden" not in batch:
+            raise Eagle3Error("feature_loss_weight > 0 needs batch['target_hidden'] [B, T, D]: the "
+                              "target's final hidden state")
+        want["target_hidden"] = (b, t, dcfg.hidden_size)
+    if "position_ids" in batch:
+        want["position_ids"] = (b, t)
+    for name, shape in want.items():
+        if tuple(batch[name].shape) != shape:
+            raise Eagle3Error(f"TTT batch['{name}'] has shape {tuple(batch[name].shape)}, expected "
+                              f"{shape} for input_ids {(b, t)} and this DraftConfig")
+    if tuple(np.shape(vocab_t2d)) != (dcfg.vocab_size,):
+        raise Eagle3Error(f"t2d has shape {tuple(np.shape(vocab_t2d))}, expected "
+                          f"({dcfg.vocab_size},): pass the DraftVocab.t2d of this head")
+
+
+def ttt_loss(
+    dparams: Params,
+    embed_VD: jax.Array,
+    batch: Mapping[str, jax.Array],
+    dcfg: DraftConfig,
+    vocab_t2d: jax.Array,
+    steps: int = 7,
+    decay: float = 0.8,
+    feature_loss_weight: float = 0.0,
+    remat: bool = False,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The decayed sum of the per-step TTT losses and per-step metrics.
+
+    Static under jit: dcfg, steps, feature_loss_weight (it decides whether the feature loss is
+    built), remat; decay may be static or traced.
+
+    Args:
+      dparams: draft params (`models.draft.init_params` layout), fp32 or bf16.
+      embed_VD: the frozen token embedding [V, D] (never differentiated here unless asked).
+      batch: input_ids int [B, T]; aux [B, T, n_aux*Ht] target features at each position;
+        target_logits [B, T, V] the target's logits at each position (any float dtype);
+        loss_mask [B, T] (1 on assistant tokens); attention_mask [B, T] (1 on non-padding);
+        optional position_ids int [B, T] (default 0..T-1); optional target_hidden [B, T, D] the
+        target's final hidden state at each position (feature loss only).
+      vocab_t2d: bool [V], `DraftVocab.t2d` (its True ids, ascending, are the draft columns).
+      steps: TTT length (static; 1 = plain next-token training, no TTT).
+      decay: weight of step i is decay**i.
+      feature_loss_weight: > 0 adds the EAGLE-1/2 feature regression at each step: smooth-L1 (beta
+        1) between the step's pre-norm output h at t and target_hidden[t + i + 1] (the feature it
+        stands for), mean over D, summed over positions with loss_mask_i = 1 (and t + i + 1 < T),
+        divided by their count + 1e-5; weighted by feature_loss_weight * decay**i.
+      remat: recompute each step in the backward pass (keeps only h and the K/V buffers per step).
+
+    Every loss_mask_i below is loss_mask shifted left i times AND attention_mask (see the module
+    docstring; identical to the official loss_mask_i for right-padded batches).
+    Returns:
+      loss: fp32 scalar sum_i decay^i * (ploss_i + feature_loss_weight * vloss_i).
+      metrics: fp32 arrays [steps]: "ploss", "acc", "correct" (acc numerator), "denom" (sum of
+        loss_mask_i, the acc denominator without its 1e-6, for exact averaging across batches),
+        and "vloss" when feature_loss_weight > 0.
+    """
+    _check(batch, dcfg, vocab_t2d, steps, feature_loss_weight)
+    f32 = jnp.float32
+    ids_BT = batch["input_ids"].astype(jnp.int32)
+    b, t = ids_BT.shape
+    vd = dcfg.draft_vocab_size
+    t2d_V = jnp.asarray(vocab_t2d).astype(bool)
+    draft_cols = jnp.nonzero(t2d_V, size=vd)[0]  # ascending: column c is draft id c
+
+    # The teacher, computed once on the unshifted target and then shifted: the fill rows are what
+    # the official zero-filled target logits give (uniform target_p, argmax 0).
+    with jax.named_scope("teacher"):
+        target_BTV = jax.lax.stop_gradient(batch["target_logits"]).astype(f32)
+        in_draft_BT = t2d_V[jnp.argmax(target_BTV, axis=-1)]
+        sub_BTC = jnp.take(target_BTV, draft_cols, axis=-1)
+        tp_ext = _shift_ext(jax.nn.softmax(sub_BTC, axis=-1), steps, 1.0 / vd)  # [B, T+J, Vd]
+        tp_top_ext = _shift_ext(jnp.argmax(sub_BTC, axis=-1).astype(jnp.int32), steps, 0)
+        in_draft_ext = _shift_ext(in_draft_BT, steps, t2d_V[0])
+        lm_ext = _pad_ext(batch["loss_mask"].astype(f32), steps)  # [B, T+J]
+        pm_ext = in_draft_ext.astype(f32) * lm_ext
+        # A chain that starts at a padding position (left or middle padding) runs on a padding
+        # feature; the official code would still supervise it at later steps. Never the case with
+        # right padding (loss_mask[t+i] = 1 implies t is valid), where this changes nothing.
+        start_ok_BT = batch["attention_mask"].astype(f32)
+        ids_ext = _shift_ext(ids_BT, steps, 0)
+        feature_loss = feature_loss_weight > 0
+        if feature_loss:
+            th_ext = _shift_ext(jax.lax.stop_gradient(batch["target_hidden"]).astype(f32), steps,
+                                0.0)
+            has_next_ext = _shift_ext(jnp.ones((b, t), f32), steps, 0.0)
+
+    positions_BT = batch.get("position_ids")
+    if positions_BT is None:
+        positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions_BT = positions_BT.astype(jnp.int32)
+    key_valid_BT = batch["attention_mask"].astype(bool)
+    inv_freq = rope_inv_freq(dcfg.rope, dcfg.head_dim)
+    lp = dparams["layer"]
+
+    h0_BTD = fuse(dparams, batch["aux"])
+    kv_dtype = jnp.result_type(h0_BTD.dtype, lp["wk"].dtype)
+    buf_shape = (steps, b, t, dcfg.num_kv_heads, dcfg.head_dim)
+    carry0 = (h0_BTD, jnp.zeros(buf_shape, kv_dtype), jnp.zeros(buf_shape, kv_dtype))
+
+    def at(x_ext, i):
+        return jax.lax.dynamic_slice_in_dim(x_ext, i, t, axis=1)
+
+    def body(carry, i):
+        h_BTD, k_JBTGK, v_JBTGK = carry
+        emb_BTD = embed_VD[at(ids_ext, i)].astype(h_BTD.dtype)
+        cos, sin = rope_cos_sin(positions_BT + i, inv_freq)
+        q, k, v = project_qkv(lp, emb_BTD, h_BTD, cos, sin, dcfg)
+        k_JBTGK = jax.lax.dynamic_update_index_in_dim(k_JBTGK, k.astype(kv_dtype), i, 0)
+        v_JBTGK = jax.lax.dynamic_update_index_in_dim(v_JBTGK, v.astype(kv_dtype), i, 0)
+        with jax.named_scope("ttt_attention"):
+            o = ttt_attention(q, k_JBTGK, v_JBTGK, i, key_valid_BT)
+        h_new = finish_layer(lp, h_BTD, o, dcfg).astype(h_BTD.dtype)
+
+        with jax.named_scope("ttt_step_loss"):
+            logits_BTC = head_logits(dparams, h_new, dcfg).astype(f32)
+            logp = jax.nn.log_softmax(logits_BTC, axis=-1)
+            pm_BT = at(pm_ext, i) * start_ok_BT
+            lm_BT = at(lm_ext, i) * start_ok_BT
+            # Official: -sum(position_mask * target_p * logp, vocab).mean() over all B*T.
+            ploss = -jnp.sum(pm_BT[..., None] * at(tp_ext, i) * logp) / (b * t)
+            hit = (jnp.argmax(logits_BTC, axis=-1) == at(tp_top_ext, i)).astype(f32)
+            correct = jax.lax.stop_gradient(jnp.sum(hit * pm_BT))
+            denom = jnp.sum(lm_BT)
+            out = {"ploss": ploss, "correct": correct, "denom": denom}
+            if feature_loss:
+                fm_BT = lm_BT * at(has_next_ext, i)
+                diff = h_new.astype(f32) - at(th_ext, i)
+                ad = jnp.abs(diff)
+                sl1 = jnp.where(ad < 1.0, 0.5 * diff * diff, ad - 0.5)  # torch SmoothL1, beta 1
+                out["vloss"] = jnp.sum(sl1.mean(-1) * fm_BT) / (jnp.sum(fm_BT) + VLOSS_EPS)
+        return (h_new, k_JBTGK, v_JBTGK), out
+
+    if remat:
+        body = jax.checkpoint(body)
+    _, per_step = jax.lax.scan(body, carry0, jnp.arange(steps, dtype=jnp.int32))
+
+    weights = jnp.power(jnp.asarray(decay, f32), jnp.arange(steps, dtype=f32))
+    step_loss = per_step["ploss"]
+    if feature_loss:
+        step_loss = step_loss + feature_loss_weight * per_step["vloss"]
+    loss = jnp.sum(weights * step_loss)
+    metrics = dict(per_step)
+    metrics["acc"] = per_step["correct"] / (per_step["denom"] + ACC_EPS)
+    metrics["ploss"] = jax.lax.stop_gradient(per_step["ploss"])
+    if feature_loss:
+        metrics["vloss"] = jax.lax.stop_gradient(per_step["vloss"])
+    return loss, metrics
