@@ -24,7 +24,7 @@ FAMILY_CONFIGS = {
 FAMILIES = list(FAMILY_CONFIGS)
 
 
-def tiny_hf_model(family: str, seed: int = 0, tie: bool = False):
+def tiny_hf_model(family: str, seed: int = 0, tie: bool = False, scale: float = 0.08):
     """A ~100k-parameter transformers model of `family` with random weights (fp32, eval mode)."""
     import torch
     import transformers
@@ -48,7 +48,7 @@ def tiny_hf_model(family: str, seed: int = 0, tie: bool = False):
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
             else:
-                p.copy_(0.08 * torch.randn_like(p))
+                p.copy_(scale * torch.randn_like(p))
     return model
 
 
@@ -90,3 +90,14 @@ def tiny_target_dir(hf_checkpoint):
     _, path = hf_checkpoint("llama")
     write_tiny_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def sharp_target_dir(tmp_path_factory):
+    """A tiny llama with large weights: peaked next-token distributions a head can learn to match
+    (the default tiny models are nearly uniform, so their argmax is noise)."""
+    model = tiny_hf_model("llama", seed=1, scale=0.3)
+    d = tmp_path_factory.mktemp("sharp_llama")
+    model.save_pretrained(d)
+    write_tiny_tokenizer(d)
+    return d

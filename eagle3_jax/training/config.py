@@ -1,0 +1,134 @@
+"""Training configuration: a frozen dataclass, Python config files, `--config.field=value` overrides.
+
+A config file (configs/*.py) defines `get_config() -> TrainConfig`; its docstring holds the launch
+command. `load_config("configs/x.py", ["--config.lr=3e-4", ...])` applies overrides with the field's
+own type (tuples as comma lists, bools as true/false, None as none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from eagle3_jax.errors import Eagle3Error
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    # what to train on
+    target: str | None = None  # checkpoint path; None = the embedded SmolLM2-135M-Instruct
+    data: str = ""  # ShareGPT JSON/JSONL or role/content JSONL
+    regenerate: bool = True  # answer the prompts with the target itself (greedy) first
+    regen_max_new_tokens: int = 256
+    regen_batch_size: int = 8
+    num_conversations: int = 0  # 0 = all
+    max_len: int = 1024
+    # the head
+    draft_vocab_size: int = 32000  # Vd; >= target vocab means the full vocabulary
+    aux_layer_ids: tuple[int, ...] = ()  # () = the target's default (2, L//2, L-3)
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    feature_loss_weight: float = 0.0  # EAGLE-1/2-style regression of the target's hidden state
+    # optimisation
+    lr: float = 1e-4
+    warmup_ratio: float = 0.015
+    epochs: int = 1
+    max_steps: int = 0  # 0 = epochs * steps per epoch
+    batch_size: int = 8  # global sequences per optimizer step (before accumulation)
+    grad_accum: int = 1
+    clip_norm: float = 0.5
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.0
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    seed: int = 0
+    # features
+    features: str = "online"  # "online": target forward in the step; "offline": precomputed on disk
+    features_dir: str = ""
+    feature_layers: tuple[int, ...] = ()  # layers to precompute (default: the aux ids); a superset
+    # lets ablations over aux-layer sets share one precomputation
+    # parallelism
+    mesh_data: int = 1
+    mesh_model: int = 1
+    # bookkeeping
+    out_dir: str = "runs/default"
+    save_every: int = 200
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    export_dtype: str = "bfloat16"
+
+    def validate(self) -> TrainConfig:
+        if self.ttt_steps < 1:
+            raise Eagle3Error(f"ttt_steps {self.ttt_steps} < 1 (1 means no training-time test)")
+        if self.features not in ("online", "offline"):
+            raise Eagle3Error(f"features {self.features!r}: use online or offline")
+        if self.features == "offline" and not self.features_dir:
+            raise Eagle3Error("features=offline needs features_dir (precompute it with "
+                              "`train.py --precompute-features`)")
+        if self.batch_size < 1 or self.grad_accum < 1:
+            raise Eagle3Error("batch_size and grad_accum must be >= 1")
+        if self.batch_size % (self.mesh_data * self.grad_accum):
+            raise Eagle3Error(f"batch_size {self.batch_size} must divide by mesh_data x grad_accum "
+                              f"({self.mesh_data} x {self.grad_accum})")
+        for name in ("param_dtype", "compute_dtype", "export_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise Eagle3Error(f"{name} {getattr(self, name)!r}: use float32, bfloat16 or float16")
+        return self
+
+
+def _convert(text: str, annotation: Any, name: str) -> Any:
+    hint = typing.get_type_hints(TrainConfig)[name]
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if text.lower() == "none" and type(None) in args:
+        return None
+    if origin in (typing.Union, types.UnionType):
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    try:
+        if hint is bool:
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        if origin is tuple:
+            return tuple(args[0](x) for x in text.split(",") if x.strip())
+        return hint(text)
+    except (ValueError, TypeError):
+        raise Eagle3Error(f"--config.{name}={text}: not a valid {hint}") from None
+
+
+def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    changes = {}
+    for item in overrides:
+        if not item.startswith("--config.") or "=" not in item:
+            raise Eagle3Error(f"bad override {item!r}: write --config.FIELD=VALUE")
+        key, value = item[len("--config."):].split("=", 1)
+        if key not in fields:
+            raise Eagle3Error(f"unknown config field {key!r}; fields: {', '.join(fields)}")
+        changes[key] = _convert(value, fields[key].type, key)
+    return dataclasses.replace(cfg, **changes)
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    """Imports a config file, calls its get_config(), applies overrides and validates."""
+    path = Path(path)
+    if not path.is_file():
+        raise Eagle3Error(f"config file {path} does not exist: see configs/ for the shipped ones")
+    spec = importlib.util.spec_from_file_location(f"eagle3_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        cfg = module.get_config()
+    except Eagle3Error:
+        raise
+    except Exception as e:  # a config file is user code: report, do not dump a traceback
+        raise Eagle3Error(f"config {path} failed to load: {type(e).__name__}: {e}") from e
+    if not isinstance(cfg, TrainConfig):
+        raise Eagle3Error(f"{path}: get_config() must return a TrainConfig")
+    return apply_overrides(cfg, list(overrides)).validate()

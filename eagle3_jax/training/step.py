@@ -1,0 +1,107 @@
+"""One optimisation step: frozen target features (online) or precomputed ones (offline) -> TTT loss
+-> AdamW update, jitted with explicit shardings and a donated state.
+
+The target's logits are recomputed from its final hidden state in both modes (offline features
+store the hidden state, not [T, V] logits), so online and offline give the same loss.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.models import draft as drf
+from eagle3_jax.models import target as tgt
+from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.ttt import ttt_loss
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class TrainState(NamedTuple):
+    step: jax.Array
+    params: dict[str, Any]
+    opt_state: Any
+
+
+def make_optimizer(tc: TrainConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW (beta 0.9/0.95, no weight decay by default), linear warmup then cosine, clip 0.5,
+    gradient accumulation over `grad_accum` micro-steps."""
+    updates = max(1, total_steps // tc.grad_accum)
+    warmup = max(1, int(round(updates * tc.warmup_ratio)))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, max(updates, warmup + 1), 0.0)
+    tx = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                     optax.adamw(schedule, b1=tc.beta1, b2=tc.beta2, weight_decay=tc.weight_decay))
+    return optax.MultiSteps(tx, every_k_schedule=tc.grad_accum) if tc.grad_accum > 1 else tx
+
+
+def init_state(dparams, tx: optax.GradientTransformation) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), dparams, tx.init(dparams))
+
+
+def target_features(tparams, input_ids_BT: jax.Array, attention_mask_BT: jax.Array, tcfg: TargetConfig,
+                    aux_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """The frozen target's (aux features [B, T, n_aux*D], final hidden [B, T, D]) without gradient."""
+    b, t = input_ids_BT.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    q = jnp.arange(t)
+    causal = q[None, :] <= q[:, None]
+    mask = causal[None] & attention_mask_BT[:, None, :].astype(bool)
+    out = tgt.forward(tparams, input_ids_BT, positions, mask, tcfg, aux_ids=aux_ids, compute_logits=False)
+    return jax.lax.stop_gradient(out.aux), jax.lax.stop_gradient(out.hidden)
+
+
+def loss_fn(dparams, tparams, batch: dict[str, jax.Array], t2d: jax.Array, tcfg: TargetConfig,
+            dcfg: drf.DraftConfig, tc: TrainConfig):
+    """TTT loss of a batch; `batch` has input_ids, loss_mask, attention_mask and, offline, aux/hidden."""
+    compute = DTYPES[tc.compute_dtype]
+    if "aux" in batch:
+        aux, hidden = batch["aux"], batch["hidden"]
+    else:
+        aux, hidden = target_features(tparams, batch["input_ids"], batch["attention_mask"], tcfg,
+                                      dcfg.aux_layer_ids)
+    target_logits = tgt.lm_head(tparams, hidden.astype(tparams["embed"].dtype), tcfg).astype(jnp.float32)
+    dp = jax.tree.map(lambda x: x.astype(compute), dparams)
+    ttt_batch = {
+        "input_ids": batch["input_ids"],
+        "aux": aux.astype(compute),
+        "target_logits": target_logits,
+        "loss_mask": batch["loss_mask"],
+        "attention_mask": batch["attention_mask"],
+        "target_hidden": hidden.astype(compute),
+    }
+    return ttt_loss(dp, tparams["embed"].astype(compute), ttt_batch, dcfg, t2d, steps=tc.ttt_steps,
+                    decay=tc.ttt_decay, feature_loss_weight=tc.feature_loss_weight)
+
+
+def train_step(state: TrainState, tparams, batch, t2d, *, tcfg: TargetConfig, dcfg: drf.DraftConfig,
+               tc: TrainConfig, tx: optax.GradientTransformation):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, tparams, batch, t2d, tcfg, dcfg, tc)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """Sequences over the `data` axis (the leading dimension of every batch array)."""
+    return NamedSharding(mesh, P("data"))
+
+
+def jit_train_step(tcfg: TargetConfig, dcfg: drf.DraftConfig, tc: TrainConfig, tx, mesh=None,
+                   state_shardings=None, target_shardings=None):
+    """The jitted step; with a mesh, explicit in/out shardings (batch over data, params as given)."""
+    fn = functools.partial(train_step, tcfg=tcfg, dcfg=dcfg, tc=tc, tx=tx)
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=0)
+    rep = NamedSharding(mesh, P())
+    return jax.jit(fn, donate_argnums=0,
+                   in_shardings=(state_shardings, target_shardings, batch_sharding(mesh), rep),
+                   out_shardings=(state_shardings, rep))
