@@ -111,3 +111,53 @@ def test_sharded_loss_and_gradients_equal_single_device(tiny_target_dir):
     np.testing.assert_allclose(float(l8), float(l1), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_tensorboard_events_and_nan_stop(tiny_target_dir, tmp_path):
+    from eagle3_jax.training.tensorboard import read_scalars
+
+    tc = _cfg(tiny_target_dir, tmp_path, "--config.max_steps=3")
+    train(tc, progress=False)
+    (event_file,) = (tmp_path / "run/tensorboard").glob("events.out.tfevents.*")
+    events = read_scalars(event_file)
+    assert [s for s, _ in events] == [1, 2, 3]
+    assert abs(events[-1][1]["loss"] - _losses(tmp_path / "run")[-1]) < 1e-5
+    boom = dataclasses.replace(tc, out_dir=str(tmp_path / "nan"), lr=1e38, save_every=1, max_steps=8)
+    with pytest.raises(Eagle3Error, match=r"loss is nan at step \d+: stopped; the last good checkpoint"):
+        train(boom, progress=False)
+
+
+def test_sigkill_mid_run_then_resume(tiny_target_dir, tmp_path):
+    """train.py killed with SIGKILL loses at most the steps since its last checkpoint; --resume
+    continues to the same losses as a run that was never interrupted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = _conversations(tmp_path / "data.json")
+    args = [f"--config.target={tiny_target_dir}", f"--config.data={data}", "--config.max_steps=24",
+            "--config.save_every=3"]
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config=configs/tiny.py", "--no-progress", *args]
+    proc = subprocess.Popen(cmd + [f"--config.out_dir={tmp_path / 'killed'}"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 10:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "training finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(metrics.read_text().splitlines()) < 24
+    resumed = subprocess.run(cmd + [f"--config.out_dir={tmp_path / 'killed'}", "--resume"], cwd=ROOT,
+                             env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from step" in resumed.stderr
+    clean = subprocess.run(cmd + [f"--config.out_dir={tmp_path / 'clean'}"], cwd=ROOT, env=env,
+                           capture_output=True, text=True)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    np.testing.assert_allclose(_losses(tmp_path / "killed"), _losses(tmp_path / "clean"), rtol=1e-5)

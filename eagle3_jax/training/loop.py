@@ -28,14 +28,17 @@ def maybe_init_distributed() -> None:
 
 
 class MetricsWriter:
-    """JSONL metrics (process 0 only). On resume, entries past the restored step are dropped so the
-    file reads as one uninterrupted curve."""
+    """JSONL metrics plus TensorBoard event files (process 0 only). On resume, JSONL entries past the
+    restored step are dropped so the file reads as one uninterrupted curve."""
 
     def __init__(self, path: Path, resume_step: int):
+        from eagle3_jax.training.tensorboard import SummaryWriter
+
         self.path = path
         self.enabled = jax.process_index() == 0
         if not self.enabled:
             return
+        self.tb = SummaryWriter(path.parent / "tensorboard")
         kept = []
         if path.exists() and resume_step > 0:
             for line in path.read_text().splitlines():
@@ -51,6 +54,11 @@ class MetricsWriter:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            self.tb.scalars(rec["step"], {k: v for k, v in rec.items() if k not in ("step", "epoch")})
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
 
 
 def _config_record(tc: TrainConfig) -> dict:
@@ -215,6 +223,7 @@ def train(tc: TrainConfig, resume: bool = False, progress: bool = True,
         tokens_since += int(batch.lengths.sum()) * jax.process_count()
         loss = float(metrics["loss"])
         if not math.isfinite(loss):
+            writer.close()
             raise Eagle3Error(f"loss is {loss} at step {step}: stopped; the last good checkpoint "
                               f"(step {ckpt.latest_step()}) is kept. Lower lr or check the data")
         if step % tc.log_every == 0 or step == total:
@@ -229,15 +238,17 @@ def train(tc: TrainConfig, resume: bool = False, progress: bool = True,
             writer.write(rec)
             last = rec
             t_last, tokens_since = now, 0
-            bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{rec.get('acc_0', 0):.2f}",
-                            tok_s=f"{rec['tokens_per_s']:.0f}")
+            accs = " ".join(f"{rec[f'acc_{i}']:.2f}" for i in range(tc.ttt_steps))
+            bar.set_postfix_str(f"loss {loss:.3f} acc {accs} {rec['tokens_per_s']:.0f} tok/s")
         bar.update(1)
         if step % tc.save_every == 0 or step == total:
             ckpt.save(step, state, {**meta, "data_step": step})
         if stop_after is not None and step >= stop_after:
             bar.close()
+            writer.close()
             return {"stopped_at": step, "out_dir": str(out)}
     bar.close()
+    writer.close()
     head = out / "head"
     save_draft(head, jax.device_get(state.params), dcfg, vocab, dtype=tc.export_dtype)
     ckpt.close()
