@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from eagle3_jax import vocab as vocab_lib
+from eagle3_jax.checkpoints.atomic import atomic_directory
 from eagle3_jax.checkpoints.safetensors_io import read_safetensors, write_safetensors
 from eagle3_jax.config import RopeConfig, TargetConfig, _rope_from_hf
 from eagle3_jax.errors import Eagle3Error
@@ -405,18 +404,9 @@ def save_draft(
             raise Eagle3Error(f"embedding has shape {tuple(embed.shape)}, expected "
                               f"({cfg.vocab_size}, {cfg.hidden_size})")
         tensors[_EMBED] = np.asarray(jax.device_get(embed)).astype(np_dtype)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    try:
+    with atomic_directory(path) as tmp:
         write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ----------------------------------------------------------------------------- orbax (training)

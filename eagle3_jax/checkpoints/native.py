@@ -8,14 +8,12 @@ files (tokenizer.json, tokenizer_config.json, chat template).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from eagle3_jax.checkpoints.atomic import atomic_directory
 from eagle3_jax.checkpoints.safetensors_io import read_safetensors, write_safetensors
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import Eagle3Error
@@ -33,10 +31,7 @@ def is_native(path: Path) -> bool:
 def save_native(path: str | Path, params: tgt.Params, cfg: TargetConfig, tokenizer=None,
                 source: str = "") -> None:
     """Writes into a temporary sibling directory and renames it into place (atomic for readers)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    try:
+    with atomic_directory(path) as tmp:
         flat = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
         for i, lp in enumerate(tgt.unstack_layers(params)["layers"]):
             flat.update({f"layers.{i}.{k}": np.asarray(v) for k, v in lp.items()})
@@ -45,12 +40,6 @@ def save_native(path: str | Path, params: tgt.Params, cfg: TargetConfig, tokeniz
             tokenizer.save_pretrained(tmp)
         meta = {"format_version": FORMAT_VERSION, "source": source, "config": json.loads(cfg.to_json())}
         (tmp / NATIVE_CONFIG).write_text(json.dumps(meta, indent=1))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def read_native_config(path: Path) -> TargetConfig:
