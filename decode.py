@@ -18,40 +18,72 @@ from eagle3_jax.cli import decode_main
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None,
-                   help="transformers checkpoint dir, .gguf file or eagle3_jax converted dir "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="vanilla", choices=["eagle3", "pld", "vanilla"],
-                   help="eagle3: draft tree from --draft; pld: prompt lookup chain; vanilla: plain")
-    p.add_argument("--draft", default=None,
-                   help="EAGLE-3 head directory in the official format (config.json + safetensors)")
-    p.add_argument("--top-k", type=int, default=4,
-                   help="children per expanded tree node (1 = a chain)")
-    p.add_argument("--depth", type=int, default=4, help="max drafted tokens per path (pld: chain length)")
-    p.add_argument("--total-tokens", type=int, default=16,
-                   help="tree nodes verified per round, root included")
-    p.add_argument("--same-engine", action="store_true",
-                   help="run vanilla through the speculative engine's verification step")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="transformers checkpoint dir, .gguf file or eagle3_jax converted dir "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--method",
+        default="vanilla",
+        choices=["eagle3", "pld", "vanilla"],
+        help="eagle3: draft tree from --draft; pld: prompt lookup chain; vanilla: plain",
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="EAGLE-3 head directory in the official format (config.json + safetensors)",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=4, help="children per expanded tree node (1 = a chain)"
+    )
+    p.add_argument(
+        "--depth", type=int, default=4, help="max drafted tokens per path (pld: chain length)"
+    )
+    p.add_argument(
+        "--total-tokens", type=int, default=16, help="tree nodes verified per round, root included"
+    )
+    p.add_argument(
+        "--same-engine",
+        action="store_true",
+        help="run vanilla through the speculative engine's verification step",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a user message (repeatable)")
-    src.add_argument("--prompt-file", help="one prompt per line, or FastChat/Spec-Bench JSONL (first turn)")
+    src.add_argument(
+        "--prompt-file", help="one prompt per line, or FastChat/Spec-Bench JSONL (first turn)"
+    )
     src.add_argument("--chat", action="store_true", help="interactive chat with streamed output")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--sample-top-k", type=int, default=0, help="sampling: keep the k most likely (0 = off)")
+    p.add_argument(
+        "--sample-top-k", type=int, default=0, help="sampling: keep the k most likely (0 = off)"
+    )
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass (1.0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--max-context", type=int, default=None,
-                   help="context limit in tokens (default: the model's max_position_embeddings)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="context limit in tokens (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
+    )
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--json", default=None, help="write one record per prompt to this file")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="time the first batch including compilation")
+    p.add_argument(
+        "--no-warmup", action="store_true", help="time the first batch including compilation"
+    )
     return p.parse_args(argv)
 
 

@@ -20,11 +20,16 @@ from eagle3_jax.errors import Eagle3Error
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", required=True, help="a configs/*.py file defining get_config()")
     p.add_argument("--resume", action="store_true", help="continue the run in out_dir")
-    p.add_argument("--precompute-features", action="store_true",
-                   help="prepare the data and write the target's features to features_dir, then stop")
+    p.add_argument(
+        "--precompute-features",
+        action="store_true",
+        help="prepare the data and write the target's features to features_dir, then stop",
+    )
     p.add_argument("--no-progress", action="store_true")
     args, overrides = p.parse_known_args(argv)
     try:

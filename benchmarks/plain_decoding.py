@@ -50,7 +50,9 @@ def main() -> None:
     ids = encode_chat(target.tokenizer, [{"role": "user", "content": PROMPT}])
     if args.target is None:
         g = default_gguf_path()
-        ref = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_pretrained(
+            str(g.parent), gguf_file=g.name, dtype=torch.float32
+        )
     else:
         ref = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     ref.eval()
@@ -71,9 +73,14 @@ def main() -> None:
         with torch.no_grad():
             # min_new_tokens suppresses EOS; passing eos_token_id=None instead changes transformers'
             # greedy output (seen with transformers 5.24), so it is not used
-            out = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               pad_token_id=2)
-        return time.perf_counter() - t0, out[0, len(ids):].tolist()
+            out = ref.generate(
+                torch.tensor([ids]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=2,
+            )
+        return time.perf_counter() - t0, out[0, len(ids) :].tolist()
 
     # warm-up: compile every program, touch every weight
     outputs = {name: run_ours(p)[1] for name, p in engines.items()}
@@ -87,21 +94,38 @@ def main() -> None:
     eos = target.cfg.eos_token_ids
     base = statistics.median(times["transformers"])
     rows = []
-    print(f"\ngreedy decoding of {n} new tokens, batch 1, fp32, prompt {len(ids)} tokens, "
-          f"{args.reps} interleaved reps (median)\n")
+    print(
+        f"\ngreedy decoding of {n} new tokens, batch 1, fp32, prompt {len(ids)} tokens, "
+        f"{args.reps} interleaved reps (median)\n"
+    )
     print("| engine | tokens/s | ratio vs transformers | identical to transformers (up to EOS) |")
     print("|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
         same = _until_eos(outputs[name], eos) == _until_eos(outputs["transformers"], eos)
-        rows.append({"engine": name, "median_s": med, "tokens_per_s": n / med, "ratio": base / med,
-                     "times_s": ts, "identical_output": same})
+        rows.append(
+            {
+                "engine": name,
+                "median_s": med,
+                "tokens_per_s": n / med,
+                "ratio": base / med,
+                "times_s": ts,
+                "identical_output": same,
+            }
+        )
         print(f"| {name} | {n / med:.1f} | {base / med:.2f}x | {same} |")
-    result = {"benchmark": "plain_decoding", "new_tokens": n, "prompt_tokens": len(ids),
-              "reps": args.reps, "target": str(target.path), "jax": jax.__version__,
-              "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-              "cores": os.cpu_count(),
-              "rows": rows}
+    result = {
+        "benchmark": "plain_decoding",
+        "new_tokens": n,
+        "prompt_tokens": len(ids),
+        "reps": args.reps,
+        "target": str(target.path),
+        "jax": jax.__version__,
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")

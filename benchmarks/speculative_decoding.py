@@ -22,7 +22,8 @@ import jax
 import numpy as np
 
 from eagle3_jax.checkpoints import load_target
-from eagle3_jax.decoding import plain, speculative as spec
+from eagle3_jax.decoding import plain
+from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.models import draft as drf
 from eagle3_jax.prompts import encode_chat
 from eagle3_jax.vocab import build_from_counts
@@ -75,15 +76,18 @@ def main() -> None:
         if tree is None:
             r = plain.generate(target.params, cfg, [ids], n)
             return r.output_ids[0], r.target_forwards, r.wall_time_s, None
-        r = spec.generate(target.params, cfg, dparams, dcfg, vocab, [ids], n, tree, embed=embed,
-                          method=method)
+        r = spec.generate(
+            target.params, cfg, dparams, dcfg, vocab, [ids], n, tree, embed=embed, method=method
+        )
         return r.output_ids[0], r.target_forwards[0], r.wall_time_s, r.accept_hist[0]
 
     for _, method, tree in CONFIGS:  # warm-up: compile every program (each prompt-length bucket)
         for ids in prompts:
             run(method, tree, ids)
-    stats = {name: {"tokens": 0, "forwards": 0, "wall": 0.0, "hist": None, "identical": True}
-             for name, _, _ in CONFIGS}
+    stats = {
+        name: {"tokens": 0, "forwards": 0, "wall": 0.0, "hist": None, "identical": True}
+        for name, _, _ in CONFIGS
+    }
     reference = {}
     for _ in range(args.reps):
         for i, ids in enumerate(prompts):
@@ -99,29 +103,55 @@ def main() -> None:
                 s["identical"] &= out == reference[i]
     base = stats["vanilla"]["wall"] / stats["vanilla"]["tokens"]
     rows = []
-    print(f"\n{len(prompts)} prompts x {args.reps} reps, {n} new tokens, greedy, batch 1, fp32, "
-          f"head: {args.draft or f'random (Vd {args.draft_vocab})'}\n")
-    print("| method | tau | tokens/s | speedup vs vanilla | alpha by depth | identical to vanilla |")
+    print(
+        f"\n{len(prompts)} prompts x {args.reps} reps, {n} new tokens, greedy, batch 1, fp32, "
+        f"head: {args.draft or f'random (Vd {args.draft_vocab})'}\n"
+    )
+    print(
+        "| method | tau | tokens/s | speedup vs vanilla | alpha by depth | identical to vanilla |"
+    )
     print("|---|---|---|---|---|---|")
     for name, method, tree in CONFIGS:
         s = stats[name]
         rounds = s["forwards"] - len(prompts) * args.reps
         tau = (s["tokens"] - len(prompts) * args.reps) / max(rounds, 1)
         alphas = spec.acceptance_rates(s["hist"]) if s["hist"] is not None else []
-        row = {"name": name, "method": method, "tree": None if tree is None else tree.__dict__,
-               "tau": tau, "tokens_per_s": s["tokens"] / s["wall"],
-               "speedup": base / (s["wall"] / s["tokens"]), "alpha_by_depth": alphas,
-               "identical_to_vanilla": bool(s["identical"]), "wall_s": s["wall"], "tokens": s["tokens"]}
+        row = {
+            "name": name,
+            "method": method,
+            "tree": None if tree is None else tree.__dict__,
+            "tau": tau,
+            "tokens_per_s": s["tokens"] / s["wall"],
+            "speedup": base / (s["wall"] / s["tokens"]),
+            "alpha_by_depth": alphas,
+            "identical_to_vanilla": bool(s["identical"]),
+            "wall_s": s["wall"],
+            "tokens": s["tokens"],
+        }
         rows.append(row)
         a = " ".join(f"{x:.2f}" for x in alphas) or "-"
-        print(f"| {name} | {tau:.2f} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {a} | "
-              f"{row['identical_to_vanilla']} |")
+        print(
+            f"| {name} | {tau:.2f} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {a} | "
+            f"{row['identical_to_vanilla']} |"
+        )
     out = Path(f"benchmarks/results/speculative_decoding_{args.tag}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "speculative_decoding", "draft": args.draft,
-                               "new_tokens": n, "reps": args.reps, "prompts": PROMPTS,
-                               "backend": jax.default_backend(), "cores": os.cpu_count(),
-                               "machine": platform.machine(), "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "speculative_decoding",
+                "draft": args.draft,
+                "new_tokens": n,
+                "reps": args.reps,
+                "prompts": PROMPTS,
+                "backend": jax.default_backend(),
+                "cores": os.cpu_count(),
+                "machine": platform.machine(),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"\nwrote {out}")
 
 

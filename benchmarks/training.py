@@ -42,8 +42,9 @@ def worker(args) -> dict:
     mesh = make_mesh(args.data, args.model) if args.data * args.model > 1 else None
     target = load_target(None, mesh=mesh)
     cfg = target.cfg
-    vocab = build_from_counts(np.random.default_rng(0).integers(1, 100, cfg.vocab_size),
-                              tc.draft_vocab_size)
+    vocab = build_from_counts(
+        np.random.default_rng(0).integers(1, 100, cfg.vocab_size), tc.draft_vocab_size
+    )
     dcfg = drf.DraftConfig.from_target(cfg, draft_vocab_size=tc.draft_vocab_size)
     dparams = drf.init_params(dcfg, jax.random.PRNGKey(0))
     tx = make_optimizer(tc, 1000)
@@ -51,14 +52,16 @@ def worker(args) -> dict:
     if mesh is not None:
         dparams = jax.tree.map(jax.device_put, dparams, drf.param_shardings(dcfg, mesh))
         target_sh = jax.tree.map(lambda x: x.sharding, target.params)
-    state = init_state(dparams, tx)
+    state = init_state(dparams, tx, mesh)
     if mesh is not None:
         state_sh = jax.tree.map(lambda x: x.sharding, state)
     step = jit_train_step(cfg, dcfg, tc, tx, mesh, state_sh, target_sh)
     rng = np.random.default_rng(0)
-    batch = {"input_ids": rng.integers(3, cfg.vocab_size, (args.batch, args.seq)).astype(np.int32),
-             "loss_mask": (rng.random((args.batch, args.seq)) < 0.6).astype(np.float32),
-             "attention_mask": np.ones((args.batch, args.seq), np.int32)}
+    batch = {
+        "input_ids": rng.integers(3, cfg.vocab_size, (args.batch, args.seq)).astype(np.int32),
+        "loss_mask": (rng.random((args.batch, args.seq)) < 0.6).astype(np.float32),
+        "attention_mask": np.ones((args.batch, args.seq), np.int32),
+    }
     if mesh is not None:
         batch = jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh)), batch)
     t2d = jnp.asarray(vocab.t2d)
@@ -71,12 +74,19 @@ def worker(args) -> dict:
         state, m = step(state, target.params, batch, t2d)
     jax.block_until_ready(m)
     dt = (time.perf_counter() - t0) / args.steps
-    return {"devices": args.data * args.model, "mesh": f"{args.data}x{args.model}",
-            "batch": args.batch, "seq": args.seq, "ttt_steps": tc.ttt_steps,
-            "draft_vocab": tc.draft_vocab_size, "step_s": dt,
-            "target_tokens_per_s": args.batch * args.seq / dt, "compile_s": compile_s,
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "loss": float(m["loss"])}
+    return {
+        "devices": args.data * args.model,
+        "mesh": f"{args.data}x{args.model}",
+        "batch": args.batch,
+        "seq": args.seq,
+        "ttt_steps": tc.ttt_steps,
+        "draft_vocab": tc.draft_vocab_size,
+        "step_s": dt,
+        "target_tokens_per_s": args.batch * args.seq / dt,
+        "compile_s": compile_s,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "loss": float(m["loss"]),
+    }
 
 
 def main() -> None:
@@ -93,22 +103,37 @@ def main() -> None:
         return
     rows = []
     for data, model, devices in [(1, 1, 1), (2, 4, 8)]:
-        env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-        cmd = [sys.executable, __file__, "--worker", f"--steps={args.steps}", f"--seq={args.seq}",
-               f"--batch={args.batch}", f"--data={data}", f"--model={model}"]
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        }
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            f"--steps={args.steps}",
+            f"--seq={args.seq}",
+            f"--batch={args.batch}",
+            f"--data={data}",
+            f"--model={model}",
+        ]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
         if res.returncode:
             sys.exit(res.stderr[-3000:])
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    print(f"\nSmolLM2-135M target, EAGLE-3 head (Vd 8192), TTT 7, batch {args.batch} x {args.seq} "
-          f"tokens, fp32, {args.steps} timed steps\n")
+    print(
+        f"\nSmolLM2-135M target, EAGLE-3 head (Vd 8192), TTT 7, batch {args.batch} x {args.seq} "
+        f"tokens, fp32, {args.steps} timed steps\n"
+    )
     print("| mesh | step (s) | target tokens/s | compile (s) | peak RSS (GiB) | loss |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mesh']} ({r['devices']} device{'s' if r['devices'] > 1 else ''}) | "
-              f"{r['step_s']:.2f} | {r['target_tokens_per_s']:.0f} | {r['compile_s']:.1f} | "
-              f"{r['peak_rss_gib']:.2f} | {r['loss']:.4f} |")
+        print(
+            f"| {r['mesh']} ({r['devices']} device{'s' if r['devices'] > 1 else ''}) | "
+            f"{r['step_s']:.2f} | {r['target_tokens_per_s']:.0f} | {r['compile_s']:.1f} | "
+            f"{r['peak_rss_gib']:.2f} | {r['loss']:.4f} |"
+        )
     out = ROOT / "benchmarks/results/training.json"
     out.write_text(json.dumps({"benchmark": "training", "rows": rows}, indent=1))
     print(f"\nwrote {out}")

@@ -48,8 +48,10 @@ def load_draft_for(args, target):
     if args.method != "eagle3":
         return None, None, None, None
     if not args.draft:
-        raise Eagle3Error("--method eagle3 needs --draft PATH (an EAGLE-3 head: config.json + "
-                          "model.safetensors), or use --method vanilla / pld")
+        raise Eagle3Error(
+            "--method eagle3 needs --draft PATH (an EAGLE-3 head: config.json + "
+            "model.safetensors), or use --method vanilla / pld"
+        )
     params, cfg, vocab, embed = load_draft(args.draft, target.cfg, dtype=default_dtype(args.dtype))
     check_compatible(cfg, vocab, target.cfg, embed)
     return params, cfg, vocab, embed
@@ -63,22 +65,51 @@ def _tree(args):
 
 def _run_batch(args, target, draft, ids, sampling, max_context, warmup):
     """One batch through the chosen method -> (per-row dicts, wall time)."""
-    from eagle3_jax.decoding import plain, speculative as spec
+    from eagle3_jax.decoding import plain
+    from eagle3_jax.decoding import speculative as spec
 
     pad = target.cfg.pad_token_id or 0
     if args.method == "vanilla" and not args.same_engine:
-        res = plain.generate(target.params, target.cfg, ids, args.max_new_tokens, sampling, args.seed,
-                             max_context=max_context, pad_id=pad, warmup=warmup)
-        rows = [{"output_ids": o, "finish_reason": f, "target_forwards": len(o), "accept_hist": None}
-                for o, f in zip(res.output_ids, res.finish_reasons)]
+        res = plain.generate(
+            target.params,
+            target.cfg,
+            ids,
+            args.max_new_tokens,
+            sampling,
+            args.seed,
+            max_context=max_context,
+            pad_id=pad,
+            warmup=warmup,
+        )
+        rows = [
+            {"output_ids": o, "finish_reason": f, "target_forwards": len(o), "accept_hist": None}
+            for o, f in zip(res.output_ids, res.finish_reasons)
+        ]
         return rows, res.wall_time_s
     dparams, dcfg, vocab, embed = draft
-    res = spec.generate(target.params, target.cfg, dparams, dcfg, vocab, ids, args.max_new_tokens,
-                        _tree(args), sampling, args.seed, max_context=max_context, pad_id=pad,
-                        embed=embed, warmup=warmup, method=args.method)
-    rows = [{"output_ids": o, "finish_reason": f, "target_forwards": fw, "accept_hist": h.tolist()}
-            for o, f, fw, h in zip(res.output_ids, res.finish_reasons, res.target_forwards,
-                                   res.accept_hist)]
+    res = spec.generate(
+        target.params,
+        target.cfg,
+        dparams,
+        dcfg,
+        vocab,
+        ids,
+        args.max_new_tokens,
+        _tree(args),
+        sampling,
+        args.seed,
+        max_context=max_context,
+        pad_id=pad,
+        embed=embed,
+        warmup=warmup,
+        method=args.method,
+    )
+    rows = [
+        {"output_ids": o, "finish_reason": f, "target_forwards": fw, "accept_hist": h.tolist()}
+        for o, f, fw, h in zip(
+            res.output_ids, res.finish_reasons, res.target_forwards, res.accept_hist
+        )
+    ]
     return rows, res.wall_time_s
 
 
@@ -110,10 +141,13 @@ def _decode(args) -> int:
     draft = load_draft_for(args, target)
     tok = target.tokenizer
     max_context = args.max_context or target.cfg.max_position_embeddings
-    print(f"loaded {target.path} ({target.cfg.family}, {target.cfg.num_layers} layers)"
-          f"{' + draft ' + str(args.draft) if draft[0] is not None else ''} "
-          f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    encode = (lambda msgs: encode_chat(tok, msgs, not args.no_chat_template))
+    print(
+        f"loaded {target.path} ({target.cfg.family}, {target.cfg.num_layers} layers)"
+        f"{' + draft ' + str(args.draft) if draft[0] is not None else ''} "
+        f"in {time.perf_counter() - t0:.1f}s",
+        file=sys.stderr,
+    )
+    encode = lambda msgs: encode_chat(tok, msgs, not args.no_chat_template)
 
     if args.chat:
         return _chat(args, target, draft, encode, sampling, max_context)
@@ -121,25 +155,45 @@ def _decode(args) -> int:
     records = []
     for batch in _batches(prompts, args.batch_size):
         ids = [encode(_messages(p.text, args.system)) for p in batch]
-        rows, wall = _run_batch(args, target, draft, ids, sampling, max_context,
-                                warmup=not args.no_warmup and not records)
+        rows, wall = _run_batch(
+            args,
+            target,
+            draft,
+            ids,
+            sampling,
+            max_context,
+            warmup=not args.no_warmup and not records,
+        )
         for p, pids, row in zip(batch, ids, rows):
             out = row["output_ids"]
             text = tok.decode(out, skip_special_tokens=True)
-            rec = {"id": p.id, "method": args.method, "prompt_ids": pids, "output_ids": out,
-                   "text": text, "new_tokens": len(out), "target_forwards": row["target_forwards"],
-                   "wall_time_s": wall, "finish_reason": row["finish_reason"],
-                   "tokens_per_s": len(out) / wall, "tau": tau(len(out), row["target_forwards"])}
+            rec = {
+                "id": p.id,
+                "method": args.method,
+                "prompt_ids": pids,
+                "output_ids": out,
+                "text": text,
+                "new_tokens": len(out),
+                "target_forwards": row["target_forwards"],
+                "wall_time_s": wall,
+                "finish_reason": row["finish_reason"],
+                "tokens_per_s": len(out) / wall,
+                "tau": tau(len(out), row["target_forwards"]),
+            }
             if row["accept_hist"] is not None:
                 rec["accept_hist"] = row["accept_hist"]
                 rec["acceptance_by_depth"] = acceptance_rates(np.asarray(row["accept_hist"]))
             records.append(rec)
             extra = ""
             if "acceptance_by_depth" in rec:
-                extra = " alpha by depth " + " ".join(f"{a:.2f}" for a in rec["acceptance_by_depth"])
-            print(f"### [{p.id}] {p.text[:80]}\n{text}\n"
-                  f"--- {len(out)} tokens in {wall:.2f}s = {rec['tokens_per_s']:.1f} tokens/s, "
-                  f"tau {rec['tau']:.2f}{extra} (batch {len(batch)}, {row['finish_reason']})\n")
+                extra = " alpha by depth " + " ".join(
+                    f"{a:.2f}" for a in rec["acceptance_by_depth"]
+                )
+            print(
+                f"### [{p.id}] {p.text[:80]}\n{text}\n"
+                f"--- {len(out)} tokens in {wall:.2f}s = {rec['tokens_per_s']:.1f} tokens/s, "
+                f"tau {rec['tau']:.2f}{extra} (batch {len(batch)}, {row['finish_reason']})\n"
+            )
     if args.json:
         # a JSON list, one record per line: easy to read and to diff
         Path(args.json).write_text("[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n")
@@ -148,7 +202,8 @@ def _decode(args) -> int:
 
 
 def _chat(args, target, draft, encode, sampling, max_context) -> int:
-    from eagle3_jax.decoding import plain, speculative as spec
+    from eagle3_jax.decoding import plain
+    from eagle3_jax.decoding import speculative as spec
 
     tok = target.tokenizer
     history = [{"role": "system", "content": args.system}] if args.system else []
@@ -164,25 +219,50 @@ def _chat(args, target, draft, encode, sampling, max_context) -> int:
         ids = encode(history)
         out, shown, rounds, t0 = [], "", 0, time.perf_counter()
         if args.method == "vanilla":
-            chunks = ([t] for t in plain.stream(target.params, target.cfg, ids, args.max_new_tokens,
-                                                sampling, args.seed, max_context=max_context))
+            chunks = (
+                [t]
+                for t in plain.stream(
+                    target.params,
+                    target.cfg,
+                    ids,
+                    args.max_new_tokens,
+                    sampling,
+                    args.seed,
+                    max_context=max_context,
+                )
+            )
         else:
             dparams, dcfg, vocab, embed = draft
-            chunks = spec.stream(target.params, target.cfg, dparams, dcfg, vocab, ids,
-                                 args.max_new_tokens, _tree(args), sampling, args.seed,
-                                 max_context=max_context, embed=embed, method=args.method)
+            chunks = spec.stream(
+                target.params,
+                target.cfg,
+                dparams,
+                dcfg,
+                vocab,
+                ids,
+                args.max_new_tokens,
+                _tree(args),
+                sampling,
+                args.seed,
+                max_context=max_context,
+                embed=embed,
+                method=args.method,
+            )
         try:
             for chunk in chunks:
                 rounds += 1
                 out.extend(chunk)
                 text = tok.decode(out, skip_special_tokens=True)
-                print(text[len(shown):], end="", flush=True)
+                print(text[len(shown) :], end="", flush=True)
                 shown = text
         except Eagle3Error as e:  # e.g. the conversation outgrew the context: say so, keep chatting
             print(f"error: {e}", file=sys.stderr)
             history.pop()
             continue
         dt = time.perf_counter() - t0
-        print(f"\n[{len(out)} tokens, {len(out) / dt:.1f} tokens/s, "
-              f"tau {spec.tau(len(out), rounds):.2f}]", file=sys.stderr)
+        print(
+            f"\n[{len(out)} tokens, {len(out) / dt:.1f} tokens/s, "
+            f"tau {spec.tau(len(out), rounds):.2f}]",
+            file=sys.stderr,
+        )
         history.append({"role": "assistant", "content": shown})

@@ -19,7 +19,13 @@ FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
 }
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "olmo2": "olmo2"}
+MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "olmo2": "olmo2",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +72,17 @@ class TargetConfig:
     def default_aux_layer_ids(self) -> tuple[int, ...]:
         """EAGLE-3's low/mid/high features: the inputs to layers 2, L//2 and L-3."""
         n = self.num_layers
-        return (2, n // 2, n - 3) if n >= 6 else tuple(sorted({min(1, n - 1), n // 2, max(n - 2, 0)}))
+        return (
+            (2, n // 2, n - 3) if n >= 6 else tuple(sorted({min(1, n - 1), n // 2, max(n - 2, 0)}))
+        )
 
     def check_aux_layer_ids(self, ids: tuple[int, ...]) -> tuple[int, ...]:
         """Aux ids index HF `hidden_states`: i in [0, L) is the input to layer i, L the final norm."""
         ids = tuple(int(i) for i in ids)
         if not ids:
-            raise Eagle3Error("aux layer ids are empty: name at least one target layer (e.g. 2,15,27)")
+            raise Eagle3Error(
+                "aux layer ids are empty: name at least one target layer (e.g. 2,15,27)"
+            )
         bad = [i for i in ids if not 0 <= i <= self.num_layers]
         if bad:
             raise Eagle3Error(

@@ -12,7 +12,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.errors import Eagle3Error
 
@@ -39,7 +40,9 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
     if model is None:
         model = len(devices) // data
     if data * model != len(devices) and data * model > len(devices):
-        raise Eagle3Error(f"mesh {data}x{model} needs {data * model} devices, {len(devices)} present")
+        raise Eagle3Error(
+            f"mesh {data}x{model} needs {data * model} devices, {len(devices)} present"
+        )
     grid = np.array(devices[: data * model]).reshape(data, model)
     return Mesh(grid, ("data", "model"))
 

@@ -108,12 +108,16 @@ def check(
     """Refuses a mapping of the wrong sizes or an inconsistent d2t/t2d pair (before any compute)."""
     d2t, t2d = np.asarray(vocab.d2t), np.asarray(vocab.t2d)
     if d2t.ndim != 1 or d2t.shape[0] != draft_vocab_size:
-        raise Eagle3Error(f"{where}: d2t has shape {d2t.shape}, expected [{draft_vocab_size}] "
-                          "(draft_vocab_size): the mapping belongs to another head; rebuild or "
-                          "reload it")
+        raise Eagle3Error(
+            f"{where}: d2t has shape {d2t.shape}, expected [{draft_vocab_size}] "
+            "(draft_vocab_size): the mapping belongs to another head; rebuild or "
+            "reload it"
+        )
     if t2d.ndim != 1 or t2d.shape[0] != vocab_size:
-        raise Eagle3Error(f"{where}: t2d has shape {t2d.shape}, expected [{vocab_size}] (the "
-                          "target vocab size): the mapping was built for another target vocabulary")
+        raise Eagle3Error(
+            f"{where}: t2d has shape {t2d.shape}, expected [{vocab_size}] (the "
+            "target vocab size): the mapping was built for another target vocabulary"
+        )
     if not np.issubdtype(d2t.dtype, np.integer):
         raise Eagle3Error(f"{where}: d2t must hold integer offsets, got dtype {d2t.dtype}")
     if t2d.dtype != np.bool_:
@@ -126,11 +130,17 @@ def check(
             f"{where}: d2t maps draft ids outside the target vocab 0..{vocab_size - 1}"
         )
     if np.any(np.diff(ids) <= 0):
-        raise Eagle3Error(f"{where}: d2t target ids are not strictly ascending: d2t must be "
-                          "offsets (target = draft + d2t[draft]) over target ids sorted ascending")
+        raise Eagle3Error(
+            f"{where}: d2t target ids are not strictly ascending: d2t must be "
+            "offsets (target = draft + d2t[draft]) over target ids sorted ascending"
+        )
     if int(t2d.sum()) != draft_vocab_size:
-        raise Eagle3Error(f"{where}: t2d marks {int(t2d.sum())} target ids, expected "
-                          f"{draft_vocab_size}: d2t and t2d come from different mappings")
+        raise Eagle3Error(
+            f"{where}: t2d marks {int(t2d.sum())} target ids, expected "
+            f"{draft_vocab_size}: d2t and t2d come from different mappings"
+        )
     if not t2d[ids].all():
-        raise Eagle3Error(f"{where}: t2d is not True at the target ids d2t names: d2t and t2d come "
-                          "from different mappings; rebuild them together")
+        raise Eagle3Error(
+            f"{where}: t2d is not True at the target ids d2t names: d2t and t2d come "
+            "from different mappings; rebuild them together"
+        )

@@ -12,9 +12,14 @@ import pytest  # noqa: E402
 FAMILY_CONFIGS = {
     "llama": dict(
         cls="LlamaConfig",
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64},
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     "mistral": dict(cls="MistralConfig", sliding_window=12),
     "qwen2": dict(cls="Qwen2Config"),
@@ -31,10 +36,20 @@ def tiny_hf_model(family: str, seed: int = 0, tie: bool = False, scale: float = 
 
     spec = dict(FAMILY_CONFIGS[family])
     cls = getattr(transformers, spec.pop("cls"))
-    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
-                pad_token_id=0)
+    base = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if family == "qwen2":
         base["use_sliding_window"] = False
     base.update(spec)
@@ -77,10 +92,17 @@ def write_tiny_tokenizer(directory, vocab_size: int = 97) -> None:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>", unk_token="<pad>")
-    tok.chat_template = ("{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
-                         "{% if add_generation_prompt %}<s> {% endif %}")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<pad>",
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}<s> {% endif %}"
+    )
     tok.save_pretrained(directory)
 
 

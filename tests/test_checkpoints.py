@@ -17,13 +17,17 @@ from eagle3_jax.sharding import make_mesh
 
 @pytest.mark.parametrize("data,model", [(1, 8), (2, 4)])
 def test_loading_onto_a_mesh_gives_the_same_logits(data, model, hf_checkpoint):
-    assert jax.device_count() >= 8, "tests expect XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    assert jax.device_count() >= 8, (
+        "tests expect XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    )
     _, path = hf_checkpoint("qwen2")
     params, cfg = load_hf(path)
     mesh = make_mesh(data, model)
     sharded, _ = load_hf(path, mesh=mesh)
     wq = sharded["layers"][0]["wq"]
-    assert len(wq.sharding.device_set) == 8 and wq.addressable_shards[0].data.shape[1] == 64 // model
+    assert (
+        len(wq.sharding.device_set) == 8 and wq.addressable_shards[0].data.shape[1] == 64 // model
+    )
     toks = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 16)), jnp.int32)
     ref = tgt.full_forward(params, toks, cfg, (2, 3))
     out = tgt.full_forward(sharded, toks, cfg, (2, 3))  # shardings travel with the arrays
@@ -58,8 +62,9 @@ def test_bad_checkpoints_get_clear_errors(tmp_path, hf_checkpoint):
         load_target(tmp_path / "empty")
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
-                                                   "model_type": "gpt2"}))
+    (gpt2 / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
     with pytest.raises(Eagle3Error, match="unsupported architecture"):
         load_target(gpt2)
     bad_gguf = tmp_path / "bad.gguf"

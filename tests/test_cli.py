@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 
 from eagle3_jax.checkpoints.eagle_format import save_draft
@@ -30,8 +29,13 @@ def head_dir(tiny_target_dir, tmp_path_factory):
     _, cfg = load_hf(tiny_target_dir)
     dcfg = drf.DraftConfig.from_target(cfg)
     d = tmp_path_factory.mktemp("head")
-    save_draft(d, drf.init_params(dcfg, jax.random.PRNGKey(3), scale=0.2), dcfg, identity(cfg.vocab_size),
-               dtype="float32")
+    save_draft(
+        d,
+        drf.init_params(dcfg, jax.random.PRNGKey(3), scale=0.2),
+        dcfg,
+        identity(cfg.vocab_size),
+        dtype="float32",
+    )
     return d
 
 
@@ -48,8 +52,17 @@ def test_vanilla_json_records(tiny_target_dir, tmp_path):
     recs = _records(out)
     assert [r["id"] for r in recs] == ["0", "1"]
     for r in recs:
-        assert set(r) >= {"id", "prompt_ids", "output_ids", "text", "new_tokens", "target_forwards",
-                          "wall_time_s", "tau", "finish_reason"}
+        assert set(r) >= {
+            "id",
+            "prompt_ids",
+            "output_ids",
+            "text",
+            "new_tokens",
+            "target_forwards",
+            "wall_time_s",
+            "tau",
+            "finish_reason",
+        }
         assert r["prompt_ids"][0] == 1 and r["prompt_ids"][-1] == 1  # the chat template was applied
         assert r["new_tokens"] == len(r["output_ids"]) <= 12 and r["tau"] == 1.0
 
@@ -57,14 +70,40 @@ def test_vanilla_json_records(tiny_target_dir, tmp_path):
 @pytest.mark.parametrize("method", ["eagle3", "pld"])
 def test_speculative_methods_reproduce_vanilla(method, tiny_target_dir, head_dir, tmp_path):
     qfile = tmp_path / "q.jsonl"
-    qfile.write_text("\n".join(json.dumps({"question_id": i, "turns": [p, "ignored"]})
-                               for i, p in enumerate(PROMPTS)))
-    common = ["--target", str(tiny_target_dir), "--prompt-file", str(qfile), "--max-new-tokens", "20",
-              "--batch-size", "2"]
+    qfile.write_text(
+        "\n".join(
+            json.dumps({"question_id": i, "turns": [p, "ignored"]}) for i, p in enumerate(PROMPTS)
+        )
+    )
+    common = [
+        "--target",
+        str(tiny_target_dir),
+        "--prompt-file",
+        str(qfile),
+        "--max-new-tokens",
+        "20",
+        "--batch-size",
+        "2",
+    ]
     assert run(*common, "--json", str(tmp_path / "v.json")) == 0
     extra = ["--draft", str(head_dir)] if method == "eagle3" else []
-    assert run(*common, "--method", method, *extra, "--top-k", "2", "--depth", "3", "--total-tokens",
-               "6", "--json", str(tmp_path / "s.json")) == 0
+    assert (
+        run(
+            *common,
+            "--method",
+            method,
+            *extra,
+            "--top-k",
+            "2",
+            "--depth",
+            "3",
+            "--total-tokens",
+            "6",
+            "--json",
+            str(tmp_path / "s.json"),
+        )
+        == 0
+    )
     van, sp = _records(tmp_path / "v.json"), _records(tmp_path / "s.json")
     assert [r["output_ids"] for r in sp] == [r["output_ids"] for r in van]
     assert all(len(r["acceptance_by_depth"]) == 3 and r["target_forwards"] >= 1 for r in sp)
@@ -77,8 +116,10 @@ def test_errors_are_one_line(tiny_target_dir, tmp_path, capsys):
         (["--target", str(tiny_target_dir), "--prompt", "w5 " * 300], "exceeds the context"),
         (["--target", str(tiny_target_dir), "--prompt", "  "], "is empty"),
         (["--target", str(tiny_target_dir), "--method", "pld", "--depth", "0"], "depth 0 < 1"),
-        (["--target", str(tiny_target_dir), "--method", "eagle3", "--draft", str(tmp_path)],
-         "config.json"),
+        (
+            ["--target", str(tiny_target_dir), "--method", "eagle3", "--draft", str(tmp_path)],
+            "config.json",
+        ),
     ]
     for argv, msg in cases:
         assert run(*argv) == 2
@@ -89,7 +130,19 @@ def test_errors_are_one_line(tiny_target_dir, tmp_path, capsys):
 def test_chat_streams_and_keeps_history(tiny_target_dir, head_dir, monkeypatch, capsys):
     lines = iter(["w5 w6 w7", "w9 w10", ""])
     monkeypatch.setattr("builtins.input", lambda _: next(lines))
-    assert run("--target", str(tiny_target_dir), "--chat", "--method", "eagle3", "--draft",
-               str(head_dir), "--max-new-tokens", "8") == 0
+    assert (
+        run(
+            "--target",
+            str(tiny_target_dir),
+            "--chat",
+            "--method",
+            "eagle3",
+            "--draft",
+            str(head_dir),
+            "--max-new-tokens",
+            "8",
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert err.count("tokens/s, tau") == 2

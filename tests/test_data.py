@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import write_tiny_tokenizer
+
 from eagle3_jax.data import dataset as dsm
 from eagle3_jax.data import masks
 from eagle3_jax.data.conversations import first_user_turns, read_conversations
@@ -46,15 +46,23 @@ def masked_runs(tokenizer, ids, mask):
 
 # ---- reading -------------------------------------------------------------------------------------
 
+
 def test_reads_sharegpt_json_array_skipping_malformed_records(tmp_path):
     recs = [
-        {"id": "a", "conversations": [{"from": "human", "value": "hi"},
-                                      {"from": "gpt", "value": "yo"}]},
-        {"id": "b", "conversations": [{"from": "system", "value": "be brief"},
-                                      {"from": "gpt", "value": "orphan"},  # dropped: no prompt
-                                      {"from": "human", "value": "q"},
-                                      {"from": "chatgpt", "value": "r"},
-                                      {"from": "bing", "value": "s"}]},
+        {
+            "id": "a",
+            "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}],
+        },
+        {
+            "id": "b",
+            "conversations": [
+                {"from": "system", "value": "be brief"},
+                {"from": "gpt", "value": "orphan"},  # dropped: no prompt
+                {"from": "human", "value": "q"},
+                {"from": "chatgpt", "value": "r"},
+                {"from": "bing", "value": "s"},
+            ],
+        },
         {"id": "c", "conversations": []},  # empty
         {"id": "d", "conversations": [{"from": "robot", "value": "x"}]},  # unknown role
         {"id": "e", "conversations": [{"from": "human", "value": 3}]},  # not text
@@ -68,16 +76,25 @@ def test_reads_sharegpt_json_array_skipping_malformed_records(tmp_path):
     convs, skipped = read_conversations(path)
     assert skipped == 5
     assert [c.id for c in convs] == ["a", "b", "a#2", "sg:8"]
-    assert convs[0].messages == [{"role": "user", "content": "hi"},
-                                 {"role": "assistant", "content": "yo"}]
+    assert convs[0].messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+    ]
     assert [m["role"] for m in convs[1].messages] == ["system", "user", "assistant", "assistant"]
     assert first_user_turns(convs) == [("a", "hi"), ("b", "q"), ("a#2", "again"), ("sg:8", "no id")]
 
 
 def test_reads_role_content_and_sharegpt_jsonl_with_bad_lines(tmp_path):
     lines = [
-        json.dumps({"id": 7, "messages": [{"role": "user", "content": "u"},
-                                          {"role": "assistant", "content": "v"}]}),
+        json.dumps(
+            {
+                "id": 7,
+                "messages": [
+                    {"role": "user", "content": "u"},
+                    {"role": "assistant", "content": "v"},
+                ],
+            }
+        ),
         '{"id": "cut", "messages": [{"role": "us',  # a partial line
         "",
         json.dumps({"id": "s", "conversations": [{"from": "human", "value": "w"}]}),
@@ -106,24 +123,33 @@ def test_unreadable_files_name_the_file(tmp_path):
 
 # ---- loss masks ----------------------------------------------------------------------------------
 
+
 def test_mask_is_exactly_the_answers_under_the_default_chatml_template(smollm2_tokenizer):
     tok = smollm2_tokenizer
     ids, mask = masks.tokenize_conversation(tok, TWO_TURNS, 4096)
     assert ids.dtype == np.int32 and mask.dtype == np.int8 and ids.shape == mask.shape
     assert ids.tolist() == masks.template_ids(tok, TWO_TURNS)
     assert masked_runs(tok, ids, mask) == [
-        "The capital of France is Paris.<|im_end|>", "Rome is the capital of Italy.<|im_end|>"]
+        "The capital of France is Paris.<|im_end|>",
+        "Rome is the capital of Italy.<|im_end|>",
+    ]
     # The template's inserted system prompt, user turns and headers are all unmasked.
     assert "You are a helpful AI assistant" in tok.decode(ids[mask == 0])
-    assert tok.decode(ids[mask == 1]) == ("The capital of France is Paris.<|im_end|>"
-                                          "Rome is the capital of Italy.<|im_end|>")
+    assert tok.decode(ids[mask == 1]) == (
+        "The capital of France is Paris.<|im_end|>Rome is the capital of Italy.<|im_end|>"
+    )
 
 
-def test_fallback_for_templates_that_rewrite_history_gives_the_same_mask(smollm2_tokenizer,
-                                                                       monkeypatch):
+def test_fallback_for_templates_that_rewrite_history_gives_the_same_mask(
+    smollm2_tokenizer, monkeypatch
+):
     tok = smollm2_tokenizer
-    convo = [{"role": "system", "content": "Answer in one word."}, *TWO_TURNS,
-             {"role": "user", "content": "Paris?"}, {"role": "assistant", "content": "Paris"}]
+    convo = [
+        {"role": "system", "content": "Answer in one word."},
+        *TWO_TURNS,
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": "Paris"},
+    ]
     ids, mask = masks.tokenize_conversation(tok, convo, 4096)
     monkeypatch.setattr(masks, "prefix_turn_bounds", lambda *a: None)
     ids2, mask2 = masks.tokenize_conversation(tok, convo, 4096)
@@ -133,8 +159,12 @@ def test_fallback_for_templates_that_rewrite_history_gives_the_same_mask(smollm2
 
 
 def test_mask_under_the_tiny_trivial_template_and_truncation(tiny_tokenizer):
-    convo = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7 w8"},
-             {"role": "user", "content": "w9"}, {"role": "assistant", "content": "w10"}]
+    convo = [
+        {"role": "user", "content": "w5 w6"},
+        {"role": "assistant", "content": "w7 w8"},
+        {"role": "user", "content": "w9"},
+        {"role": "assistant", "content": "w10"},
+    ]
     ids, mask = masks.tokenize_conversation(tiny_tokenizer, convo, 64)
     # "<s> w5 w6 </s> <s> w7 w8 </s> <s> w9 </s> <s> w10 </s>"
     assert ids.tolist() == [1, 5, 6, 2, 1, 7, 8, 2, 1, 9, 2, 1, 10, 2]
@@ -147,12 +177,15 @@ def test_mask_under_the_tiny_trivial_template_and_truncation(tiny_tokenizer):
 
 # ---- dataset -------------------------------------------------------------------------------------
 
+
 def test_build_save_load_and_empty_records(tiny_tokenizer, tmp_path):
     convs = [
         [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6 w7"}],
         [{"role": "user", "content": "w8"}],  # no answer: skipped
-        [{"role": "user", "content": " ".join(["w9"] * 7)},  # answer truncated away: skipped
-         {"role": "assistant", "content": "w4"}],
+        [
+            {"role": "user", "content": " ".join(["w9"] * 7)},  # answer truncated away: skipped
+            {"role": "assistant", "content": "w4"},
+        ],
         [{"role": "user", "content": "w8"}, {"role": "assistant", "content": "w4"}],
     ]
     ds = dsm.build_dataset(tiny_tokenizer, convs, max_len=8, progress=False)
@@ -176,11 +209,18 @@ def test_build_save_load_and_empty_records(tiny_tokenizer, tmp_path):
 
 def test_conversations_the_template_refuses_are_skipped(tiny_tokenizer):
     tok = copy.deepcopy(tiny_tokenizer)
-    tok.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}"
-                         "{% endif %}" + tiny_tokenizer.chat_template)
-    convs = [[{"role": "system", "content": "w3"}, {"role": "user", "content": "w5"},
-              {"role": "assistant", "content": "w6"}],
-             [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}]]
+    tok.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}"
+        "{% endif %}" + tiny_tokenizer.chat_template
+    )
+    convs = [
+        [
+            {"role": "system", "content": "w3"},
+            {"role": "user", "content": "w5"},
+            {"role": "assistant", "content": "w6"},
+        ],
+        [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}],
+    ]
     with pytest.raises(masks.UnrenderableConversation, match="user first"):
         masks.tokenize_conversation(tok, convs[0], 16)
     ds = dsm.build_dataset(tok, convs, max_len=16, progress=False)
@@ -191,7 +231,9 @@ def test_token_counts_on_a_hand_made_dataset():
     ds = dsm.TokenizedDataset(
         input_ids=np.array([[1, 5, 5, 7, 0], [1, 3, 7, 7, 7]], np.int32),
         loss_mask=np.array([[0, 1, 1, 1, 0], [0, 0, 1, 0, 1]], np.int8),
-        lengths=np.array([4, 5], np.int32), pad_id=0)
+        lengths=np.array([4, 5], np.int32),
+        pad_id=0,
+    )
     counts = dsm.token_counts(ds, 10)
     assert counts.tolist() == [0, 0, 0, 0, 0, 2, 0, 3, 0, 0]
     with pytest.raises(Eagle3Error, match="vocabulary"):
@@ -216,8 +258,10 @@ def test_batches_resume_and_shard():
     assert list(dsm.batches(ds, 3, seed=5, num_steps=1))[0].input_ids[:, 0].tolist() != firsts[0]
     ds12 = _numbered(12)
     whole = [b.input_ids[:, 0].tolist() for b in dsm.batches(ds12, 4, seed=1, num_steps=5)]
-    hosts = [[b.input_ids[:, 0].tolist() for b in dsm.batches(ds12, 4, 1, 0, p, 2, num_steps=5)]
-             for p in range(2)]
+    hosts = [
+        [b.input_ids[:, 0].tolist() for b in dsm.batches(ds12, 4, 1, 0, p, 2, num_steps=5)]
+        for p in range(2)
+    ]
     assert [h0 + h1 for h0, h1 in zip(*hosts)] == whole
     with pytest.raises(Eagle3Error, match="multiple"):
         next(dsm.batches(ds12, 3, 0, process_count=2))

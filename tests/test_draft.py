@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from reference_eagle3 import Eagle3Draft
 from safetensors.torch import save_file
 
 from eagle3_jax import vocab as vocab_lib
@@ -22,24 +23,42 @@ from eagle3_jax.config import RopeConfig, TargetConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as dr
 from eagle3_jax.sharding import make_mesh
-from reference_eagle3 import Eagle3Draft
 
 # A tiny head whose hidden size differs from its target's (so fc, target_hidden_size and the
 # head's own embedding are all exercised), with GQA and a 40-of-97 draft vocabulary.
 V, VD, D, HT, F, NH, NKV, HD, L = 97, 40, 64, 48, 96, 4, 2, 16, 8
 THEIR_AUX = [1, 3, 4]  # layer OUTPUTS in config.json ...
 OUR_AUX = (2, 4, 5)  # ... = inputs to layers 2, L//2, L-3 for L = 8
-TARGET = TargetConfig(family="llama", vocab_size=V, hidden_size=HT, intermediate_size=80,
-                      num_layers=L, num_heads=4, num_kv_heads=2, head_dim=12)
+TARGET = TargetConfig(
+    family="llama",
+    vocab_size=V,
+    hidden_size=HT,
+    intermediate_size=80,
+    num_layers=L,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=12,
+)
 DRAFT_IDS = np.sort(np.random.default_rng(7).choice(V, VD, replace=False))
 
 
 def _hf_config(**over):
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": D,
-           "intermediate_size": F, "num_attention_heads": NH, "num_key_value_heads": NKV,
-           "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": V, "draft_vocab_size": VD,
-           "target_hidden_size": HT, "rope_theta": 10000.0, "tie_word_embeddings": False,
-           "eagle_config": {"eagle_aux_hidden_state_layer_ids": THEIR_AUX}}
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": D,
+        "intermediate_size": F,
+        "num_attention_heads": NH,
+        "num_key_value_heads": NKV,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": V,
+        "draft_vocab_size": VD,
+        "target_hidden_size": HT,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": THEIR_AUX},
+    }
     cfg.update(over)
     return {k: v for k, v in cfg.items() if v is not None}
 
@@ -102,10 +121,19 @@ def test_forward_matches_pytorch_reference_two_step_chain(official_dir):
     m2 = np.concatenate([m1, np.broadcast_to(np.eye(t, dtype=bool), (b, t, t))], axis=-1)
 
     with torch.no_grad():
-        h1_ref, lg1_ref, kv = model(torch.from_numpy(feat), torch.from_numpy(toks1).long(),
-                                    torch.from_numpy(pos1.copy()).long(), torch.from_numpy(m1))
-        h2_ref, lg2_ref, _ = model(h1_ref, torch.from_numpy(toks2).long(),
-                                   torch.from_numpy(pos2.copy()).long(), torch.from_numpy(m2), kv)
+        h1_ref, lg1_ref, kv = model(
+            torch.from_numpy(feat),
+            torch.from_numpy(toks1).long(),
+            torch.from_numpy(pos1.copy()).long(),
+            torch.from_numpy(m1),
+        )
+        h2_ref, lg2_ref, _ = model(
+            h1_ref,
+            torch.from_numpy(toks2).long(),
+            torch.from_numpy(pos2.copy()).long(),
+            torch.from_numpy(m2),
+            kv,
+        )
 
     step = jax.jit(dr.forward, static_argnames=("cfg",))
     cache = dr.make_cache(cfg, b, s)
@@ -114,8 +142,17 @@ def test_forward_matches_pytorch_reference_two_step_chain(official_dir):
     mask2 = np.zeros((b, t, s), bool)
     mask2[:, :, : 2 * t] = m2
     out1 = step(params, embed, toks1, feat, pos1, mask1, cfg, cache, jnp.zeros((b,), jnp.int32))
-    out2 = step(params, embed, toks2, out1.hidden, pos2, mask2, cfg, out1.cache,
-                jnp.full((b,), t, jnp.int32))
+    out2 = step(
+        params,
+        embed,
+        toks2,
+        out1.hidden,
+        pos2,
+        mask2,
+        cfg,
+        out1.cache,
+        jnp.full((b,), t, jnp.int32),
+    )
     tol = dict(rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out1.hidden, h1_ref.numpy(), **tol)
     np.testing.assert_allclose(out1.logits, lg1_ref.numpy(), **tol)
@@ -170,8 +207,9 @@ def test_import_export_import_round_trip(official_dir, tmp_path):
     # Saving over an existing head replaces it; bf16 export rounds each weight once.
     ef.save_draft(tmp_path / "out", first[0], first[1], first[2], dtype="bfloat16", embed=first[3])
     third = ef.load_draft(tmp_path / "out", TARGET)
-    rounded = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32),
-                           first[0])
+    rounded = jax.tree.map(
+        lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32), first[0]
+    )
     jax.tree.map(np.testing.assert_array_equal, rounded, third[0])
     assert not list(tmp_path.glob(".out.*"))  # no temporary directory left behind
 
@@ -187,8 +225,12 @@ def test_load_onto_a_mesh_places_each_tensor_on_its_sharding(official_dir):
 
 def test_aux_layer_id_conventions(tmp_path):
     # config.json names layer outputs [1, L//2-1, L-4]: ours are the inputs (2, L//2, L-3).
-    p = _write_official(tmp_path / "a", config=_hf_config(
-        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, L // 2 - 1, L - 4]}))
+    p = _write_official(
+        tmp_path / "a",
+        config=_hf_config(
+            eagle_config={"eagle_aux_hidden_state_layer_ids": [1, L // 2 - 1, L - 4]}
+        ),
+    )
     assert ef.load_draft(p, TARGET)[1].aux_layer_ids == TARGET.default_aux_layer_ids() == (2, 4, 5)
     # Absent: the target's defaults.
     p = _write_official(tmp_path / "b", config=_hf_config(eagle_config=None))
@@ -204,12 +246,14 @@ def test_aux_layer_id_conventions(tmp_path):
 
 
 def test_full_vocab_head_has_no_mapping_and_rope_survives(tmp_path):
-    cfg = dr.DraftConfig.from_target(TARGET, rope=RopeConfig(theta=5e5, kind="llama3", factor=8.0,
-                                                             original_max_position=64))
+    cfg = dr.DraftConfig.from_target(
+        TARGET, rope=RopeConfig(theta=5e5, kind="llama3", factor=8.0, original_max_position=64)
+    )
     params = dr.init_params(cfg, jax.random.key(0))
     ef.save_draft(tmp_path / "full", params, cfg, vocab_lib.identity(V), dtype="float32")
     assert not {"d2t", "t2d", "embed_tokens.weight"} & set(
-        read_safetensors(tmp_path / "full" / "model.safetensors"))
+        read_safetensors(tmp_path / "full" / "model.safetensors")
+    )
     p2, cfg2, voc2, embed = ef.load_draft(tmp_path / "full", TARGET)
     assert cfg2 == cfg and voc2.is_identity and embed is None
     jax.tree.map(np.testing.assert_array_equal, params, p2)
@@ -242,11 +286,25 @@ def test_wrong_shapes_are_refused(tmp_path):
     with pytest.raises(Eagle3Error, match=r"layer.wq has shape \(128, 8\)"):
         dr.check_params(bad, cfg)
     with pytest.raises(Eagle3Error, match="feature width 50"):
-        dr.forward(params, embed, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2, 50)),
-                   jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2, 2), bool), cfg)
+        dr.forward(
+            params,
+            embed,
+            jnp.zeros((1, 2), jnp.int32),
+            jnp.zeros((1, 2, 50)),
+            jnp.zeros((1, 2), jnp.int32),
+            jnp.ones((1, 2, 2), bool),
+            cfg,
+        )
     with pytest.raises(Eagle3Error, match=r"embedding has shape \(97, 48\)"):
-        dr.forward(params, jnp.zeros((V, HT)), jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2, D)),
-                   jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2, 2), bool), cfg)
+        dr.forward(
+            params,
+            jnp.zeros((V, HT)),
+            jnp.zeros((1, 2), jnp.int32),
+            jnp.zeros((1, 2, D)),
+            jnp.zeros((1, 2), jnp.int32),
+            jnp.ones((1, 2, 2), bool),
+            cfg,
+        )
 
 
 def test_wrong_draft_vocab_size_is_refused(tmp_path):
@@ -289,47 +347,82 @@ def test_mapping_inconsistent_with_target_is_refused(tmp_path):
     with pytest.raises(Eagle3Error, match="no embed_tokens.weight"):
         ef.check_compatible(cfg, voc, TARGET)
     with pytest.raises(Eagle3Error, match=r"t2d has shape \(97,\), expected \[101\]"):
-        ef.check_compatible(dataclasses.replace(cfg, vocab_size=101), voc,
-                            dataclasses.replace(TARGET, vocab_size=101), embed)
+        ef.check_compatible(
+            dataclasses.replace(cfg, vocab_size=101),
+            voc,
+            dataclasses.replace(TARGET, vocab_size=101),
+            embed,
+        )
 
 
 # ----------------------------------------------------------------------------- (d) full size
 
 
 def test_llama31_8b_head_has_the_published_shapes():
-    target = TargetConfig(family="llama", vocab_size=128256, hidden_size=4096,
-                          intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                          head_dim=128)
+    target = TargetConfig(
+        family="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+    )
     cfg = dr.DraftConfig.from_target(target, draft_vocab_size=32000)
     assert cfg.aux_layer_ids == (2, 16, 29) and cfg.rope == RopeConfig(theta=10000.0)
-    shapes = jax.eval_shape(functools.partial(dr.init_params, cfg, dtype=jnp.bfloat16),
-                            jax.random.key(0))
+    shapes = jax.eval_shape(
+        functools.partial(dr.init_params, cfg, dtype=jnp.bfloat16), jax.random.key(0)
+    )
     published = {  # PyTorch [out, in] shapes of the released Llama-3.1-8B EAGLE-3 head
-        "fc.weight": (4096, 12288), "midlayer.self_attn.q_proj.weight": (4096, 8192),
+        "fc.weight": (4096, 12288),
+        "midlayer.self_attn.q_proj.weight": (4096, 8192),
         "midlayer.self_attn.k_proj.weight": (1024, 8192),
         "midlayer.self_attn.v_proj.weight": (1024, 8192),
         "midlayer.self_attn.o_proj.weight": (4096, 4096),
         "midlayer.mlp.gate_proj.weight": (14336, 4096),
         "midlayer.mlp.down_proj.weight": (4096, 14336),
-        "lm_head.weight": (32000, 4096), "norm.weight": (4096,), "d2t": (32000,), "t2d": (128256,),
+        "lm_head.weight": (32000, 4096),
+        "norm.weight": (4096,),
+        "d2t": (32000,),
+        "t2d": (128256,),
     }
     official = ef.official_shapes(cfg)
     for name, shape in published.items():
         assert official[name] == shape, name
-    ours = {"fc": shapes["fc"].shape, "wq": shapes["layer"]["wq"].shape,
-            "wk": shapes["layer"]["wk"].shape, "lm_head": shapes["lm_head"].shape}
-    assert ours == {"fc": (12288, 4096), "wq": (8192, 4096), "wk": (8192, 1024),
-                    "lm_head": (4096, 32000)}
+    ours = {
+        "fc": shapes["fc"].shape,
+        "wq": shapes["layer"]["wq"].shape,
+        "wk": shapes["layer"]["wk"].shape,
+        "lm_head": shapes["lm_head"].shape,
+    }
+    assert ours == {
+        "fc": (12288, 4096),
+        "wq": (8192, 4096),
+        "wk": (8192, 1024),
+        "lm_head": (4096, 32000),
+    }
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(shapes))
     out = jax.eval_shape(
-        functools.partial(dr.forward, cfg=cfg), shapes,
-        jax.ShapeDtypeStruct((128256, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((1, 5), jnp.int32),
-        jax.ShapeDtypeStruct((1, 5, 12288), jnp.bfloat16), jax.ShapeDtypeStruct((1, 5), jnp.int32),
-        jax.ShapeDtypeStruct((1, 5, 5), jnp.bool_))
+        functools.partial(dr.forward, cfg=cfg),
+        shapes,
+        jax.ShapeDtypeStruct((128256, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, 5), jnp.int32),
+        jax.ShapeDtypeStruct((1, 5, 12288), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, 5), jnp.int32),
+        jax.ShapeDtypeStruct((1, 5, 5), jnp.bool_),
+    )
     assert out.hidden.shape == (1, 5, 4096) and out.logits.shape == (1, 5, 32000)
     # fc + q + k,v + o + mlp + 4 norms + lm_head
-    assert dr.num_params(shapes) == (12288 * 4096 + 8192 * 4096 + 2 * 8192 * 1024 + 4096 * 4096
-                                     + 3 * 4096 * 14336 + 4 * 4096 + 4096 * 32000)
+    assert dr.num_params(shapes) == (
+        12288 * 4096
+        + 8192 * 4096
+        + 2 * 8192 * 1024
+        + 4096 * 4096
+        + 3 * 4096 * 14336
+        + 4 * 4096
+        + 4096 * 32000
+    )
 
 
 # ----------------------------------------------------------------------------- (e) vocab
@@ -354,8 +447,9 @@ def test_build_from_counts_pads_with_low_ids_like_specforge():
     # 3 seen ids + the smallest of 0..5 not already used (0, 1, 3).
     np.testing.assert_array_equal(vocab_lib.target_ids(voc), [0, 1, 2, 3, 9, 11])
     vocab_lib.check(voc, 12, 6)
-    np.testing.assert_array_equal(vocab_lib.target_ids(vocab_lib.build_from_counts(np.zeros(5), 3)),
-                                  [0, 1, 2])
+    np.testing.assert_array_equal(
+        vocab_lib.target_ids(vocab_lib.build_from_counts(np.zeros(5), 3)), [0, 1, 2]
+    )
     with pytest.raises(Eagle3Error, match="between 1 and the target vocab size 5"):
         vocab_lib.build_from_counts(np.ones(5), 6)
     with pytest.raises(Eagle3Error, match="non-negative"):
@@ -373,4 +467,3 @@ def test_vocab_check_and_identity():
     voc = vocab_lib.from_target_ids([1, 4, 6], 8)
     f = jax.jit(dr.draft_to_target_ids)
     np.testing.assert_array_equal(f(jnp.array([[0, 2, 1]], jnp.int32), voc), [[1, 6, 4]])
-

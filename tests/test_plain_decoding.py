@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
-
 from conftest import FAMILIES
+
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding.sampling import Sampling
@@ -18,9 +18,15 @@ def _prompts(v, lengths, seed=0):
 
 def _hf_greedy(model, prompt, n):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                             pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            min_new_tokens=n,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -40,7 +46,9 @@ def test_batch_rows_stop_independently_and_match_batch_one(hf_checkpoint):
     params, cfg = load_hf(path)
     prompts = _prompts(cfg.vocab_size, [4, 9, 13, 6], seed=3)
     single = [plain.generate(params, cfg, [p], 16, eos_ids=()).output_ids[0] for p in prompts]
-    eos = single[1][5]  # row 1 must stop at its 6th token; the others keep going or stop on their own
+    eos = single[1][
+        5
+    ]  # row 1 must stop at its 6th token; the others keep going or stop on their own
     batch = plain.generate(params, cfg, prompts, 16, eos_ids=(eos,))
     for got, ref in zip(batch.output_ids, single):
         expect = ref[: ref.index(eos) + 1] if eos in ref else ref

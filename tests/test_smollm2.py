@@ -10,8 +10,11 @@ from eagle3_jax.prompts import encode_chat
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-           "List three uses of a paperclip."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +33,10 @@ def test_greedy_is_token_identical_to_transformers(smollm2):
     ours = plain.generate(target.params, target.cfg, ids, 48, pad_id=2)
     for p, got in zip(ids, ours.output_ids):
         with torch.no_grad():
-            out = ref.generate(torch.tensor([p]), max_new_tokens=48, do_sample=False, pad_token_id=2)
-        assert got == out[0, len(p):].tolist()
+            out = ref.generate(
+                torch.tensor([p]), max_new_tokens=48, do_sample=False, pad_token_id=2
+            )
+        assert got == out[0, len(p) :].tolist()
 
 
 def test_config_and_tokenizer_of_the_default(smollm2):

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from eagle3_jax.checkpoints.hf import load_hf
-from eagle3_jax.decoding import plain, speculative as spec
+from eagle3_jax.decoding import plain
+from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
-from eagle3_jax.vocab import build_from_counts, identity
+from eagle3_jax.vocab import build_from_counts
 
 CHAIN = spec.TreeConfig(top_k=1, depth=4, total_tokens=5)
 TREE = spec.TreeConfig(top_k=3, depth=3, total_tokens=9)
@@ -52,8 +53,18 @@ def test_baselines_in_the_same_engine_are_exact(setup, method):
     base = _prompts(cfg.vocab_size, [6], seed=7)[0]
     prompts = [base * 3, _prompts(cfg.vocab_size, [9], seed=8)[0]]
     ref = plain.generate(params, cfg, prompts, 30, eos_ids=())
-    out = spec.generate(params, cfg, None, None, None, prompts, 30, spec.TreeConfig(1, 5, 6),
-                        eos_ids=(), method=method)
+    out = spec.generate(
+        params,
+        cfg,
+        None,
+        None,
+        None,
+        prompts,
+        30,
+        spec.TreeConfig(1, 5, 6),
+        eos_ids=(),
+        method=method,
+    )
     assert out.output_ids == ref.output_ids
     if method == "vanilla":
         assert out.target_forwards == [30, 30] and out.accept_hist[:, 1:].sum() == 0
@@ -87,8 +98,18 @@ def test_long_acceptances_keep_the_cache_exact(setup):
     for i, r in enumerate(ref.output_ids):
         table[i, : len(r)] = r
     drafter = _oracle_drafter(noise_every=3)
-    out = spec.generate(params, cfg, {"ref": jnp.asarray(table)}, None, None, prompts, 48,
-                        spec.TreeConfig(1, 5, 6), eos_ids=(), method=drafter)
+    out = spec.generate(
+        params,
+        cfg,
+        {"ref": jnp.asarray(table)},
+        None,
+        None,
+        prompts,
+        48,
+        spec.TreeConfig(1, 5, 6),
+        eos_ids=(),
+        method=drafter,
+    )
     assert out.output_ids == ref.output_ids
     assert out.accept_hist[:, 5].sum() > 0 and out.accept_hist[:, 2].sum() > 0
     tau = [48 / f for f in out.target_forwards]
@@ -99,10 +120,26 @@ def test_tree_logits_equal_path_forward(setup):
     """Verification's logits at every tree node equal a plain forward along its root-to-node path."""
     params, cfg, dparams, dcfg, vocab = setup
     prompt = _prompts(cfg.vocab_size, [9], seed=21)
-    shape = plain.plan_shape([9], 16, cfg.max_position_embeddings, extra_slots=TREE.total_tokens + 1)
+    shape = plain.plan_shape(
+        [9], 16, cfg.max_position_embeddings, extra_slots=TREE.total_tokens + 1
+    )
     toks, lengths = plain.pad_prompts(prompt, shape, 0)
-    state = spec.prefill(params, dparams, params["embed"], vocab, toks, lengths, np.array([16]),
-                         jax.random.PRNGKey(0), cfg, dcfg, shape, TREE, Sampling(), ())
+    state = spec.prefill(
+        params,
+        dparams,
+        params["embed"],
+        vocab,
+        toks,
+        lengths,
+        np.array([16]),
+        jax.random.PRNGKey(0),
+        cfg,
+        dcfg,
+        shape,
+        TREE,
+        Sampling(),
+        (),
+    )
     trees, _ = spec.eagle3_drafter(dparams, params["embed"], vocab, state, dcfg, shape, TREE)
     out = spec.verify(params, trees, state, cfg, dcfg, shape)
     tokens, parent = np.asarray(trees.tokens[0]), np.asarray(trees.parent[0])
@@ -125,11 +162,22 @@ def test_draft_cache_equals_a_fresh_encode_of_the_sequence(setup):
     sequence at once would: the re-encode of newly accepted tokens is right."""
     params, cfg, dparams, dcfg, vocab = setup
     prompt = _prompts(cfg.vocab_size, [8], seed=5)
-    shape = plain.plan_shape([8], 32, cfg.max_position_embeddings, extra_slots=TREE.total_tokens + 1)
+    shape = plain.plan_shape(
+        [8], 32, cfg.max_position_embeddings, extra_slots=TREE.total_tokens + 1
+    )
     toks, lengths = plain.pad_prompts(prompt, shape, 0)
     args = (cfg, dcfg, shape, TREE, Sampling(), ())
-    state = spec.prefill(params, dparams, params["embed"], vocab, toks, lengths, np.array([32]),
-                         jax.random.PRNGKey(0), *args)
+    state = spec.prefill(
+        params,
+        dparams,
+        params["embed"],
+        vocab,
+        toks,
+        lengths,
+        np.array([32]),
+        jax.random.PRNGKey(0),
+        *args,
+    )
     state = spec.decode_loop(params, dparams, params["embed"], vocab, state, *args)
     n = int(state.num_new[0])
     seq = prompt[0] + list(map(int, state.tokens[0, :n]))
@@ -140,18 +188,41 @@ def test_draft_cache_equals_a_fresh_encode_of_the_sequence(setup):
     pos = jnp.arange(t)[None]
     mask = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
     kv = drf.make_cache(dcfg, 1, t, jnp.float32)
-    ref = drf.forward(dparams, params["embed"], jnp.asarray([seq[1:]]), feats[:, :t], pos, mask, dcfg,
-                      kv, jnp.zeros((1,), jnp.int32), target_features=True)
-    np.testing.assert_allclose(state.dcache["k"][0, :done], ref.cache["k"][0, :done], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(state.dcache["v"][0, :done], ref.cache["v"][0, :done], rtol=1e-4, atol=1e-4)
+    ref = drf.forward(
+        dparams,
+        params["embed"],
+        jnp.asarray([seq[1:]]),
+        feats[:, :t],
+        pos,
+        mask,
+        dcfg,
+        kv,
+        jnp.zeros((1,), jnp.int32),
+        target_features=True,
+    )
+    np.testing.assert_allclose(
+        state.dcache["k"][0, :done], ref.cache["k"][0, :done], rtol=1e-4, atol=1e-4
+    )
+    np.testing.assert_allclose(
+        state.dcache["v"][0, :done], ref.cache["v"][0, :done], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_one_compilation_for_a_whole_generation(setup):
     params, cfg, dparams, dcfg, vocab = setup
     before = spec.decode_loop._cache_size(), spec.prefill._cache_size()
     for n, new in ((4, 20), (13, 33), (30, 50)):  # same prompt / cache / max-new buckets
-        spec.generate(params, cfg, dparams, dcfg, vocab, _prompts(cfg.vocab_size, [n], seed=n), new,
-                      TREE, eos_ids=())
+        spec.generate(
+            params,
+            cfg,
+            dparams,
+            dcfg,
+            vocab,
+            _prompts(cfg.vocab_size, [n], seed=n),
+            new,
+            TREE,
+            eos_ids=(),
+        )
     after = spec.decode_loop._cache_size(), spec.prefill._cache_size()
     assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1
 
@@ -161,9 +232,11 @@ def test_bad_tree_shapes_are_refused(setup):
     from eagle3_jax.errors import Eagle3Error
 
     p = _prompts(cfg.vocab_size, [5])
-    for tree, msg in [(spec.TreeConfig(2, 2, 9), "total_tokens 9 must be"),
-                      (spec.TreeConfig(61, 2, 8), "exceeds the draft vocabulary"),
-                      (spec.TreeConfig(2, 0, 3), "depth 0 < 1")]:
+    for tree, msg in [
+        (spec.TreeConfig(2, 2, 9), "total_tokens 9 must be"),
+        (spec.TreeConfig(61, 2, 8), "exceeds the draft vocabulary"),
+        (spec.TreeConfig(2, 0, 3), "depth 0 < 1"),
+    ]:
         with pytest.raises(Eagle3Error, match=msg):
             spec.generate(params, cfg, dparams, dcfg, vocab, p, 8, tree)
     with pytest.raises(Eagle3Error, match="needs a draft head"):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from eagle3_jax.config import TargetConfig
-from eagle3_jax.decoding import acceptance, plain, speculative as spec
+from eagle3_jax.decoding import acceptance, plain
+from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
@@ -36,8 +37,17 @@ def _homogeneity(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = TargetConfig(family="llama", vocab_size=6, hidden_size=32, intermediate_size=48, num_layers=3,
-                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    cfg = TargetConfig(
+        family="llama",
+        vocab_size=6,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
     params = tgt.init_params(cfg, jax.random.PRNGKey(1), scale=0.5)
     dcfg = drf.DraftConfig.from_target(cfg, aux_layer_ids=(0, 1, 2))
     dparams = drf.init_params(dcfg, jax.random.PRNGKey(2), scale=0.5)
@@ -56,13 +66,21 @@ def _run(tiny, sampling, seed):
     params, cfg, dparams, dcfg, vocab = tiny
     prompts = [[1, 3, 2, 4]] * ROWS
     ref = plain.generate(params, cfg, prompts, 3, sampling, seed=seed, eos_ids=())
-    out = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 3, TREE, sampling, seed=seed + 1,
-                        eos_ids=())
-    return _pair_counts(ref.output_ids, cfg.vocab_size), _pair_counts(out.output_ids, cfg.vocab_size), out
+    out = spec.generate(
+        params, cfg, dparams, dcfg, vocab, prompts, 3, TREE, sampling, seed=seed + 1, eos_ids=()
+    )
+    return (
+        _pair_counts(ref.output_ids, cfg.vocab_size),
+        _pair_counts(out.output_ids, cfg.vocab_size),
+        out,
+    )
 
 
-@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(1.3, top_k=4, top_p=0.9)],
-                         ids=["t1", "t1.3-topk-topp"])
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(temperature=1.0), Sampling(1.3, top_k=4, top_p=0.9)],
+    ids=["t1", "t1.3-topk-topp"],
+)
 def test_sampling_matches_plain_sampling(tiny, sampling):
     a, b, out = _run(tiny, sampling, seed=0)
     stat, df = _homogeneity(a, b)

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
 from conftest import FAMILIES
+
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
@@ -29,8 +29,9 @@ def test_logits_and_hidden_states_match_transformers(family, hf_checkpoint):
     d = cfg.hidden_size
     for i in aux_ids:
         ours = np.asarray(out.aux[..., i * d : (i + 1) * d])
-        np.testing.assert_allclose(ours, ref.hidden_states[i].numpy(), rtol=1e-4, atol=1e-4,
-                                   err_msg=f"hidden_states[{i}]")
+        np.testing.assert_allclose(
+            ours, ref.hidden_states[i].numpy(), rtol=1e-4, atol=1e-4, err_msg=f"hidden_states[{i}]"
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -47,13 +48,29 @@ def test_prefill_then_stepwise_decode_equals_full_forward(family, hf_checkpoint)
         cache = tgt.make_cache(cfg, b, s, stacked=stacked)
         cursor = jnp.zeros((b,), jnp.int32)
         pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
-        out = step(p, toks[:, :prompt], pos, causal_mask(cursor, prompt, s, cfg.sliding_window), cfg,
-                   cache, cursor, aux_ids)
+        out = step(
+            p,
+            toks[:, :prompt],
+            pos,
+            causal_mask(cursor, prompt, s, cfg.sliding_window),
+            cfg,
+            cache,
+            cursor,
+            aux_ids,
+        )
         logits, aux = [out.logits], [out.aux]
         cache, cursor = out.cache, cursor + prompt
         for i in range(prompt, t):
-            out = step(p, toks[:, i : i + 1], cursor[:, None], causal_mask(cursor, 1, s, cfg.sliding_window),
-                       cfg, out.cache, cursor, aux_ids)
+            out = step(
+                p,
+                toks[:, i : i + 1],
+                cursor[:, None],
+                causal_mask(cursor, 1, s, cfg.sliding_window),
+                cfg,
+                out.cache,
+                cursor,
+                aux_ids,
+            )
             logits.append(out.logits)
             aux.append(out.aux)
             cursor = cursor + 1

@@ -18,20 +18,30 @@ def test_every_config_loads(path):
 
 
 def test_overrides_use_field_types():
-    cfg = load_config(CONFIGS[0], ["--config.lr=2e-4", "--config.aux_layer_ids=1,5,9",
-                                   "--config.regenerate=false", "--config.target=none",
-                                   "--config.ttt_steps=3"])
+    cfg = load_config(
+        CONFIGS[0],
+        [
+            "--config.lr=2e-4",
+            "--config.aux_layer_ids=1,5,9",
+            "--config.regenerate=false",
+            "--config.target=none",
+            "--config.ttt_steps=3",
+        ],
+    )
     assert cfg.lr == 2e-4 and cfg.aux_layer_ids == (1, 5, 9) and cfg.regenerate is False
     assert cfg.target is None and cfg.ttt_steps == 3
 
 
-@pytest.mark.parametrize("override,msg", [
-    ("--config.nope=1", "unknown config field"),
-    ("--config.lr=fast", "not a valid"),
-    ("--config.ttt_steps=0", "ttt_steps 0 < 1"),
-    ("--config.features=disk", "use online or offline"),
-    ("lr=1", "bad override"),
-])
+@pytest.mark.parametrize(
+    "override,msg",
+    [
+        ("--config.nope=1", "unknown config field"),
+        ("--config.lr=fast", "not a valid"),
+        ("--config.ttt_steps=0", "ttt_steps 0 < 1"),
+        ("--config.features=disk", "use online or offline"),
+        ("lr=1", "bad override"),
+    ],
+)
 def test_bad_overrides(override, msg):
     with pytest.raises(Eagle3Error, match=msg):
         load_config(CONFIGS[0], [override])

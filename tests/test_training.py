@@ -1,9 +1,9 @@
 """Training end to end on a tiny target: it learns, resumes exactly, shards, online == offline."""
 
+import dataclasses
 import json
 from pathlib import Path
 
-import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,21 +22,33 @@ def _conversations(path: Path, n: int = 12, seed: int = 0) -> Path:
     for i in range(n):
         q = " ".join(f"w{x}" for x in rng.integers(3, 97, 6))
         a = " ".join(f"w{x}" for x in rng.integers(3, 97, 14))
-        recs.append({"id": f"c{i}", "conversations": [{"from": "human", "value": q},
-                                                       {"from": "gpt", "value": a}]})
+        recs.append(
+            {
+                "id": f"c{i}",
+                "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}],
+            }
+        )
     path.write_text(json.dumps(recs))
     return path
 
 
 def _cfg(tiny_target_dir, tmp_path, *overrides):
     data = _conversations(tmp_path / "data.json")
-    return load_config(ROOT / "configs/tiny.py", [f"--config.target={tiny_target_dir}",
-                                                  f"--config.data={data}",
-                                                  f"--config.out_dir={tmp_path / 'run'}", *overrides])
+    return load_config(
+        ROOT / "configs/tiny.py",
+        [
+            f"--config.target={tiny_target_dir}",
+            f"--config.data={data}",
+            f"--config.out_dir={tmp_path / 'run'}",
+            *overrides,
+        ],
+    )
 
 
 def _losses(run_dir):
-    return [json.loads(x)["loss"] for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(x)["loss"] for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
@@ -44,19 +56,33 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
 
     # full draft vocabulary: the data are not regenerated here, so a reduced vocabulary built from
     # them would miss many of the target's argmax tokens and cap acc_0 well below 1
-    tc = _cfg(sharp_target_dir, tmp_path, "--config.max_steps=160", "--config.lr=1e-2",
-              "--config.log_every=20", "--config.save_every=80", "--config.ttt_steps=2",
-              "--config.draft_vocab_size=97")
+    tc = _cfg(
+        sharp_target_dir,
+        tmp_path,
+        "--config.max_steps=160",
+        "--config.lr=1e-2",
+        "--config.log_every=20",
+        "--config.save_every=80",
+        "--config.ttt_steps=2",
+        "--config.draft_vocab_size=97",
+    )
     summary = train(tc, progress=False)
-    accs = [json.loads(x)["acc_0"] for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    accs = [
+        json.loads(x)["acc_0"] for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()
+    ]
     assert accs[0] < 0.6 and accs[-1] > 0.9, accs
     params, dcfg, vocab, _ = load_draft(summary["head"])
     assert dcfg.draft_vocab_size == 97 and vocab.is_identity
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
-    full = _cfg(tiny_target_dir, tmp_path, "--config.max_steps=10", "--config.save_every=4",
-                f"--config.out_dir={tmp_path / 'a'}")
+    full = _cfg(
+        tiny_target_dir,
+        tmp_path,
+        "--config.max_steps=10",
+        "--config.save_every=4",
+        f"--config.out_dir={tmp_path / 'a'}",
+    )
     train(full, progress=False)
     part = dataclasses.replace(full, out_dir=str(tmp_path / "b"))
     # an interruption after the step-4 checkpoint: run to step 6, then drop the checkpoints past 4
@@ -70,10 +96,17 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
 def test_online_and_offline_features_give_the_same_losses(tiny_target_dir, tmp_path):
     from eagle3_jax.training.loop import precompute_features
 
-    online = _cfg(tiny_target_dir, tmp_path, "--config.max_steps=4", f"--config.out_dir={tmp_path / 'on'}")
+    online = _cfg(
+        tiny_target_dir, tmp_path, "--config.max_steps=4", f"--config.out_dir={tmp_path / 'on'}"
+    )
     train(online, progress=False)
-    offline = dataclasses.replace(online, out_dir=str(tmp_path / "off"), features="offline",
-                                  features_dir=str(tmp_path / "feats"), feature_layers=(1, 2, 3, 4))
+    offline = dataclasses.replace(
+        online,
+        out_dir=str(tmp_path / "off"),
+        features="offline",
+        features_dir=str(tmp_path / "feats"),
+        feature_layers=(1, 2, 3, 4),
+    )
     precompute_features(offline, progress=False)
     train(offline, progress=False)
     np.testing.assert_allclose(_losses(tmp_path / "off"), _losses(tmp_path / "on"), rtol=1e-5)
@@ -98,9 +131,11 @@ def test_sharded_loss_and_gradients_equal_single_device(tiny_target_dir):
     dsharded = jax.tree.map(jax.device_put, dparams, drf.param_shardings(dcfg, mesh))
     rng = np.random.default_rng(0)
     lengths = np.array([20, 13, 24, 7])
-    batch = {"input_ids": rng.integers(3, 97, (4, 24)).astype(np.int32),
-             "loss_mask": (rng.random((4, 24)) < 0.6).astype(np.float32),
-             "attention_mask": (np.arange(24)[None] < lengths[:, None]).astype(np.int32)}
+    batch = {
+        "input_ids": rng.integers(3, 97, (4, 24)).astype(np.int32),
+        "loss_mask": (rng.random((4, 24)) < 0.6).astype(np.float32),
+        "attention_mask": (np.arange(24)[None] < lengths[:, None]).astype(np.int32),
+    }
     t2d = jnp.ones((cfg.vocab_size,), bool)
     tc = TrainConfig(ttt_steps=3)
     grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=(4, 5, 6))
@@ -122,8 +157,12 @@ def test_tensorboard_events_and_nan_stop(tiny_target_dir, tmp_path):
     events = read_scalars(event_file)
     assert [s for s, _ in events] == [1, 2, 3]
     assert abs(events[-1][1]["loss"] - _losses(tmp_path / "run")[-1]) < 1e-5
-    boom = dataclasses.replace(tc, out_dir=str(tmp_path / "nan"), lr=1e38, save_every=1, max_steps=8)
-    with pytest.raises(Eagle3Error, match=r"loss is nan at step \d+: stopped; the last good checkpoint"):
+    boom = dataclasses.replace(
+        tc, out_dir=str(tmp_path / "nan"), lr=1e38, save_every=1, max_steps=8
+    )
+    with pytest.raises(
+        Eagle3Error, match=r"loss is nan at step \d+: stopped; the last good checkpoint"
+    ):
         train(boom, progress=False)
 
 
@@ -137,12 +176,27 @@ def test_sigkill_mid_run_then_resume(tiny_target_dir, tmp_path):
     import time
 
     data = _conversations(tmp_path / "data.json")
-    args = [f"--config.target={tiny_target_dir}", f"--config.data={data}", "--config.max_steps=24",
-            "--config.save_every=3"]
+    args = [
+        f"--config.target={tiny_target_dir}",
+        f"--config.data={data}",
+        "--config.max_steps=24",
+        "--config.save_every=3",
+    ]
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config=configs/tiny.py", "--no-progress", *args]
-    proc = subprocess.Popen(cmd + [f"--config.out_dir={tmp_path / 'killed'}"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--config=configs/tiny.py",
+        "--no-progress",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd + [f"--config.out_dir={tmp_path / 'killed'}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -153,11 +207,32 @@ def test_sigkill_mid_run_then_resume(tiny_target_dir, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert len(metrics.read_text().splitlines()) < 24
-    resumed = subprocess.run(cmd + [f"--config.out_dir={tmp_path / 'killed'}", "--resume"], cwd=ROOT,
-                             env=env, capture_output=True, text=True)
+    resumed = subprocess.run(
+        cmd + [f"--config.out_dir={tmp_path / 'killed'}", "--resume"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from step" in resumed.stderr
-    clean = subprocess.run(cmd + [f"--config.out_dir={tmp_path / 'clean'}"], cwd=ROOT, env=env,
-                           capture_output=True, text=True)
+    clean = subprocess.run(
+        cmd + [f"--config.out_dir={tmp_path / 'clean'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert clean.returncode == 0, clean.stderr[-2000:]
     np.testing.assert_allclose(_losses(tmp_path / "killed"), _losses(tmp_path / "clean"), rtol=1e-5)
+
+
+def test_a_run_on_a_mesh_matches_one_device(tiny_target_dir, tmp_path):
+    """train() on a 2 x 4 mesh of simulated devices: same losses as on one device, and it resumes."""
+    one = _cfg(tiny_target_dir, tmp_path, "--config.max_steps=4", "--config.save_every=2",
+               f"--config.out_dir={tmp_path / 'one'}")
+    train(one, progress=False)
+    mesh = dataclasses.replace(one, out_dir=str(tmp_path / "mesh"), mesh_data=2, mesh_model=4)
+    train(mesh, progress=False, stop_after=3)
+    train(mesh, resume=True, progress=False)
+    np.testing.assert_allclose(_losses(tmp_path / "mesh"), _losses(tmp_path / "one"), rtol=1e-5)

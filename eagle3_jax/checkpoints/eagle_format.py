@@ -75,8 +75,9 @@ def _aux_ids_from_hf(hf: dict[str, Any]) -> list[int] | None:
         try:
             eagle = json.loads(eagle)
         except ValueError:
-            raise Eagle3Error("config.json eagle_config is a string that is not JSON: fix it"
-                              ) from None
+            raise Eagle3Error(
+                "config.json eagle_config is a string that is not JSON: fix it"
+            ) from None
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         ids = hf.get("eagle_aux_hidden_state_layer_ids")
@@ -89,21 +90,31 @@ def draft_config_from_hf(
     """Builds a DraftConfig from an official head's config.json; refuses what we cannot run."""
     archs = hf.get("architectures") or []
     if not any(a in ARCHITECTURES for a in archs):
-        raise Eagle3Error(f"config.json architectures {archs} is not an EAGLE-3 Llama head "
-                          f"({' or '.join(ARCHITECTURES)}): point at an EAGLE-3 draft checkpoint")
+        raise Eagle3Error(
+            f"config.json architectures {archs} is not an EAGLE-3 Llama head "
+            f"({' or '.join(ARCHITECTURES)}): point at an EAGLE-3 draft checkpoint"
+        )
     if int(hf.get("num_hidden_layers", 1)) != 1:
-        raise Eagle3Error(f"draft config has num_hidden_layers={hf['num_hidden_layers']}: only "
-                          "single-midlayer EAGLE-3 heads are supported")
+        raise Eagle3Error(
+            f"draft config has num_hidden_layers={hf['num_hidden_layers']}: only "
+            "single-midlayer EAGLE-3 heads are supported"
+        )
     # Variants some trainers added; computing them as the plain head would be silently wrong.
     if hf.get("fc_norm"):
-        raise Eagle3Error("draft config sets fc_norm (per-feature RMSNorm before fc): unsupported; "
-                          "use a head trained without it")
+        raise Eagle3Error(
+            "draft config sets fc_norm (per-feature RMSNorm before fc): unsupported; "
+            "use a head trained without it"
+        )
     if hf.get("norm_output") is False:
-        raise Eagle3Error("draft config sets norm_output=false (lm_head without the final norm): "
-                          "unsupported; use a head trained with the final norm")
+        raise Eagle3Error(
+            "draft config sets norm_output=false (lm_head without the final norm): "
+            "unsupported; use a head trained with the final norm"
+        )
     if hf.get("norm_before_residual"):
-        raise Eagle3Error("draft config sets norm_before_residual (residual taken after "
-                          "hidden_norm): unsupported; use a head trained without it")
+        raise Eagle3Error(
+            "draft config sets norm_before_residual (residual taken after "
+            "hidden_norm): unsupported; use a head trained without it"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         raise Eagle3Error(f"draft hidden_act {hf['hidden_act']!r} is not silu: unsupported head")
     try:
@@ -112,21 +123,26 @@ def draft_config_from_hf(
         vocab_size = int(hf["vocab_size"])
         intermediate = int(hf["intermediate_size"])
     except KeyError as e:
-        raise Eagle3Error(f"draft config.json lacks {e.args[0]}: not a complete EAGLE-3 config"
-                          ) from None
+        raise Eagle3Error(
+            f"draft config.json lacks {e.args[0]}: not a complete EAGLE-3 config"
+        ) from None
     ours = None
     theirs = _aux_ids_from_hf(hf)
     if theirs is not None:
         if min(theirs, default=0) < 0:
-            raise Eagle3Error(f"eagle_aux_hidden_state_layer_ids {theirs} has a negative id: they "
-                              "name target layer outputs, 0..L-1")
+            raise Eagle3Error(
+                f"eagle_aux_hidden_state_layer_ids {theirs} has a negative id: they "
+                "name target layer outputs, 0..L-1"
+            )
         ours = tuple(i + 1 for i in theirs)
     elif target_cfg is not None:
         ours = target_cfg.default_aux_layer_ids()
     else:
-        raise Eagle3Error("draft config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: "
-                          "pass the target's config (target_cfg) so its defaults (2, L//2, L-3) "
-                          "apply")
+        raise Eagle3Error(
+            "draft config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: "
+            "pass the target's config (target_cfg) so its defaults (2, L//2, L-3) "
+            "apply"
+        )
     return dr.DraftConfig(
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -161,8 +177,10 @@ def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
 def draft_config_to_hf(cfg: dr.DraftConfig, torch_dtype: str = "bfloat16") -> dict[str, Any]:
     """config.json for a head (SpecForge/SGLang form, readable by EAGLE's loader too)."""
     if min(cfg.aux_layer_ids) < 1:
-        raise Eagle3Error(f"aux layer id 0 (the embedding output) in {cfg.aux_layer_ids} has no "
-                          "layer-output name in the official format: use ids >= 1")
+        raise Eagle3Error(
+            f"aux layer id 0 (the embedding output) in {cfg.aux_layer_ids} has no "
+            "layer-output name in the official format: use ids >= 1"
+        )
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -194,8 +212,10 @@ def _read_config(path: Path) -> dict[str, Any]:
     try:
         return json.loads((path / "config.json").read_text())
     except FileNotFoundError:
-        raise Eagle3Error(f"{path} has no config.json: point at an EAGLE-3 head directory "
-                          "(config.json + model.safetensors or pytorch_model.bin)") from None
+        raise Eagle3Error(
+            f"{path} has no config.json: point at an EAGLE-3 head directory "
+            "(config.json + model.safetensors or pytorch_model.bin)"
+        ) from None
     except (OSError, ValueError) as e:
         raise Eagle3Error(f"cannot read {path / 'config.json'}: {e}") from e
 
@@ -204,9 +224,11 @@ def _read_bin(file: Path) -> dict[str, np.ndarray]:
     try:
         import torch
     except ImportError:
-        raise Eagle3Error(f"{file} is a PyTorch pickle and torch is not installed: convert it "
-                          "once to model.safetensors (safetensors.torch.save_file on a machine "
-                          "with torch)") from None
+        raise Eagle3Error(
+            f"{file} is a PyTorch pickle and torch is not installed: convert it "
+            "once to model.safetensors (safetensors.torch.save_file on a machine "
+            "with torch)"
+        ) from None
     state = torch.load(file, map_location="cpu", weights_only=True)
     out = {}
     for name, t in state.items():
@@ -241,21 +263,27 @@ def _vocab_from_tensors(
     v, vd = cfg.vocab_size, cfg.draft_vocab_size
     if d2t is None and t2d is None:
         if vd != v:
-            raise Eagle3Error(f"{where}: draft_vocab_size {vd} < vocab_size {v} but the checkpoint "
-                              "has no d2t/t2d mapping: the head is incomplete; re-export it with "
-                              "its mapping")
+            raise Eagle3Error(
+                f"{where}: draft_vocab_size {vd} < vocab_size {v} but the checkpoint "
+                "has no d2t/t2d mapping: the head is incomplete; re-export it with "
+                "its mapping"
+            )
         return vocab_lib.identity(v)
     # Either buffer determines the other (ids ascending): derive a missing one, check a pair.
     if d2t is not None:
         d2t = np.asarray(d2t).astype(np.int64)
         if d2t.shape != (vd,):
-            raise Eagle3Error(f"{where}: d2t has shape {d2t.shape} but draft_vocab_size is {vd}: "
-                              "the mapping belongs to another head")
+            raise Eagle3Error(
+                f"{where}: d2t has shape {d2t.shape} but draft_vocab_size is {vd}: "
+                "the mapping belongs to another head"
+            )
     if t2d is not None:
         t2d = np.asarray(t2d)
         if t2d.shape != (v,):
-            raise Eagle3Error(f"{where}: t2d has shape {t2d.shape} but vocab_size is {v}: the "
-                              "mapping was built for another target vocabulary")
+            raise Eagle3Error(
+                f"{where}: t2d has shape {t2d.shape} but vocab_size is {v}: the "
+                "mapping was built for another target vocabulary"
+            )
         if t2d.dtype != np.bool_:
             if not np.isin(t2d, (0, 1)).all():
                 raise Eagle3Error(f"{where}: t2d holds values other than 0/1: it is not a mask")
@@ -297,18 +325,22 @@ def load_draft(
     missing = [n for n in expected if n not in tensors]
     unknown = [n for n in tensors if n not in expected and n not in ("d2t", "t2d", _EMBED)]
     if missing or unknown:
-        raise Eagle3Error(f"{where}: {'missing ' + str(missing) if missing else ''}"
-                          f"{'; ' if missing and unknown else ''}"
-                          f"{'unexpected ' + str(unknown[:5]) if unknown else ''}: not a "
-                          "single-layer EAGLE-3 head in the official layout")
+        raise Eagle3Error(
+            f"{where}: {'missing ' + str(missing) if missing else ''}"
+            f"{'; ' if missing and unknown else ''}"
+            f"{'unexpected ' + str(unknown[:5]) if unknown else ''}: not a "
+            "single-layer EAGLE-3 head in the official layout"
+        )
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
-            raise Eagle3Error(f"{where}: {name} has shape {tuple(tensors[name].shape)}, "
-                              f"config.json implies {shape} (hidden {cfg.hidden_size}, heads "
-                              f"{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}, "
-                              f"draft_vocab_size {cfg.draft_vocab_size}, {cfg.n_aux}x "
-                              f"target_hidden_size {cfg.target_hidden_size}): the weights and "
-                              "config disagree")
+            raise Eagle3Error(
+                f"{where}: {name} has shape {tuple(tensors[name].shape)}, "
+                f"config.json implies {shape} (hidden {cfg.hidden_size}, heads "
+                f"{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}, "
+                f"draft_vocab_size {cfg.draft_vocab_size}, {cfg.n_aux}x "
+                f"target_hidden_size {cfg.target_hidden_size}): the weights and "
+                "config disagree"
+            )
     vocab = _vocab_from_tensors(tensors, cfg, where)
     shardings = None if mesh is None else dr.param_shardings(cfg, mesh)
     params: dr.Params = {"layer": {}}
@@ -324,8 +356,10 @@ def load_draft(
     if _EMBED in tensors:
         e = tensors[_EMBED]
         if tuple(e.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise Eagle3Error(f"{where}: {_EMBED} has shape {tuple(e.shape)}, expected "
-                              f"({cfg.vocab_size}, {cfg.hidden_size}) from config.json")
+            raise Eagle3Error(
+                f"{where}: {_EMBED} has shape {tuple(e.shape)}, expected "
+                f"({cfg.vocab_size}, {cfg.hidden_size}) from config.json"
+            )
         embed = put(e, None, dtype)
     dr.check_params(params, cfg)
     if target_cfg is not None:
@@ -342,31 +376,45 @@ def check_compatible(
     which needs the draft hidden size to equal the target's.
     """
     if draft_cfg.target_hidden_size != target_cfg.hidden_size:
-        raise Eagle3Error(f"draft target_hidden_size {draft_cfg.target_hidden_size} != the "
-                          f"target's hidden size {target_cfg.hidden_size}: the head was trained "
-                          "for another target")
+        raise Eagle3Error(
+            f"draft target_hidden_size {draft_cfg.target_hidden_size} != the "
+            f"target's hidden size {target_cfg.hidden_size}: the head was trained "
+            "for another target"
+        )
     if draft_cfg.vocab_size != target_cfg.vocab_size:
-        raise Eagle3Error(f"draft vocab_size {draft_cfg.vocab_size} != the target's vocab size "
-                          f"{target_cfg.vocab_size}: the head was trained for another tokenizer")
+        raise Eagle3Error(
+            f"draft vocab_size {draft_cfg.vocab_size} != the target's vocab size "
+            f"{target_cfg.vocab_size}: the head was trained for another tokenizer"
+        )
     # Id L is refused too: target.forward captures the final NORMED state there, while the official
     # "output of layer L-1" is pre-norm, so a head asking for it would silently read another tensor.
     bad = [i for i in draft_cfg.aux_layer_ids if not 0 <= i < target_cfg.num_layers]
     if bad:
-        raise Eagle3Error(f"draft aux layer ids {draft_cfg.aux_layer_ids} (inputs to target "
-                          f"layers) include {bad}, outside the target's layers "
-                          f"0..{target_cfg.num_layers - 1}: the head was trained for a deeper "
-                          "target, or its ids are off by one")
-    vocab_lib.check(vocab, target_cfg.vocab_size, draft_cfg.draft_vocab_size,
-                    where="draft vocab mapping vs target")
+        raise Eagle3Error(
+            f"draft aux layer ids {draft_cfg.aux_layer_ids} (inputs to target "
+            f"layers) include {bad}, outside the target's layers "
+            f"0..{target_cfg.num_layers - 1}: the head was trained for a deeper "
+            "target, or its ids are off by one"
+        )
+    vocab_lib.check(
+        vocab,
+        target_cfg.vocab_size,
+        draft_cfg.draft_vocab_size,
+        where="draft vocab mapping vs target",
+    )
     if embed is not None:
         if tuple(embed.shape) != (draft_cfg.vocab_size, draft_cfg.hidden_size):
-            raise Eagle3Error(f"draft embedding has shape {tuple(embed.shape)}, expected "
-                              f"({draft_cfg.vocab_size}, {draft_cfg.hidden_size})")
+            raise Eagle3Error(
+                f"draft embedding has shape {tuple(embed.shape)}, expected "
+                f"({draft_cfg.vocab_size}, {draft_cfg.hidden_size})"
+            )
     elif draft_cfg.hidden_size != target_cfg.hidden_size:
-        raise Eagle3Error(f"draft hidden size {draft_cfg.hidden_size} != the target's "
-                          f"{target_cfg.hidden_size} and the head carries no embed_tokens.weight: "
-                          "the target's embedding cannot feed it; use a checkpoint that includes "
-                          "one")
+        raise Eagle3Error(
+            f"draft hidden size {draft_cfg.hidden_size} != the target's "
+            f"{target_cfg.hidden_size} and the head carries no embed_tokens.weight: "
+            "the target's embedding cannot feed it; use a checkpoint that includes "
+            "one"
+        )
 
 
 # ----------------------------------------------------------------------------- save
@@ -401,8 +449,10 @@ def save_draft(
         tensors["t2d"] = np.asarray(vocab.t2d).astype(np.bool_)
     if embed is not None:
         if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise Eagle3Error(f"embedding has shape {tuple(embed.shape)}, expected "
-                              f"({cfg.vocab_size}, {cfg.hidden_size})")
+            raise Eagle3Error(
+                f"embedding has shape {tuple(embed.shape)}, expected "
+                f"({cfg.vocab_size}, {cfg.hidden_size})"
+            )
         tensors[_EMBED] = np.asarray(jax.device_get(embed)).astype(np_dtype)
     with atomic_directory(path) as tmp:
         write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})

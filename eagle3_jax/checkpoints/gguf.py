@@ -8,16 +8,31 @@ import numpy as np
 
 from eagle3_jax.errors import Eagle3Error
 
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "olmo2": "Olmo2ForCausalLM"}
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+}
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _BLOCK = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 
 
@@ -40,26 +55,38 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
         raise Eagle3Error(f"cannot read GGUF file {path}: {e}") from e
     arch = meta["general.architecture"]
     if arch not in _ARCH:
-        raise Eagle3Error(f"GGUF architecture {arch!r} is not supported: use one of {sorted(_ARCH)}")
+        raise Eagle3Error(
+            f"GGUF architecture {arch!r} is not supported: use one of {sorted(_ARCH)}"
+        )
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise Eagle3Error(f"{path} uses llama3 RoPE scaling (rope_freqs), which GGUF import does not "
-                          "cover: load the transformers checkpoint directory instead")
+        raise Eagle3Error(
+            f"{path} uses llama3 RoPE scaling (rope_freqs), which GGUF import does not "
+            "cover: load the transformers checkpoint directory instead"
+        )
     g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
-    heads, kv = int(g("attention.head_count")), int(g("attention.head_count_kv") or g("attention.head_count"))
+    heads, kv = (
+        int(g("attention.head_count")),
+        int(g("attention.head_count_kv") or g("attention.head_count")),
+    )
     hidden = int(g("embedding_length"))
     vocab = int(g("vocab_size") or meta.get("tokenizer.ggml.tokens"))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     hf = {
         "architectures": [_ARCH[arch]],
-        "hidden_size": hidden, "intermediate_size": int(g("feed_forward_length")),
-        "num_hidden_layers": int(g("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": kv, "head_dim": int(g("attention.key_length") or hidden // heads),
+        "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": int(g("attention.key_length") or hidden // heads),
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(g("context_length", 4096)), "vocab_size": vocab,
+        "max_position_embeddings": int(g("context_length", 4096)),
+        "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
@@ -85,4 +112,3 @@ def load_gguf_tokenizer(path: str | Path):
 
     path = Path(path)
     return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from eagle3_jax.checkpoints.safetensors_io import read_safetensors
 from eagle3_jax.config import TargetConfig, target_config_from_hf
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.checkpoints.safetensors_io import read_safetensors
 from eagle3_jax.models import target as tgt
 from eagle3_jax.sharding import put
 
@@ -31,7 +31,10 @@ _LAYER_KEYS = {
     "mlp.down_proj.weight": ("w_down", True),
 }
 _PRE_NORMS = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm"}
-_POST_NORMS = {"post_attention_layernorm.weight": "attn_norm", "post_feedforward_layernorm.weight": "mlp_norm"}
+_POST_NORMS = {
+    "post_attention_layernorm.weight": "attn_norm",
+    "post_feedforward_layernorm.weight": "mlp_norm",
+}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -40,8 +43,10 @@ def read_config(path: Path) -> dict[str, Any]:
     try:
         return json.loads(cfg_file.read_text())
     except FileNotFoundError:
-        raise Eagle3Error(f"{path} has no config.json: point --target at a transformers checkpoint "
-                          "directory, a .gguf file or an eagle3_jax converted directory") from None
+        raise Eagle3Error(
+            f"{path} has no config.json: point --target at a transformers checkpoint "
+            "directory, a .gguf file or an eagle3_jax converted directory"
+        ) from None
     except (OSError, ValueError) as e:
         raise Eagle3Error(f"cannot read {cfg_file}: {e}") from e
 
@@ -51,8 +56,10 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         if list(path.glob("*.bin")):
-            raise Eagle3Error(f"{path} holds only PyTorch .bin weights: convert them to safetensors "
-                              "(transformers: model.save_pretrained(dir, safe_serialization=True))")
+            raise Eagle3Error(
+                f"{path} holds only PyTorch .bin weights: convert them to safetensors "
+                "(transformers: model.save_pretrained(dir, safe_serialization=True))"
+            )
         raise Eagle3Error(f"{path} has no *.safetensors weights")
     tensors: dict[str, np.ndarray] = {}
     for f in files:
@@ -91,8 +98,10 @@ def hf_to_params(
     missing = [n for n in tgt.top_param_specs(cfg) if n not in top]
     missing += [f"layers.{i}.{n}" for i, lp in enumerate(layers) for n in specs if n not in lp]
     if missing:
-        raise Eagle3Error(f"checkpoint is missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}"
-                          " for its config.json: the files are incomplete or of another architecture")
+        raise Eagle3Error(
+            f"checkpoint is missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}"
+            " for its config.json: the files are incomplete or of another architecture"
+        )
     params = {**top, "layers": layers}
     try:
         tgt.check_params(params, cfg)

@@ -28,8 +28,9 @@ def is_native(path: Path) -> bool:
     return (path / NATIVE_CONFIG).is_file()
 
 
-def save_native(path: str | Path, params: tgt.Params, cfg: TargetConfig, tokenizer=None,
-                source: str = "") -> None:
+def save_native(
+    path: str | Path, params: tgt.Params, cfg: TargetConfig, tokenizer=None, source: str = ""
+) -> None:
     """Writes into a temporary sibling directory and renames it into place (atomic for readers)."""
     with atomic_directory(path) as tmp:
         flat = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
@@ -38,7 +39,11 @@ def save_native(path: str | Path, params: tgt.Params, cfg: TargetConfig, tokeniz
         write_safetensors(tmp / "params.safetensors", flat)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        meta = {"format_version": FORMAT_VERSION, "source": source, "config": json.loads(cfg.to_json())}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "source": source,
+            "config": json.loads(cfg.to_json()),
+        }
         (tmp / NATIVE_CONFIG).write_text(json.dumps(meta, indent=1))
 
 
@@ -48,8 +53,10 @@ def read_native_config(path: Path) -> TargetConfig:
     except (OSError, ValueError) as e:
         raise Eagle3Error(f"cannot read {path / NATIVE_CONFIG}: {e}") from e
     if meta.get("format_version") != FORMAT_VERSION:
-        raise Eagle3Error(f"{path} is eagle3_jax format {meta.get('format_version')}, this version reads "
-                          f"{FORMAT_VERSION}: delete it and convert the source checkpoint again")
+        raise Eagle3Error(
+            f"{path} is eagle3_jax format {meta.get('format_version')}, this version reads "
+            f"{FORMAT_VERSION}: delete it and convert the source checkpoint again"
+        )
     return TargetConfig.from_dict(meta["config"])
 
 
@@ -64,12 +71,16 @@ def load_native(path: str | Path, dtype=np.float32, mesh=None) -> tuple[tgt.Para
             parts = key.split(".")
             if parts[0] == "layers":
                 i, name = int(parts[1]), parts[2]
-                params["layers"][i][name] = put(arr, None if sh is None else sh["layers"][i][name], dtype)
+                params["layers"][i][name] = put(
+                    arr, None if sh is None else sh["layers"][i][name], dtype
+                )
             else:
                 params[key] = put(arr, None if sh is None else sh[key], dtype)
         tgt.check_params(params, cfg)
     except (AssertionError, KeyError) as e:
-        raise Eagle3Error(f"{path}/params.safetensors does not match its config ({e}): convert again") from e
+        raise Eagle3Error(
+            f"{path}/params.safetensors does not match its config ({e}): convert again"
+        ) from e
     return params, cfg
 
 

@@ -61,8 +61,11 @@ def write_safetensors(
         a = np.ascontiguousarray(np.asarray(tensors[name]))
         if a.dtype not in _NAMES:
             raise Eagle3Error(f"cannot write tensor {name} of dtype {a.dtype}")
-        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {
+            "dtype": _NAMES[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
         offset += a.nbytes
         arrays.append(a)
     if metadata:

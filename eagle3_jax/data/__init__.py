@@ -21,7 +21,19 @@ from eagle3_jax.data.masks import UnrenderableConversation, tokenize_conversatio
 from eagle3_jax.data.regenerate import RegenStats, regenerate
 
 __all__ = [
-    "Batch", "Conversation", "RegenStats", "TokenizedDataset", "UnrenderableConversation",
-    "batches", "build_dataset", "first_user_turns", "load_dataset", "read_conversations",
-    "regenerate", "save_dataset", "steps_per_epoch", "token_counts", "tokenize_conversation",
+    "Batch",
+    "Conversation",
+    "RegenStats",
+    "TokenizedDataset",
+    "UnrenderableConversation",
+    "batches",
+    "build_dataset",
+    "first_user_turns",
+    "load_dataset",
+    "read_conversations",
+    "regenerate",
+    "save_dataset",
+    "steps_per_epoch",
+    "token_counts",
+    "tokenize_conversation",
 ]

@@ -21,8 +21,12 @@ Message = dict[str, str]
 
 # ShareGPT dumps use several names for the answering model (bing/chatgpt in ShareGPT V3).
 ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
     "assistant": "assistant",
     "system": "system",
 }
@@ -82,8 +86,10 @@ def _load_records(path: Path) -> tuple[list[Any], int]:
         try:
             records = json.loads(text)
         except ValueError as e:
-            raise Eagle3Error(f"conversation file {path} is not valid JSON ({e}): fix or re-export "
-                              "it as one JSON array or as JSON Lines") from e
+            raise Eagle3Error(
+                f"conversation file {path} is not valid JSON ({e}): fix or re-export "
+                "it as one JSON array or as JSON Lines"
+            ) from e
         return records, 0
     records, bad = [], 0
     for line in text.splitlines():
@@ -116,15 +122,19 @@ def read_conversations(path: str | Path) -> tuple[list[Conversation], int]:
     path = Path(path)
     records, bad = _load_records(path)
     if not isinstance(records, list):
-        raise Eagle3Error(f"conversation file {path} holds a JSON {type(records).__name__}, not an "
-                          "array of records: wrap the records in [...] or write one per line")
+        raise Eagle3Error(
+            f"conversation file {path} holds a JSON {type(records).__name__}, not an "
+            "array of records: wrap the records in [...] or write one per line"
+        )
     convs = [parse_record(r, f"{path.stem}:{n}") for n, r in enumerate(records)]
     kept = [c for c in convs if c is not None]
     skipped = bad + len(convs) - len(kept)
     if not kept:
-        raise Eagle3Error(f"conversation file {path} holds no usable conversation ({skipped} "
-                          "malformed or empty records): expected ShareGPT `conversations` or "
-                          "`messages` records")
+        raise Eagle3Error(
+            f"conversation file {path} holds no usable conversation ({skipped} "
+            "malformed or empty records): expected ShareGPT `conversations` or "
+            "`messages` records"
+        )
     return unique_ids(kept), skipped
 
 
@@ -132,8 +142,9 @@ def first_user_turns(convs: list[Conversation]) -> list[tuple[str, str]]:
     """(id, text) of each conversation's first non-empty user turn: the prompts to regenerate."""
     out = []
     for c in convs:
-        text = next((m["content"] for m in c.messages
-                     if m["role"] == "user" and m["content"].strip()), None)
+        text = next(
+            (m["content"] for m in c.messages if m["role"] == "user" and m["content"].strip()), None
+        )
         if text is not None:
             out.append((c.id, text))
     return out

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -49,8 +50,12 @@ def _pad_id(tokenizer) -> int:
     return 0
 
 
-def build_dataset(tokenizer, conversations: Sequence[Conversation | list[Message]], max_len: int,
-                  progress: bool = True) -> TokenizedDataset:
+def build_dataset(
+    tokenizer,
+    conversations: Sequence[Conversation | list[Message]],
+    max_len: int,
+    progress: bool = True,
+) -> TokenizedDataset:
     """Tokenizes and masks every conversation (see masks.tokenize_conversation) into fixed arrays.
 
     Records whose mask is empty after truncation, or that the chat template refuses, are skipped and
@@ -61,8 +66,9 @@ def build_dataset(tokenizer, conversations: Sequence[Conversation | list[Message
     pad_id = _pad_id(tokenizer)
     rows: list[tuple[np.ndarray, np.ndarray]] = []
     skipped = 0
-    for conv in tqdm(conversations, desc="tokenizing", unit="conv", disable=not progress,
-                     dynamic_ncols=True):
+    for conv in tqdm(
+        conversations, desc="tokenizing", unit="conv", disable=not progress, dynamic_ncols=True
+    ):
         messages = conv.messages if isinstance(conv, Conversation) else conv
         try:
             ids, mask = tokenize_conversation(tokenizer, messages, max_len)
@@ -74,9 +80,11 @@ def build_dataset(tokenizer, conversations: Sequence[Conversation | list[Message
             continue
         rows.append((ids, mask))
     if not rows:
-        raise Eagle3Error(f"no assistant tokens in any of the {len(conversations)} conversations "
-                          f"(max_len {max_len}): the data needs assistant answers (regenerate them "
-                          "from the prompts) or a larger max_len")
+        raise Eagle3Error(
+            f"no assistant tokens in any of the {len(conversations)} conversations "
+            f"(max_len {max_len}): the data needs assistant answers (regenerate them "
+            "from the prompts) or a larger max_len"
+        )
     input_ids = np.full((len(rows), max_len), pad_id, np.int32)
     loss_mask = np.zeros((len(rows), max_len), np.int8)
     lengths = np.zeros((len(rows),), np.int32)
@@ -94,8 +102,15 @@ def save(ds: TokenizedDataset, path: str | Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:  # a file object: np.savez would append ".npz" to a name
-            np.savez(f, format=np.array(FORMAT), input_ids=ds.input_ids, loss_mask=ds.loss_mask,
-                     lengths=ds.lengths, pad_id=np.int64(ds.pad_id), skipped=np.int64(ds.skipped))
+            np.savez(
+                f,
+                format=np.array(FORMAT),
+                input_ids=ds.input_ids,
+                loss_mask=ds.loss_mask,
+                lengths=ds.lengths,
+                pad_id=np.int64(ds.pad_id),
+                skipped=np.int64(ds.skipped),
+            )
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -113,8 +128,9 @@ def load(path: str | Path) -> TokenizedDataset:
     with z:
         if "format" not in z.files or str(z["format"]) != FORMAT:
             raise Eagle3Error(f"{path} is not an eagle3_jax dataset ({FORMAT}): rebuild it")
-        ds = TokenizedDataset(z["input_ids"], z["loss_mask"], z["lengths"], int(z["pad_id"]),
-                              int(z["skipped"]))
+        ds = TokenizedDataset(
+            z["input_ids"], z["loss_mask"], z["lengths"], int(z["pad_id"]), int(z["skipped"])
+        )
     return ds
 
 
@@ -122,9 +138,11 @@ def token_counts(ds: TokenizedDataset, vocab_size: int) -> np.ndarray:
     """[V] int64 count of each target id where loss_mask == 1 (for vocab.build_from_counts)."""
     ids = ds.input_ids[ds.loss_mask == 1]
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise Eagle3Error(f"dataset holds token id {int(ids.max())} outside the target "
-                          f"vocabulary of {vocab_size}: it was built with another tokenizer; "
-                          "rebuild it")
+        raise Eagle3Error(
+            f"dataset holds token id {int(ids.max())} outside the target "
+            f"vocabulary of {vocab_size}: it was built with another tokenizer; "
+            "rebuild it"
+        )
     return np.bincount(ids, minlength=vocab_size).astype(np.int64)
 
 
@@ -147,9 +165,15 @@ def epoch_order(num_records: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_records)
 
 
-def batches(ds: TokenizedDataset, batch_size: int, seed: int, start_step: int = 0,
-            process_index: int = 0, process_count: int = 1,
-            num_steps: int | None = None) -> Iterator[Batch]:
+def batches(
+    ds: TokenizedDataset,
+    batch_size: int,
+    seed: int,
+    start_step: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+    num_steps: int | None = None,
+) -> Iterator[Batch]:
     """Shuffled batches, epoch after epoch, from `start_step` (same order as a run from step 0).
 
     batch_size is the GLOBAL batch; with process_count > 1 each host yields its own contiguous
@@ -157,14 +181,17 @@ def batches(ds: TokenizedDataset, batch_size: int, seed: int, start_step: int = 
     exactly once. Stops after `num_steps` batches when given, else runs forever.
     """
     if batch_size < 1 or batch_size % process_count:
-        raise Eagle3Error(f"batch size {batch_size} must be a positive multiple of the "
-                          f"{process_count} processes")
+        raise Eagle3Error(
+            f"batch size {batch_size} must be a positive multiple of the {process_count} processes"
+        )
     if not 0 <= process_index < process_count:
         raise Eagle3Error(f"process index {process_index} outside 0..{process_count - 1}")
     per_epoch = steps_per_epoch(ds, batch_size)
     if per_epoch == 0:
-        raise Eagle3Error(f"batch size {batch_size} exceeds the {ds.num_records} records: lower "
-                          "the batch size or add data")
+        raise Eagle3Error(
+            f"batch size {batch_size} exceeds the {ds.num_records} records: lower "
+            "the batch size or add data"
+        )
     local = batch_size // process_count
     step, order, order_epoch = start_step, None, -1
     while num_steps is None or step < start_step + num_steps:
@@ -172,6 +199,6 @@ def batches(ds: TokenizedDataset, batch_size: int, seed: int, start_step: int = 
         if epoch != order_epoch:
             order, order_epoch = epoch_order(ds.num_records, seed, epoch), epoch
         first = k * batch_size + process_index * local
-        rows = order[first: first + local]
+        rows = order[first : first + local]
         yield Batch(step, epoch, ds.input_ids[rows], ds.loss_mask[rows], ds.lengths[rows], rows)
         step += 1

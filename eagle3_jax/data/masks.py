@@ -58,8 +58,9 @@ def special_ids(tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def prefix_turn_bounds(tokenizer, messages: list[Message], text: str
-                       ) -> list[tuple[int, int]] | None:
+def prefix_turn_bounds(
+    tokenizer, messages: list[Message], text: str
+) -> list[tuple[int, int]] | None:
     """[lo, hi) character range of each assistant turn, from prefix renderings; None if unstable.
 
     lo is where the generation prompt ends (the model starts answering there); hi is where the
@@ -101,7 +102,7 @@ def ordered_turn_bounds(messages: list[Message], text: str) -> list[tuple[int, i
         if span is None:
             bounds.append((0, 0))
             continue
-        nxt = next((s[0] for s in found[i + 1:] if s is not None), len(text))
+        nxt = next((s[0] for s in found[i + 1 :] if s is not None), len(text))
         bounds.append((span[0], nxt))
     return bounds
 
@@ -116,8 +117,13 @@ def find_content(text: str, content: str, lo: int, hi: int) -> tuple[int, int] |
     return None
 
 
-def turn_token_mask(offsets_T2: np.ndarray, ids_T: np.ndarray, specials: frozenset[int],
-                    content: tuple[int, int], hi: int) -> np.ndarray:
+def turn_token_mask(
+    offsets_T2: np.ndarray,
+    ids_T: np.ndarray,
+    specials: frozenset[int],
+    content: tuple[int, int],
+    hi: int,
+) -> np.ndarray:
     """[T] bool: tokens overlapping the content span, plus the first special token after it.
 
     Args:
@@ -136,8 +142,9 @@ def turn_token_mask(offsets_T2: np.ndarray, ids_T: np.ndarray, specials: frozens
     return mask
 
 
-def tokenize_conversation(tokenizer, messages: list[Message], max_len: int
-                          ) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_conversation(
+    tokenizer, messages: list[Message], max_len: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Chat-templated token ids of a conversation and its assistant-only loss mask.
 
     Args:
@@ -152,19 +159,25 @@ def tokenize_conversation(tokenizer, messages: list[Message], max_len: int
       Eagle3Error if the tokenizer cannot be used at all (no template, not a fast tokenizer).
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise Eagle3Error("the target's tokenizer has no chat template: training masks come from "
-                          "it; use an instruct/chat target or set tokenizer.chat_template")
+        raise Eagle3Error(
+            "the target's tokenizer has no chat template: training masks come from "
+            "it; use an instruct/chat target or set tokenizer.chat_template"
+        )
     if not getattr(tokenizer, "is_fast", False):
-        raise Eagle3Error("loss masks need a fast tokenizer (offset mapping): add "
-                          "tokenizer.json to the target directory")
+        raise Eagle3Error(
+            "loss masks need a fast tokenizer (offset mapping): add "
+            "tokenizer.json to the target directory"
+        )
     text = render(tokenizer, messages, add_generation_prompt=False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids_T = np.asarray(enc["input_ids"], np.int64)
     if ids_T.tolist() != template_ids(tokenizer, messages):
         # Offsets would then describe other tokens than the ones the target sees at inference.
-        raise Eagle3Error("tokenizing the chat template's text gives other ids than "
-                          "apply_chat_template(tokenize=True): this tokenizer is not supported for "
-                          "training masks")
+        raise Eagle3Error(
+            "tokenizing the chat template's text gives other ids than "
+            "apply_chat_template(tokenize=True): this tokenizer is not supported for "
+            "training masks"
+        )
     offsets_T2 = np.asarray(enc["offset_mapping"], np.int64).reshape(-1, 2)
     bounds = prefix_turn_bounds(tokenizer, messages, text)
     if bounds is None:

@@ -55,8 +55,9 @@ def prepare_resume(path: Path) -> set[str]:
     return ids
 
 
-def record(pid: str, prompt: str, answer: str, prompt_ids: list[int],
-           output_ids: list[int]) -> dict:
+def record(
+    pid: str, prompt: str, answer: str, prompt_ids: list[int], output_ids: list[int]
+) -> dict:
     """One regenerated conversation as a ShareGPT record (read back by read_conversations)."""
     return {
         "id": pid,
@@ -70,14 +71,24 @@ def _check_unique(prompts: list[tuple[str, str]]) -> None:
     seen = set()
     for pid, _ in prompts:
         if pid in seen:
-            raise Eagle3Error(f"prompt id {pid!r} appears twice: give each prompt a unique id "
-                              "(resuming keys on it; read_conversations renames repeats)")
+            raise Eagle3Error(
+                f"prompt id {pid!r} appears twice: give each prompt a unique id "
+                "(resuming keys on it; read_conversations renames repeats)"
+            )
         seen.add(pid)
 
 
-def regenerate(target: Target, prompts: list[tuple[str, str]], out_path: str | Path,
-               max_new_tokens: int = 512, batch_size: int = 8, sampling: Sampling = Sampling(),
-               max_prompt_tokens: int = 1024, seed: int = 0, progress: bool = True) -> RegenStats:
+def regenerate(
+    target: Target,
+    prompts: list[tuple[str, str]],
+    out_path: str | Path,
+    max_new_tokens: int = 512,
+    batch_size: int = 8,
+    sampling: Sampling = Sampling(),
+    max_prompt_tokens: int = 1024,
+    seed: int = 0,
+    progress: bool = True,
+) -> RegenStats:
     """Answers each (id, user text) prompt with the target (its chat template) into out_path.
 
     Prompts are encoded as one user turn with `encode_chat` (the same template decoding uses), run
@@ -94,8 +105,10 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], out_path: str | P
     tok, cfg = target.tokenizer, target.cfg
     room = min(max_prompt_tokens, cfg.max_position_embeddings - max_new_tokens)
     if room < 1:
-        raise Eagle3Error(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the "
-                          f"target's context of {cfg.max_position_embeddings}: lower it")
+        raise Eagle3Error(
+            f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the "
+            f"target's context of {cfg.max_position_embeddings}: lower it"
+        )
     pending, skipped = [], 0
     for pid, text in prompts:
         if pid in done:
@@ -108,17 +121,24 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], out_path: str | P
     resumed = sum(pid in done for pid, _ in prompts)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
 
-    bar = tqdm(total=resumed + len(pending), initial=resumed, unit="prompt", desc="regenerating",
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=resumed + len(pending),
+        initial=resumed,
+        unit="prompt",
+        desc="regenerating",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     answered = cut = 0
     with open(out_path, "a", encoding="utf-8") as f, bar:
         for start in range(0, len(pending), batch_size):
-            chunk = pending[start:start + batch_size]
+            chunk = pending[start : start + batch_size]
             # A short last batch is padded with copies of its last prompt: one static batch shape,
             # so it does not compile a second program.
             rows = [ids for _, _, ids in chunk] + [chunk[-1][2]] * (batch_size - len(chunk))
-            res = plain.generate(target.params, cfg, rows, max_new_tokens, sampling,
-                                 seed=seed + start, pad_id=pad_id)
+            res = plain.generate(
+                target.params, cfg, rows, max_new_tokens, sampling, seed=seed + start, pad_id=pad_id
+            )
             lines = []
             for (pid, text, ids), out, why in zip(chunk, res.output_ids, res.finish_reasons):
                 answer = tok.decode(out, skip_special_tokens=True)

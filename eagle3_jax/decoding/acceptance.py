@@ -20,8 +20,14 @@ from eagle3_jax.decoding.sampling import Sampling, log_probs
 from eagle3_jax.decoding.tree import Accepted, Tree, greedy_accept
 
 
-def accept(trees: Tree, logits_BNV: jax.Array, key: jax.Array, sampling: Sampling, depth: int,
-           max_children: int) -> tuple[Accepted, jax.Array]:
+def accept(
+    trees: Tree,
+    logits_BNV: jax.Array,
+    key: jax.Array,
+    sampling: Sampling,
+    depth: int,
+    max_children: int,
+) -> tuple[Accepted, jax.Array]:
     """Batched: (Accepted with [B]-leading fields, bonus [B]). max_children bounds any node's
     child count (the tree's top_k)."""
     b = logits_BNV.shape[0]
@@ -31,11 +37,13 @@ def accept(trees: Tree, logits_BNV: jax.Array, key: jax.Array, sampling: Samplin
         return acc, target_tokens[jnp.arange(b), acc.last]
     logp = log_probs(logits_BNV, sampling)
     return jax.vmap(sample_accept, in_axes=(0, 0, 0, None, None))(
-        trees, logp, jax.random.split(key, b), depth, max_children)
+        trees, logp, jax.random.split(key, b), depth, max_children
+    )
 
 
-def sample_accept(tree: Tree, logp_NV: jax.Array, key: jax.Array, depth: int, max_children: int
-                  ) -> tuple[Accepted, jax.Array]:
+def sample_accept(
+    tree: Tree, logp_NV: jax.Array, key: jax.Array, depth: int, max_children: int
+) -> tuple[Accepted, jax.Array]:
     """One row of the lossless multi-candidate rule (see the module docstring)."""
     n1 = tree.tokens.shape[0]
     idx = jnp.arange(n1)
@@ -65,11 +73,19 @@ def sample_accept(tree: Tree, logp_NV: jax.Array, key: jax.Array, depth: int, ma
         p = jnp.where(moved, probs[jnp.maximum(chosen, 0)], p)
         return (cur, p, done | ~moved, length, path, bonus), None
 
-    init = (jnp.int32(0), probs[0], jnp.bool_(False), jnp.int32(0), jnp.zeros((depth + 1,), jnp.int32),
-            jnp.int32(0))
+    init = (
+        jnp.int32(0),
+        probs[0],
+        jnp.bool_(False),
+        jnp.int32(0),
+        jnp.zeros((depth + 1,), jnp.int32),
+        jnp.int32(0),
+    )
     keys = jax.random.split(key, depth + 1)
     (cur, p, done, length, path, bonus), _ = jax.lax.scan(level, init, keys[:depth])
     # the whole depth accepted: the bonus comes from the target at the deepest node
-    bonus = jnp.where(done, bonus, jax.random.categorical(keys[depth], jnp.log(p)).astype(jnp.int32))
+    bonus = jnp.where(
+        done, bonus, jax.random.categorical(keys[depth], jnp.log(p)).astype(jnp.int32)
+    )
     path = jnp.where(jnp.arange(depth + 1) <= length, path, cur)
     return Accepted(length, path, cur), bonus

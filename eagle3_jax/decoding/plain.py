@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +73,9 @@ class DecodeState(NamedTuple):
     key: jax.Array
 
 
-def pad_prompts(prompts: list[list[int]], shape: Shape, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_prompts(
+    prompts: list[list[int]], shape: Shape, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
     toks = np.full((shape.batch, shape.prompt_len), pad_id, np.int32)
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
@@ -80,37 +83,72 @@ def pad_prompts(prompts: list[list[int]], shape: Shape, pad_id: int) -> tuple[np
 
 
 def _finish_code(tok, num_new, limit, cursor, eos_ids, shape: Shape):
-    is_eos = jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros_like(tok, bool)
+    is_eos = (
+        jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros_like(tok, bool)
+    )
     return jnp.where(
         is_eos, 1, jnp.where(num_new >= limit, 2, jnp.where(cursor >= shape.slots - 1, 3, 0))
     ).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shape", "sampling", "eos_ids"))
-def prefill(params, prompt_BT, lengths_B, limit_B, key, cfg: TargetConfig, shape: Shape, sampling: Sampling,
-            eos_ids: tuple[int, ...]) -> DecodeState:
+def prefill(
+    params,
+    prompt_BT,
+    lengths_B,
+    limit_B,
+    key,
+    cfg: TargetConfig,
+    shape: Shape,
+    sampling: Sampling,
+    eos_ids: tuple[int, ...],
+) -> DecodeState:
     """Fills the cache with the (right-padded) prompts and samples each row's first new token."""
     b, t = prompt_BT.shape
     dtype = jax.tree.leaves(params)[0].dtype
-    cache = tgt.make_cache(cfg, b, shape.slots, dtype, stacked=not isinstance(params["layers"], list))
+    cache = tgt.make_cache(
+        cfg, b, shape.slots, dtype, stacked=not isinstance(params["layers"], list)
+    )
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = tgt.forward(params, prompt_BT, positions, causal_mask(zeros, t, shape.slots, cfg.sliding_window),
-                      cfg, cache, zeros, logits_idx_BP=(lengths_B - 1)[:, None])
+    out = tgt.forward(
+        params,
+        prompt_BT,
+        positions,
+        causal_mask(zeros, t, shape.slots, cfg.sliding_window),
+        cfg,
+        cache,
+        zeros,
+        logits_idx_BP=(lengths_B - 1)[:, None],
+    )
     key, sub = jax.random.split(key)
     first = sample(out.logits[:, 0], sub, sampling)
     tokens = jnp.zeros((b, shape.max_new), jnp.int32).at[:, 0].set(first)
     num_new = jnp.ones((b,), jnp.int32)
     finish = _finish_code(first, num_new, limit_B, lengths_B, eos_ids, shape)
-    return DecodeState(out.cache, tokens, num_new, lengths_B, first, finish, jnp.int32(1), limit_B, key)
+    return DecodeState(
+        out.cache, tokens, num_new, lengths_B, first, finish, jnp.int32(1), limit_B, key
+    )
 
 
-def _step(params, state: DecodeState, cfg: TargetConfig, shape: Shape, sampling: Sampling,
-          eos_ids: tuple[int, ...]) -> DecodeState:
+def _step(
+    params,
+    state: DecodeState,
+    cfg: TargetConfig,
+    shape: Shape,
+    sampling: Sampling,
+    eos_ids: tuple[int, ...],
+) -> DecodeState:
     running = state.finish == 0
-    out = tgt.forward(params, state.last[:, None], state.cursor[:, None],
-                      causal_mask(state.cursor, 1, shape.slots, cfg.sliding_window), cfg, state.cache,
-                      state.cursor)
+    out = tgt.forward(
+        params,
+        state.last[:, None],
+        state.cursor[:, None],
+        causal_mask(state.cursor, 1, shape.slots, cfg.sliding_window),
+        cfg,
+        state.cache,
+        state.cursor,
+    )
     key, sub = jax.random.split(state.key)
     tok = sample(out.logits[:, 0], sub, sampling)
     idx = jnp.minimum(state.num_new, shape.max_new - 1)
@@ -127,12 +165,22 @@ def _step(params, state: DecodeState, cfg: TargetConfig, shape: Shape, sampling:
     )
 
 
-decode_step = jax.jit(_step, static_argnames=("cfg", "shape", "sampling", "eos_ids"), donate_argnums=1)
+decode_step = jax.jit(
+    _step, static_argnames=("cfg", "shape", "sampling", "eos_ids"), donate_argnums=1
+)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "shape", "sampling", "eos_ids"), donate_argnums=1)
-def decode_loop(params, state: DecodeState, cfg: TargetConfig, shape: Shape, sampling: Sampling,
-                eos_ids: tuple[int, ...]) -> DecodeState:
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "shape", "sampling", "eos_ids"), donate_argnums=1
+)
+def decode_loop(
+    params,
+    state: DecodeState,
+    cfg: TargetConfig,
+    shape: Shape,
+    sampling: Sampling,
+    eos_ids: tuple[int, ...],
+) -> DecodeState:
     """Runs steps until every row has finished, entirely on device (no host round trip per token)."""
     return jax.lax.while_loop(
         lambda s: jnp.any(s.finish == 0),
@@ -150,25 +198,46 @@ class Result(NamedTuple):
 
 def _collect(state: DecodeState) -> tuple[list[list[int]], list[str]]:
     tokens, n, finish = jax.device_get((state.tokens, state.num_new, state.finish))
-    return [list(map(int, tokens[i, : n[i]])) for i in range(len(n))], [FINISH_REASONS[f] for f in finish]
+    return [list(map(int, tokens[i, : n[i]])) for i in range(len(n))], [
+        FINISH_REASONS[f] for f in finish
+    ]
 
 
-def generate(params, cfg: TargetConfig, prompts: list[list[int]], max_new_tokens: int,
-             sampling: Sampling = Sampling(), seed: int = 0, eos_ids: tuple[int, ...] | None = None,
-             max_context: int | None = None, pad_id: int = 0, warmup: bool = False) -> Result:
+def generate(
+    params,
+    cfg: TargetConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    seed: int = 0,
+    eos_ids: tuple[int, ...] | None = None,
+    max_context: int | None = None,
+    pad_id: int = 0,
+    warmup: bool = False,
+) -> Result:
     """Batched plain decoding of token-id prompts; each row stops at EOS, max tokens or the context.
 
     `warmup` first runs the same compiled programs with a one-token limit, so `wall_time_s` measures
     decoding, not compilation.
     """
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
-    shape = plan_shape([len(p) for p in prompts], max_new_tokens, max_context or cfg.max_position_embeddings)
+    shape = plan_shape(
+        [len(p) for p in prompts], max_new_tokens, max_context or cfg.max_position_embeddings
+    )
     toks, lengths = pad_prompts(prompts, shape, pad_id)
     key = jax.random.PRNGKey(seed)
     if warmup:
         ones = np.ones(shape.batch, np.int32)
-        jax.block_until_ready(decode_loop(params, prefill(params, toks, lengths, ones, key, cfg, shape,
-                                                          sampling, eos), cfg, shape, sampling, eos))
+        jax.block_until_ready(
+            decode_loop(
+                params,
+                prefill(params, toks, lengths, ones, key, cfg, shape, sampling, eos),
+                cfg,
+                shape,
+                sampling,
+                eos,
+            )
+        )
     limit = np.full(shape.batch, max_new_tokens, np.int32)
     t0 = time.perf_counter()
     state = prefill(params, toks, lengths, limit, key, cfg, shape, sampling, eos)
@@ -178,15 +247,24 @@ def generate(params, cfg: TargetConfig, prompts: list[list[int]], max_new_tokens
     return Result(out, reasons, int(state.forwards), wall)
 
 
-def stream(params, cfg: TargetConfig, prompt: list[int], max_new_tokens: int,
-           sampling: Sampling = Sampling(), seed: int = 0, eos_ids: tuple[int, ...] | None = None,
-           max_context: int | None = None) -> Iterator[int]:
+def stream(
+    params,
+    cfg: TargetConfig,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    seed: int = 0,
+    eos_ids: tuple[int, ...] | None = None,
+    max_context: int | None = None,
+) -> Iterator[int]:
     """Yields one row's tokens as they are produced (for interactive chat)."""
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
     shape = plan_shape([len(prompt)], max_new_tokens, max_context or cfg.max_position_embeddings)
     toks, lengths = pad_prompts([prompt], shape, 0)
     limit = np.full(1, max_new_tokens, np.int32)
-    state = prefill(params, toks, lengths, limit, jax.random.PRNGKey(seed), cfg, shape, sampling, eos)
+    state = prefill(
+        params, toks, lengths, limit, jax.random.PRNGKey(seed), cfg, shape, sampling, eos
+    )
     while True:
         yield int(state.last[0])
         if int(state.finish[0]) != 0:

@@ -20,7 +20,9 @@ class Sampling:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise Eagle3Error(f"temperature {self.temperature} < 0: use 0 for greedy or a positive value")
+            raise Eagle3Error(
+                f"temperature {self.temperature} < 0: use 0 for greedy or a positive value"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise Eagle3Error(f"top_p {self.top_p} outside (0, 1]")
         if self.top_k < 0:
@@ -41,7 +43,9 @@ def log_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
         sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(sorted_x, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-        cutoff = jnp.min(jnp.where(before < sampling.top_p, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        cutoff = jnp.min(
+            jnp.where(before < sampling.top_p, sorted_x, jnp.inf), axis=-1, keepdims=True
+        )
         x = jnp.where(x < cutoff, -jnp.inf, x)
     return jax.nn.log_softmax(x, axis=-1)
 

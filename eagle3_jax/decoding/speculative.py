@@ -69,7 +69,9 @@ class TreeConfig:
         if self.top_k < 1:
             raise Eagle3Error(f"top_k {self.top_k} < 1")
         if self.top_k > draft_vocab_size:
-            raise Eagle3Error(f"top_k {self.top_k} exceeds the draft vocabulary ({draft_vocab_size})")
+            raise Eagle3Error(
+                f"top_k {self.top_k} exceeds the draft vocabulary ({draft_vocab_size})"
+            )
         if not 2 <= self.total_tokens <= self.pool_size + 1:
             raise Eagle3Error(
                 f"total_tokens {self.total_tokens} must be in 2..{self.pool_size + 1} for top_k "
@@ -87,7 +89,9 @@ class SpecState(NamedTuple):
     enc_feat: jax.Array  # [B, E, F] target aux features at positions length - enc_n .. length - 1
     enc_n: jax.Array  # [B] valid encode pairs (1 .. depth + 1)
     tokens: jax.Array  # [B, max_new + E] emitted tokens
-    history: jax.Array  # [B, S] every token by position (prompt, then emitted): prompt lookup reads it
+    history: (
+        jax.Array
+    )  # [B, S] every token by position (prompt, then emitted): prompt lookup reads it
     num_new: jax.Array  # [B]
     finish: jax.Array  # [B] index into FINISH_REASONS
     forwards: jax.Array  # [B] target forward passes while the row ran (prefill included)
@@ -115,19 +119,45 @@ def _eos_mask(tok, eos_ids):
     return jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids"))
-def prefill(tparams, dparams, embed, vocab: DraftVocab, prompt_BT, lengths_B, limit_B, key,
-            tcfg: TargetConfig, dcfg: drf.DraftConfig, shape: Shape, tree: TreeConfig,
-            sampling: Sampling, eos_ids: tuple[int, ...]) -> SpecState:
+@functools.partial(
+    jax.jit, static_argnames=("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids")
+)
+def prefill(
+    tparams,
+    dparams,
+    embed,
+    vocab: DraftVocab,
+    prompt_BT,
+    lengths_B,
+    limit_B,
+    key,
+    tcfg: TargetConfig,
+    dcfg: drf.DraftConfig,
+    shape: Shape,
+    tree: TreeConfig,
+    sampling: Sampling,
+    eos_ids: tuple[int, ...],
+) -> SpecState:
     """Target prefill (root token + aux features) and the draft's encode of the prompt."""
     b, t = prompt_BT.shape
     dtype = jax.tree.leaves(tparams)[0].dtype
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    tcache = tgt.make_cache(tcfg, b, shape.slots, dtype, stacked=not isinstance(tparams["layers"], list))
+    tcache = tgt.make_cache(
+        tcfg, b, shape.slots, dtype, stacked=not isinstance(tparams["layers"], list)
+    )
     aux_ids = () if dcfg is None else dcfg.aux_layer_ids
-    out = tgt.forward(tparams, prompt_BT, positions, causal_mask(zeros, t, shape.slots, tcfg.sliding_window),
-                      tcfg, tcache, zeros, aux_ids=aux_ids, logits_idx_BP=(lengths_B - 1)[:, None])
+    out = tgt.forward(
+        tparams,
+        prompt_BT,
+        positions,
+        causal_mask(zeros, t, shape.slots, tcfg.sliding_window),
+        tcfg,
+        tcache,
+        zeros,
+        aux_ids=aux_ids,
+        logits_idx_BP=(lengths_B - 1)[:, None],
+    )
     key, sub = jax.random.split(key)
     root = sample(out.logits[:, 0], sub, sampling)
     e = tree.depth + 1
@@ -140,22 +170,62 @@ def prefill(tparams, dparams, embed, vocab: DraftVocab, prompt_BT, lengths_B, li
         next_tok = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
         dslots = shape.slots + tree.tree_slots
         dcache = drf.make_cache(dcfg, b, dslots, dtype)
-        dcache = drf.forward(dparams, embed, next_tok, out.aux, positions, causal_mask(zeros, t, dslots),
-                             dcfg, dcache, zeros, compute_logits=False, target_features=True).cache
+        dcache = drf.forward(
+            dparams,
+            embed,
+            next_tok,
+            out.aux,
+            positions,
+            causal_mask(zeros, t, dslots),
+            dcfg,
+            dcache,
+            zeros,
+            compute_logits=False,
+            target_features=True,
+        ).cache
         feat = out.aux
     enc_tok = jnp.zeros((b, e), jnp.int32).at[:, 0].set(root)
     enc_feat = jnp.zeros((b, e, feat.shape[-1]), feat.dtype).at[:, 0].set(feat[rows, lengths_B - 1])
-    history = jnp.zeros((b, shape.slots), jnp.int32).at[:, :t].set(prompt_BT).at[rows, lengths_B].set(root)
+    history = (
+        jnp.zeros((b, shape.slots), jnp.int32)
+        .at[:, :t]
+        .set(prompt_BT)
+        .at[rows, lengths_B]
+        .set(root)
+    )
     tokens = jnp.zeros((b, shape.max_new + e), jnp.int32).at[:, 0].set(root)
     num_new = jnp.ones((b,), jnp.int32)
-    finish = jnp.where(_eos_mask(root, eos_ids), 1, jnp.where(num_new >= limit_B, 2, 0)).astype(jnp.int32)
-    return SpecState(out.cache, dcache, lengths_B, root, enc_tok, enc_feat, jnp.ones((b,), jnp.int32),
-                     tokens, history, num_new, finish, jnp.ones((b,), jnp.int32),
-                     jnp.zeros((b, tree.depth + 1), jnp.int32), limit_B, key)
+    finish = jnp.where(_eos_mask(root, eos_ids), 1, jnp.where(num_new >= limit_B, 2, 0)).astype(
+        jnp.int32
+    )
+    return SpecState(
+        out.cache,
+        dcache,
+        lengths_B,
+        root,
+        enc_tok,
+        enc_feat,
+        jnp.ones((b,), jnp.int32),
+        tokens,
+        history,
+        num_new,
+        finish,
+        jnp.ones((b,), jnp.int32),
+        jnp.zeros((b, tree.depth + 1), jnp.int32),
+        limit_B,
+        key,
+    )
 
 
-def eagle3_drafter(dparams, embed, vocab: DraftVocab, state: SpecState, dcfg: drf.DraftConfig,
-                   shape: Shape, tree: TreeConfig):
+def eagle3_drafter(
+    dparams,
+    embed,
+    vocab: DraftVocab,
+    state: SpecState,
+    dcfg: drf.DraftConfig,
+    shape: Shape,
+    tree: TreeConfig,
+):
     """Steps 1-2: encode the new pairs, grow the dynamic tree. Returns (Tree [batched], draft cache)."""
     b = state.root.shape[0]
     k, depth, e = tree.top_k, tree.depth, tree.depth + 1
@@ -164,9 +234,21 @@ def eagle3_drafter(dparams, embed, vocab: DraftVocab, state: SpecState, dcfg: dr
     start = r - state.enc_n
     slot_ids = jnp.arange(dslots)
     pos = start[:, None] + jnp.arange(e, dtype=jnp.int32)[None, :]
-    mask = slot_ids[None, None, :] <= pos[:, :, None]  # stable slots only: tree slots are >= s > pos
-    out = drf.forward(dparams, embed, state.enc_tok, state.enc_feat, pos, mask, dcfg, state.dcache, start,
-                      target_features=True)
+    mask = (
+        slot_ids[None, None, :] <= pos[:, :, None]
+    )  # stable slots only: tree slots are >= s > pos
+    out = drf.forward(
+        dparams,
+        embed,
+        state.enc_tok,
+        state.enc_feat,
+        pos,
+        mask,
+        dcfg,
+        state.dcache,
+        start,
+        target_features=True,
+    )
     rows = jnp.arange(b)
     last = state.enc_n - 1
     h0 = out.hidden[rows, last]
@@ -185,8 +267,18 @@ def eagle3_drafter(dparams, embed, vocab: DraftVocab, state: SpecState, dcfg: dr
         anc = exp_anc | own[None]
         mask = jnp.concatenate([jnp.broadcast_to(stable, (b, k, s)), anc], axis=-1)
         pos = jnp.broadcast_to((r + lvl - 2)[:, None], (b, k))
-        o = drf.forward(dparams, embed, exp_tok, exp_h, pos, mask, dcfg, dcache,
-                        jnp.full((b,), s + (lvl - 2) * k, jnp.int32), target_features=False)
+        o = drf.forward(
+            dparams,
+            embed,
+            exp_tok,
+            exp_h,
+            pos,
+            mask,
+            dcfg,
+            dcache,
+            jnp.full((b,), s + (lvl - 2) * k, jnp.int32),
+            target_features=False,
+        )
         dcache = o.cache
         lp = jax.nn.log_softmax(o.logits.astype(jnp.float32), axis=-1)
         cs, ci = jax.lax.top_k(lp, k)  # [B, k, k]
@@ -209,8 +301,16 @@ def eagle3_drafter(dparams, embed, vocab: DraftVocab, state: SpecState, dcfg: dr
     return trees, dcache
 
 
-def pld_drafter(dparams, embed, vocab, state: SpecState, dcfg, shape: Shape, tree: TreeConfig,
-                max_ngram: int = 3):
+def pld_drafter(
+    dparams,
+    embed,
+    vocab,
+    state: SpecState,
+    dcfg,
+    shape: Shape,
+    tree: TreeConfig,
+    max_ngram: int = 3,
+):
     """Prompt lookup decoding: find the latest earlier occurrence of the context's last n tokens
     (n = max_ngram, then shorter) and propose the `depth` tokens that followed it, as a chain."""
     r = state.length
@@ -231,7 +331,9 @@ def pld_drafter(dparams, embed, vocab, state: SpecState, dcfg, shape: Shape, tre
         found = found | use
     idx = jnp.minimum(start[:, None] + jnp.arange(tree.depth)[None, :], r[:, None])
     chain = jnp.take_along_axis(hist, idx, axis=1)
-    return jax.vmap(chain_tree)(state.root, chain, jnp.zeros(chain.shape, jnp.float32)), state.dcache
+    return jax.vmap(chain_tree)(
+        state.root, chain, jnp.zeros(chain.shape, jnp.float32)
+    ), state.dcache
 
 
 def vanilla_drafter(dparams, embed, vocab, state: SpecState, dcfg, shape: Shape, tree: TreeConfig):
@@ -244,7 +346,9 @@ def vanilla_drafter(dparams, embed, vocab, state: SpecState, dcfg, shape: Shape,
 DRAFTERS = {"eagle3": eagle3_drafter, "pld": pld_drafter, "vanilla": vanilla_drafter}
 
 
-def verify(tparams, trees, state: SpecState, tcfg: TargetConfig, dcfg: drf.DraftConfig, shape: Shape):
+def verify(
+    tparams, trees, state: SpecState, tcfg: TargetConfig, dcfg: drf.DraftConfig, shape: Shape
+):
     """Step 3: the target over the N + 1 tree tokens, written at slots r .. r + N."""
     r = state.length
     n1 = trees.tokens.shape[1]
@@ -253,12 +357,32 @@ def verify(tparams, trees, state: SpecState, tcfg: TargetConfig, dcfg: drf.Draft
     tree_part = jnp.take_along_axis(trees.mask, jnp.clip(rel, 0, n1 - 1)[:, None, :], axis=2)
     mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)  # [B, N+1, S]
     positions = r[:, None] + trees.depth
-    return tgt.forward(tparams, trees.tokens, positions, mask, tcfg, state.tcache, r,
-                       aux_ids=() if dcfg is None else dcfg.aux_layer_ids)
+    return tgt.forward(
+        tparams,
+        trees.tokens,
+        positions,
+        mask,
+        tcfg,
+        state.tcache,
+        r,
+        aux_ids=() if dcfg is None else dcfg.aux_layer_ids,
+    )
 
 
-def _round(tparams, dparams, embed, vocab, state: SpecState, tcfg, dcfg, shape: Shape, tree: TreeConfig,
-           sampling: Sampling, eos_ids, method="eagle3") -> SpecState:
+def _round(
+    tparams,
+    dparams,
+    embed,
+    vocab,
+    state: SpecState,
+    tcfg,
+    dcfg,
+    shape: Shape,
+    tree: TreeConfig,
+    sampling: Sampling,
+    eos_ids,
+    method="eagle3",
+) -> SpecState:
     b = state.root.shape[0]
     e = tree.depth + 1
     rows = jnp.arange(b)
@@ -274,7 +398,9 @@ def _round(tparams, dparams, embed, vocab, state: SpecState, tcfg, dcfg, shape: 
     # emitted this round: the accepted drafted tokens, then the bonus
     j = jnp.arange(e)[None, :]
     path_next = jnp.take_along_axis(acc.path, jnp.minimum(j + 1, tree.depth), axis=1)
-    emit = jnp.where(j < a[:, None], jnp.take_along_axis(trees.tokens, path_next, axis=1), bonus[:, None])
+    emit = jnp.where(
+        j < a[:, None], jnp.take_along_axis(trees.tokens, path_next, axis=1), bonus[:, None]
+    )
     is_eos = _eos_mask(emit, eos_ids) & (j <= a[:, None])
     has_eos = jnp.any(is_eos, axis=1)
     count = jnp.where(has_eos, jnp.argmax(is_eos, axis=1) + 1, a + 1)
@@ -286,17 +412,32 @@ def _round(tparams, dparams, embed, vocab, state: SpecState, tcfg, dcfg, shape: 
     finish = jnp.where(stop_eos, 1, jnp.where(count >= room, 2, jnp.where(no_room, 3, 0)))
     # writes past `count` are overwritten next round or lie beyond the row's final length
     tokens = state.tokens.at[rows[:, None], state.num_new[:, None] + j].set(emit)
-    history = state.history.at[rows[:, None], jnp.minimum(r[:, None] + 1 + j, shape.slots - 1)].set(emit)
-    enc_feat = (state.enc_feat if tout.aux is None
-                else jnp.take_along_axis(tout.aux, acc.path[:, :, None], axis=1))
+    history = state.history.at[rows[:, None], jnp.minimum(r[:, None] + 1 + j, shape.slots - 1)].set(
+        emit
+    )
+    enc_feat = (
+        state.enc_feat
+        if tout.aux is None
+        else jnp.take_along_axis(tout.aux, acc.path[:, :, None], axis=1)
+    )
     upd = lambda new, old: jnp.where(running.reshape((b,) + (1,) * (new.ndim - 1)), new, old)  # noqa
     hist = state.accept_hist.at[rows, a].add(running.astype(jnp.int32))
     return SpecState(
-        tcache, dcache, upd(length, state.length), upd(bonus, state.root), upd(emit, state.enc_tok),
-        upd(enc_feat, state.enc_feat), upd(a + 1, state.enc_n), upd(tokens, state.tokens),
+        tcache,
+        dcache,
+        upd(length, state.length),
+        upd(bonus, state.root),
+        upd(emit, state.enc_tok),
+        upd(enc_feat, state.enc_feat),
+        upd(a + 1, state.enc_n),
+        upd(tokens, state.tokens),
         upd(history, state.history),
-        upd(state.num_new + count, state.num_new), upd(finish.astype(jnp.int32), state.finish),
-        state.forwards + running, hist, state.limit, key,
+        upd(state.num_new + count, state.num_new),
+        upd(finish.astype(jnp.int32), state.finish),
+        state.forwards + running,
+        hist,
+        state.limit,
+        key,
     )
 
 
@@ -305,13 +446,26 @@ round_step = jax.jit(_round, static_argnames=_STATIC, donate_argnums=4)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=4)
-def decode_loop(tparams, dparams, embed, vocab, state: SpecState, tcfg, dcfg, shape: Shape,
-                tree: TreeConfig, sampling: Sampling, eos_ids, method="eagle3") -> SpecState:
+def decode_loop(
+    tparams,
+    dparams,
+    embed,
+    vocab,
+    state: SpecState,
+    tcfg,
+    dcfg,
+    shape: Shape,
+    tree: TreeConfig,
+    sampling: Sampling,
+    eos_ids,
+    method="eagle3",
+) -> SpecState:
     """Rounds until every row has finished, on device."""
     return jax.lax.while_loop(
         lambda st: jnp.any(st.finish == 0),
-        lambda st: _round(tparams, dparams, embed, vocab, st, tcfg, dcfg, shape, tree, sampling, eos_ids,
-                          method),
+        lambda st: _round(
+            tparams, dparams, embed, vocab, st, tcfg, dcfg, shape, tree, sampling, eos_ids, method
+        ),
         state,
     )
 
@@ -335,11 +489,24 @@ def method_tree(method: str, tree: TreeConfig, draft_vocab_size: int | None) -> 
     return tree.validate(draft_vocab_size or tree.top_k)
 
 
-def generate(tparams, tcfg: TargetConfig, dparams, dcfg: drf.DraftConfig | None, vocab: DraftVocab | None,
-             prompts: list[list[int]], max_new_tokens: int, tree: TreeConfig = TreeConfig(),
-             sampling: Sampling = Sampling(), seed: int = 0, eos_ids: tuple[int, ...] | None = None,
-             max_context: int | None = None, pad_id: int = 0, embed=None, warmup: bool = False,
-             method: str = "eagle3") -> SpecResult:
+def generate(
+    tparams,
+    tcfg: TargetConfig,
+    dparams,
+    dcfg: drf.DraftConfig | None,
+    vocab: DraftVocab | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    tree: TreeConfig = TreeConfig(),
+    sampling: Sampling = Sampling(),
+    seed: int = 0,
+    eos_ids: tuple[int, ...] | None = None,
+    max_context: int | None = None,
+    pad_id: int = 0,
+    embed=None,
+    warmup: bool = False,
+    method: str = "eagle3",
+) -> SpecResult:
     """Speculative decoding of token-id prompts: greedy output equals plain decoding token for token,
     sampled output has the target's distribution. `method` "pld" and "vanilla" need no draft."""
     if method == "eagle3" and (dparams is None or dcfg is None or vocab is None):
@@ -348,8 +515,12 @@ def generate(tparams, tcfg: TargetConfig, dparams, dcfg: drf.DraftConfig | None,
         dparams = dcfg = vocab = None
     tree = method_tree(method, tree, None if dcfg is None else dcfg.draft_vocab_size)
     eos = tuple(tcfg.eos_token_ids if eos_ids is None else eos_ids)
-    shape = plan_shape([len(p) for p in prompts], max_new_tokens, max_context or tcfg.max_position_embeddings,
-                       extra_slots=tree.total_tokens + 1)
+    shape = plan_shape(
+        [len(p) for p in prompts],
+        max_new_tokens,
+        max_context or tcfg.max_position_embeddings,
+        extra_slots=tree.total_tokens + 1,
+    )
     embed = tparams["embed"] if embed is None else embed
     toks, lengths = pad_prompts(prompts, shape, pad_id)
     key = jax.random.PRNGKey(seed)
@@ -363,28 +534,64 @@ def generate(tparams, tcfg: TargetConfig, dparams, dcfg: drf.DraftConfig | None,
     state = prefill(tparams, dparams, embed, vocab, toks, lengths, limit, key, *args[:-1])
     state = decode_loop(tparams, dparams, embed, vocab, state, *args)
     tokens, n, finish, fw, hist = jax.device_get(
-        (state.tokens, state.num_new, state.finish, state.forwards, state.accept_hist))
+        (state.tokens, state.num_new, state.finish, state.forwards, state.accept_hist)
+    )
     wall = time.perf_counter() - t0
-    return SpecResult([list(map(int, tokens[i, : n[i]])) for i in range(len(n))],
-                      [FINISH_REASONS[f] for f in finish], [int(x) for x in fw], np.asarray(hist), wall)
+    return SpecResult(
+        [list(map(int, tokens[i, : n[i]])) for i in range(len(n))],
+        [FINISH_REASONS[f] for f in finish],
+        [int(x) for x in fw],
+        np.asarray(hist),
+        wall,
+    )
 
 
-def stream(tparams, tcfg: TargetConfig, dparams, dcfg, vocab, prompt: list[int], max_new_tokens: int,
-           tree: TreeConfig = TreeConfig(), sampling: Sampling = Sampling(), seed: int = 0,
-           eos_ids: tuple[int, ...] | None = None, max_context: int | None = None, embed=None,
-           method: str = "eagle3"):
+def stream(
+    tparams,
+    tcfg: TargetConfig,
+    dparams,
+    dcfg,
+    vocab,
+    prompt: list[int],
+    max_new_tokens: int,
+    tree: TreeConfig = TreeConfig(),
+    sampling: Sampling = Sampling(),
+    seed: int = 0,
+    eos_ids: tuple[int, ...] | None = None,
+    max_context: int | None = None,
+    embed=None,
+    method: str = "eagle3",
+):
     """Yields each round's newly accepted tokens (a list) for one prompt, for interactive chat."""
     if method != "eagle3":
         dparams = dcfg = vocab = None
     tree = method_tree(method, tree, None if dcfg is None else dcfg.draft_vocab_size)
     eos = tuple(tcfg.eos_token_ids if eos_ids is None else eos_ids)
-    shape = plan_shape([len(prompt)], max_new_tokens, max_context or tcfg.max_position_embeddings,
-                       extra_slots=tree.total_tokens + 1)
+    shape = plan_shape(
+        [len(prompt)],
+        max_new_tokens,
+        max_context or tcfg.max_position_embeddings,
+        extra_slots=tree.total_tokens + 1,
+    )
     embed = tparams["embed"] if embed is None else embed
     toks, lengths = pad_prompts([prompt], shape, 0)
     limit = np.full(1, max_new_tokens, np.int32)
-    state = prefill(tparams, dparams, embed, vocab, toks, lengths, limit, jax.random.PRNGKey(seed),
-                    tcfg, dcfg, shape, tree, sampling, eos)
+    state = prefill(
+        tparams,
+        dparams,
+        embed,
+        vocab,
+        toks,
+        lengths,
+        limit,
+        jax.random.PRNGKey(seed),
+        tcfg,
+        dcfg,
+        shape,
+        tree,
+        sampling,
+        eos,
+    )
     shown = 0
     while True:
         n, finish = int(state.num_new[0]), int(state.finish[0])
@@ -392,8 +599,9 @@ def stream(tparams, tcfg: TargetConfig, dparams, dcfg, vocab, prompt: list[int],
         shown = n
         if finish != 0:
             return
-        state = round_step(tparams, dparams, embed, vocab, state, tcfg, dcfg, shape, tree, sampling, eos,
-                           method)
+        state = round_step(
+            tparams, dparams, embed, vocab, state, tcfg, dcfg, shape, tree, sampling, eos, method
+        )
 
 
 def acceptance_rates(hist: np.ndarray) -> list[float]:
@@ -401,8 +609,10 @@ def acceptance_rates(hist: np.ndarray) -> list[float]:
     ([depth + 1] or [B, depth + 1], summed over rows). NaN where no round reached depth d."""
     h = np.asarray(hist).reshape(-1, np.shape(hist)[-1]).sum(0)
     at_least = np.cumsum(h[::-1])[::-1]  # rounds accepting >= d
-    return [float(at_least[d + 1] / at_least[d]) if at_least[d] else float("nan")
-            for d in range(len(h) - 1)]
+    return [
+        float(at_least[d + 1] / at_least[d]) if at_least[d] else float("nan")
+        for d in range(len(h) - 1)
+    ]
 
 
 def tau(new_tokens: int, target_forwards: int) -> float:

@@ -21,8 +21,9 @@ class Tree(NamedTuple):
     score: jax.Array  # [N+1] cumulative draft log-prob (0 at the root)
 
 
-def select_tree(root: jax.Array, pool_tokens: jax.Array, pool_parent: jax.Array, pool_score: jax.Array,
-                n: int) -> Tree:
+def select_tree(
+    root: jax.Array, pool_tokens: jax.Array, pool_parent: jax.Array, pool_score: jax.Array, n: int
+) -> Tree:
     """The global top-n of a candidate pool as a tree.
 
     pool_parent[p] is the pool index of p's parent, -1 for children of the root. A child's score never
@@ -31,9 +32,13 @@ def select_tree(root: jax.Array, pool_tokens: jax.Array, pool_parent: jax.Array,
     """
     _, sel = jax.lax.top_k(pool_score, n)
     sel = jnp.sort(sel)  # pool order: parents before children
-    node_of = jnp.zeros(pool_score.shape[0], jnp.int32).at[sel].set(jnp.arange(1, n + 1, dtype=jnp.int32))
+    node_of = (
+        jnp.zeros(pool_score.shape[0], jnp.int32).at[sel].set(jnp.arange(1, n + 1, dtype=jnp.int32))
+    )
     par = pool_parent[sel]
-    parent = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.where(par < 0, 0, node_of[jnp.maximum(par, 0)])])
+    parent = jnp.concatenate(
+        [jnp.zeros((1,), jnp.int32), jnp.where(par < 0, 0, node_of[jnp.maximum(par, 0)])]
+    )
     tokens = jnp.concatenate([root[None].astype(jnp.int32), pool_tokens[sel].astype(jnp.int32)])
     score = jnp.concatenate([jnp.zeros((1,), pool_score.dtype), pool_score[sel]])
     depth, mask = _depth_and_mask(parent)
@@ -60,8 +65,13 @@ def chain_tree(root: jax.Array, tokens: jax.Array, scores: jax.Array) -> Tree:
     parent = jnp.arange(n + 1, dtype=jnp.int32) - 1
     parent = parent.at[0].set(0)
     depth, mask = _depth_and_mask(parent)
-    return Tree(jnp.concatenate([root[None], tokens]).astype(jnp.int32), parent, depth, mask,
-                jnp.concatenate([jnp.zeros((1,), scores.dtype), scores]))
+    return Tree(
+        jnp.concatenate([root[None], tokens]).astype(jnp.int32),
+        parent,
+        depth,
+        mask,
+        jnp.concatenate([jnp.zeros((1,), scores.dtype), scores]),
+    )
 
 
 class Accepted(NamedTuple):
@@ -78,7 +88,9 @@ def accepted_path(tree: Tree, ok: jax.Array, max_depth: int) -> Accepted:
     on_path = tree.mask[best]
     # node at depth d of the path; padding slots (d > length) repeat the deepest accepted node
     slot = jnp.where(on_path, tree.depth, max_depth + 1)
-    path = jnp.full((max_depth + 2,), best, jnp.int32).at[slot].set(jnp.arange(tree.parent.shape[0]))
+    path = (
+        jnp.full((max_depth + 2,), best, jnp.int32).at[slot].set(jnp.arange(tree.parent.shape[0]))
+    )
     return Accepted(length, path[: max_depth + 1], best)
 
 

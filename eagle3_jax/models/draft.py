@@ -57,19 +57,27 @@ class DraftConfig:
         if self.target_hidden_size is None:
             object.__setattr__(self, "target_hidden_size", self.hidden_size)
         if not self.aux_layer_ids:
-            raise Eagle3Error("draft aux_layer_ids are empty: name the target layers whose inputs "
-                              "feed the head, e.g. (2, L//2, L-3)")
+            raise Eagle3Error(
+                "draft aux_layer_ids are empty: name the target layers whose inputs "
+                "feed the head, e.g. (2, L//2, L-3)"
+            )
         if min(self.aux_layer_ids) < 0:
-            raise Eagle3Error(f"draft aux_layer_ids {self.aux_layer_ids} contain a negative id: "
-                              "use HF hidden_states indices (inputs to target layers), all >= 0")
+            raise Eagle3Error(
+                f"draft aux_layer_ids {self.aux_layer_ids} contain a negative id: "
+                "use HF hidden_states indices (inputs to target layers), all >= 0"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise Eagle3Error(f"draft num_heads {self.num_heads} is not a multiple of num_kv_heads "
-                              f"{self.num_kv_heads}: fix the head's config")
+            raise Eagle3Error(
+                f"draft num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                f"{self.num_kv_heads}: fix the head's config"
+            )
         if self.head_dim % 2:
             raise Eagle3Error(f"draft head_dim {self.head_dim} is odd: RoPE needs an even head_dim")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise Eagle3Error(f"draft_vocab_size {self.draft_vocab_size} must be between 1 and "
-                              f"vocab_size {self.vocab_size} (the target vocab)")
+            raise Eagle3Error(
+                f"draft_vocab_size {self.draft_vocab_size} must be between 1 and "
+                f"vocab_size {self.vocab_size} (the target vocab)"
+            )
 
     @property
     def n_aux(self) -> int:
@@ -177,9 +185,11 @@ def check_params(params: Params, cfg: DraftConfig) -> None:
         if n in flat and tuple(flat[n].shape) != s.shape
     ]
     if problems:
-        raise Eagle3Error(f"draft params do not match the DraftConfig: {'; '.join(problems[:4])}"
-                          f"{' ...' if len(problems) > 4 else ''}: load the head that config "
-                          "describes")
+        raise Eagle3Error(
+            f"draft params do not match the DraftConfig: {'; '.join(problems[:4])}"
+            f"{' ...' if len(problems) > 4 else ''}: load the head that config "
+            "describes"
+        )
 
 
 def param_shardings(cfg: DraftConfig, mesh, rules=None) -> Params:
@@ -208,8 +218,12 @@ def cache_sharding(cfg: DraftConfig, mesh, rules=None) -> dict[str, Any]:
     from eagle3_jax.sharding import Rules, named
 
     rules = rules or Rules()
-    s = named(mesh, ("batch", None, "kv_heads", None),
-              (mesh.shape["data"], 1, cfg.num_kv_heads, cfg.head_dim), rules)
+    s = named(
+        mesh,
+        ("batch", None, "kv_heads", None),
+        (mesh.shape["data"], 1, cfg.num_kv_heads, cfg.head_dim),
+        rules,
+    )
     return {"k": s, "v": s}
 
 
@@ -235,7 +249,11 @@ def fuse(params: Params, aux_BTF: jax.Array) -> jax.Array:
 
 
 def project_qkv(
-    p: Params, emb_BTD: jax.Array, h_BTD: jax.Array, cos: jax.Array, sin: jax.Array,
+    p: Params,
+    emb_BTD: jax.Array,
+    h_BTD: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
     cfg: DraftConfig,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The layer up to attention: q [B, T, H, K], k/v [B, T, G, K], RoPE applied to q and k.
@@ -255,16 +273,15 @@ def project_qkv(
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def finish_layer(
-    p: Params, h_BTD: jax.Array, attn_BTHK: jax.Array, cfg: DraftConfig
-) -> jax.Array:
+def finish_layer(p: Params, h_BTD: jax.Array, attn_BTHK: jax.Array, cfg: DraftConfig) -> jax.Array:
     """The layer after attention: o_proj onto the residual h (the feature BEFORE hidden_norm), then
     the SwiGLU MLP block. Returns the pre-norm output [B, T, D]."""
     b, t, _ = h_BTD.shape
     h = h_BTD + attn_BTHK.reshape(b, t, -1) @ p["wo"]
     with jax.named_scope("mlp"):
-        h = h + swiglu(rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"],
-                       p["w_down"])
+        h = h + swiglu(
+            rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"]
+        )
     return h
 
 
@@ -336,13 +353,17 @@ def forward(
     elif not target_features and width == cfg.hidden_size:
         h = feat_BTX.astype(params["fc"].dtype)
     else:
-        raise Eagle3Error(f"draft feature width {width} is neither n_aux*Ht = {cfg.feature_size} "
-                          f"(target features) nor D = {cfg.hidden_size} (draft output): check aux "
-                          "ids and target_hidden_size against the target")
+        raise Eagle3Error(
+            f"draft feature width {width} is neither n_aux*Ht = {cfg.feature_size} "
+            f"(target features) nor D = {cfg.hidden_size} (draft output): check aux "
+            "ids and target_hidden_size against the target"
+        )
     if tuple(embed_VD.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise Eagle3Error(f"embedding has shape {tuple(embed_VD.shape)}, the draft needs "
-                          f"[{cfg.vocab_size}, {cfg.hidden_size}] ([V, D]): pass the target's "
-                          "embedding, or the head's own when its hidden size differs")
+        raise Eagle3Error(
+            f"embedding has shape {tuple(embed_VD.shape)}, the draft needs "
+            f"[{cfg.vocab_size}, {cfg.hidden_size}] ([V, D]): pass the target's "
+            "embedding, or the head's own when its hidden size differs"
+        )
     if cache is not None and write_B is None:
         raise Eagle3Error("draft forward got a cache but no write_B: pass the slot offsets per row")
     emb = embed_VD[tokens_BT].astype(h.dtype)

@@ -67,7 +67,9 @@ def top_param_specs(cfg: TargetConfig) -> dict[str, ParamSpec]:
         "final_norm": ParamSpec((cfg.hidden_size,), (None,), "ones"),
     }
     if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), "normal")
+        specs["lm_head"] = ParamSpec(
+            (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), "normal"
+        )
     return specs
 
 
@@ -98,11 +100,15 @@ def init_params(
 
     k_top, k_layers = jax.random.split(key)
     top = top_param_specs(cfg)
-    params: Params = {n: make(s, k) for (n, s), k in zip(top.items(), jax.random.split(k_top, len(top)))}
+    params: Params = {
+        n: make(s, k) for (n, s), k in zip(top.items(), jax.random.split(k_top, len(top)))
+    }
     lspecs = layer_param_specs(cfg)
     if stacked:
         ks = jax.random.split(k_layers, len(lspecs))
-        params["layers"] = {n: make(s, k, (cfg.num_layers,)) for (n, s), k in zip(lspecs.items(), ks)}
+        params["layers"] = {
+            n: make(s, k, (cfg.num_layers,)) for (n, s), k in zip(lspecs.items(), ks)
+        }
     else:
         params["layers"] = []
         for lk in jax.random.split(k_layers, cfg.num_layers):
@@ -195,7 +201,9 @@ def _layer(
         o = attention(q, k_all, v_all, mask).reshape(b, t, -1) @ p["wo"]
     if pre:
         h_BTD = h_BTD + o
-        h_BTD = h_BTD + swiglu(rms_norm(h_BTD, p["mlp_norm"], eps), p["w_gate"], p["w_up"], p["w_down"])
+        h_BTD = h_BTD + swiglu(
+            rms_norm(h_BTD, p["mlp_norm"], eps), p["w_gate"], p["w_up"], p["w_down"]
+        )
     else:
         h_BTD = h_BTD + rms_norm(o, p["attn_norm"], eps)
         m = swiglu(h_BTD, p["w_gate"], p["w_up"], p["w_down"])
@@ -241,14 +249,20 @@ def forward(
                 new_v.append(kv[1])
         new_cache = None if cache is None else {"k": new_k, "v": new_v}
     else:
-        h, new_cache, captured = _scan_layers(layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids)
+        h, new_cache, captured = _scan_layers(
+            layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids
+        )
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if cfg.num_layers in aux_ids:
         captured[cfg.num_layers] = hidden
     aux = jnp.concatenate([captured[i] for i in aux_ids], axis=-1) if aux_ids else None
     logits = None
     if compute_logits:
-        x = hidden if logits_idx_BP is None else jnp.take_along_axis(hidden, logits_idx_BP[..., None], 1)
+        x = (
+            hidden
+            if logits_idx_BP is None
+            else jnp.take_along_axis(hidden, logits_idx_BP[..., None], 1)
+        )
         logits = lm_head(params, x, cfg)
     return Output(logits, hidden, aux, new_cache)
 
@@ -297,7 +311,9 @@ def full_forward(params: Params, tokens_BT: jax.Array, cfg: TargetConfig, aux_id
     mask = q[None, :] <= q[:, None]
     if cfg.sliding_window is not None:
         mask = mask & (q[None, :] > q[:, None] - cfg.sliding_window)
-    return forward(params, tokens_BT, positions, jnp.broadcast_to(mask, (b, t, t)), cfg, aux_ids=aux_ids)
+    return forward(
+        params, tokens_BT, positions, jnp.broadcast_to(mask, (b, t, t)), cfg, aux_ids=aux_ids
+    )
 
 
 def num_params(params: Params) -> int:
@@ -313,7 +329,8 @@ def param_shardings(cfg: TargetConfig, mesh, rules=None, stacked: bool = False) 
     lspecs = layer_param_specs(cfg)
     if stacked:
         out["layers"] = {
-            n: named(mesh, (None,) + s.axes, (cfg.num_layers,) + s.shape, rules) for n, s in lspecs.items()
+            n: named(mesh, (None,) + s.axes, (cfg.num_layers,) + s.shape, rules)
+            for n, s in lspecs.items()
         }
     else:
         one = {n: named(mesh, s.axes, s.shape, rules) for n, s in lspecs.items()}

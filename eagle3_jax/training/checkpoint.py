@@ -17,24 +17,34 @@ class Checkpoints:
         self.directory = Path(directory).resolve()
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                 enable_async_checkpointing=False),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, enable_async_checkpointing=False
+            ),
         )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
         self.manager.wait_until_finished()
 
     def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict]:
         """Restores into the structure, dtypes and shardings of `like` (concrete or abstract)."""
         step = self.latest_step() if step is None else step
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
         return out["state"], out["meta"]
 
     def close(self) -> None:

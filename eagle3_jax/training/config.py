@@ -68,16 +68,22 @@ class TrainConfig:
         if self.features not in ("online", "offline"):
             raise Eagle3Error(f"features {self.features!r}: use online or offline")
         if self.features == "offline" and not self.features_dir:
-            raise Eagle3Error("features=offline needs features_dir (precompute it with "
-                              "`train.py --precompute-features`)")
+            raise Eagle3Error(
+                "features=offline needs features_dir (precompute it with "
+                "`train.py --precompute-features`)"
+            )
         if self.batch_size < 1 or self.grad_accum < 1:
             raise Eagle3Error("batch_size and grad_accum must be >= 1")
         if self.batch_size % (self.mesh_data * self.grad_accum):
-            raise Eagle3Error(f"batch_size {self.batch_size} must divide by mesh_data x grad_accum "
-                              f"({self.mesh_data} x {self.grad_accum})")
+            raise Eagle3Error(
+                f"batch_size {self.batch_size} must divide by mesh_data x grad_accum "
+                f"({self.mesh_data} x {self.grad_accum})"
+            )
         for name in ("param_dtype", "compute_dtype", "export_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
-                raise Eagle3Error(f"{name} {getattr(self, name)!r}: use float32, bfloat16 or float16")
+                raise Eagle3Error(
+                    f"{name} {getattr(self, name)!r}: use float32, bfloat16 or float16"
+                )
         return self
 
 
@@ -108,7 +114,7 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
     for item in overrides:
         if not item.startswith("--config.") or "=" not in item:
             raise Eagle3Error(f"bad override {item!r}: write --config.FIELD=VALUE")
-        key, value = item[len("--config."):].split("=", 1)
+        key, value = item[len("--config.") :].split("=", 1)
         if key not in fields:
             raise Eagle3Error(f"unknown config field {key!r}; fields: {', '.join(fields)}")
         changes[key] = _convert(value, fields[key].type, key)

@@ -19,8 +19,14 @@ from eagle3_jax.errors import Eagle3Error
 META = "features.json"
 
 
-def precompute(target, ds, layers: tuple[int, ...], out_dir: str | Path, batch_size: int = 4,
-               progress: bool = True) -> Path:
+def precompute(
+    target,
+    ds,
+    layers: tuple[int, ...],
+    out_dir: str | Path,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> Path:
     """Writes layer_{i}.npy [N, L, D] for each layer id and hidden.npy [N, L, D]; atomic per run."""
     from tqdm.auto import tqdm
 
@@ -35,24 +41,36 @@ def precompute(target, ds, layers: tuple[int, ...], out_dir: str | Path, batch_s
     n, t = ds.input_ids.shape
     d = target.cfg.hidden_size
     layers = tuple(sorted(set(target.cfg.check_aux_layer_ids(layers))))
-    maps = {i: np.lib.format.open_memmap(tmp / f"layer_{i}.npy", "w+", np.float32, (n, t, d))
-            for i in layers}
+    maps = {
+        i: np.lib.format.open_memmap(tmp / f"layer_{i}.npy", "w+", np.float32, (n, t, d))
+        for i in layers
+    }
     hidden = np.lib.format.open_memmap(tmp / "hidden.npy", "w+", np.float32, (n, t, d))
     fn = jax.jit(target_features, static_argnames=("tcfg", "aux_ids"))
     for lo in tqdm(range(0, n, batch_size), desc="features", disable=not progress):
         rows = np.arange(lo, min(lo + batch_size, n))
         pad = np.resize(rows, batch_size)  # one shape for every batch
         mask = (np.arange(t)[None, :] < ds.lengths[pad][:, None]).astype(np.int32)
-        aux, hid = fn(target.params, jnp.asarray(ds.input_ids[pad]), jnp.asarray(mask),
-                      tcfg=target.cfg, aux_ids=layers)
+        aux, hid = fn(
+            target.params,
+            jnp.asarray(ds.input_ids[pad]),
+            jnp.asarray(mask),
+            tcfg=target.cfg,
+            aux_ids=layers,
+        )
         aux, hid = np.asarray(aux)[: len(rows)], np.asarray(hid)[: len(rows)]
         for k, i in enumerate(layers):
             maps[i][rows] = aux[..., k * d : (k + 1) * d]
         hidden[rows] = hid
     for m in (*maps.values(), hidden):
         m.flush()
-    meta = {"layers": list(layers), "num_records": n, "max_len": t, "hidden_size": d,
-            "input_ids_sum": int(ds.input_ids.astype(np.int64).sum())}
+    meta = {
+        "layers": list(layers),
+        "num_records": n,
+        "max_len": t,
+        "hidden_size": d,
+        "input_ids_sum": int(ds.input_ids.astype(np.int64).sum()),
+    }
     (tmp / META).write_text(json.dumps(meta))
     if out.exists():
         shutil.rmtree(out)
@@ -68,18 +86,27 @@ class OfflineFeatures:
         try:
             meta = json.loads((path / META).read_text())
         except (OSError, ValueError):
-            raise Eagle3Error(f"no precomputed features in {path}: run train.py --precompute-features "
-                              "with the same config first") from None
+            raise Eagle3Error(
+                f"no precomputed features in {path}: run train.py --precompute-features "
+                "with the same config first"
+            ) from None
         if meta["num_records"] != ds.num_records or meta["input_ids_sum"] != int(
-                ds.input_ids.astype(np.int64).sum()):
-            raise Eagle3Error(f"features in {path} were computed for another dataset: precompute again")
+            ds.input_ids.astype(np.int64).sum()
+        ):
+            raise Eagle3Error(
+                f"features in {path} were computed for another dataset: precompute again"
+            )
         missing = [i for i in aux_ids if i not in meta["layers"]]
         if missing:
-            raise Eagle3Error(f"features in {path} hold layers {meta['layers']}, not {missing}: "
-                              "precompute with feature_layers covering every aux id")
+            raise Eagle3Error(
+                f"features in {path} hold layers {meta['layers']}, not {missing}: "
+                "precompute with feature_layers covering every aux id"
+            )
         self.aux = [np.load(path / f"layer_{i}.npy", mmap_mode="r") for i in aux_ids]
         self.hidden = np.load(path / "hidden.npy", mmap_mode="r")
 
     def batch(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        return {"aux": np.concatenate([a[rows] for a in self.aux], axis=-1),
-                "hidden": np.asarray(self.hidden[rows])}
+        return {
+            "aux": np.concatenate([a[rows] for a in self.aux], axis=-1),
+            "hidden": np.asarray(self.hidden[rows]),
+        }

@@ -54,7 +54,9 @@ class MetricsWriter:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-            self.tb.scalars(rec["step"], {k: v for k, v in rec.items() if k not in ("step", "epoch")})
+            self.tb.scalars(
+                rec["step"], {k: v for k, v in rec.items() if k not in ("step", "epoch")}
+            )
 
     def close(self) -> None:
         if self.enabled:
@@ -87,8 +89,14 @@ def prepare_data(tc: TrainConfig, target, out: Path):
     if tc.regenerate:
         regen = out / "regenerated.jsonl"
         prompts = first_user_turns(convs)
-        stats = regenerate(target, prompts, regen, max_new_tokens=tc.regen_max_new_tokens,
-                           batch_size=tc.regen_batch_size, max_prompt_tokens=tc.max_len // 2)
+        stats = regenerate(
+            target,
+            prompts,
+            regen,
+            max_new_tokens=tc.regen_max_new_tokens,
+            batch_size=tc.regen_batch_size,
+            max_prompt_tokens=tc.max_len // 2,
+        )
         print(f"regeneration: {stats}", file=sys.stderr)
         convs, _ = read_conversations(regen)
     ds = dsm.build_dataset(target.tokenizer, convs, tc.max_len)
@@ -106,8 +114,11 @@ def prepare_vocab(tc: TrainConfig, ds, vocab_size: int, out: Path):
     if path.exists():
         z = np.load(path)
         return DraftVocab(z["d2t"], z["t2d"])
-    vocab = (identity(vocab_size) if tc.draft_vocab_size >= vocab_size
-             else build_from_counts(token_counts(ds, vocab_size), tc.draft_vocab_size))
+    vocab = (
+        identity(vocab_size)
+        if tc.draft_vocab_size >= vocab_size
+        else build_from_counts(token_counts(ds, vocab_size), tc.draft_vocab_size)
+    )
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d))
     os.replace(tmp, path)
@@ -139,8 +150,9 @@ def precompute_features(tc: TrainConfig, progress: bool = True) -> Path:
     return features.precompute(target, ds, tuple(layers), tc.features_dir, progress=progress)
 
 
-def train(tc: TrainConfig, resume: bool = False, progress: bool = True,
-          stop_after: int | None = None) -> dict[str, Any]:
+def train(
+    tc: TrainConfig, resume: bool = False, progress: bool = True, stop_after: int | None = None
+) -> dict[str, Any]:
     """Runs (or resumes) a training run; returns a summary with the exported head's path.
 
     `stop_after` ends the run after that step without a final save or export, as a kill would
@@ -163,14 +175,18 @@ def train(tc: TrainConfig, resume: bool = False, progress: bool = True,
     cfg_path = out / "train_config.json"
     if ckpt.latest_step() is not None:
         if not resume:
-            raise Eagle3Error(f"{out} already holds checkpoints (step {ckpt.latest_step()}): pass "
-                              "--resume to continue that run, or choose another out_dir")
+            raise Eagle3Error(
+                f"{out} already holds checkpoints (step {ckpt.latest_step()}): pass "
+                "--resume to continue that run, or choose another out_dir"
+            )
         saved = json.loads(cfg_path.read_text())
         now = _config_record(tc)
         if saved != now:
             diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
-            raise Eagle3Error(f"--resume with a different config ({', '.join(diff)}): resume with the "
-                              "run's own config, or start a new out_dir")
+            raise Eagle3Error(
+                f"--resume with a different config ({', '.join(diff)}): resume with the "
+                "run's own config, or start a new out_dir"
+            )
     cfg_path.write_text(json.dumps(_config_record(tc), indent=1))
 
     n_dev = tc.mesh_data * tc.mesh_model
@@ -180,17 +196,17 @@ def train(tc: TrainConfig, resume: bool = False, progress: bool = True,
     ds = prepare_data(tc, target, out)
     vocab = prepare_vocab(tc, ds, tcfg.vocab_size, out)
     aux_ids = tcfg.check_aux_layer_ids(tc.aux_layer_ids or tcfg.default_aux_layer_ids())
-    dcfg = drf.DraftConfig.from_target(tcfg, draft_vocab_size=vocab.draft_size, aux_layer_ids=aux_ids)
+    dcfg = drf.DraftConfig.from_target(
+        tcfg, draft_vocab_size=vocab.draft_size, aux_layer_ids=aux_ids
+    )
     per_epoch = steps_per_epoch(ds, tc.batch_size)
     total = tc.max_steps or tc.epochs * per_epoch
     tx = make_optimizer(tc, total)
     dparams = drf.init_params(dcfg, jax.random.PRNGKey(tc.seed), DTYPES[tc.param_dtype])
     state_sh = None
     if mesh is not None:
-        state_sh = jax.tree.map(lambda _: None, init_state(dparams, tx))  # filled below
-        dsh = drf.param_shardings(dcfg, mesh)
-        dparams = jax.tree.map(jax.device_put, dparams, dsh)
-    state = init_state(dparams, tx)
+        dparams = jax.tree.map(jax.device_put, dparams, drf.param_shardings(dcfg, mesh))
+    state = init_state(dparams, tx, mesh)
     if mesh is not None:
         state_sh = jax.tree.map(lambda x: x.sharding, state)
     start = 0
@@ -204,17 +220,40 @@ def train(tc: TrainConfig, resume: bool = False, progress: bool = True,
         from eagle3_jax.training.features import OfflineFeatures
 
         offline = OfflineFeatures(tc.features_dir, ds, aux_ids)
-    step_fn = jit_train_step(tcfg, dcfg, tc, tx, mesh, state_sh,
-                             None if mesh is None else jax.tree.map(lambda x: x.sharding, target.params))
+    step_fn = jit_train_step(
+        tcfg,
+        dcfg,
+        tc,
+        tx,
+        mesh,
+        state_sh,
+        None if mesh is None else jax.tree.map(lambda x: x.sharding, target.params),
+    )
     writer = MetricsWriter(out / "metrics.jsonl", start)
-    meta = {"vocab_size": tcfg.vocab_size, "draft_vocab_size": vocab.draft_size,
-            "aux_layer_ids": list(aux_ids), "total_steps": total}
-    bar = tqdm(total=total, initial=start, disable=not progress or jax.process_index() != 0,
-               desc="train", dynamic_ncols=True)
+    meta = {
+        "vocab_size": tcfg.vocab_size,
+        "draft_vocab_size": vocab.draft_size,
+        "aux_layer_ids": list(aux_ids),
+        "total_steps": total,
+    }
+    bar = tqdm(
+        total=total,
+        initial=start,
+        disable=not progress or jax.process_index() != 0,
+        desc="train",
+        dynamic_ncols=True,
+    )
     t_last, tokens_since = time.perf_counter(), 0
     last = {}
-    for batch in batches(ds, tc.batch_size, tc.seed, start_step=start, num_steps=total - start,
-                         process_index=jax.process_index(), process_count=jax.process_count()):
+    for batch in batches(
+        ds,
+        tc.batch_size,
+        tc.seed,
+        start_step=start,
+        num_steps=total - start,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    ):
         arrays = batch_arrays(batch)
         if offline is not None:
             arrays.update(offline.batch(batch.rows))
@@ -224,14 +263,20 @@ def train(tc: TrainConfig, resume: bool = False, progress: bool = True,
         loss = float(metrics["loss"])
         if not math.isfinite(loss):
             writer.close()
-            raise Eagle3Error(f"loss is {loss} at step {step}: stopped; the last good checkpoint "
-                              f"(step {ckpt.latest_step()}) is kept. Lower lr or check the data")
+            raise Eagle3Error(
+                f"loss is {loss} at step {step}: stopped; the last good checkpoint "
+                f"(step {ckpt.latest_step()}) is kept. Lower lr or check the data"
+            )
         if step % tc.log_every == 0 or step == total:
             now = time.perf_counter()
             m = jax.device_get(metrics)
-            rec = {"step": step, "epoch": batch.epoch, "loss": loss,
-                   "grad_norm": float(m["grad_norm"]),
-                   "tokens_per_s": tokens_since / (now - t_last)}
+            rec = {
+                "step": step,
+                "epoch": batch.epoch,
+                "loss": loss,
+                "grad_norm": float(m["grad_norm"]),
+                "tokens_per_s": tokens_since / (now - t_last),
+            }
             for name in ("acc", "ploss"):
                 for i, v in enumerate(np.asarray(m[name]).reshape(-1)):
                     rec[f"{name}_{i}"] = float(v)

@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.models import draft as drf
@@ -36,37 +37,64 @@ def make_optimizer(tc: TrainConfig, total_steps: int) -> optax.GradientTransform
     updates = max(1, total_steps // tc.grad_accum)
     warmup = max(1, int(round(updates * tc.warmup_ratio)))
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, max(updates, warmup + 1), 0.0)
-    tx = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
-                     optax.adamw(schedule, b1=tc.beta1, b2=tc.beta2, weight_decay=tc.weight_decay))
+    tx = optax.chain(
+        optax.clip_by_global_norm(tc.clip_norm),
+        optax.adamw(schedule, b1=tc.beta1, b2=tc.beta2, weight_decay=tc.weight_decay),
+    )
     return optax.MultiSteps(tx, every_k_schedule=tc.grad_accum) if tc.grad_accum > 1 else tx
 
 
-def init_state(dparams, tx: optax.GradientTransformation) -> TrainState:
-    return TrainState(jnp.zeros((), jnp.int32), dparams, tx.init(dparams))
+def init_state(dparams, tx: optax.GradientTransformation, mesh=None) -> TrainState:
+    """Fresh state. With a mesh, leaves that are not already spread over it (the step counter,
+    optimiser counts) are replicated on it, so the whole state lives on one set of devices."""
+    state = TrainState(jnp.zeros((), jnp.int32), dparams, tx.init(dparams))
+    if mesh is None:
+        return state
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(
+        lambda x: x if len(x.sharding.device_set) == mesh.size else jax.device_put(x, rep), state
+    )
 
 
-def target_features(tparams, input_ids_BT: jax.Array, attention_mask_BT: jax.Array, tcfg: TargetConfig,
-                    aux_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+def target_features(
+    tparams,
+    input_ids_BT: jax.Array,
+    attention_mask_BT: jax.Array,
+    tcfg: TargetConfig,
+    aux_ids: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array]:
     """The frozen target's (aux features [B, T, n_aux*D], final hidden [B, T, D]) without gradient."""
     b, t = input_ids_BT.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     q = jnp.arange(t)
     causal = q[None, :] <= q[:, None]
     mask = causal[None] & attention_mask_BT[:, None, :].astype(bool)
-    out = tgt.forward(tparams, input_ids_BT, positions, mask, tcfg, aux_ids=aux_ids, compute_logits=False)
+    out = tgt.forward(
+        tparams, input_ids_BT, positions, mask, tcfg, aux_ids=aux_ids, compute_logits=False
+    )
     return jax.lax.stop_gradient(out.aux), jax.lax.stop_gradient(out.hidden)
 
 
-def loss_fn(dparams, tparams, batch: dict[str, jax.Array], t2d: jax.Array, tcfg: TargetConfig,
-            dcfg: drf.DraftConfig, tc: TrainConfig):
+def loss_fn(
+    dparams,
+    tparams,
+    batch: dict[str, jax.Array],
+    t2d: jax.Array,
+    tcfg: TargetConfig,
+    dcfg: drf.DraftConfig,
+    tc: TrainConfig,
+):
     """TTT loss of a batch; `batch` has input_ids, loss_mask, attention_mask and, offline, aux/hidden."""
     compute = DTYPES[tc.compute_dtype]
     if "aux" in batch:
         aux, hidden = batch["aux"], batch["hidden"]
     else:
-        aux, hidden = target_features(tparams, batch["input_ids"], batch["attention_mask"], tcfg,
-                                      dcfg.aux_layer_ids)
-    target_logits = tgt.lm_head(tparams, hidden.astype(tparams["embed"].dtype), tcfg).astype(jnp.float32)
+        aux, hidden = target_features(
+            tparams, batch["input_ids"], batch["attention_mask"], tcfg, dcfg.aux_layer_ids
+        )
+    target_logits = tgt.lm_head(tparams, hidden.astype(tparams["embed"].dtype), tcfg).astype(
+        jnp.float32
+    )
     dp = jax.tree.map(lambda x: x.astype(compute), dparams)
     ttt_batch = {
         "input_ids": batch["input_ids"],
@@ -76,14 +104,32 @@ def loss_fn(dparams, tparams, batch: dict[str, jax.Array], t2d: jax.Array, tcfg:
         "attention_mask": batch["attention_mask"],
         "target_hidden": hidden.astype(compute),
     }
-    return ttt_loss(dp, tparams["embed"].astype(compute), ttt_batch, dcfg, t2d, steps=tc.ttt_steps,
-                    decay=tc.ttt_decay, feature_loss_weight=tc.feature_loss_weight)
+    return ttt_loss(
+        dp,
+        tparams["embed"].astype(compute),
+        ttt_batch,
+        dcfg,
+        t2d,
+        steps=tc.ttt_steps,
+        decay=tc.ttt_decay,
+        feature_loss_weight=tc.feature_loss_weight,
+    )
 
 
-def train_step(state: TrainState, tparams, batch, t2d, *, tcfg: TargetConfig, dcfg: drf.DraftConfig,
-               tc: TrainConfig, tx: optax.GradientTransformation):
+def train_step(
+    state: TrainState,
+    tparams,
+    batch,
+    t2d,
+    *,
+    tcfg: TargetConfig,
+    dcfg: drf.DraftConfig,
+    tc: TrainConfig,
+    tx: optax.GradientTransformation,
+):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, tparams, batch, t2d, tcfg, dcfg, tc)
+        state.params, tparams, batch, t2d, tcfg, dcfg, tc
+    )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
@@ -95,13 +141,23 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, P("data"))
 
 
-def jit_train_step(tcfg: TargetConfig, dcfg: drf.DraftConfig, tc: TrainConfig, tx, mesh=None,
-                   state_shardings=None, target_shardings=None):
+def jit_train_step(
+    tcfg: TargetConfig,
+    dcfg: drf.DraftConfig,
+    tc: TrainConfig,
+    tx,
+    mesh=None,
+    state_shardings=None,
+    target_shardings=None,
+):
     """The jitted step; with a mesh, explicit in/out shardings (batch over data, params as given)."""
     fn = functools.partial(train_step, tcfg=tcfg, dcfg=dcfg, tc=tc, tx=tx)
     if mesh is None:
         return jax.jit(fn, donate_argnums=0)
     rep = NamedSharding(mesh, P())
-    return jax.jit(fn, donate_argnums=0,
-                   in_shardings=(state_shardings, target_shardings, batch_sharding(mesh), rep),
-                   out_shardings=(state_shardings, rep))
+    return jax.jit(
+        fn,
+        donate_argnums=0,
+        in_shardings=(state_shardings, target_shardings, batch_sharding(mesh), rep),
+        out_shardings=(state_shardings, rep),
+    )

@@ -46,7 +46,9 @@ def _len_field(num: int, data: bytes) -> bytes:
     return _field(num, 2, _varint(len(data)) + data)
 
 
-def _event(wall: float, step: int, summary: bytes | None = None, version: str | None = None) -> bytes:
+def _event(
+    wall: float, step: int, summary: bytes | None = None, version: str | None = None
+) -> bytes:
     msg = _field(1, 1, struct.pack("<d", wall)) + _field(2, 0, _varint(step))
     if version is not None:
         msg += _len_field(3, version.encode())
@@ -67,14 +69,19 @@ class SummaryWriter:
 
     def _write(self, data: bytes) -> None:
         header = struct.pack("<Q", len(data))
-        self._f.write(header + struct.pack("<I", _masked(crc32c(header))) + data
-                      + struct.pack("<I", _masked(crc32c(data))))
+        self._f.write(
+            header
+            + struct.pack("<I", _masked(crc32c(header)))
+            + data
+            + struct.pack("<I", _masked(crc32c(data)))
+        )
         self._f.flush()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         summary = b"".join(
             _len_field(1, _len_field(1, tag.encode()) + _field(2, 5, struct.pack("<f", float(v))))
-            for tag, v in values.items())
+            for tag, v in values.items()
+        )
         self._write(_event(time.time(), step, summary=summary))
 
     def close(self) -> None:
@@ -87,8 +94,8 @@ def read_scalars(path: str | Path) -> list[tuple[int, dict[str, float]]]:
     out, i = [], 0
     while i < len(data):
         (n,) = struct.unpack_from("<Q", data, i)
-        assert struct.unpack_from("<I", data, i + 8)[0] == _masked(crc32c(data[i:i + 8]))
-        rec = data[i + 12:i + 12 + n]
+        assert struct.unpack_from("<I", data, i + 8)[0] == _masked(crc32c(data[i : i + 8]))
+        rec = data[i + 12 : i + 12 + n]
         assert struct.unpack_from("<I", data, i + 12 + n)[0] == _masked(crc32c(rec))
         i += 16 + n
         out.append(_parse_event(rec))
@@ -114,12 +121,12 @@ def _fields(b: bytes):
         if wire == 0:
             v, i = _read_varint(b, i)
         elif wire == 1:
-            v, i = b[i:i + 8], i + 8
+            v, i = b[i : i + 8], i + 8
         elif wire == 5:
-            v, i = b[i:i + 4], i + 4
+            v, i = b[i : i + 4], i + 4
         else:
             n, i = _read_varint(b, i)
-            v, i = b[i:i + n], i + n
+            v, i = b[i : i + n], i + n
         yield num, v
 
 

@@ -122,13 +122,20 @@ def _pad_ext(x_BT: jax.Array, steps: int) -> jax.Array:
     return jnp.concatenate([x_BT, pad], axis=1)
 
 
-def _check(batch: Mapping[str, jax.Array], dcfg: DraftConfig, vocab_t2d, steps: int,
-           feature_loss_weight: float) -> None:
+def _check(
+    batch: Mapping[str, jax.Array],
+    dcfg: DraftConfig,
+    vocab_t2d,
+    steps: int,
+    feature_loss_weight: float,
+) -> None:
     for name in ("input_ids", "aux", "target_logits", "loss_mask", "attention_mask"):
         if name not in batch:
-            raise Eagle3Error(f"TTT batch has no '{name}': it needs input_ids, aux, target_logits, "
-                              "loss_mask and attention_mask (and target_hidden for the feature "
-                              "loss)")
+            raise Eagle3Error(
+                f"TTT batch has no '{name}': it needs input_ids, aux, target_logits, "
+                "loss_mask and attention_mask (and target_hidden for the feature "
+                "loss)"
+            )
     if not isinstance(steps, int) or steps < 1:
         raise Eagle3Error(f"TTT steps must be a static int >= 1 (1 = no TTT), got {steps!r}")
     b, t = batch["input_ids"].shape
@@ -140,18 +147,24 @@ def _check(batch: Mapping[str, jax.Array], dcfg: DraftConfig, vocab_t2d, steps: 
     }
     if feature_loss_weight > 0:
         if "target_hidden" not in batch:
-            raise Eagle3Error("feature_loss_weight > 0 needs batch['target_hidden'] [B, T, D]: the "
-                              "target's final hidden state")
+            raise Eagle3Error(
+                "feature_loss_weight > 0 needs batch['target_hidden'] [B, T, D]: the "
+                "target's final hidden state"
+            )
         want["target_hidden"] = (b, t, dcfg.hidden_size)
     if "position_ids" in batch:
         want["position_ids"] = (b, t)
     for name, shape in want.items():
         if tuple(batch[name].shape) != shape:
-            raise Eagle3Error(f"TTT batch['{name}'] has shape {tuple(batch[name].shape)}, expected "
-                              f"{shape} for input_ids {(b, t)} and this DraftConfig")
+            raise Eagle3Error(
+                f"TTT batch['{name}'] has shape {tuple(batch[name].shape)}, expected "
+                f"{shape} for input_ids {(b, t)} and this DraftConfig"
+            )
     if tuple(np.shape(vocab_t2d)) != (dcfg.vocab_size,):
-        raise Eagle3Error(f"t2d has shape {tuple(np.shape(vocab_t2d))}, expected "
-                          f"({dcfg.vocab_size},): pass the DraftVocab.t2d of this head")
+        raise Eagle3Error(
+            f"t2d has shape {tuple(np.shape(vocab_t2d))}, expected "
+            f"({dcfg.vocab_size},): pass the DraftVocab.t2d of this head"
+        )
 
 
 def ttt_loss(
@@ -221,8 +234,9 @@ def ttt_loss(
         ids_ext = _shift_ext(ids_BT, steps, 0)
         feature_loss = feature_loss_weight > 0
         if feature_loss:
-            th_ext = _shift_ext(jax.lax.stop_gradient(batch["target_hidden"]).astype(f32), steps,
-                                0.0)
+            th_ext = _shift_ext(
+                jax.lax.stop_gradient(batch["target_hidden"]).astype(f32), steps, 0.0
+            )
             has_next_ext = _shift_ext(jnp.ones((b, t), f32), steps, 0.0)
 
     positions_BT = batch.get("position_ids")
