@@ -1,0 +1,90 @@
+"""Speculative-decoding evaluation on Spec-Bench / MT-bench / GSM8K: τ, speedup, acceptance.
+
+  python -m eagle3_jax.eval --target CKPT --draft HEAD --methods vanilla,pld,eagle3 --questions 10
+  python -m eagle3_jax.eval --draft a=HEAD_A --draft b=HEAD_B --methods eagle3:4,4,16@a,eagle3@b
+  python -m eagle3_jax.eval --bench mt_bench --temperature 1.0 --seeds 5 --out runs/mt_t1
+
+Methods: vanilla (always run: the speedup and exactness baseline), pld[:k,d,t] (prompt lookup),
+eagle3[:k,d,t][@DRAFT] (tree shape top_k,depth,total_tokens; default 4,4,16). Rerunning with the
+same --out resumes; another configuration in the same --out is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eagle3_jax.errors import Eagle3Error
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m eagle3_jax.eval",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="transformers checkpoint dir, .gguf file or converted dir (default: SmolLM2-135M)",
+    )
+    p.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        help="EAGLE-3 head dir, or NAME=PATH (repeatable; methods pick one with eagle3@NAME)",
+    )
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma list of vanilla, pld[:k,d,t], eagle3[:k,d,t][@NAME] "
+        "(default: vanilla,pld and eagle3 when --draft is given)",
+    )
+    p.add_argument(
+        "--bench", default="spec_bench", help="spec_bench | mt_bench | gsm8k | question.jsonl PATH"
+    )
+    p.add_argument("--questions", type=int, default=None, help="first N questions of each task")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per turn")
+    p.add_argument("--seeds", type=int, default=None, help="default: 1 at T=0, 5 at T>0")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out", default="runs/eval", help="output directory (resumable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from eagle3_jax.evaluation.runner import EvalOptions, run_eval
+
+    args = parse_args(argv)
+    opts = EvalOptions(
+        out=Path(args.out),
+        target=args.target,
+        drafts=tuple(args.draft),
+        methods=args.methods,
+        bench=args.bench,
+        questions=args.questions,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        seeds=args.seeds,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        progress=not args.no_progress,
+    )
+    try:
+        run_eval(opts)
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: rerun with --out {args.out} to resume", file=sys.stderr)
+        return 130
+    print((opts.out / "report.md").read_text())
+    print(f"wrote {opts.out}/results.json, report.md and plots", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

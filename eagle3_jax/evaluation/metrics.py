@@ -1,0 +1,136 @@
+"""Metrics over per-question records: tau, throughput, speedup, acceptance by depth, exactness.
+
+A record is one (question, method, seed) result, a dict with at least `question_id`, `task`,
+`method`, `seed`, `new_tokens`, `target_forwards`, `num_generations` (1 per turn; each generation
+has its own prefill), `wall_time_s`, `output_ids` (a list per turn) and, for speculative methods,
+`accept_hist` (rounds by number of accepted drafted tokens, summed over turns).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from eagle3_jax.decoding.speculative import acceptance_rates
+
+VANILLA = "vanilla"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeanStd:
+    """Mean and sample standard deviation (ddof 1; 0 for a single value) over seeds."""
+
+    mean: float
+    std: float
+    n: int
+
+    def as_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "std": self.std, "n": self.n}
+
+
+def mean_std(values: Sequence[float]) -> MeanStd:
+    """Mean ± sample std of the finite values (NaN mean when none)."""
+    v = [float(x) for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return MeanStd(float("nan"), float("nan"), 0)
+    std = float(np.std(v, ddof=1)) if len(v) > 1 else 0.0
+    return MeanStd(float(np.mean(v)), std, len(v))
+
+
+def tau(records: Iterable[dict]) -> float:
+    """Tokens per verification round, bonus included, over all records' generations: the prefill's
+    token and pass of every generation are excluded, as in `speculative.tau`. NaN when no round."""
+    recs = list(records)
+    gens = sum(int(r.get("num_generations", 1)) for r in recs)
+    tokens = sum(int(r["new_tokens"]) for r in recs) - gens
+    rounds = sum(int(r["target_forwards"]) for r in recs) - gens
+    return tokens / rounds if rounds > 0 else float("nan")
+
+
+def throughput(records: Iterable[dict]) -> float:
+    """Generated tokens per second of timed wall time (sum over sum). NaN without time."""
+    recs = list(records)
+    wall = sum(float(r["wall_time_s"]) for r in recs)
+    return sum(int(r["new_tokens"]) for r in recs) / wall if wall > 0 else float("nan")
+
+
+def speedup(method_records: Iterable[dict], vanilla_records: Iterable[dict]) -> float:
+    """Method throughput / vanilla throughput (both from the same run and questions)."""
+    base = throughput(vanilla_records)
+    return throughput(method_records) / base if base > 0 else float("nan")
+
+
+def summed_hist(records: Iterable[dict]) -> np.ndarray | None:
+    """The records' acceptance histograms summed (None when no record has one)."""
+    hists = [np.asarray(r["accept_hist"]) for r in records if r.get("accept_hist") is not None]
+    if not hists:
+        return None
+    width = max(h.shape[-1] for h in hists)
+    total = np.zeros(width, np.int64)
+    for h in hists:
+        total[: h.shape[-1]] += h.reshape(-1, h.shape[-1]).sum(0)
+    return total
+
+
+def acceptance_by_depth(records: Iterable[dict]) -> list[float] | None:
+    """Per-depth acceptance alpha_d from the summed histograms (None without histograms)."""
+    h = summed_hist(records)
+    return None if h is None else acceptance_rates(h)
+
+
+def exactness(method_records: Iterable[dict], vanilla_records: Iterable[dict]) -> float:
+    """Fraction of (question, seed) pairs whose output (every turn) equals vanilla's."""
+    base = {(r["question_id"], r["seed"]): r["output_ids"] for r in vanilla_records}
+    pairs = [
+        r["output_ids"] == base[(r["question_id"], r["seed"])]
+        for r in method_records
+        if (r["question_id"], r["seed"]) in base
+    ]
+    return sum(pairs) / len(pairs) if pairs else float("nan")
+
+
+def _select(records: Sequence[dict], **match) -> list[dict]:
+    return [r for r in records if all(r[k] == v for k, v in match.items())]
+
+
+def group_stats(records: Sequence[dict], method: str, task: str | None) -> dict:
+    """Per-seed tau / throughput / speedup of `method` on `task` (None = all), then mean ± std;
+    acceptance by depth from the histograms summed over every seed."""
+    scope = records if task is None else _select(records, task=task)
+    mine = _select(scope, method=method)
+    seeds = sorted({r["seed"] for r in mine})
+    taus, tps, sps = [], [], []
+    for s in seeds:
+        m, v = _select(mine, seed=s), _select(scope, method=VANILLA, seed=s)
+        taus.append(tau(m))
+        tps.append(throughput(m))
+        sps.append(speedup(m, v) if v else float("nan"))
+    return {
+        "questions": len({r["question_id"] for r in mine}),
+        "seeds": seeds,
+        "new_tokens": sum(int(r["new_tokens"]) for r in mine),
+        "tau": mean_std(taus).as_dict(),
+        "throughput": mean_std(tps).as_dict(),
+        "speedup": mean_std(sps).as_dict(),
+        "acceptance_by_depth": acceptance_by_depth(mine),
+    }
+
+
+def summarize(
+    records: Sequence[dict], methods: Sequence[str], tasks: Sequence[str], greedy: bool
+) -> dict:
+    """Per method: stats per task and overall, plus exactness vs vanilla (greedy runs only)."""
+    out = {}
+    for m in methods:
+        mine = _select(records, method=m)
+        out[m] = {
+            "tasks": {t: group_stats(records, m, t) for t in tasks},
+            "overall": group_stats(records, m, None),
+            "exactness": (
+                exactness(mine, _select(records, method=VANILLA)) if greedy and mine else None
+            ),
+        }
+    return {"methods": list(methods), "tasks": list(tasks), "by_method": out}

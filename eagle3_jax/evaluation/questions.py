@@ -1,0 +1,112 @@
+"""Benchmark questions: Spec-Bench, MT-bench, GSM8K (shipped) or any FastChat question.jsonl."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from eagle3_jax.errors import Eagle3Error
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+BENCHES = {
+    "spec_bench": DATA_DIR / "spec_bench" / "question.jsonl",
+    "mt_bench": DATA_DIR / "mt_bench" / "question.jsonl",
+    "gsm8k": DATA_DIR / "gsm8k" / "test.jsonl",
+}
+MT_BENCH_CATEGORIES = frozenset(
+    ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+)
+# Spec-Bench's task order (the paper's columns)
+SPEC_BENCH_TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    """One benchmark question: an id, its task (a report column) and its user turns."""
+
+    id: str
+    task: str
+    turns: tuple[str, ...]
+
+
+def task_of(category: str | None) -> str:
+    """The report task for a FastChat category: MT-bench's 8 subcategories are one task."""
+    if not category:
+        return "all"
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def parse_record(rec: dict, n: int, where: str, default_task: str | None = None) -> Question:
+    """A FastChat (`turns`) or GSM8K (`question`) JSON record -> Question."""
+    turns = rec.get("turns")
+    if turns is None and rec.get("question") is not None:
+        turns = [rec["question"]]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise Eagle3Error(f"{where}:{n} has no `turns` list of strings (or `question` string)")
+    if not all(t.strip() for t in turns):
+        raise Eagle3Error(f"{where}:{n} has an empty turn")
+    qid = rec.get("question_id", rec.get("id", n))
+    task = default_task or task_of(rec.get("category"))
+    return Question(str(qid), task, tuple(turns))
+
+
+def read_questions(path: str | Path, default_task: str | None = None) -> list[Question]:
+    """All records of a JSON Lines question file, in file order."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise Eagle3Error(f"cannot read question file {path}: {e}") from e
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise Eagle3Error(f"{path}:{n} is not valid JSON: {e}") from e
+        if not isinstance(rec, dict):
+            raise Eagle3Error(f"{path}:{n} is not a JSON object")
+        out.append(parse_record(rec, n, str(path), default_task))
+    if not out:
+        raise Eagle3Error(f"question file {path} holds no questions")
+    ids = [q.id for q in out]
+    if len(set(ids)) != len(ids):
+        raise Eagle3Error(f"question file {path} repeats question ids")
+    return out
+
+
+def limit_per_task(questions: list[Question], n: int | None) -> list[Question]:
+    """The first `n` questions of each task (file order kept); all when n is None."""
+    if n is None:
+        return list(questions)
+    if n < 1:
+        raise Eagle3Error(f"--questions {n} < 1")
+    seen: dict[str, int] = {}
+    out = []
+    for q in questions:
+        if seen.get(q.task, 0) < n:
+            seen[q.task] = seen.get(q.task, 0) + 1
+            out.append(q)
+    return out
+
+
+def load_questions(bench: str, n: int | None = None) -> list[Question]:
+    """`spec_bench`, `mt_bench`, `gsm8k` or a FastChat question.jsonl path; first `n` per task."""
+    if bench in BENCHES:
+        qs = read_questions(BENCHES[bench], default_task="gsm8k" if bench == "gsm8k" else None)
+    else:
+        if not Path(bench).is_file():
+            raise Eagle3Error(
+                f"--bench {bench!r} is neither one of {', '.join(BENCHES)} nor a question.jsonl file"
+            )
+        qs = read_questions(bench)
+    return limit_per_task(qs, n)
+
+
+def task_order(questions: list[Question]) -> list[str]:
+    """Tasks in Spec-Bench's order first, then the others in order of appearance."""
+    present = list(dict.fromkeys(q.task for q in questions))
+    known = [t for t in SPEC_BENCH_TASKS if t in present]
+    return known + [t for t in present if t not in known]

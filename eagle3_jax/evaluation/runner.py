@@ -1,0 +1,502 @@
+"""Runs methods over benchmark questions, resumably, and writes records, summary, report, plots.
+
+Layout of OUT:
+  config.json     the configuration fingerprint; another configuration in the same OUT is refused
+  records.jsonl   one line per finished (question, method, seed), appended as soon as it finishes
+  results.json    every record of this run's questions + the summary
+  report.md       the paper-shaped table (rows = methods, columns = tasks, cells "tau / speedup")
+  *.png           tau_per_task, speedup_per_task, acceptance_by_depth
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.evaluation import metrics
+from eagle3_jax.evaluation.questions import BENCHES, Question, load_questions, task_order
+
+DEFAULT_TREE = (4, 4, 16)  # top_k, depth, total_tokens: the decode.py defaults
+TIMING_KEYS = ("wall_time_s", "tokens_per_s", "batch_wall_time_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """A method to evaluate: `label` names it in records and reports."""
+
+    label: str
+    kind: str  # vanilla | pld | eagle3
+    tree: tuple[int, int, int] = DEFAULT_TREE  # top_k, depth, total_tokens
+    draft: str | None = None  # a draft name (eagle3 only)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """Everything one evaluation run needs (the command-line flags)."""
+
+    out: Path
+    target: str | None = None
+    drafts: tuple[str, ...] = ()
+    methods: str | None = None
+    bench: str = "spec_bench"
+    questions: int | None = None
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+    seeds: int | None = None
+    batch_size: int = 1
+    dtype: str | None = None
+    progress: bool = True
+
+
+def parse_drafts(specs: Sequence[str]) -> dict[str, str]:
+    """`PATH` or `name=PATH` (repeatable) -> {name: absolute path}; a bare PATH is named by its
+    directory name."""
+    out: dict[str, str] = {}
+    for s in specs:
+        name, sep, path = s.partition("=")
+        if not sep or "/" in name or not name:
+            name, path = Path(s).name or s, s
+        if name in out:
+            raise Eagle3Error(
+                f"two drafts are named {name!r}: give them names with --draft NAME=PATH"
+            )
+        out[name] = str(Path(path).expanduser().resolve())
+    return out
+
+
+def _parse_tree(text: str, where: str) -> tuple[int, int, int]:
+    try:
+        k, d, t = (int(x) for x in text.split(","))
+    except ValueError:
+        raise Eagle3Error(f"method {where!r}: the tree shape must be TOP_K,DEPTH,TOTAL") from None
+    from eagle3_jax.decoding.speculative import TreeConfig
+
+    TreeConfig(k, d, t).validate(10**9)
+    return k, d, t
+
+
+def parse_methods(text: str | None, drafts: dict[str, str]) -> list[MethodSpec]:
+    """A comma list of `vanilla`, `pld[:k,d,t]`, `eagle3[:k,d,t][@draft]` -> specs, vanilla first
+    (always run: speedup and exactness are measured against it). A bare `eagle3` with several
+    drafts runs each draft."""
+    if text is None:
+        text = "vanilla,pld" + (",eagle3" if drafts else "")
+    # commas separate methods, except inside a tree shape ("eagle3:4,4,16,pld")
+    joined = [x.strip() for x in re.split(r",(?!\s*\d)", text) if x.strip()]
+    specs = [MethodSpec("vanilla", "vanilla", (1, 1, 1))]
+    for it in joined:
+        head, _, name = it.partition("@")
+        kind, colon, shape = head.partition(":")
+        if kind not in ("vanilla", "pld", "eagle3"):
+            raise Eagle3Error(f"unknown method {it!r}: use vanilla, pld[:k,d,t], eagle3[:k,d,t]")
+        if kind == "vanilla":
+            continue
+        tree = _parse_tree(shape, it) if colon else DEFAULT_TREE
+        if kind == "pld":
+            if name:
+                raise Eagle3Error(f"method {it!r}: pld takes no draft")
+            specs.append(MethodSpec(head, "pld", (1, tree[1], tree[1] + 1)))  # a chain
+            continue
+        if not drafts:
+            raise Eagle3Error(f"method {it!r} needs --draft PATH (an EAGLE-3 head)")
+        if name and name not in drafts:
+            raise Eagle3Error(f"method {it!r}: no draft named {name!r} (have {', '.join(drafts)})")
+        names = [name] if name else list(drafts)
+        for n in names:
+            label = head if len(drafts) == 1 else f"{head}@{n}"
+            specs.append(MethodSpec(label, "eagle3", tree, n))
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise Eagle3Error(f"methods repeat: {', '.join(labels)}")
+    return specs
+
+
+def fingerprint(opts: EvalOptions, target_path: str, drafts: dict[str, str], methods) -> dict:
+    """What makes records comparable; --questions is left out so a run can be extended."""
+    bench = opts.bench if opts.bench in BENCHES else str(Path(opts.bench).resolve())
+    return {
+        "target": target_path,
+        "drafts": drafts,
+        "methods": [dataclasses.asdict(m) for m in methods],
+        "bench": bench,
+        "temperature": opts.temperature,
+        "max_new_tokens": opts.max_new_tokens,
+        "seeds": num_seeds(opts),
+        "batch_size": opts.batch_size,
+        "dtype": opts.dtype,
+    }
+
+
+def num_seeds(opts: EvalOptions) -> int:
+    return opts.seeds if opts.seeds is not None else (1 if opts.temperature == 0 else 5)
+
+
+def check_config(out: Path, config: dict) -> None:
+    """Writes OUT/config.json, or refuses an OUT that holds another configuration."""
+    path = out / "config.json"
+    config = json.loads(json.dumps(config))  # tuples -> lists, as stored
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError as e:
+            raise Eagle3Error(f"{path} is not valid JSON: {e}; use another --out") from e
+        if old != config:
+            diff = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
+            raise Eagle3Error(
+                f"{out} holds results of another configuration (differs in {', '.join(diff)}): "
+                "use another --out, or the same flags to resume"
+            )
+        return
+    if (out / "records.jsonl").exists():
+        raise Eagle3Error(f"{out} holds records.jsonl without config.json: use another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_records(path: Path) -> list[dict]:
+    """Finished records; a line cut short by an interruption is dropped (and the file repaired)."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    good, seen = [], set()
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict) or record_key(rec) in seen:
+            continue
+        seen.add(record_key(rec))
+        good.append(rec)
+    if len(good) != len(lines):
+        path.write_text("".join(json.dumps(r) + "\n" for r in good), encoding="utf-8")
+    return good
+
+
+def record_key(rec: dict) -> tuple[str, str, int]:
+    return str(rec["question_id"]), rec["method"], int(rec["seed"])
+
+
+class _Models:
+    """The loaded target and drafts, and one generation call per method."""
+
+    def __init__(self, opts: EvalOptions, drafts: dict[str, str]):
+        from eagle3_jax.checkpoints import load_target
+        from eagle3_jax.checkpoints.eagle_format import check_compatible, load_draft
+        from eagle3_jax.cli import default_dtype
+
+        dtype = default_dtype(opts.dtype)
+        self.target = load_target(opts.target, dtype=dtype)
+        self.drafts = {}
+        for name, path in drafts.items():
+            params, cfg, vocab, embed = load_draft(path, self.target.cfg, dtype=dtype)
+            check_compatible(cfg, vocab, self.target.cfg, embed)
+            self.drafts[name] = (params, cfg, vocab, embed)
+
+    def generate(self, m: MethodSpec, ids, sampling, seed: int, max_new: int):
+        """One batch -> (rows of output_ids / finish_reason / target_forwards / accept_hist, wall);
+        each call first runs a warm-up generation (compilation), excluded from the time."""
+        from eagle3_jax.decoding import plain
+        from eagle3_jax.decoding import speculative as spec
+
+        t = self.target
+        pad = t.cfg.pad_token_id or 0
+        if m.kind == "vanilla":
+            res = plain.generate(
+                t.params, t.cfg, ids, max_new, sampling, seed, pad_id=pad, warmup=True
+            )
+            rows = [(o, f, len(o), None) for o, f in zip(res.output_ids, res.finish_reasons)]
+            return rows, res.wall_time_s
+        dparams, dcfg, vocab, embed = self.drafts[m.draft] if m.draft else (None,) * 4
+        res = spec.generate(
+            t.params,
+            t.cfg,
+            dparams,
+            dcfg,
+            vocab,
+            ids,
+            max_new,
+            spec.TreeConfig(*m.tree),
+            sampling,
+            seed,
+            pad_id=pad,
+            embed=embed,
+            warmup=True,
+            method=m.kind,
+        )
+        rows = [
+            (o, f, fw, np.asarray(h).tolist())
+            for o, f, fw, h in zip(
+                res.output_ids, res.finish_reasons, res.target_forwards, res.accept_hist
+            )
+        ]
+        return rows, res.wall_time_s
+
+
+def run_questions(
+    models: _Models, m: MethodSpec, batch: Sequence[Question], sampling, seed: int, max_new: int
+) -> list[dict]:
+    """Every turn of a batch of questions with one method; turn t+1 is conditioned on the model's
+    own answer to turn t (chat template history). Both turns are timed and counted."""
+    from eagle3_jax.prompts import encode_chat
+
+    tok = models.target.tokenizer
+    history: list[list[dict[str, str]]] = [[] for _ in batch]
+    turns: list[list[dict]] = [[] for _ in batch]
+    for t in range(max(len(q.turns) for q in batch)):
+        active = [i for i, q in enumerate(batch) if len(q.turns) > t]
+        for i in active:
+            history[i].append({"role": "user", "content": batch[i].turns[t]})
+        ids = [encode_chat(tok, history[i]) for i in active]
+        rows, wall = models.generate(m, ids, sampling, seed, max_new)
+        for i, pids, (out, finish, fw, hist) in zip(active, ids, rows):
+            text = tok.decode(out, skip_special_tokens=True)
+            history[i].append({"role": "assistant", "content": text})
+            turns[i].append(
+                {
+                    "prompt_tokens": len(pids),
+                    "output_ids": out,
+                    "text": text,
+                    "new_tokens": len(out),
+                    "target_forwards": fw,
+                    "finish_reason": finish,
+                    "accept_hist": hist,
+                    "wall_time_s": wall / len(active),  # this row's share of the batch
+                    "batch_wall_time_s": wall,
+                }
+            )
+    recs = []
+    for q, ts in zip(batch, turns):
+        hists = [x["accept_hist"] for x in ts if x["accept_hist"] is not None]
+        rec = {
+            "question_id": q.id,
+            "task": q.task,
+            "method": m.label,
+            "seed": seed,
+            "num_generations": len(ts),
+            "new_tokens": sum(x["new_tokens"] for x in ts),
+            "target_forwards": sum(x["target_forwards"] for x in ts),
+            "wall_time_s": sum(x["wall_time_s"] for x in ts),
+            "output_ids": [x["output_ids"] for x in ts],
+            "accept_hist": np.sum(hists, axis=0).tolist() if hists else None,
+            "turns": ts,
+        }
+        rec["tau"] = metrics.tau([rec])
+        rec["tokens_per_s"] = metrics.throughput([rec])
+        if hists:
+            rec["acceptance_by_depth"] = metrics.acceptance_by_depth([rec])
+        recs.append(rec)
+    return recs
+
+
+def run_eval(opts: EvalOptions) -> dict:
+    """The whole evaluation: returns the summary and writes everything under opts.out."""
+    from eagle3_jax.checkpoints import resolve_target
+    from eagle3_jax.decoding.sampling import Sampling
+
+    if opts.batch_size < 1:
+        raise Eagle3Error(f"--batch-size {opts.batch_size} < 1")
+    if opts.max_new_tokens < 1:
+        raise Eagle3Error(f"--max-new-tokens {opts.max_new_tokens} < 1")
+    if opts.seeds is not None and opts.seeds < 1:
+        raise Eagle3Error(f"--seeds {opts.seeds} < 1")
+    sampling = Sampling(opts.temperature, 0, 1.0)
+    questions = load_questions(opts.bench, opts.questions)
+    drafts = parse_drafts(opts.drafts)
+    methods = parse_methods(opts.methods, drafts)
+    unused = set(drafts) - {m.draft for m in methods}
+    if unused:
+        raise Eagle3Error(f"--draft {', '.join(sorted(unused))} is used by no method")
+    out = Path(opts.out)
+    target_path = str(Path(resolve_target(opts.target)).resolve())
+    check_config(out, fingerprint(opts, target_path, drafts, methods))
+    rec_path = out / "records.jsonl"
+    records = load_records(rec_path)
+    done = {record_key(r) for r in records}
+    seeds = list(range(num_seeds(opts)))
+    pending = [
+        (s, q)
+        for s in seeds
+        for q in questions
+        if any((q.id, m.label, s) not in done for m in methods)
+    ]
+    if pending:
+        models = _Models(opts, drafts)
+        _run_pending(models, methods, pending, sampling, opts, rec_path, records, done)
+    return write_outputs(out, records, questions, methods, seeds, opts)
+
+
+def _run_pending(models, methods, pending, sampling, opts, rec_path, records, done) -> None:
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=len(pending),
+        unit="q",
+        desc="eval",
+        file=sys.stderr,
+        disable=not opts.progress,
+        dynamic_ncols=True,
+    )
+    with bar, rec_path.open("a", encoding="utf-8") as f:
+        for seed in sorted({s for s, _ in pending}):
+            qs = [q for s, q in pending if s == seed]
+            for b in range(0, len(qs), opts.batch_size):
+                batch = qs[b : b + opts.batch_size]
+                for m in methods:  # interleaved: vanilla, then each method, on the same questions
+                    todo = [q for q in batch if (q.id, m.label, seed) not in done]
+                    if not todo:
+                        continue
+                    for rec in run_questions(models, m, todo, sampling, seed, opts.max_new_tokens):
+                        f.write(json.dumps(rec) + "\n")
+                        f.flush()
+                        records.append(rec)
+                        done.add(record_key(rec))
+                bar.update(len(batch))
+
+
+def _clean(x):
+    """NaN -> None, recursively, so results.json is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_outputs(out: Path, records, questions, methods, seeds, opts) -> dict:
+    """results.json, report.md and the plots for this run's questions, methods and seeds."""
+    ids = {q.id for q in questions}
+    labels = [m.label for m in methods]
+    order = {(q.id): i for i, q in enumerate(questions)}
+    mine = [
+        r
+        for r in records
+        if str(r["question_id"]) in ids and r["method"] in labels and r["seed"] in seeds
+    ]
+    mine.sort(key=lambda r: (r["seed"], order[str(r["question_id"])], labels.index(r["method"])))
+    tasks = task_order(questions)
+    summary = metrics.summarize(mine, labels, tasks, greedy=opts.temperature == 0)
+    summary = _clean(summary)
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "config": json.loads((out / "config.json").read_text()),
+                "summary": summary,
+                "records": _clean(mine),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    (out / "report.md").write_text(report_markdown(summary, opts, len(questions), len(seeds)))
+    plot_summary(summary, out)
+    return summary
+
+
+def _fmt(ms: dict, digits: int = 2, suffix: str = "") -> str:
+    if ms["mean"] is None:
+        return "–"
+    s = f"{ms['mean']:.{digits}f}"
+    if ms["n"] > 1:
+        s += f"±{ms['std']:.{digits}f}"
+    return s + suffix
+
+
+def report_markdown(summary: dict, opts: EvalOptions, n_questions: int, n_seeds: int) -> str:
+    """The paper-shaped table: rows = methods, columns = tasks + Overall, cells "τ / speedup"."""
+    tasks, methods = summary["tasks"], summary["methods"]
+    lines = [
+        "# EAGLE-3 evaluation",
+        "",
+        f"bench `{opts.bench}`, {n_questions} questions, temperature {opts.temperature}, "
+        f"max new tokens {opts.max_new_tokens}, {n_seeds} seed(s), batch size {opts.batch_size}. "
+        "Cells: τ (tokens per verification round) / speedup over vanilla (throughput ratio, "
+        "same run); mean ± std over seeds. Exact: fraction of questions whose greedy output equals "
+        "vanilla's.",
+        "",
+        "| Method | " + " | ".join(tasks) + " | Overall | Exact |",
+        "| --- | " + " | ".join("---" for _ in tasks) + " | --- | --- |",
+    ]
+    for m in methods:
+        s = summary["by_method"][m]
+        cells = [
+            f"{_fmt(g['tau'])} / {_fmt(g['speedup'], suffix='×')}"
+            for g in [s["tasks"][t] for t in tasks] + [s["overall"]]
+        ]
+        ex = "–" if s["exactness"] is None else f"{s['exactness']:.2f}"
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {ex} |")
+    lines += ["", "## Throughput (tokens/s, overall)", "", "| Method | tokens/s |", "| --- | --- |"]
+    for m in methods:
+        lines.append(f"| {m} | {_fmt(summary['by_method'][m]['overall']['throughput'], 1)} |")
+    acc = {m: summary["by_method"][m]["overall"]["acceptance_by_depth"] for m in methods}
+    acc = {m: a for m, a in acc.items() if a}
+    if acc:
+        depth = max(len(a) for a in acc.values())
+        lines += [
+            "",
+            "## Acceptance by depth (overall)",
+            "",
+            "α_d = P(accept ≥ d+1 drafted tokens | ≥ d), from histograms summed over questions.",
+            "",
+            "| Method | " + " | ".join(f"α{d}" for d in range(depth)) + " |",
+            "| --- | " + " | ".join("---" for _ in range(depth)) + " |",
+        ]
+        for m, a in acc.items():
+            vals = ["–" if v is None else f"{v:.2f}" for v in a] + [""] * (depth - len(a))
+            lines.append(f"| {m} | " + " | ".join(vals) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_summary(summary: dict, out: Path) -> list[Path]:
+    """tau_per_task.png, speedup_per_task.png, acceptance_by_depth.png (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks, methods = summary["tasks"], summary["methods"]
+    cols = tasks + ["overall"]
+    paths = []
+    for key, title in (("tau", "τ (tokens per round)"), ("speedup", "speedup over vanilla")):
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cols) * max(1, len(methods)) / 2), 4))
+        width = 0.8 / max(1, len(methods))
+        for i, m in enumerate(methods):
+            s = summary["by_method"][m]
+            groups = [s["tasks"][t] for t in tasks] + [s["overall"]]
+            means = [np.nan if g[key]["mean"] is None else g[key]["mean"] for g in groups]
+            stds = [0.0 if g[key]["std"] is None else g[key]["std"] for g in groups]
+            x = np.arange(len(cols)) + (i - (len(methods) - 1) / 2) * width
+            ax.bar(x, means, width, yerr=stds, label=m, capsize=2)
+        ax.set_xticks(np.arange(len(cols)), cols, rotation=20)
+        ax.set_ylabel(title)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        paths.append(out / f"{key}_per_task.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        a = summary["by_method"][m]["overall"]["acceptance_by_depth"]
+        if a:
+            ax.plot(range(len(a)), [np.nan if v is None else v for v in a], marker="o", label=m)
+    ax.set_xlabel("depth d")
+    ax.set_ylabel("α_d")
+    ax.set_ylim(0, 1.05)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    paths.append(out / "acceptance_by_depth.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths

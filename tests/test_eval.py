@@ -1,0 +1,177 @@
+"""python -m eagle3_jax.eval: metric arithmetic, an end-to-end tiny run, resuming, refusals."""
+
+import json
+import math
+
+import jax
+import pytest
+
+from eagle3_jax.checkpoints.eagle_format import save_draft
+from eagle3_jax.checkpoints.hf import load_hf
+from eagle3_jax.eval import main
+from eagle3_jax.evaluation import metrics
+from eagle3_jax.evaluation.questions import load_questions
+from eagle3_jax.evaluation.runner import TIMING_KEYS
+from eagle3_jax.models import draft as drf
+from eagle3_jax.vocab import identity
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["w5 w6 w7 w8 w5 w6 w7", "w9 w10 w11"]},
+    {"question_id": 2, "category": "qa", "turns": ["w40 w41 w12"]},
+    {"question_id": 3, "category": "qa", "turns": ["w20 w21 w22 w20 w21"]},
+]
+METHODS = "vanilla,pld:1,3,4,eagle3:2,3,6"
+
+
+def rec(qid, method, seed, new, fw, wall, hist=None, task="t", gens=1, out=None):
+    return {
+        "question_id": qid,
+        "task": task,
+        "method": method,
+        "seed": seed,
+        "new_tokens": new,
+        "target_forwards": fw,
+        "num_generations": gens,
+        "wall_time_s": wall,
+        "accept_hist": hist,
+        "output_ids": out if out is not None else [[qid]],
+    }
+
+
+def test_metric_arithmetic():
+    a = rec("1", "e", 0, 11, 5, 1.0, [1, 2, 1])  # (11 - 1) / (5 - 1) = 2.5
+    b = rec("2", "e", 0, 21, 6, 2.0, [0, 3, 2], gens=2)  # two prefills: (21 - 2) / (6 - 2)
+    assert metrics.tau([a]) == 2.5
+    assert metrics.tau([a, b]) == pytest.approx((10 + 19) / (4 + 4))
+    assert metrics.throughput([a, b]) == pytest.approx(32 / 3.0)
+    v = [rec("1", "vanilla", 0, 11, 11, 4.0), rec("2", "vanilla", 0, 21, 21, 8.0)]
+    assert metrics.tau(v) == 1.0
+    assert metrics.speedup([a, b], v) == pytest.approx((32 / 3) / (32 / 12))
+    # summed histogram [1, 5, 3]: alpha_0 = 8/9, alpha_1 = 3/8
+    assert metrics.acceptance_by_depth([a, b]) == pytest.approx([8 / 9, 3 / 8])
+    assert metrics.acceptance_by_depth(v) is None
+    ms = metrics.mean_std([1.0, 2.0, 3.0])
+    assert (ms.mean, ms.std, ms.n) == (2.0, 1.0, 3)
+    assert metrics.mean_std([4.0]).std == 0.0 and math.isnan(metrics.mean_std([]).mean)
+    # per-seed speedup, then mean +- std
+    recs = [
+        rec("1", "vanilla", 0, 10, 10, 1.0),
+        rec("1", "e", 0, 10, 5, 0.5),
+        rec("1", "vanilla", 1, 10, 10, 1.0),
+        rec("1", "e", 1, 10, 5, 0.25),
+    ]
+    g = metrics.group_stats(recs, "e", None)
+    assert g["speedup"]["mean"] == pytest.approx(3.0)
+    assert g["speedup"]["std"] == pytest.approx(math.sqrt(2.0))
+    assert g["tau"]["mean"] == pytest.approx(9 / 4)
+    # exactness: fraction of questions equal to vanilla
+    x = [rec("1", "e", 0, 1, 1, 1, out=[[1]]), rec("2", "e", 0, 1, 1, 1, out=[[5]])]
+    y = [rec("1", "vanilla", 0, 1, 1, 1, out=[[1]]), rec("2", "vanilla", 0, 1, 1, 1, out=[[2]])]
+    assert metrics.exactness(x, y) == 0.5
+
+
+def test_shipped_benchmarks():
+    spec = load_questions("spec_bench")
+    assert len(spec) == 480
+    assert sum(q.task == "mt_bench" for q in spec) == 80
+    assert {q.task for q in spec} == {
+        "mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"
+    }  # fmt: skip
+    assert len(load_questions("spec_bench", 2)) == 12
+    assert all(len(q.turns) == 2 for q in load_questions("mt_bench"))
+    gsm = load_questions("gsm8k", 3)
+    assert len(gsm) == 3 and gsm[0].task == "gsm8k"
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target_dir, tmp_path_factory):
+    _, cfg = load_hf(tiny_target_dir)
+    dcfg = drf.DraftConfig.from_target(cfg)
+    d = tmp_path_factory.mktemp("evalhead")
+    head = d / "head"
+    save_draft(
+        head,
+        drf.init_params(dcfg, jax.random.PRNGKey(3), scale=0.2),
+        dcfg,
+        identity(cfg.vocab_size),
+        dtype="float32",
+    )
+    qfile = d / "q.jsonl"
+    qfile.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    return tiny_target_dir, head, qfile
+
+
+def args(setup, out, *extra):
+    target, head, qfile = setup
+    return [
+        "--target", str(target), "--draft", str(head), "--methods", METHODS,
+        "--bench", str(qfile), "--max-new-tokens", "12", "--out", str(out), "--no-progress",
+        *extra,
+    ]  # fmt: skip
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+
+
+def _untimed(r):
+    r = {k: v for k, v in r.items() if k not in TIMING_KEYS}
+    r["turns"] = [{k: v for k, v in t.items() if k not in TIMING_KEYS} for t in r["turns"]]
+    return r
+
+
+def test_end_to_end_resume_and_refusal(setup, tmp_path, capsys):
+    full = tmp_path / "full"
+    assert main(args(setup, full)) == 0
+    recs = _records(full)
+    assert len(recs) == 3 * 3  # questions x methods
+    assert {r["method"] for r in recs} == {"vanilla", "pld:1,3,4", "eagle3:2,3,6"}
+    two_turn = [r for r in recs if r["question_id"] == "1"]
+    assert all(r["num_generations"] == 2 and r["task"] == "mt_bench" for r in two_turn)
+    for r in recs:
+        assert r["new_tokens"] == sum(len(o) for o in r["output_ids"])
+        assert all(len(o) <= 12 for o in r["output_ids"])
+        if r["method"] == "vanilla":
+            assert r["tau"] == 1.0 and r["accept_hist"] is None
+        else:
+            assert len(r["acceptance_by_depth"]) == 3 and r["tau"] >= 1.0
+    # interleaved: every question's methods run vanilla first
+    assert [r["method"] for r in recs[:3]] == ["vanilla", "pld:1,3,4", "eagle3:2,3,6"]
+    res = json.loads((full / "results.json").read_text())
+    assert len(res["records"]) == 9 and res["config"]["max_new_tokens"] == 12
+    summ = res["summary"]
+    assert summ["tasks"] == ["mt_bench", "qa"]
+    for m in summ["methods"]:
+        assert summ["by_method"][m]["exactness"] == 1.0  # greedy: every method equals vanilla
+        assert summ["by_method"][m]["overall"]["speedup"]["mean"] > 0
+    assert summ["by_method"]["vanilla"]["overall"]["speedup"]["mean"] == pytest.approx(1.0)
+    report = (full / "report.md").read_text()
+    assert "| Method | mt_bench | qa | Overall | Exact |" in report
+    assert "| eagle3:2,3,6 |" in report and "α2" in report
+    for png in ("tau_per_task", "speedup_per_task", "acceptance_by_depth"):
+        assert (full / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
+
+    # interrupted: first question per task only, then the rest, plus a torn last line
+    part = tmp_path / "part"
+    assert main(args(setup, part, "--questions", "1")) == 0
+    assert len(_records(part)) == 2 * 3
+    with (part / "records.jsonl").open("a") as f:
+        f.write('{"question_id": "3", "met')  # an interrupted write
+    assert main(args(setup, part)) == 0
+    resumed = _records(part)
+    keys = [(r["question_id"], r["method"], r["seed"]) for r in resumed]
+    assert len(keys) == len(set(keys)) == 9
+    srt = lambda rs: sorted(
+        (_untimed(r) for r in rs), key=lambda r: (r["question_id"], r["method"])
+    )
+    assert srt(resumed) == srt(recs)
+    # resuming a finished run generates nothing and rewrites the same records
+    assert main(args(setup, part)) == 0
+    assert len(_records(part)) == 9
+
+    # another configuration in the same OUT is refused, and nothing is written
+    capsys.readouterr()
+    assert main(args(setup, part, "--max-new-tokens", "8")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "max_new_tokens" in err and "another configuration" in err
+    assert len(_records(part)) == 9
