@@ -229,8 +229,13 @@ def test_sigkill_mid_run_then_resume(tiny_target_dir, tmp_path):
 
 def test_a_run_on_a_mesh_matches_one_device(tiny_target_dir, tmp_path):
     """train() on a 2 x 4 mesh of simulated devices: same losses as on one device, and it resumes."""
-    one = _cfg(tiny_target_dir, tmp_path, "--config.max_steps=4", "--config.save_every=2",
-               f"--config.out_dir={tmp_path / 'one'}")
+    one = _cfg(
+        tiny_target_dir,
+        tmp_path,
+        "--config.max_steps=4",
+        "--config.save_every=2",
+        f"--config.out_dir={tmp_path / 'one'}",
+    )
     train(one, progress=False)
     mesh = dataclasses.replace(one, out_dir=str(tmp_path / "mesh"), mesh_data=2, mesh_model=4)
     train(mesh, progress=False, stop_after=3)
