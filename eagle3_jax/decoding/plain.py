@@ -61,6 +61,38 @@ def plan_shape(lengths: list[int], max_new: int, max_context: int, extra_slots: 
     return Shape(len(lengths), prompt_len, slots, round_up(max_new, NEW_BUCKET))
 
 
+class Request(NamedTuple):
+    """A batch of prompts made ready for a compiled program: static sizes and padded arrays."""
+
+    shape: Shape
+    tokens: np.ndarray  # [B, prompt_len] right-padded prompts
+    lengths: np.ndarray  # [B]
+    limit: np.ndarray  # [B] max new tokens per row
+    eos: tuple[int, ...]
+
+
+def prepare(
+    cfg: TargetConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...] | None = None,
+    max_context: int | None = None,
+    pad_id: int = 0,
+    extra_slots: int = 0,
+) -> Request:
+    """Checks the request, picks bucketed static sizes and pads the prompts (plain and speculative
+    decoding, batch and streaming, all start here)."""
+    shape = plan_shape(
+        [len(p) for p in prompts],
+        max_new_tokens,
+        max_context or cfg.max_position_embeddings,
+        extra_slots,
+    )
+    toks, lengths = pad_prompts(prompts, shape, pad_id)
+    eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    return Request(shape, toks, lengths, np.full(shape.batch, max_new_tokens, np.int32), eos)
+
+
 class DecodeState(NamedTuple):
     cache: dict[str, Any]
     tokens: jax.Array  # [B, N] generated tokens (pad after each row's end)
@@ -220,28 +252,16 @@ def generate(
     `warmup` first runs the same compiled programs with a one-token limit, so `wall_time_s` measures
     decoding, not compilation.
     """
-    eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
-    shape = plan_shape(
-        [len(p) for p in prompts], max_new_tokens, max_context or cfg.max_position_embeddings
-    )
-    toks, lengths = pad_prompts(prompts, shape, pad_id)
+    req = prepare(cfg, prompts, max_new_tokens, eos_ids, max_context, pad_id)
+    args = (cfg, req.shape, sampling, req.eos)
     key = jax.random.PRNGKey(seed)
     if warmup:
-        ones = np.ones(shape.batch, np.int32)
-        jax.block_until_ready(
-            decode_loop(
-                params,
-                prefill(params, toks, lengths, ones, key, cfg, shape, sampling, eos),
-                cfg,
-                shape,
-                sampling,
-                eos,
-            )
-        )
-    limit = np.full(shape.batch, max_new_tokens, np.int32)
+        ones = np.ones_like(req.limit)
+        state = prefill(params, req.tokens, req.lengths, ones, key, *args)
+        jax.block_until_ready(decode_loop(params, state, *args))
     t0 = time.perf_counter()
-    state = prefill(params, toks, lengths, limit, key, cfg, shape, sampling, eos)
-    state = decode_loop(params, state, cfg, shape, sampling, eos)
+    state = prefill(params, req.tokens, req.lengths, req.limit, key, *args)
+    state = decode_loop(params, state, *args)
     out, reasons = _collect(state)
     wall = time.perf_counter() - t0
     return Result(out, reasons, int(state.forwards), wall)
@@ -258,15 +278,11 @@ def stream(
     max_context: int | None = None,
 ) -> Iterator[int]:
     """Yields one row's tokens as they are produced (for interactive chat)."""
-    eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
-    shape = plan_shape([len(prompt)], max_new_tokens, max_context or cfg.max_position_embeddings)
-    toks, lengths = pad_prompts([prompt], shape, 0)
-    limit = np.full(1, max_new_tokens, np.int32)
-    state = prefill(
-        params, toks, lengths, limit, jax.random.PRNGKey(seed), cfg, shape, sampling, eos
-    )
+    req = prepare(cfg, [prompt], max_new_tokens, eos_ids, max_context)
+    args = (cfg, req.shape, sampling, req.eos)
+    state = prefill(params, req.tokens, req.lengths, req.limit, jax.random.PRNGKey(seed), *args)
     while True:
         yield int(state.last[0])
         if int(state.finish[0]) != 0:
             return
-        state = decode_step(params, state, cfg, shape, sampling, eos)
+        state = decode_step(params, state, *args)

@@ -29,7 +29,7 @@ import numpy as np
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding import acceptance
-from eagle3_jax.decoding.plain import FINISH_REASONS, Shape, pad_prompts, plan_shape
+from eagle3_jax.decoding.plain import FINISH_REASONS, Shape, prepare
 from eagle3_jax.decoding.sampling import Sampling, sample
 from eagle3_jax.decoding.tree import chain_tree, select_tree
 from eagle3_jax.errors import Eagle3Error
@@ -489,6 +489,16 @@ def method_tree(method: str, tree: TreeConfig, draft_vocab_size: int | None) -> 
     return tree.validate(draft_vocab_size or tree.top_k)
 
 
+def _method_setup(method, dparams, dcfg, vocab, tree: TreeConfig):
+    """The draft each method uses (none for pld / vanilla) and the tree it verifies."""
+    if method == "eagle3" and (dparams is None or dcfg is None or vocab is None):
+        raise Eagle3Error("method eagle3 needs a draft head: pass --draft PATH")
+    if method != "eagle3" and not callable(method):
+        dparams = dcfg = vocab = None
+    tree = method_tree(method, tree, None if dcfg is None else dcfg.draft_vocab_size)
+    return dparams, dcfg, vocab, tree
+
+
 def generate(
     tparams,
     tcfg: TargetConfig,
@@ -509,30 +519,20 @@ def generate(
 ) -> SpecResult:
     """Speculative decoding of token-id prompts: greedy output equals plain decoding token for token,
     sampled output has the target's distribution. `method` "pld" and "vanilla" need no draft."""
-    if method == "eagle3" and (dparams is None or dcfg is None or vocab is None):
-        raise Eagle3Error("method eagle3 needs a draft head: pass --draft PATH")
-    if method != "eagle3" and not callable(method):
-        dparams = dcfg = vocab = None
-    tree = method_tree(method, tree, None if dcfg is None else dcfg.draft_vocab_size)
-    eos = tuple(tcfg.eos_token_ids if eos_ids is None else eos_ids)
-    shape = plan_shape(
-        [len(p) for p in prompts],
-        max_new_tokens,
-        max_context or tcfg.max_position_embeddings,
-        extra_slots=tree.total_tokens + 1,
+    dparams, dcfg, vocab, tree = _method_setup(method, dparams, dcfg, vocab, tree)
+    req = prepare(
+        tcfg, prompts, max_new_tokens, eos_ids, max_context, pad_id, tree.total_tokens + 1
     )
     embed = tparams["embed"] if embed is None else embed
-    toks, lengths = pad_prompts(prompts, shape, pad_id)
     key = jax.random.PRNGKey(seed)
-    args = (tcfg, dcfg, shape, tree, sampling, eos, method)
+    args = (tcfg, dcfg, req.shape, tree, sampling, req.eos)
+    inputs = (tparams, dparams, embed, vocab, req.tokens, req.lengths)
     if warmup:
-        ones = np.ones(shape.batch, np.int32)
-        st = prefill(tparams, dparams, embed, vocab, toks, lengths, ones, key, *args[:-1])
-        jax.block_until_ready(decode_loop(tparams, dparams, embed, vocab, st, *args))
-    limit = np.full(shape.batch, max_new_tokens, np.int32)
+        st = prefill(*inputs, np.ones_like(req.limit), key, *args)
+        jax.block_until_ready(decode_loop(tparams, dparams, embed, vocab, st, *args, method))
     t0 = time.perf_counter()
-    state = prefill(tparams, dparams, embed, vocab, toks, lengths, limit, key, *args[:-1])
-    state = decode_loop(tparams, dparams, embed, vocab, state, *args)
+    state = prefill(*inputs, req.limit, key, *args)
+    state = decode_loop(tparams, dparams, embed, vocab, state, *args, method)
     tokens, n, finish, fw, hist = jax.device_get(
         (state.tokens, state.num_new, state.finish, state.forwards, state.accept_hist)
     )
@@ -563,34 +563,20 @@ def stream(
     method: str = "eagle3",
 ):
     """Yields each round's newly accepted tokens (a list) for one prompt, for interactive chat."""
-    if method != "eagle3":
-        dparams = dcfg = vocab = None
-    tree = method_tree(method, tree, None if dcfg is None else dcfg.draft_vocab_size)
-    eos = tuple(tcfg.eos_token_ids if eos_ids is None else eos_ids)
-    shape = plan_shape(
-        [len(prompt)],
-        max_new_tokens,
-        max_context or tcfg.max_position_embeddings,
-        extra_slots=tree.total_tokens + 1,
-    )
+    dparams, dcfg, vocab, tree = _method_setup(method, dparams, dcfg, vocab, tree)
+    req = prepare(tcfg, [prompt], max_new_tokens, eos_ids, max_context, 0, tree.total_tokens + 1)
     embed = tparams["embed"] if embed is None else embed
-    toks, lengths = pad_prompts([prompt], shape, 0)
-    limit = np.full(1, max_new_tokens, np.int32)
+    args = (tcfg, dcfg, req.shape, tree, sampling, req.eos)
     state = prefill(
         tparams,
         dparams,
         embed,
         vocab,
-        toks,
-        lengths,
-        limit,
+        req.tokens,
+        req.lengths,
+        req.limit,
         jax.random.PRNGKey(seed),
-        tcfg,
-        dcfg,
-        shape,
-        tree,
-        sampling,
-        eos,
+        *args,
     )
     shown = 0
     while True:
@@ -599,9 +585,7 @@ def stream(
         shown = n
         if finish != 0:
             return
-        state = round_step(
-            tparams, dparams, embed, vocab, state, tcfg, dcfg, shape, tree, sampling, eos, method
-        )
+        state = round_step(tparams, dparams, embed, vocab, state, *args, method)
 
 
 def acceptance_rates(hist: np.ndarray) -> list[float]:
