@@ -97,7 +97,11 @@ def test_online_and_offline_features_give_the_same_losses(tiny_target_dir, tmp_p
     from eagle3_jax.training.loop import precompute_features
 
     online = _cfg(
-        tiny_target_dir, tmp_path, "--config.max_steps=4", f"--config.out_dir={tmp_path / 'on'}"
+        tiny_target_dir,
+        tmp_path,
+        "--config.max_steps=4",
+        "--config.length_bucket=4",  # offline features cut to each batch's bucket
+        f"--config.out_dir={tmp_path / 'on'}",
     )
     train(online, progress=False)
     offline = dataclasses.replace(
@@ -113,6 +117,16 @@ def test_online_and_offline_features_give_the_same_losses(tiny_target_dir, tmp_p
     bad = dataclasses.replace(offline, out_dir=str(tmp_path / "bad"), aux_layer_ids=(0, 2, 3))
     with pytest.raises(Eagle3Error, match="not \\[0\\]"):
         train(bad, progress=False)
+
+
+def test_length_buckets_leave_the_loss_unchanged(tiny_target_dir, tmp_path):
+    """One batch holding every record: cut to its bucket or padded to max_len, the same loss."""
+    base = ["--config.batch_size=12", "--config.max_steps=3"]
+    full = _cfg(tiny_target_dir, tmp_path, *base, f"--config.out_dir={tmp_path / 'full'}")
+    train(full, progress=False)
+    cut = dataclasses.replace(full, out_dir=str(tmp_path / "cut"), length_bucket=4)
+    train(cut, progress=False)
+    np.testing.assert_allclose(_losses(tmp_path / "cut"), _losses(tmp_path / "full"), rtol=1e-5)
 
 
 def test_sharded_loss_and_gradients_equal_single_device(tiny_target_dir):

@@ -40,7 +40,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 def _setup():
     """Params with non-trivial norms, a 40-of-97 vocab containing id 0, and a padded batch.
 
-    Row 0: no padding, loss_mask 1 on the last position (exercises the zero-filled target rows).
+    Row 0: no padding, loss_mask 1 on the last position (its teacher would be the zero fill).
     Row 1: right padding (3 pads). Row 2: left padding (2 pads: fully masked step-0 rows).
     """
     rng = np.random.default_rng(0)
@@ -166,6 +166,7 @@ def _reference(params, embed, batch, t2d, steps, decay, fw):
     th = _shift(np.asarray(batch["target_hidden"], np.float64))
     has_next = _shift(np.ones((B, T)))
     valid = np.asarray(batch["attention_mask"]).astype(bool)
+    nxt = _shift(valid.astype(np.float64))  # the teacher row t+i+1 is a real token
     t2d = np.asarray(t2d)
     s = steps * T
     cache = dr.make_cache(CFG, B, s)
@@ -193,12 +194,12 @@ def _reference(params, embed, batch, t2d, steps, decay, fw):
         sub = tgt[..., t2d]
         tp = np.exp(sub - sub.max(-1, keepdims=True))
         tp = tp / tp.sum(-1, keepdims=True)
-        # Chains starting at padding (row 2's left pads) are not supervised; with right padding
-        # this factor is 1 wherever lm is (the official code has no such factor).
-        pm = lm * valid * t2d[tgt.argmax(-1)]
+        # Chains starting at padding (row 2's left pads) and positions whose teacher lies past the
+        # row's end are not supervised (the official code has neither factor).
+        pm = lm * valid * nxt * t2d[tgt.argmax(-1)]
         ploss = -(pm[..., None] * tp * logp).sum(-1).mean()
-        acc = ((logits.argmax(-1) == tp.argmax(-1)) * pm).sum() / ((lm * valid).sum() + 1e-6)
-        fm = lm * valid * has_next
+        acc = ((logits.argmax(-1) == tp.argmax(-1)) * pm).sum() / ((lm * valid * nxt).sum() + 1e-6)
+        fm = lm * valid * nxt * has_next
         d = np.asarray(out.hidden, np.float64) - th
         sl1 = np.where(np.abs(d) < 1, 0.5 * d * d, np.abs(d) - 0.5)
         vloss = (sl1.mean(-1) * fm).sum() / (fm.sum() + 1e-5)
@@ -206,7 +207,7 @@ def _reference(params, embed, batch, t2d, steps, decay, fw):
         plosses.append(ploss)
         accs.append(acc)
         vlosses.append(vloss)
-        ids, tgt, lm, th, has_next = (_shift(x) for x in (ids, tgt, lm, th, has_next))
+        ids, tgt, lm, th, has_next, nxt = (_shift(x) for x in (ids, tgt, lm, th, has_next, nxt))
     return total, np.array(plosses), np.array(accs), np.array(vlosses)
 
 
@@ -224,7 +225,32 @@ def test_loss_and_metrics_equal_dense_per_step_reference():
     # The metrics are not vacuous: some positions are right, some supervised ones are not.
     assert 0 < float(m["correct"].sum()) < float(m["denom"].sum())
     lm, valid = np.asarray(batch["loss_mask"]), np.asarray(batch["attention_mask"])
-    np.testing.assert_allclose(m["denom"], [(_shift(lm, i) * valid).sum() for i in range(STEPS)])
+    nxt = [_shift(valid.astype(float), i + 1) for i in range(STEPS)]
+    want_denom = [(_shift(lm, i) * valid * nxt[i]).sum() for i in range(STEPS)]
+    np.testing.assert_allclose(m["denom"], want_denom)
+
+
+def test_extra_right_padding_leaves_loss_and_metrics_unchanged():
+    """A batch cut to its longest row (length buckets) trains exactly as one padded further."""
+    params, embed, voc, batch = _setup()
+    k, rng = 5, np.random.default_rng(1)
+
+    def pad(name, x):
+        x = np.asarray(x)
+        fill = rng.normal(size=(B, k, *x.shape[2:])) * 3  # garbage the loss must never read
+        if name in ("input_ids",):
+            fill = rng.integers(0, V, (B, k))
+        if name in ("loss_mask", "attention_mask"):
+            fill = np.zeros((B, k))
+        return jnp.asarray(np.concatenate([x, fill.astype(x.dtype)], axis=1))
+
+    padded = {n: pad(n, x) for n, x in batch.items()}
+    kw = dict(steps=STEPS, decay=0.8, feature_loss_weight=0.5)
+    loss, m = ttt.ttt_loss(params, embed, batch, CFG, voc.t2d, mean_len=T + k, **kw)
+    loss_p, m_p = ttt.ttt_loss(params, embed, padded, CFG, voc.t2d, **kw)
+    np.testing.assert_allclose(loss_p, loss, **TOL)
+    for name in ("ploss", "acc", "vloss", "denom", "correct"):
+        np.testing.assert_allclose(m_p[name], m[name], **TOL)
 
 
 @functools.cache

@@ -160,9 +160,39 @@ def steps_per_epoch(ds: TokenizedDataset, batch_size: int) -> int:
     return ds.num_records // batch_size
 
 
-def epoch_order(num_records: int, seed: int, epoch: int) -> np.ndarray:
-    """[N] permutation for one epoch, a function of (seed, epoch) only: resuming needs no replay."""
-    return np.random.default_rng([seed, epoch]).permutation(num_records)
+def epoch_order(
+    num_records: int,
+    seed: int,
+    epoch: int,
+    lengths: np.ndarray | None = None,
+    batch_size: int = 1,
+    group: int = 32,
+) -> np.ndarray:
+    """[N] permutation for one epoch, a function of (seed, epoch) only: resuming needs no replay.
+
+    With `lengths`, records of similar length are batched together (so a batch can be cut to its
+    longest record): the shuffled order is split into windows of group x batch_size records, each
+    window sorted by length, and the resulting batches (consecutive runs of batch_size) shuffled.
+    Batches stay random in content and order; only their length spread shrinks.
+    """
+    rng = np.random.default_rng([seed, epoch])
+    perm = rng.permutation(num_records)
+    if lengths is None:
+        return perm
+    window = batch_size * group
+    for lo in range(0, num_records, window):
+        w = perm[lo : lo + window]
+        perm[lo : lo + window] = w[np.argsort(lengths[w], kind="stable")]
+    nb = num_records // batch_size
+    order = perm[: nb * batch_size].reshape(nb, batch_size)[rng.permutation(nb)].reshape(-1)
+    return np.concatenate([order, perm[nb * batch_size :]])
+
+
+def bucket_length(longest: int, bucket: int, max_len: int) -> int:
+    """`longest` rounded up to a multiple of `bucket`, at most max_len (bucket 0: max_len)."""
+    if bucket <= 0:
+        return max_len
+    return min(max_len, -(-max(int(longest), 1) // bucket) * bucket)
 
 
 def batches(
@@ -173,12 +203,17 @@ def batches(
     process_index: int = 0,
     process_count: int = 1,
     num_steps: int | None = None,
+    length_bucket: int = 0,
 ) -> Iterator[Batch]:
     """Shuffled batches, epoch after epoch, from `start_step` (same order as a run from step 0).
 
     batch_size is the GLOBAL batch; with process_count > 1 each host yields its own contiguous
     slice of it (b = batch_size / process_count rows), so the hosts together see each global batch
     exactly once. Stops after `num_steps` batches when given, else runs forever.
+
+    length_bucket > 0 groups records of similar length (`epoch_order`) and cuts each batch to its
+    longest GLOBAL row rounded up to a multiple of length_bucket: far less padding, and at most
+    max_len / length_bucket shapes to compile. 0 keeps every batch at max_len.
     """
     if batch_size < 1 or batch_size % process_count:
         raise Eagle3Error(
@@ -197,8 +232,13 @@ def batches(
     while num_steps is None or step < start_step + num_steps:
         epoch, k = divmod(step, per_epoch)
         if epoch != order_epoch:
-            order, order_epoch = epoch_order(ds.num_records, seed, epoch), epoch
-        first = k * batch_size + process_index * local
-        rows = order[first : first + local]
-        yield Batch(step, epoch, ds.input_ids[rows], ds.loss_mask[rows], ds.lengths[rows], rows)
+            lengths = ds.lengths if length_bucket > 0 else None
+            order = epoch_order(ds.num_records, seed, epoch, lengths, batch_size)
+            order_epoch = epoch
+        glob = order[k * batch_size : (k + 1) * batch_size]
+        t = bucket_length(ds.lengths[glob].max(), length_bucket, ds.max_len)
+        rows = glob[process_index * local : (process_index + 1) * local]
+        yield Batch(
+            step, epoch, ds.input_ids[rows, :t], ds.loss_mask[rows, :t], ds.lengths[rows], rows
+        )
         step += 1

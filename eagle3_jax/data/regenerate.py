@@ -92,9 +92,10 @@ def regenerate(
     """Answers each (id, user text) prompt with the target (its chat template) into out_path.
 
     Prompts are encoded as one user turn with `encode_chat` (the same template decoding uses), run
-    through `plain.generate` `batch_size` at a time, and each batch's records are appended and
-    flushed before the next starts. Prompts whose encoding is longer than max_prompt_tokens, or
-    that leave no room for max_new_tokens in the target's context, are skipped.
+    through `plain.generate` `batch_size` at a time (shortest prompts first), and each batch's
+    records are appended and flushed before the next starts. Prompts whose encoding is longer
+    than max_prompt_tokens, or that leave no room for max_new_tokens in the target's context, are
+    skipped.
     """
     if batch_size < 1:
         raise Eagle3Error(f"batch size {batch_size} < 1")
@@ -118,6 +119,9 @@ def regenerate(
             skipped += 1
             continue
         pending.append((pid, text, ids))
+    # Batches of similar prompt lengths: less padding and fewer compiled prompt buckets. With greedy
+    # decoding the answers do not depend on the batching.
+    pending.sort(key=lambda p: len(p[2]))
     resumed = sum(pid in done for pid, _ in prompts)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
 

@@ -27,6 +27,8 @@ class TrainConfig:
     regen_batch_size: int = 8
     num_conversations: int = 0  # 0 = all
     max_len: int = 1024
+    length_bucket: int = 0  # > 0: batch records of similar length, each batch cut to a multiple
+    # of this (less padding; at most max_len / length_bucket compiled shapes); 0: pad to max_len
     # the head
     draft_vocab_size: int = 32000  # Vd; >= target vocab means the full vocabulary
     aux_layer_ids: tuple[int, ...] = ()  # () = the target's default (2, L//2, L-3)
@@ -72,6 +74,8 @@ class TrainConfig:
                 "features=offline needs features_dir (precompute it with "
                 "`train.py --precompute-features`)"
             )
+        if self.length_bucket < 0:
+            raise Eagle3Error(f"length_bucket {self.length_bucket} < 0 (0 pads to max_len)")
         if self.batch_size < 1 or self.grad_accum < 1:
             raise Eagle3Error("batch_size and grad_accum must be >= 1")
         if self.batch_size % (self.mesh_data * self.grad_accum):

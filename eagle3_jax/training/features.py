@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax.data.dataset import bucket_length
 from eagle3_jax.errors import Eagle3Error
 
 META = "features.json"
@@ -26,6 +27,7 @@ def precompute(
     out_dir: str | Path,
     batch_size: int = 4,
     progress: bool = True,
+    length_bucket: int = 64,
 ) -> Path:
     """Writes layer_{i}.npy [N, L, D] for each layer id and hidden.npy [N, L, D]; atomic per run."""
     from tqdm.auto import tqdm
@@ -47,21 +49,26 @@ def precompute(
     }
     hidden = np.lib.format.open_memmap(tmp / "hidden.npy", "w+", np.float32, (n, t, d))
     fn = jax.jit(target_features, static_argnames=("tcfg", "aux_ids"))
+    # Shortest records first, each batch cut to its longest record rounded up to `length_bucket`:
+    # the padding past a record's length is never read by training, so it is neither computed
+    # nor written (those positions stay zero).
+    by_len = np.argsort(ds.lengths, kind="stable")
     for lo in tqdm(range(0, n, batch_size), desc="features", disable=not progress):
-        rows = np.arange(lo, min(lo + batch_size, n))
-        pad = np.resize(rows, batch_size)  # one shape for every batch
-        mask = (np.arange(t)[None, :] < ds.lengths[pad][:, None]).astype(np.int32)
+        rows = by_len[lo : lo + batch_size]
+        pad = np.resize(rows, batch_size)  # one batch size for every batch
+        tl = bucket_length(ds.lengths[rows].max(), length_bucket, t)
+        mask = (np.arange(tl)[None, :] < ds.lengths[pad][:, None]).astype(np.int32)
         aux, hid = fn(
             target.params,
-            jnp.asarray(ds.input_ids[pad]),
+            jnp.asarray(ds.input_ids[pad, :tl]),
             jnp.asarray(mask),
             tcfg=target.cfg,
             aux_ids=layers,
         )
         aux, hid = np.asarray(aux)[: len(rows)], np.asarray(hid)[: len(rows)]
         for k, i in enumerate(layers):
-            maps[i][rows] = aux[..., k * d : (k + 1) * d]
-        hidden[rows] = hid
+            maps[i][rows, :tl] = aux[..., k * d : (k + 1) * d]
+        hidden[rows, :tl] = hid
     for m in (*maps.values(), hidden):
         m.flush()
     meta = {
@@ -105,8 +112,10 @@ class OfflineFeatures:
         self.aux = [np.load(path / f"layer_{i}.npy", mmap_mode="r") for i in aux_ids]
         self.hidden = np.load(path / "hidden.npy", mmap_mode="r")
 
-    def batch(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+    def batch(self, rows: np.ndarray, length: int | None = None) -> dict[str, np.ndarray]:
+        """Features of `rows`, cut to the first `length` positions (the batch's bucket)."""
+        t = slice(None) if length is None else slice(0, length)
         return {
-            "aux": np.concatenate([a[rows] for a in self.aux], axis=-1),
-            "hidden": np.asarray(self.hidden[rows]),
+            "aux": np.concatenate([a[rows, t] for a in self.aux], axis=-1),
+            "hidden": np.asarray(self.hidden[rows, t]),
         }

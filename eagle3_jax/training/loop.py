@@ -253,10 +253,11 @@ def train(
         num_steps=total - start,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
+        length_bucket=tc.length_bucket,
     ):
         arrays = batch_arrays(batch)
         if offline is not None:
-            arrays.update(offline.batch(batch.rows))
+            arrays.update(offline.batch(batch.rows, batch.input_ids.shape[1]))
         state, metrics = step_fn(state, target.params, arrays, t2d)
         step = batch.step + 1
         tokens_since += int(batch.lengths.sum()) * jax.process_count()

@@ -113,6 +113,7 @@ def loss_fn(
         steps=tc.ttt_steps,
         decay=tc.ttt_decay,
         feature_loss_weight=tc.feature_loss_weight,
+        mean_len=tc.max_len,
     )
 
 

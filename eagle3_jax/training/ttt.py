@@ -25,15 +25,15 @@ Semantics as read from SafeAILab/EAGLE `eagle/traineagle3/cnets.py` and SpecForg
   denominator counts every supervised position, also those whose target token is outside the
   draft vocabulary (they can never be right).
 
-Quirks kept on purpose (they are the official behaviour): the zero-filled target rows past the end
-give a uniform target_p and argmax 0, so a position whose loss_mask is 1 there (the last position
-of a full-length row) is supervised towards uniform when t2d[0] is True.
-
-One deliberate difference, which is a no-op for right padding (what both official collators
-produce): loss_mask_i[t] is also multiplied by attention_mask[t], so a chain that STARTS at a
-padding position (left or middle padding) is never supervised; the official code would supervise
-it at later steps with a padding-derived feature. This factor enters the ploss, acc and its
-denominator and the feature loss alike.
+Two deliberate differences, both no-ops for rows whose last token is unsupervised (every answer
+that ends with the template's end-of-turn and trailing newline) under right padding:
+* loss_mask_i[t] is also multiplied by attention_mask[t], so a chain that STARTS at a padding
+  position (left or middle padding) is never supervised; the official code would supervise it at
+  later steps with a padding-derived feature.
+* loss_mask_i[t] is also multiplied by attention_mask[t + i + 1]: a position whose teacher row
+  lies past the row's end (the target's output at a padding token, or the zero fill) is not
+  supervised, so the loss does not depend on how far a batch is padded.
+These factors enter the ploss, acc and its denominator and the feature loss alike.
 
 Memory: per step the scan keeps what one step's backward needs (the [B, H, T, T] probabilities
 of the step-0 block, [B, T, Vd] logits, ...), so that part is linear in steps; the carried key /
@@ -177,6 +177,7 @@ def ttt_loss(
     decay: float = 0.8,
     feature_loss_weight: float = 0.0,
     remat: bool = False,
+    mean_len: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The decayed sum of the per-step TTT losses and per-step metrics.
 
@@ -199,6 +200,9 @@ def ttt_loss(
         stands for), mean over D, summed over positions with loss_mask_i = 1 (and t + i + 1 < T),
         divided by their count + 1e-5; weighted by feature_loss_weight * decay**i.
       remat: recompute each step in the backward pass (keeps only h and the K/V buffers per step).
+      mean_len: positions per row that ploss averages over (default T). Training passes max_len,
+        so a batch cut to its longest row (length buckets) has the same loss as one padded to
+        max_len.
 
     Every loss_mask_i below is loss_mask shifted left i times AND attention_mask (see the module
     docstring; identical to the official loss_mask_i for right-padded batches).
@@ -212,6 +216,7 @@ def ttt_loss(
     f32 = jnp.float32
     ids_BT = batch["input_ids"].astype(jnp.int32)
     b, t = ids_BT.shape
+    mean_len = t if mean_len is None else mean_len
     vd = dcfg.draft_vocab_size
     t2d_V = jnp.asarray(vocab_t2d).astype(bool)
     draft_cols = jnp.nonzero(t2d_V, size=vd)[0]  # ascending: column c is draft id c
@@ -225,7 +230,12 @@ def ttt_loss(
         tp_ext = _shift_ext(jax.nn.softmax(sub_BTC, axis=-1), steps, 1.0 / vd)  # [B, T+J, Vd]
         tp_top_ext = _shift_ext(jnp.argmax(sub_BTC, axis=-1).astype(jnp.int32), steps, 0)
         in_draft_ext = _shift_ext(in_draft_BT, steps, t2d_V[0])
-        lm_ext = _pad_ext(batch["loss_mask"].astype(f32), steps)  # [B, T+J]
+        # A position is supervised at step i only if its teacher row t+i+1 is a real token
+        # (attention_mask[t+i+1] = 1): past a row's end the teacher would be the target's output
+        # at a padding token (official) or the zero fill, and which one depends on how far the
+        # batch is padded. Only rows whose last token is supervised (cut answers) lose anything.
+        valid_next_ext = _shift_ext(batch["attention_mask"].astype(f32), steps, 0.0)
+        lm_ext = _pad_ext(batch["loss_mask"].astype(f32), steps) * valid_next_ext  # [B, T+J]
         pm_ext = in_draft_ext.astype(f32) * lm_ext
         # A chain that starts at a padding position (left or middle padding) runs on a padding
         # feature; the official code would still supervise it at later steps. Never the case with
@@ -271,8 +281,9 @@ def ttt_loss(
             logp = jax.nn.log_softmax(logits_BTC, axis=-1)
             pm_BT = at(pm_ext, i) * start_ok_BT
             lm_BT = at(lm_ext, i) * start_ok_BT
-            # Official: -sum(position_mask * target_p * logp, vocab).mean() over all B*T.
-            ploss = -jnp.sum(pm_BT[..., None] * at(tp_ext, i) * logp) / (b * t)
+            # Official: -sum(position_mask * target_p * logp, vocab).mean() over all B*T (here
+            # B * mean_len, so that cutting a batch's padding leaves the loss unchanged).
+            ploss = -jnp.sum(pm_BT[..., None] * at(tp_ext, i) * logp) / (b * mean_len)
             hit = (jnp.argmax(logits_BTC, axis=-1) == at(tp_top_ext, i)).astype(f32)
             correct = jax.lax.stop_gradient(jnp.sum(hit * pm_BT))
             denom = jnp.sum(lm_BT)
