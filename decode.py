@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Generate with a target model: plain, prompt lookup, or EAGLE-3 speculative decoding.
 
-  python decode.py --prompt "Explain speculative decoding in two sentences."
+  python decode.py --prompt "Explain speculative decoding in two sentences." --compare-plain
   python decode.py --method eagle3 --draft heads/my_head --top-k 4 --depth 4 --total-tokens 16
   python decode.py --target ~/ckpt/Llama-3.1-8B-Instruct --prompt-file questions.jsonl --json out.json
   python decode.py --chat
 
-Every flag's default runs on the embedded SmolLM2-135M-Instruct. See README.md for the --json schema.
+Every flag's default runs on the embedded SmolLM2-135M-Instruct with its shipped EAGLE-3 head. See
+README.md for the --json schema.
 """
 
 from __future__ import annotations
@@ -29,14 +30,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--method",
-        default="vanilla",
+        default=None,
         choices=["eagle3", "pld", "vanilla"],
-        help="eagle3: draft tree from --draft; pld: prompt lookup chain; vanilla: plain",
+        help="eagle3: draft tree from --draft; pld: prompt lookup chain; vanilla: plain "
+        "(default: eagle3 with --draft or on the embedded default target, else vanilla)",
     )
     p.add_argument(
         "--draft",
         default=None,
-        help="EAGLE-3 head directory in the official format (config.json + safetensors)",
+        help="EAGLE-3 head directory in the official format (config.json + safetensors); "
+        "default on the embedded target: the head shipped in eagle3_jax/heads",
+    )
+    p.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="also decode each batch plainly and report the speedup and whether outputs match",
     )
     p.add_argument(
         "--top-k", type=int, default=4, help="children per expanded tree node (1 = a chain)"

@@ -41,6 +41,16 @@ def decode_main(args) -> int:
         return 130
 
 
+def resolve_method(args) -> None:
+    """Fills --method / --draft defaults: the embedded target decodes with its shipped head."""
+    if args.method is None:
+        args.method = "eagle3" if args.draft or args.target is None else "vanilla"
+    if args.method == "eagle3" and not args.draft and args.target is None:
+        from eagle3_jax.heads import default_head
+
+        args.draft = str(default_head())
+
+
 def load_draft_for(args, target):
     """--draft PATH -> (params, cfg, vocab, embed), checked against the target before any compute."""
     from eagle3_jax.checkpoints.eagle_format import check_compatible, load_draft
@@ -113,6 +123,12 @@ def _run_batch(args, target, draft, ids, sampling, max_context, warmup):
     return rows, res.wall_time_s
 
 
+def _as_plain(args):
+    import argparse
+
+    return argparse.Namespace(**{**vars(args), "method": "vanilla", "same_engine": False})
+
+
 def _decode(args) -> int:
     from eagle3_jax.checkpoints import load_target
     from eagle3_jax.decoding.sampling import Sampling
@@ -121,6 +137,9 @@ def _decode(args) -> int:
 
     if args.batch_size < 1:
         raise Eagle3Error(f"--batch-size {args.batch_size} < 1")
+    resolve_method(args)
+    if args.compare_plain and (args.method == "vanilla" or args.chat):
+        raise Eagle3Error("--compare-plain compares eagle3/pld with plain decoding, not in --chat")
     sampling = Sampling(args.temperature, args.sample_top_k, args.top_p)
     if args.method != "vanilla":
         _tree(args).validate(10**9)  # shape errors before the (slow) load; Vd is checked later
@@ -164,7 +183,12 @@ def _decode(args) -> int:
             max_context,
             warmup=not args.no_warmup and not records,
         )
-        for p, pids, row in zip(batch, ids, rows):
+        plain_rows = None
+        if args.compare_plain:
+            plain_rows, plain_wall = _run_batch(
+                _as_plain(args), target, None, ids, sampling, max_context, warmup=not records
+            )
+        for i, (p, pids, row) in enumerate(zip(batch, ids, rows)):
             out = row["output_ids"]
             text = tok.decode(out, skip_special_tokens=True)
             rec = {
@@ -183,6 +207,12 @@ def _decode(args) -> int:
             if row["accept_hist"] is not None:
                 rec["accept_hist"] = row["accept_hist"]
                 rec["acceptance_by_depth"] = acceptance_rates(np.asarray(row["accept_hist"]))
+            if plain_rows is not None:
+                plain_out = plain_rows[i]["output_ids"]
+                rec["plain_tokens_per_s"] = len(plain_out) / plain_wall
+                rec["plain_wall_time_s"] = plain_wall
+                rec["speedup"] = rec["tokens_per_s"] / rec["plain_tokens_per_s"]
+                rec["identical_to_plain"] = plain_out == out
             records.append(rec)
             extra = ""
             if "acceptance_by_depth" in rec:
@@ -191,9 +221,19 @@ def _decode(args) -> int:
                 )
             print(
                 f"### [{p.id}] {p.text[:80]}\n{text}\n"
-                f"--- {len(out)} tokens in {wall:.2f}s = {rec['tokens_per_s']:.1f} tokens/s, "
-                f"tau {rec['tau']:.2f}{extra} (batch {len(batch)}, {row['finish_reason']})\n"
+                f"--- {args.method}: {len(out)} tokens in {wall:.2f}s = "
+                f"{rec['tokens_per_s']:.1f} tokens/s, tau {rec['tau']:.2f}{extra} "
+                f"(batch {len(batch)}, {row['finish_reason']})"
             )
+            if plain_rows is not None:
+                same = "identical" if rec["identical_to_plain"] else "DIFFERENT"
+                if sampling.temperature > 0:
+                    same += " (sampling: outputs differ by design)"
+                print(
+                    f"--- plain: {rec['plain_tokens_per_s']:.1f} tokens/s in the same run -> "
+                    f"speedup {rec['speedup']:.2f}x, outputs {same}"
+                )
+            print()
     if args.json:
         # a JSON list, one record per line: easy to read and to diff
         Path(args.json).write_text("[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n")

@@ -101,12 +101,33 @@ def test_speculative_methods_reproduce_vanilla(method, tiny_target_dir, head_dir
             "6",
             "--json",
             str(tmp_path / "s.json"),
+            "--compare-plain",
         )
         == 0
     )
     van, sp = _records(tmp_path / "v.json"), _records(tmp_path / "s.json")
     assert [r["output_ids"] for r in sp] == [r["output_ids"] for r in van]
     assert all(len(r["acceptance_by_depth"]) == 3 and r["target_forwards"] >= 1 for r in sp)
+    # --compare-plain decoded the same batch plainly in the same run
+    assert all(r["identical_to_plain"] and r["plain_tokens_per_s"] > 0 for r in sp)
+    for r in sp:
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["plain_tokens_per_s"])
+
+
+def test_method_defaults():
+    from eagle3_jax.cli import resolve_method
+    from eagle3_jax.heads import DEFAULT_HEAD
+
+    def resolved(*argv):
+        args = decode_cli.parse_args(list(argv))
+        resolve_method(args)
+        return args.method, args.draft
+
+    assert resolved("--target", "t") == ("vanilla", None)
+    assert resolved("--target", "t", "--draft", "h") == ("eagle3", "h")
+    assert resolved("--target", "t", "--method", "pld") == ("pld", None)
+    assert resolved() == ("eagle3", str(DEFAULT_HEAD))  # the embedded target's shipped head
+    assert resolved("--method", "vanilla") == ("vanilla", None)
 
 
 def test_errors_are_one_line(tiny_target_dir, tmp_path, capsys):
@@ -116,6 +137,7 @@ def test_errors_are_one_line(tiny_target_dir, tmp_path, capsys):
         (["--target", str(tiny_target_dir), "--prompt", "w5 " * 300], "exceeds the context"),
         (["--target", str(tiny_target_dir), "--prompt", "  "], "is empty"),
         (["--target", str(tiny_target_dir), "--method", "pld", "--depth", "0"], "depth 0 < 1"),
+        (["--target", str(tiny_target_dir), "--compare-plain"], "--compare-plain"),
         (
             ["--target", str(tiny_target_dir), "--method", "eagle3", "--draft", str(tmp_path)],
             "config.json",

@@ -2,6 +2,7 @@
 regeneration, the .npz dataset, token counts and the resumable, sharded batch order."""
 
 import copy
+import gzip
 import json
 
 import numpy as np
@@ -106,6 +107,12 @@ def test_reads_role_content_and_sharegpt_jsonl_with_bad_lines(tmp_path):
     assert skipped == 2
     assert [c.id for c in convs] == ["7", "s"]
     assert convs[0].messages[1] == {"role": "assistant", "content": "v"}
+    gz = tmp_path / "rc.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert read_conversations(gz) == (convs, skipped)
+    (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
+    with pytest.raises(Eagle3Error, match="bad.jsonl.gz"):
+        read_conversations(tmp_path / "bad.jsonl.gz")
 
 
 def test_unreadable_files_name_the_file(tmp_path):

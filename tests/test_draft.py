@@ -467,3 +467,26 @@ def test_vocab_check_and_identity():
     voc = vocab_lib.from_target_ids([1, 4, 6], 8)
     f = jax.jit(dr.draft_to_target_ids)
     np.testing.assert_array_equal(f(jnp.array([[0, 2, 1]], jnp.int32), voc), [[1, 6, 4]])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_output_init_from_target_reproduces_target_logits_on_the_draft_vocab(tied):
+    from eagle3_jax.models import target as tg
+    from eagle3_jax.models.layers import rms_norm
+
+    tcfg = dataclasses.replace(TARGET, tie_word_embeddings=tied)
+    tparams = tg.init_params(tcfg, jax.random.PRNGKey(0))
+    tparams["final_norm"] = 1.0 + 0.3 * jax.random.normal(jax.random.PRNGKey(1), (HT,))
+    dcfg = dr.DraftConfig.from_target(tcfg, draft_vocab_size=VD)
+    counts = np.random.default_rng(0).integers(0, 50, V)
+    voc = vocab_lib.build_from_counts(counts, VD)
+    params = dr.init_params(dcfg, jax.random.PRNGKey(2))
+    init = dr.init_output_from_target(params, tparams, tcfg, voc, dcfg)
+    h = jax.random.normal(jax.random.PRNGKey(3), (2, 5, HT))
+    want = tg.lm_head(tparams, rms_norm(h, tparams["final_norm"], tcfg.rms_norm_eps), tcfg)
+    got = dr.head_logits(init, h, dcfg)
+    np.testing.assert_allclose(got, want[..., vocab_lib.target_ids(voc)], rtol=1e-5, atol=1e-5)
+    assert init["fc"] is params["fc"]  # everything else untouched
+    small = dataclasses.replace(dcfg, hidden_size=HT // 2)
+    with pytest.raises(Eagle3Error, match="hidden sizes differ"):
+        dr.init_output_from_target(params, tparams, tcfg, voc, small)

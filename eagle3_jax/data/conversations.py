@@ -11,6 +11,7 @@ empty are skipped and counted; the caller reports the count.
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -77,10 +78,14 @@ def parse_record(rec: Any, fallback_id: str) -> Conversation | None:
 
 
 def _load_records(path: Path) -> tuple[list[Any], int]:
-    """The raw records of a JSON array or JSONL file, and the number of JSONL lines that failed."""
+    """The raw records of a JSON array or JSONL file (gzip-compressed when the name ends in .gz),
+    and the number of JSONL lines that failed."""
     try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e:
+        if path.suffix == ".gz":
+            text = gzip.decompress(path.read_bytes()).decode("utf-8-sig")
+        else:
+            text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
         raise Eagle3Error(f"cannot read conversation file {path}: {e}") from e
     if text.lstrip().startswith("["):
         try:

@@ -170,6 +170,32 @@ def init_params(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
 
 
+def init_output_from_target(
+    params: Params, target_params: Params, tcfg, vocab, cfg: DraftConfig
+) -> Params:
+    """A copy of `params` whose final_norm is the target's and whose lm_head column c is the
+    target's output embedding of token vocab.d2t[c] + c (its own row for the draft vocabulary).
+
+    At initialisation the head then reads its hidden state the way the target reads its own, so
+    a short run starts from "predict the next token from a target-like feature" instead of noise
+    (the Medusa-style start; the official EAGLE-3 trainer starts lm_head from random).
+    """
+    from eagle3_jax.vocab import target_ids
+
+    if tcfg.hidden_size != cfg.hidden_size:
+        raise Eagle3Error(
+            f"cannot start the head's lm_head from the target: hidden sizes differ "
+            f"({cfg.hidden_size} vs {tcfg.hidden_size})"
+        )
+    ids = jnp.asarray(target_ids(vocab))
+    out_VD = target_params["embed"] if tcfg.tie_word_embeddings else target_params["lm_head"].T
+    lm_DC = jnp.take(out_VD, ids, axis=0).T
+    new = dict(params)
+    new["lm_head"] = lm_DC.astype(params["lm_head"].dtype)
+    new["final_norm"] = target_params["final_norm"].astype(params["final_norm"].dtype)
+    return new
+
+
 def check_params(params: Params, cfg: DraftConfig) -> None:
     """Refuses missing, unexpected or wrongly shaped parameters with one message naming them."""
     specs = _flat_specs(cfg)

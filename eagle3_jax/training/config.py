@@ -35,6 +35,7 @@ class TrainConfig:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     feature_loss_weight: float = 0.0  # EAGLE-1/2-style regression of the target's hidden state
+    head_init: str = "random"  # "target": lm_head rows and final norm start as the target's
     # optimisation
     lr: float = 1e-4
     warmup_ratio: float = 0.015
@@ -67,6 +68,8 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         if self.ttt_steps < 1:
             raise Eagle3Error(f"ttt_steps {self.ttt_steps} < 1 (1 means no training-time test)")
+        if self.head_init not in ("random", "target"):
+            raise Eagle3Error(f"head_init {self.head_init!r}: use random or target")
         if self.features not in ("online", "offline"):
             raise Eagle3Error(f"features {self.features!r}: use online or offline")
         if self.features == "offline" and not self.features_dir:

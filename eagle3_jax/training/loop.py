@@ -203,6 +203,8 @@ def train(
     total = tc.max_steps or tc.epochs * per_epoch
     tx = make_optimizer(tc, total)
     dparams = drf.init_params(dcfg, jax.random.PRNGKey(tc.seed), DTYPES[tc.param_dtype])
+    if tc.head_init == "target":
+        dparams = drf.init_output_from_target(dparams, target.params, tcfg, vocab, dcfg)
     state_sh = None
     if mesh is not None:
         dparams = jax.tree.map(jax.device_put, dparams, drf.param_shardings(dcfg, mesh))
