@@ -45,6 +45,11 @@ def _cfg(tiny_target_dir, tmp_path, *overrides):
     )
 
 
+def _metrics(run_dir, key):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x)[key] for x in lines]
+
+
 def _losses(run_dir):
     return [
         json.loads(x)["loss"] for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
@@ -81,6 +86,8 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
         tmp_path,
         "--config.max_steps=10",
         "--config.save_every=4",
+        "--config.export_every=5",
+        "--config.log_every=1",
         f"--config.out_dir={tmp_path / 'a'}",
     )
     train(full, progress=False)
@@ -89,6 +96,13 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
     train(dataclasses.replace(part, max_steps=10), progress=False, stop_after=6)
     train(part, resume=True, progress=False)
     np.testing.assert_allclose(_losses(tmp_path / "b"), _losses(tmp_path / "a"), rtol=1e-5)
+    # tokens seen carry over the resume; the step-5 head was exported with them
+    tokens = [_metrics(tmp_path / r, "tokens") for r in "ab"]
+    assert tokens[0] == tokens[1] and all(np.diff(tokens[0]) > 0)
+    for r in "ab":
+        info = json.loads((tmp_path / r / "heads/step_000005/training.json").read_text())
+        assert info == {"step": 5, "tokens": tokens[0][4]}
+        assert (tmp_path / r / "heads/step_000005/model.safetensors").is_file()
     with pytest.raises(Eagle3Error, match="already holds checkpoints"):
         train(part, progress=False)
 

@@ -62,6 +62,7 @@ class TrainConfig:
     out_dir: str = "runs/default"
     save_every: int = 200
     keep_checkpoints: int = 3
+    export_every: int = 0  # > 0: also export the head to out_dir/heads/step_N every N steps
     log_every: int = 10
     export_dtype: str = "bfloat16"
 

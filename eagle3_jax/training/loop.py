@@ -65,7 +65,7 @@ class MetricsWriter:
 
 def _config_record(tc: TrainConfig) -> dict:
     d = dataclasses.asdict(tc)
-    for k in ("max_steps", "save_every", "log_every", "keep_checkpoints"):
+    for k in ("max_steps", "save_every", "log_every", "keep_checkpoints", "export_every"):
         d.pop(k)  # may change between a run and its resume
     return json.loads(json.dumps(d))  # tuples -> lists, as read back from disk
 
@@ -150,6 +150,15 @@ def precompute_features(tc: TrainConfig, progress: bool = True) -> Path:
     return features.precompute(target, ds, tuple(layers), tc.features_dir, progress=progress)
 
 
+def export_head(path: Path, state, dcfg, vocab, tc: TrainConfig, step: int, tokens: int) -> Path:
+    """The head at this step in the official format, plus training.json (step, tokens seen)."""
+    from eagle3_jax.checkpoints.eagle_format import save_draft
+
+    save_draft(path, jax.device_get(state.params), dcfg, vocab, dtype=tc.export_dtype)
+    (path / "training.json").write_text(json.dumps({"step": step, "tokens": tokens}) + "\n")
+    return path
+
+
 def train(
     tc: TrainConfig, resume: bool = False, progress: bool = True, stop_after: int | None = None
 ) -> dict[str, Any]:
@@ -160,7 +169,6 @@ def train(
     from tqdm.auto import tqdm
 
     from eagle3_jax.checkpoints import load_target
-    from eagle3_jax.checkpoints.eagle_format import save_draft
     from eagle3_jax.data.dataset import batches, steps_per_epoch
     from eagle3_jax.models import draft as drf
     from eagle3_jax.sharding import make_mesh
@@ -211,10 +219,11 @@ def train(
     state = init_state(dparams, tx, mesh)
     if mesh is not None:
         state_sh = jax.tree.map(lambda x: x.sharding, state)
-    start = 0
+    start, tokens_seen = 0, 0
     if resume and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(state)
+        state, saved_meta = ckpt.restore(state)
         start = int(state.step)
+        tokens_seen = int(saved_meta.get("tokens_seen", 0))
         print(f"resumed from step {start}", file=sys.stderr)
     t2d = jnp.asarray(vocab.t2d)
     offline = None
@@ -263,6 +272,7 @@ def train(
         state, metrics = step_fn(state, target.params, arrays, t2d)
         step = batch.step + 1
         tokens_since += int(batch.lengths.sum()) * jax.process_count()
+        tokens_seen += int(batch.lengths.sum()) * jax.process_count()
         loss = float(metrics["loss"])
         if not math.isfinite(loss):
             writer.close()
@@ -278,6 +288,7 @@ def train(
                 "epoch": batch.epoch,
                 "loss": loss,
                 "grad_norm": float(m["grad_norm"]),
+                "tokens": tokens_seen,
                 "tokens_per_s": tokens_since / (now - t_last),
             }
             for name in ("acc", "ploss"):
@@ -290,7 +301,11 @@ def train(
             bar.set_postfix_str(f"loss {loss:.3f} acc {accs} {rec['tokens_per_s']:.0f} tok/s")
         bar.update(1)
         if step % tc.save_every == 0 or step == total:
-            ckpt.save(step, state, {**meta, "data_step": step})
+            ckpt.save(step, state, {**meta, "data_step": step, "tokens_seen": tokens_seen})
+        if tc.export_every and step % tc.export_every == 0 and step != total:
+            export_head(
+                out / "heads" / f"step_{step:06d}", state, dcfg, vocab, tc, step, tokens_seen
+            )
         if stop_after is not None and step >= stop_after:
             bar.close()
             writer.close()
@@ -298,6 +313,6 @@ def train(
     bar.close()
     writer.close()
     head = out / "head"
-    save_draft(head, jax.device_get(state.params), dcfg, vocab, dtype=tc.export_dtype)
+    export_head(head, state, dcfg, vocab, tc, total, tokens_seen)
     ckpt.close()
     return {"head": str(head), "steps": total, "last_metrics": last, "out_dir": str(out)}
