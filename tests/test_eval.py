@@ -175,3 +175,39 @@ def test_end_to_end_resume_and_refusal(setup, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ") and "max_new_tokens" in err and "another configuration" in err
     assert len(_records(part)) == 9
+
+
+def test_tau_curve_over_exported_heads(setup, tmp_path):
+    """benchmarks/tau_curve.py: one row per exported head, resumable, tau matches the harness."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "tau_curve", Path(__file__).resolve().parents[1] / "benchmarks/tau_curve.py"
+    )
+    tc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tc)
+    target, head, qfile = setup
+    run = tmp_path / "run"
+    for step, tokens, name in [(5, 100, "heads/step_000005"), (9, 180, "head")]:
+        shutil.copytree(head, run / name)
+        (run / name / "training.json").write_text(json.dumps({"step": step, "tokens": tokens}))
+    (run / "heads/not_a_head").mkdir()
+    out = tmp_path / "curve"
+    argv = ["--run", str(run), "--target", str(target), "--bench", str(qfile),
+            "--tree", "2,3,6", "--max-new-tokens", "12", "--out", str(out)]  # fmt: skip
+    assert tc.main(argv) == 0
+    rows = json.loads((out / "curve.json").read_text())
+    assert [(r["step"], r["tokens"]) for r in rows] == [(5, 100), (9, 180)]
+    assert rows[0]["tau"] == rows[1]["tau"] >= 1.0  # the same head twice
+    assert set(rows[0]["tau_by_task"]) == {"mt_bench", "qa"}  # writing is an MT-bench category
+    assert (out / "tau_curve.png").stat().st_size > 0
+    # the harness on the same head and questions gives the same tau
+    assert main(args(setup, tmp_path / "h", "--methods", "eagle3:2,3,6")) == 0
+    summary = json.loads((tmp_path / "h/results.json").read_text())
+    overall = summary["summary"]["by_method"]["eagle3:2,3,6"]["overall"]
+    assert overall["tau"]["mean"] == pytest.approx(rows[0]["tau"])
+    assert overall["acceptance_by_depth"] == rows[0]["acceptance_by_depth"]  # NaN written as null
+    lines = (out / "curve.jsonl").read_text().splitlines()
+    assert tc.main(argv) == 0 and (out / "curve.jsonl").read_text().splitlines() == lines  # resumed

@@ -185,21 +185,22 @@ def record_key(rec: dict) -> tuple[str, str, int]:
     return str(rec["question_id"]), rec["method"], int(rec["seed"])
 
 
-class _Models:
-    """The loaded target and drafts, and one generation call per method."""
+class Models:
+    """The loaded target and drafts ({name: (params, cfg, vocab, embed)}), and one generation call
+    per method."""
 
-    def __init__(self, opts: EvalOptions, drafts: dict[str, str]):
+    def __init__(self, target, drafts: dict[str, tuple]):
+        self.target, self.drafts = target, drafts
+
+    @classmethod
+    def load(cls, opts: EvalOptions, drafts: dict[str, str]) -> Models:
+        """The target of opts and each {name: path} head, checked against it."""
         from eagle3_jax.checkpoints import load_target
-        from eagle3_jax.checkpoints.eagle_format import check_compatible, load_draft
         from eagle3_jax.cli import default_dtype
 
         dtype = default_dtype(opts.dtype)
-        self.target = load_target(opts.target, dtype=dtype)
-        self.drafts = {}
-        for name, path in drafts.items():
-            params, cfg, vocab, embed = load_draft(path, self.target.cfg, dtype=dtype)
-            check_compatible(cfg, vocab, self.target.cfg, embed)
-            self.drafts[name] = (params, cfg, vocab, embed)
+        target = load_target(opts.target, dtype=dtype)
+        return cls(target, {n: load_head(p, target, dtype) for n, p in drafts.items()})
 
     def generate(self, m: MethodSpec, ids, sampling, seed: int, max_new: int):
         """One batch -> (rows of output_ids / finish_reason / target_forwards / accept_hist, wall);
@@ -241,8 +242,18 @@ class _Models:
         return rows, res.wall_time_s
 
 
+def load_head(path, target, dtype=None) -> tuple:
+    """(params, cfg, vocab, embed) of the head at path, checked against the target."""
+    from eagle3_jax.checkpoints.eagle_format import check_compatible, load_draft
+
+    kw = {} if dtype is None else {"dtype": dtype}
+    params, cfg, vocab, embed = load_draft(path, target.cfg, **kw)
+    check_compatible(cfg, vocab, target.cfg, embed)
+    return params, cfg, vocab, embed
+
+
 def run_questions(
-    models: _Models, m: MethodSpec, batch: Sequence[Question], sampling, seed: int, max_new: int
+    models: Models, m: MethodSpec, batch: Sequence[Question], sampling, seed: int, max_new: int
 ) -> list[dict]:
     """Every turn of a batch of questions with one method; turn t+1 is conditioned on the model's
     own answer to turn t (chat template history). Both turns are timed and counted."""
@@ -329,7 +340,7 @@ def run_eval(opts: EvalOptions) -> dict:
         if any((q.id, m.label, s) not in done for m in methods)
     ]
     if pending:
-        models = _Models(opts, drafts)
+        models = Models.load(opts, drafts)
         _run_pending(models, methods, pending, sampling, opts, rec_path, records, done)
     return write_outputs(out, records, questions, methods, seeds, opts)
 
@@ -362,14 +373,14 @@ def _run_pending(models, methods, pending, sampling, opts, rec_path, records, do
                 bar.update(len(batch))
 
 
-def _clean(x):
+def strict_json(x):
     """NaN -> None, recursively, so results.json is strict JSON."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
+        return {k: strict_json(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
+        return [strict_json(v) for v in x]
     return x
 
 
@@ -386,13 +397,13 @@ def write_outputs(out: Path, records, questions, methods, seeds, opts) -> dict:
     mine.sort(key=lambda r: (r["seed"], order[str(r["question_id"])], labels.index(r["method"])))
     tasks = task_order(questions)
     summary = metrics.summarize(mine, labels, tasks, greedy=opts.temperature == 0)
-    summary = _clean(summary)
+    summary = strict_json(summary)
     (out / "results.json").write_text(
         json.dumps(
             {
                 "config": json.loads((out / "config.json").read_text()),
                 "summary": summary,
-                "records": _clean(mine),
+                "records": strict_json(mine),
             },
             indent=1,
         )
