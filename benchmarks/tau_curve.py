@@ -51,7 +51,13 @@ def main(argv=None) -> int:
     from eagle3_jax.decoding.sampling import Sampling
     from eagle3_jax.evaluation import metrics
     from eagle3_jax.evaluation.questions import load_questions
-    from eagle3_jax.evaluation.runner import MethodSpec, Models, strict_json, load_head, run_questions
+    from eagle3_jax.evaluation.runner import (
+        MethodSpec,
+        Models,
+        load_head,
+        run_questions,
+        strict_json,
+    )
 
     run, out = Path(args.run), Path(args.out)
     heads = heads_of(run)
