@@ -52,6 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out", default="runs/eval", help="output directory (resumable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the vanilla runs: tau and acceptance only (no speedup, no exactness)",
+    )
     return p.parse_args(argv)
 
 
@@ -72,6 +77,7 @@ def main(argv=None) -> int:
         batch_size=args.batch_size,
         dtype=args.dtype,
         progress=not args.no_progress,
+        baseline=not args.no_baseline,
     )
     try:
         run_eval(opts)

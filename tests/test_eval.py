@@ -211,3 +211,16 @@ def test_tau_curve_over_exported_heads(setup, tmp_path):
     assert overall["acceptance_by_depth"] == rows[0]["acceptance_by_depth"]  # NaN written as null
     lines = (out / "curve.jsonl").read_text().splitlines()
     assert tc.main(argv) == 0 and (out / "curve.jsonl").read_text().splitlines() == lines  # resumed
+
+
+def test_no_baseline_runs_tau_only(setup, tmp_path, capsys):
+    out = tmp_path / "nb"
+    assert main(args(setup, out, "--methods", "eagle3:2,3,6", "--no-baseline")) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert {r["method"] for r in res["records"]} == {"eagle3:2,3,6"}
+    s = res["summary"]["by_method"]["eagle3:2,3,6"]
+    assert s["overall"]["tau"]["mean"] >= 1.0 and s["overall"]["speedup"]["mean"] is None
+    assert s["exactness"] is None
+    assert "| eagle3:2,3,6 |" in (out / "report.md").read_text()
+    assert main(args(setup, tmp_path / "x", "--methods", "vanilla,pld", "--no-baseline")) == 2
+    assert "drop it from --methods" in capsys.readouterr().err

@@ -54,6 +54,7 @@ class EvalOptions:
     batch_size: int = 1
     dtype: str | None = None
     progress: bool = True
+    baseline: bool = True  # run vanilla too (speedup, exactness); False: tau only
 
 
 def parse_drafts(specs: Sequence[str]) -> dict[str, str]:
@@ -83,15 +84,19 @@ def _parse_tree(text: str, where: str) -> tuple[int, int, int]:
     return k, d, t
 
 
-def parse_methods(text: str | None, drafts: dict[str, str]) -> list[MethodSpec]:
+def parse_methods(
+    text: str | None, drafts: dict[str, str], baseline: bool = True
+) -> list[MethodSpec]:
     """A comma list of `vanilla`, `pld[:k,d,t]`, `eagle3[:k,d,t][@draft]` -> specs, vanilla first
-    (always run: speedup and exactness are measured against it). A bare `eagle3` with several
-    drafts runs each draft."""
+    (run unless baseline is False: speedup and exactness are measured against it). A bare
+    `eagle3` with several drafts runs each draft."""
     if text is None:
         text = "vanilla,pld" + (",eagle3" if drafts else "")
     # commas separate methods, except inside a tree shape ("eagle3:4,4,16,pld")
     joined = [x.strip() for x in re.split(r",(?!\s*\d)", text) if x.strip()]
-    specs = [MethodSpec("vanilla", "vanilla", (1, 1, 1))]
+    if not baseline and "vanilla" in joined:
+        raise Eagle3Error("--no-baseline skips vanilla: drop it from --methods")
+    specs = [MethodSpec("vanilla", "vanilla", (1, 1, 1))] if baseline else []
     for it in joined:
         head, _, name = it.partition("@")
         kind, colon, shape = head.partition(":")
@@ -322,7 +327,9 @@ def run_eval(opts: EvalOptions) -> dict:
     sampling = Sampling(opts.temperature, 0, 1.0)
     questions = load_questions(opts.bench, opts.questions)
     drafts = parse_drafts(opts.drafts)
-    methods = parse_methods(opts.methods, drafts)
+    methods = parse_methods(opts.methods, drafts, opts.baseline)
+    if not methods:
+        raise Eagle3Error("no method to run: --no-baseline needs pld or eagle3 in --methods")
     unused = set(drafts) - {m.draft for m in methods}
     if unused:
         raise Eagle3Error(f"--draft {', '.join(sorted(unused))} is used by no method")
