@@ -131,6 +131,9 @@ def test_online_and_offline_features_give_the_same_losses(tiny_target_dir, tmp_p
     bad = dataclasses.replace(offline, out_dir=str(tmp_path / "bad"), aux_layer_ids=(0, 2, 3))
     with pytest.raises(Eagle3Error, match="not \\[0\\]"):
         train(bad, progress=False)
+    final = dataclasses.replace(bad, aux_layer_ids=(2, 6))  # 6 = the final normed state
+    with pytest.raises(Eagle3Error, match="final NORMED state"):
+        train(final, progress=False)
 
 
 def test_length_buckets_leave_the_loss_unchanged(tiny_target_dir, tmp_path):

@@ -129,8 +129,8 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
     return dataclasses.replace(cfg, **changes)
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
-    """Imports a config file, calls its get_config(), applies overrides and validates."""
+def load_python_config(path: str | Path) -> Any:
+    """Imports a config file and returns what its get_config() returns."""
     path = Path(path)
     if not path.is_file():
         raise Eagle3Error(f"config file {path} does not exist: see configs/ for the shipped ones")
@@ -138,11 +138,16 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-        cfg = module.get_config()
+        return module.get_config()
     except Eagle3Error:
         raise
     except Exception as e:  # a config file is user code: report, do not dump a traceback
         raise Eagle3Error(f"config {path} failed to load: {type(e).__name__}: {e}") from e
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    """Imports a config file, calls its get_config(), applies overrides and validates."""
+    cfg = load_python_config(path)
     if not isinstance(cfg, TrainConfig):
         raise Eagle3Error(f"{path}: get_config() must return a TrainConfig")
     return apply_overrides(cfg, list(overrides)).validate()

@@ -204,6 +204,12 @@ def train(
     ds = prepare_data(tc, target, out)
     vocab = prepare_vocab(tc, ds, tcfg.vocab_size, out)
     aux_ids = tcfg.check_aux_layer_ids(tc.aux_layer_ids or tcfg.default_aux_layer_ids())
+    if tcfg.num_layers in aux_ids:
+        raise Eagle3Error(
+            f"aux layer id {tcfg.num_layers} is the target's final NORMED state, which a head "
+            "cannot be decoded with (check_compatible refuses it): use ids below "
+            f"{tcfg.num_layers}, e.g. {tcfg.num_layers - 1} for the input to the last layer"
+        )
     dcfg = drf.DraftConfig.from_target(
         tcfg, draft_vocab_size=vocab.draft_size, aux_layer_ids=aux_ids
     )

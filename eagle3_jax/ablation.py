@@ -1,0 +1,296 @@
+"""Ablation grids: many heads trained from ONE set of precomputed target features, each evaluated on
+the same questions, summarised in one table.
+
+An `AblationConfig` (a Python config file, see configs/ablate_*.py) holds a base `TrainConfig` and
+named cells, each a dict of TrainConfig overrides (aux_layer_ids, ttt_steps, feature_loss_weight,
+draft_vocab_size, ...). `run_ablation`:
+  1. builds the dataset once (OUT/shared) and precomputes the target's features once (OUT/features)
+     for the union of every cell's aux layers (plus the final hidden state);
+  2. trains each cell in OUT/cells/NAME with the same data, data order, seed and step budget
+     (offline features; resumes a cell interrupted mid-run, skips a finished one);
+  3. evaluates each head with the harness (tau only, no vanilla) on the same questions and tree;
+  4. writes OUT/results.json, OUT/report.md, OUT/tau_per_cell.png and OUT/acc_by_ttt_step.png.
+Every stage is resumable: rerunning the same command continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.training.config import TrainConfig, load_python_config
+
+CELL_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {
+    "out_dir",
+    "features",
+    "features_dir",
+    "feature_layers",
+    "target",
+    "data",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One grid cell: a name (a directory) and TrainConfig overrides."""
+
+    name: str
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class AblationConfig:
+    base: TrainConfig
+    cells: tuple[Cell, ...]
+    out_dir: str = "runs/ablate"
+    bench: str = "mt_bench"  # spec_bench | mt_bench | gsm8k | a question file
+    questions: int | None = 2  # per task
+    max_new_tokens: int = 128
+    tree: tuple[int, int, int] = (1, 4, 5)  # top_k, depth, total_tokens of the evaluation
+    dtype: str | None = None
+
+    def validate(self) -> AblationConfig:
+        if not self.cells:
+            raise Eagle3Error("the ablation has no cells: list at least one Cell")
+        names = [c.name for c in self.cells]
+        if len(set(names)) != len(names):
+            raise Eagle3Error(f"cell names repeat: {', '.join(names)}")
+        for c in self.cells:
+            if not c.name or "/" in c.name or c.name.startswith("."):
+                raise Eagle3Error(f"cell name {c.name!r} is not a plain directory name")
+            bad = sorted(set(c.overrides) - CELL_FIELDS)
+            if bad:
+                raise Eagle3Error(
+                    f"cell {c.name!r} overrides {', '.join(bad)}: a cell may change training "
+                    "fields only (data, target and features are shared by the whole grid)"
+                )
+        self.base.validate()
+        return self
+
+
+def vary(field: str, values, base: dict[str, Any] | None = None, fmt=None) -> list[Cell]:
+    """One cell per value of one field (on top of `base` overrides), named `field=value`."""
+    fmt = fmt or (lambda v: ",".join(map(str, v)) if isinstance(v, tuple | list) else str(v))
+    return [Cell(f"{field}={fmt(v)}", {**(base or {}), field: v}) for v in values]
+
+
+def load_ablation(path: str | Path) -> AblationConfig:
+    cfg = load_python_config(path)
+    if not isinstance(cfg, AblationConfig):
+        raise Eagle3Error(f"{path}: get_config() must return an AblationConfig")
+    return cfg.validate()
+
+
+def cell_config(ac: AblationConfig, cell: Cell, out: Path, tcfg) -> TrainConfig:
+    """The TrainConfig of one cell: base + overrides, offline features from the shared store."""
+    tc = dataclasses.replace(
+        ac.base,
+        **cell.overrides,
+        out_dir=str(out / "cells" / cell.name),
+        features="offline",
+        features_dir=str(out / "features"),
+        feature_layers=feature_layers(ac, tcfg),
+    )
+    return tc.validate()
+
+
+def aux_ids_of(tc: TrainConfig, tcfg) -> tuple[int, ...]:
+    return tcfg.check_aux_layer_ids(tc.aux_layer_ids or tcfg.default_aux_layer_ids())
+
+
+def feature_layers(ac: AblationConfig, tcfg) -> tuple[int, ...]:
+    """Sorted union of every cell's aux layers (what the shared feature store must hold)."""
+    ids = set()
+    for c in ac.cells:
+        ids |= set(aux_ids_of(dataclasses.replace(ac.base, **c.overrides), tcfg))
+    return tuple(sorted(ids))
+
+
+def _last_metrics(run: Path) -> dict:
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1]) if lines else {}
+
+
+def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bool = True) -> dict:
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.evaluation.runner import EvalOptions, run_eval
+    from eagle3_jax.training.loop import precompute_features, train
+
+    ac = ac.validate()
+    cells = [c for c in ac.cells if only is None or c.name in only]
+    if only is not None and len(cells) != len(set(only)):
+        missing = sorted(set(only) - {c.name for c in ac.cells})
+        raise Eagle3Error(f"no cell named {', '.join(missing)} in this grid")
+    out = Path(ac.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tcfg = load_target(ac.base.target).cfg
+    layers = feature_layers(ac, tcfg)
+
+    # 1. data and features, once
+    shared = dataclasses.replace(
+        ac.base,
+        out_dir=str(out / "shared"),
+        features="offline",
+        features_dir=str(out / "features"),
+        feature_layers=layers,
+    )
+    feats_meta = out / "features" / "features.json"
+    if feats_meta.exists() and not set(layers) <= set(json.loads(feats_meta.read_text())["layers"]):
+        raise Eagle3Error(
+            f"{out / 'features'} lacks layers {sorted(set(layers) - set(json.loads(feats_meta.read_text())['layers']))} "
+            "that the grid now needs: delete it to precompute again, or use another out_dir"
+        )
+    t0 = time.perf_counter()
+    precompute_features(shared, progress=progress)
+    print(f"features ready ({time.perf_counter() - t0:.0f}s): layers {list(layers)}", file=sys.stderr)
+
+    # 2 + 3. each cell: train (resumable), then evaluate (resumable)
+    rows = []
+    for cell in cells:
+        tc = cell_config(ac, cell, out, tcfg)
+        cdir = Path(tc.out_dir)
+        cdir.mkdir(parents=True, exist_ok=True)
+        if not (cdir / "dataset.npz").exists():
+            shutil.copyfile(out / "shared" / "dataset.npz", cdir / "dataset.npz")
+        state_path = cdir / "cell.json"
+        state = json.loads(state_path.read_text()) if state_path.exists() else {"train_wall_s": 0.0}
+        if not (cdir / "head" / "config.json").exists():
+            print(f"[{cell.name}] training {cell.overrides}", file=sys.stderr)
+            t0 = time.perf_counter()
+            resume = (cdir / "checkpoints").exists() and any((cdir / "checkpoints").iterdir())
+            train(tc, resume=resume, progress=progress)
+            state["train_wall_s"] += time.perf_counter() - t0
+            state_path.write_text(json.dumps(state) + "\n")
+        print(f"[{cell.name}] evaluating", file=sys.stderr)
+        k, d, n = ac.tree
+        summary = run_eval(
+            EvalOptions(
+                out=cdir / "eval",
+                target=ac.base.target,
+                drafts=(f"head={cdir / 'head'}",),
+                methods=f"eagle3:{k},{d},{n}",
+                bench=ac.bench,
+                questions=ac.questions,
+                max_new_tokens=ac.max_new_tokens,
+                dtype=ac.dtype,
+                progress=progress,
+                baseline=False,
+            )
+        )
+        rows.append(cell_row(cell, tc, cdir, summary, state["train_wall_s"], tcfg))
+    result = {
+        "config": {
+            "bench": ac.bench,
+            "questions": ac.questions,
+            "max_new_tokens": ac.max_new_tokens,
+            "tree": list(ac.tree),
+            "feature_layers": list(layers),
+            "base": json.loads(json.dumps(dataclasses.asdict(ac.base))),
+        },
+        "cells": rows,
+    }
+    write_outputs(out, result)
+    return result
+
+
+def cell_row(cell: Cell, tc: TrainConfig, cdir: Path, summary: dict, wall: float, tcfg) -> dict:
+    from eagle3_jax.checkpoints.eagle_format import load_draft
+
+    label = summary["methods"][0]
+    s = summary["by_method"][label]
+    last = _last_metrics(cdir)
+    params, dcfg, _, _ = load_draft(cdir / "head", tcfg)
+    return {
+        "cell": cell.name,
+        "overrides": json.loads(json.dumps(cell.overrides)),
+        "aux_layer_ids": list(dcfg.aux_layer_ids),
+        "fc_input_width": int(params["fc"].shape[0]),
+        "ttt_steps": tc.ttt_steps,
+        "feature_loss_weight": tc.feature_loss_weight,
+        "draft_vocab_size": dcfg.draft_vocab_size,
+        "tau": s["overall"]["tau"]["mean"],
+        "tau_by_task": {t: g["tau"]["mean"] for t, g in s["tasks"].items()},
+        "acceptance_by_depth": s["overall"]["acceptance_by_depth"],
+        "final_acc": [last.get(f"acc_{i}") for i in range(tc.ttt_steps)],
+        "final_loss": last.get("loss"),
+        "steps": last.get("step"),
+        "tokens": last.get("tokens"),
+        "train_wall_s": wall,
+    }
+
+
+def _f(x, digits=2):
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def report_markdown(result: dict) -> str:
+    cfg, rows = result["config"], result["cells"]
+    tasks = list(dict.fromkeys(t for r in rows for t in r["tau_by_task"]))
+    steps = max((len(r["final_acc"]) for r in rows), default=0)
+    lines = [
+        "# Ablation",
+        "",
+        f"Every cell trained from the same precomputed features (layers {cfg['feature_layers']}), "
+        f"data order and step budget; evaluated greedily on `{cfg['bench']}` "
+        f"({cfg['questions']} questions per task, {cfg['max_new_tokens']} new tokens per turn, "
+        f"tree top_k,depth,total = {','.join(map(str, cfg['tree']))}). τ = tokens per target "
+        "forward; acc_i = training accuracy of TTT step i at the last logged step.",
+        "",
+        "| cell | aux layers | fc in | TTT | feat. loss | Vd | "
+        + " | ".join(f"τ {t}" for t in tasks)
+        + " | τ | "
+        + " | ".join(f"acc_{i}" for i in range(steps))
+        + " | train s |",
+        "|" + " --- |" * (8 + len(tasks) + steps),
+    ]
+    for r in rows:
+        accs = [_f(a) for a in r["final_acc"]] + [""] * (steps - len(r["final_acc"]))
+        lines.append(
+            f"| {r['cell']} | {','.join(map(str, r['aux_layer_ids']))} | {r['fc_input_width']} | "
+            f"{r['ttt_steps']} | {r['feature_loss_weight']:g} | {r['draft_vocab_size']} | "
+            + " | ".join(_f(r["tau_by_task"].get(t)) for t in tasks)
+            + f" | {_f(r['tau'])} | "
+            + " | ".join(accs)
+            + f" | {r['train_wall_s']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eagle3_jax.evaluation.runner import strict_json
+
+    (out / "results.json").write_text(json.dumps(strict_json(result), indent=1) + "\n")
+    (out / "report.md").write_text(report_markdown(result))
+    rows = result["cells"]
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows) + 2), 4))
+    ax.bar(range(len(rows)), [r["tau"] or 0 for r in rows])
+    ax.set_xticks(range(len(rows)), [r["cell"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("τ (tokens per target forward)")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "tau_per_cell.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        acc = [a for a in r["final_acc"] if a is not None]
+        ax.plot(range(len(acc)), acc, "o-", label=r["cell"])
+    ax.set_xlabel("TTT step i")
+    ax.set_ylabel("training acc_i (last logged step)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "acc_by_ttt_step.png", dpi=120)
+    plt.close(fig)

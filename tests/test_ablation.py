@@ -1,0 +1,95 @@
+"""python -m eagle3_jax.ablate: a two-cell grid on the tiny target, end to end and resumed."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3_jax.ablate import main
+from eagle3_jax.ablation import AblationConfig, Cell, vary
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.training.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _data(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    recs = []
+    for i in range(12):
+        q = " ".join(f"w{x}" for x in rng.integers(3, 97, 6))
+        a = " ".join(f"w{x}" for x in rng.integers(3, 97, 14))
+        recs.append(
+            {"id": f"c{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+        )
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(recs))
+    qs = tmp_path / "q.jsonl"
+    qs.write_text(
+        "\n".join(
+            json.dumps({"question_id": i, "category": c, "turns": [t]})
+            for i, (c, t) in enumerate([("qa", "w5 w6 w7 w8"), ("writing", "w40 w41 w12 w9")])
+        )
+    )
+    return data, qs
+
+
+def test_two_cell_grid_end_to_end_and_resume(tiny_target_dir, tmp_path, capsys):
+    data, qs = _data(tmp_path)
+    out = tmp_path / "grid"
+    argv = ["--config", str(ROOT / "configs/ablate_tiny.py"), "--out", str(out),
+            "--bench", str(qs), "--no-progress",
+            f"--config.target={tiny_target_dir}", f"--config.data={data}",
+            "--config.max_steps=6"]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads((out / "results.json").read_text())
+    rows = {r["cell"]: r for r in res["cells"]}
+    assert list(rows) == ["default", "top_layer_only"]
+    # the two cells really trained heads with different fc input widths (3 layers vs 1)
+    assert rows["default"]["aux_layer_ids"] == [2, 3, 3]
+    assert rows["default"]["fc_input_width"] == 3 * rows["top_layer_only"]["fc_input_width"]
+    assert rows["top_layer_only"]["aux_layer_ids"] == [5]
+    assert res["config"]["feature_layers"] == [2, 3, 5]
+    for r in rows.values():
+        assert r["tau"] >= 1.0 and set(r["tau_by_task"]) == {"qa", "mt_bench"}
+        assert r["steps"] == 6 and r["train_wall_s"] > 0
+        assert len(r["final_acc"]) == r["ttt_steps"] and all(0 <= a <= 1 for a in r["final_acc"])
+    assert len(rows["default"]["final_acc"]) == 3 and len(rows["top_layer_only"]["final_acc"]) == 2
+    report = (out / "report.md").read_text()
+    assert "| default | 2,3,3 |" in report and "| top_layer_only | 5 |" in report
+    assert "acc_2" in report and (out / "tau_per_cell.png").is_file()
+    assert (out / "acc_by_ttt_step.png").is_file()
+    # features are computed once, in one shared store; both cells read it
+    feats = json.loads((out / "features/features.json").read_text())
+    assert feats["layers"] == [2, 3, 5]
+    for name in rows:
+        cfg = json.loads((out / "cells" / name / "train_config.json").read_text())
+        assert cfg["features"] == "offline" and cfg["features_dir"] == str(out / "features")
+    # rerun: nothing retrained or re-evaluated, same table
+    stamp = {n: (out / "cells" / n / "head/model.safetensors").stat().st_mtime_ns for n in rows}
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert json.loads((out / "results.json").read_text())["cells"] == res["cells"]
+    assert stamp == {
+        n: (out / "cells" / n / "head/model.safetensors").stat().st_mtime_ns for n in rows
+    }
+    assert "training" not in capsys.readouterr().err
+
+
+def test_bad_grids_are_refused(tiny_target_dir, tmp_path):
+    base = TrainConfig(data="x")
+    with pytest.raises(Eagle3Error, match="no cells"):
+        AblationConfig(base, ()).validate()
+    with pytest.raises(Eagle3Error, match="repeat"):
+        AblationConfig(base, (Cell("a"), Cell("a"))).validate()
+    with pytest.raises(Eagle3Error, match="features_dir"):
+        AblationConfig(base, (Cell("a", {"features_dir": "y"}),)).validate()
+    cells = vary("ttt_steps", [1, 3, 7])
+    assert [c.name for c in cells] == ["ttt_steps=1", "ttt_steps=3", "ttt_steps=7"]
+    assert vary("aux_layer_ids", [(1, 2)])[0].name == "aux_layer_ids=1,2"
+    data, qs = _data(tmp_path)
+    argv = ["--config", str(ROOT / "configs/ablate_tiny.py"), "--out", str(tmp_path / "g"),
+            f"--config.target={tiny_target_dir}", f"--config.data={data}", "--cells", "nope"]  # fmt: skip
+    assert main(argv) == 2
