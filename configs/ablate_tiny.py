@@ -18,7 +18,9 @@ def get_config() -> AblationConfig:
         base=base,
         cells=(
             Cell("default"),  # the target's (2, L//2, L-3)
-            Cell("top_layer_only", {"aux_layer_ids": (5,), "ttt_steps": 2}),  # input to the last layer
+            Cell(
+                "top_layer_only", {"aux_layer_ids": (5,), "ttt_steps": 2}
+            ),  # input to the last layer
         ),
         out_dir="runs/ablate_tiny",
         bench="mt_bench",

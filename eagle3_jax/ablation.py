@@ -143,14 +143,18 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
         feature_layers=layers,
     )
     feats_meta = out / "features" / "features.json"
-    if feats_meta.exists() and not set(layers) <= set(json.loads(feats_meta.read_text())["layers"]):
-        raise Eagle3Error(
-            f"{out / 'features'} lacks layers {sorted(set(layers) - set(json.loads(feats_meta.read_text())['layers']))} "
-            "that the grid now needs: delete it to precompute again, or use another out_dir"
-        )
+    if feats_meta.exists():
+        lacking = sorted(set(layers) - set(json.loads(feats_meta.read_text())["layers"]))
+        if lacking:
+            raise Eagle3Error(
+                f"{out / 'features'} lacks layers {lacking} that the grid now needs: delete "
+                "it to precompute again, or use another out_dir"
+            )
     t0 = time.perf_counter()
     precompute_features(shared, progress=progress)
-    print(f"features ready ({time.perf_counter() - t0:.0f}s): layers {list(layers)}", file=sys.stderr)
+    print(
+        f"features ready ({time.perf_counter() - t0:.0f}s): layers {list(layers)}", file=sys.stderr
+    )
 
     # 2 + 3. each cell: train (resumable), then evaluate (resumable)
     rows = []

@@ -22,7 +22,10 @@ def _data(tmp_path):
         q = " ".join(f"w{x}" for x in rng.integers(3, 97, 6))
         a = " ".join(f"w{x}" for x in rng.integers(3, 97, 14))
         recs.append(
-            {"id": f"c{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+            {
+                "id": f"c{i}",
+                "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}],
+            }
         )
     data = tmp_path / "data.json"
     data.write_text(json.dumps(recs))
