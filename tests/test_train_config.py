@@ -7,7 +7,9 @@ import pytest
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.training.config import TrainConfig, load_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.py"))
+ALL = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.py"))
+CONFIGS = [p for p in ALL if not p.stem.startswith("ablate_")]
+GRIDS = [p for p in ALL if p.stem.startswith("ablate_")]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -15,6 +17,15 @@ def test_every_config_loads(path):
     cfg = load_config(path)
     assert isinstance(cfg, TrainConfig)
     assert "python train.py" in path.read_text()  # the launch command lives in the docstring
+
+
+@pytest.mark.parametrize("path", GRIDS, ids=[p.stem for p in GRIDS])
+def test_every_ablation_grid_loads(path):
+    from eagle3_jax.ablation import AblationConfig, load_ablation
+
+    grid = load_ablation(path)
+    assert isinstance(grid, AblationConfig) and len(grid.cells) >= 2
+    assert "python -m eagle3_jax.ablate" in path.read_text()
 
 
 def test_overrides_use_field_types():

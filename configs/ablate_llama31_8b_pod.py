@@ -1,0 +1,47 @@
+"""The fusion / TTT / feature-loss grid for Llama-3.1-8B-Instruct on an 8-chip host (or a pod):
+the same cells as configs/ablate_smollm2.py, on the paper's recipe (configs/llama31_8b.py, mesh
+2 data x 4 model, bf16).
+
+  python -m eagle3_jax.ablate --config configs/ablate_llama31_8b_pod.py \
+      --config.target=/ckpt/Llama-3.1-8B-Instruct --config.data=/data/sharegpt_ultrachat.jsonl
+
+Features for the union of the cells' layers are precomputed once (float32 .npy memory maps:
+plan 4 bytes x 4096 x tokens per layer; 13 layers x 20M tokens is ~4 TB, so size num_conversations
+to the disk). Multi-host: run the same command on every host.
+"""
+
+import dataclasses
+from pathlib import Path
+
+from eagle3_jax.ablation import AblationConfig, Cell
+from eagle3_jax.training.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def get_config() -> AblationConfig:
+    base = dataclasses.replace(
+        load_config(ROOT / "configs/llama31_8b.py"),
+        num_conversations=20000,
+        epochs=2,
+        length_bucket=256,
+        save_every=500,
+    )
+    return AblationConfig(
+        base=base,
+        cells=(
+            Cell("default"),  # (2, 16, 29) of 32
+            Cell("top_layer_only", {"aux_layer_ids": (31,)}),
+            Cell("four_layers", {"aux_layer_ids": (2, 11, 21, 29)}),
+            Cell("all_low", {"aux_layer_ids": (1, 2, 3)}),
+            Cell("all_high", {"aux_layer_ids": (28, 29, 30)}),
+            Cell("ttt_1", {"ttt_steps": 1}),
+            Cell("ttt_3", {"ttt_steps": 3}),
+            Cell("feature_loss", {"feature_loss_weight": 1.0}),
+        ),
+        out_dir="runs/ablate_llama31_8b",
+        bench="spec_bench",
+        questions=10,
+        max_new_tokens=512,
+        tree=(10, 7, 60),
+    )
