@@ -56,6 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--total-tokens", type=int, default=16, help="tree nodes verified per round, root included"
     )
     p.add_argument(
+        "--spec-candidates",
+        type=int,
+        default=None,
+        help="SpecVocab heads: exact-logit candidates per drafted row (default: the head's, 2048)",
+    )
+    p.add_argument(
         "--same-engine",
         action="store_true",
         help="run vanilla through the speculative engine's verification step",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -53,8 +54,6 @@ def resolve_method(args) -> None:
 
 def load_draft_for(args, target):
     """--draft PATH -> (params, cfg, vocab, embed), checked against the target before any compute."""
-    from eagle3_jax.checkpoints.eagle_format import check_compatible, load_draft
-
     if args.method != "eagle3":
         return None, None, None, None
     if not args.draft:
@@ -62,8 +61,13 @@ def load_draft_for(args, target):
             "--method eagle3 needs --draft PATH (an EAGLE-3 head: config.json + "
             "model.safetensors), or use --method vanilla / pld"
         )
-    params, cfg, vocab, embed = load_draft(args.draft, target.cfg, dtype=default_dtype(args.dtype))
-    check_compatible(cfg, vocab, target.cfg, embed)
+    from eagle3_jax.evaluation.runner import load_head
+
+    params, cfg, vocab, embed = load_head(args.draft, target, default_dtype(args.dtype))
+    if getattr(args, "spec_candidates", None):
+        if not cfg.speculator_rank:
+            raise Eagle3Error("--spec-candidates applies to SpecVocab heads only")
+        cfg = dataclasses.replace(cfg, spec_candidates=args.spec_candidates)
     return params, cfg, vocab, embed
 
 

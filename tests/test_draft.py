@@ -490,3 +490,91 @@ def test_output_init_from_target_reproduces_target_logits_on_the_draft_vocab(tie
     small = dataclasses.replace(dcfg, hidden_size=HT // 2)
     with pytest.raises(Eagle3Error, match="hidden sizes differ"):
         dr.init_output_from_target(params, tparams, tcfg, voc, small)
+
+
+# ----------------------------------------------------------------------------- output layers
+
+
+def _target_head_setup(rank=0, candidates=2048):
+    """A head of TARGET reading the target's output embedding (tied), SpecVocab when rank > 0."""
+    from eagle3_jax.models import target as tg
+
+    tcfg = dataclasses.replace(TARGET, tie_word_embeddings=True)
+    tparams = tg.init_params(tcfg, jax.random.PRNGKey(0))
+    kw = dict(lm_head_source="target", speculator_rank=rank)
+    if rank:
+        kw["spec_candidates"] = candidates
+    dcfg = dr.DraftConfig.from_target(tcfg, **kw)
+    params = dr.init_params(dcfg, jax.random.PRNGKey(1), scale=0.3)
+    return tcfg, tparams, dcfg, dr.attach_target_head(params, dcfg, tparams, tcfg)
+
+
+def test_target_lm_head_reads_the_target_output_embedding():
+    from eagle3_jax.models import target as tg
+    from eagle3_jax.models.layers import rms_norm
+
+    tcfg, tparams, dcfg, params = _target_head_setup()
+    assert "lm_head" not in params and params["out_embed"] is tparams["embed"]  # shared, no copy
+    h = jax.random.normal(jax.random.PRNGKey(2), (2, 3, HT))
+    want = tg.lm_head(tparams, rms_norm(h, params["final_norm"], dcfg.rms_norm_eps), tcfg)
+    np.testing.assert_allclose(dr.head_logits(params, h, dcfg), want, rtol=1e-5, atol=1e-5)
+    bare = {k: v for k, v in params.items() if k != "out_embed"}
+    with pytest.raises(Eagle3Error, match="attach it first"):
+        dr.head_logits(bare, h, dcfg)
+
+
+@pytest.mark.parametrize("k_cand", [V, 16])
+def test_specvocab_topk_is_the_exact_topk_among_the_speculator_candidates(k_cand):
+    from eagle3_jax.models.layers import rms_norm
+
+    tcfg, tparams, dcfg, params = _target_head_setup(rank=HT // 8, candidates=k_cand)
+    assert params["spec_a"].shape == (HT, HT // 8) and params["spec_b"].shape == (HT // 8, V)
+    h = jax.random.normal(jax.random.PRNGKey(3), (2, 3, HT))
+    score, ids = dr.draft_topk(params, h, dcfg, vocab_lib.identity(V), 4)
+    # reference in numpy: candidates = top-K of (h A) B, then log-softmax of exact logits over them
+    normed = np.asarray(rms_norm(h, params["final_norm"], dcfg.rms_norm_eps), np.float64)
+    approx = normed @ np.asarray(params["spec_a"]) @ np.asarray(params["spec_b"])
+    exact = normed @ np.asarray(tparams["embed"], np.float64).T  # [2, 3, V]
+    for idx in np.ndindex(2, 3):
+        cand = np.argsort(-approx[idx], kind="stable")[:k_cand]
+        z = exact[idx][cand]
+        lp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+        top = np.argsort(-lp, kind="stable")[:4]
+        assert ids[idx].tolist() == cand[top].tolist()
+        np.testing.assert_allclose(score[idx], lp[top], rtol=1e-4, atol=1e-4)
+    if k_cand == V:  # every token a candidate: the full-vocabulary head's choice
+        full = jax.lax.top_k(jax.nn.log_softmax(dr.head_logits(params, h, dcfg)), 4)
+        assert (np.asarray(full[1]) == np.asarray(ids)).all()
+
+
+def test_target_and_specvocab_heads_round_trip(tmp_path):
+    for rank in (0, HT // 8):
+        tcfg, tparams, dcfg, params = _target_head_setup(rank=rank, candidates=32)
+        d = tmp_path / f"r{rank}"
+        ef.save_draft(d, params, dcfg, vocab_lib.identity(V), dtype="float32")
+        hf = json.loads((d / "config.json").read_text())
+        names = set(read_safetensors(d / "model.safetensors"))
+        assert "lm_head.weight" not in names
+        assert ("speculator.up_proj.weight" in names) == bool(rank)
+        ext = hf["eagle3_jax"]
+        assert ext["lm_head_source"] == "target" and ext.get("speculator_rank", 0) == rank
+        p2, c2, v2, _ = ef.load_draft(d, tcfg)
+        assert c2 == dcfg and v2.is_identity and "out_embed" not in p2
+        bare = {k: v for k, v in params.items() if k != "out_embed"}
+        jax.tree.map(np.testing.assert_array_equal, p2, bare)
+    # a plain head's config.json carries no extension block (it stays the official format)
+    plain_cfg = dr.DraftConfig.from_target(TARGET, draft_vocab_size=VD)
+    assert "eagle3_jax" not in ef.draft_config_to_hf(plain_cfg)
+
+
+def test_output_layer_configs_are_validated():
+    with pytest.raises(Eagle3Error, match="full vocabulary"):
+        dr.DraftConfig.from_target(TARGET, lm_head_source="target", draft_vocab_size=VD)
+    with pytest.raises(Eagle3Error, match="SpecVocab needs"):
+        dr.DraftConfig.from_target(TARGET, speculator_rank=4)
+    with pytest.raises(Eagle3Error, match="spec_candidates"):
+        dr.DraftConfig.from_target(
+            TARGET, lm_head_source="target", speculator_rank=4, spec_candidates=V + 1
+        )
+    with pytest.raises(Eagle3Error, match="own or target"):
+        dr.DraftConfig.from_target(TARGET, lm_head_source="tied")

@@ -267,3 +267,27 @@ def test_sharded_target_gives_the_same_tokens(setup, hf_checkpoint):
     ref = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=())
     out = spec.generate(sharded, cfg, dsharded, dcfg, vocab, prompts, 24, TREE, eos_ids=())
     assert out.output_ids == ref.output_ids
+
+
+@pytest.mark.parametrize("rank", [0, 4], ids=["target-lm-head", "specvocab"])
+def test_heads_reading_the_target_output_embedding_are_exact(setup, rank):
+    """Full-vocabulary heads on the target's output embedding, and SpecVocab (candidates from the
+    speculator, exact logits among them): greedy output == plain decoding, chain and tree."""
+    from eagle3_jax.vocab import identity
+
+    params, cfg, *_ = setup
+    kw = dict(lm_head_source="target", speculator_rank=rank)
+    if rank:
+        kw["spec_candidates"] = 12
+    dcfg = drf.DraftConfig.from_target(cfg, **kw)
+    dparams = drf.init_params(dcfg, jax.random.PRNGKey(5), scale=0.2)
+    with pytest.raises(Exception, match="output embedding"):
+        spec.generate(params, cfg, dparams, dcfg, identity(cfg.vocab_size), [[5, 6]], 4, CHAIN)
+    dparams = drf.attach_target_head(dparams, dcfg, params, cfg)
+    prompts = _prompts(cfg.vocab_size, [5, 12, 9], seed=11)
+    ref = plain.generate(params, cfg, prompts, 30, eos_ids=())
+    for tree in (CHAIN, TREE):
+        out = spec.generate(
+            params, cfg, dparams, dcfg, identity(cfg.vocab_size), prompts, 30, tree, eos_ids=()
+        )
+        assert out.output_ids == ref.output_ids

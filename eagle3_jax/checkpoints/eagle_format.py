@@ -48,16 +48,26 @@ _KEYS = {
     "midlayer.post_attention_layernorm.weight": ("layer.post_attn_norm", False),
     "norm.weight": ("final_norm", False),
     "lm_head.weight": ("lm_head", True),
+    # SpecVocab's speculator (our extension; heads without one never have these)
+    "speculator.down_proj.weight": ("spec_a", True),
+    "speculator.up_proj.weight": ("spec_b", True),
 }
 _EMBED = "embed_tokens.weight"
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+
+
+def _keys(cfg: dr.DraftConfig) -> dict[str, tuple[str, bool]]:
+    """The _KEYS a head with this config has (no lm_head when it reads the target's, no
+    speculator unless SpecVocab)."""
+    flat = dr._flat_specs(cfg)
+    return {name: v for name, v in _KEYS.items() if v[0] in flat}
 
 
 def official_shapes(cfg: dr.DraftConfig) -> dict[str, tuple[int, ...]]:
     """The PyTorch tensor shapes of a head with this config (d2t/t2d only when Vd < V)."""
     flat = dr._flat_specs(cfg)
     out = {}
-    for name, (ours, transpose) in _KEYS.items():
+    for name, (ours, transpose) in _keys(cfg).items():
         shape = flat[ours].shape
         out[name] = tuple(reversed(shape)) if transpose else shape
     if cfg.draft_vocab_size != cfg.vocab_size:
@@ -155,7 +165,20 @@ def draft_config_from_hf(
         target_hidden_size=int(hf.get("target_hidden_size") or hidden),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' LlamaConfig default
         rope=_rope_from_hf(hf),
+        **_output_from_hf(hf),
     )
+
+
+_OUTPUT_FIELDS = ("lm_head_source", "speculator_rank", "spec_candidates")
+
+
+def _output_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """Our output-layer extension (config.json "eagle3_jax" block); absent in official heads."""
+    ext = hf.get("eagle3_jax") or {}
+    bad = sorted(set(ext) - set(_OUTPUT_FIELDS))
+    if bad:
+        raise Eagle3Error(f"draft config.json eagle3_jax block has unknown keys {bad}")
+    return dict(ext)
 
 
 def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
@@ -202,7 +225,17 @@ def draft_config_to_hf(cfg: dr.DraftConfig, torch_dtype: str = "bfloat16") -> di
             "eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
             "use_aux_hidden_state": True,
         },
+        **_output_to_hf(cfg),
     }
+
+
+def _output_to_hf(cfg: dr.DraftConfig) -> dict[str, Any]:
+    """Non-default output layers only: a plain EAGLE-3 head's config.json stays official."""
+    default = dr.DraftConfig.__dataclass_fields__
+    ext = {f: getattr(cfg, f) for f in _OUTPUT_FIELDS if getattr(cfg, f) != default[f].default}
+    if cfg.speculator_rank:
+        ext["spec_candidates"] = cfg.spec_candidates
+    return {"eagle3_jax": ext} if ext else {}
 
 
 # ----------------------------------------------------------------------------- load
@@ -344,7 +377,7 @@ def load_draft(
     vocab = _vocab_from_tensors(tensors, cfg, where)
     shardings = None if mesh is None else dr.param_shardings(cfg, mesh)
     params: dr.Params = {"layer": {}}
-    for name, (ours, transpose) in _KEYS.items():
+    for name, (ours, transpose) in _keys(cfg).items():
         arr = tensors[name].T if transpose else tensors[name]
         if ours.startswith("layer."):
             key = ours.split(".", 1)[1]
@@ -441,7 +474,7 @@ def save_draft(
     flat = {k: v for k, v in params.items() if k != "layer"}
     flat.update({f"layer.{k}": v for k, v in params["layer"].items()})
     tensors = {}
-    for name, (ours, transpose) in _KEYS.items():
+    for name, (ours, transpose) in _keys(cfg).items():
         a = np.asarray(jax.device_get(flat[ours]))
         tensors[name] = (a.T if transpose else a).astype(np_dtype)
     if cfg.draft_vocab_size != cfg.vocab_size:

@@ -247,17 +247,16 @@ def eagle3_drafter(
         dcfg,
         state.dcache,
         start,
+        compute_logits=False,
         target_features=True,
     )
     rows = jnp.arange(b)
     last = state.enc_n - 1
     h0 = out.hidden[rows, last]
-    lp0 = jax.nn.log_softmax(out.logits[rows, last].astype(jnp.float32), axis=-1)
-    score, ids = jax.lax.top_k(lp0, k)  # [B, k]
-    to_target = lambda d: drf.draft_to_target_ids(d, vocab)  # noqa: E731
-    pool_tok, pool_par, pool_score = [to_target(ids)], [jnp.full((b, k), -1, jnp.int32)], [score]
+    score, tok = drf.draft_topk(dparams, h0, dcfg, vocab, k)  # [B, k] log-probs, target ids
+    pool_tok, pool_par, pool_score = [tok], [jnp.full((b, k), -1, jnp.int32)], [score]
     exp_idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
-    exp_tok, exp_score = to_target(ids), score
+    exp_tok, exp_score = tok, score
     exp_h = jnp.broadcast_to(h0[:, None, :], (b, k, h0.shape[-1]))
     exp_anc = jnp.zeros((b, k, tree.tree_slots), bool)
     dcache = out.cache
@@ -277,13 +276,13 @@ def eagle3_drafter(
             dcfg,
             dcache,
             jnp.full((b,), s + (lvl - 2) * k, jnp.int32),
+            compute_logits=False,
             target_features=False,
         )
         dcache = o.cache
-        lp = jax.nn.log_softmax(o.logits.astype(jnp.float32), axis=-1)
-        cs, ci = jax.lax.top_k(lp, k)  # [B, k, k]
+        cs, ct = drf.draft_topk(dparams, o.hidden, dcfg, vocab, k)  # [B, k, k]
         cum = (exp_score[:, :, None] + cs).reshape(b, k * k)
-        child_tok = to_target(ci).reshape(b, k * k)
+        child_tok = ct.reshape(b, k * k)
         pool_tok.append(child_tok)
         pool_par.append(jnp.repeat(exp_idx, k, axis=1))
         pool_score.append(cum)
@@ -495,7 +494,15 @@ def _method_setup(method, dparams, dcfg, vocab, tree: TreeConfig):
         raise Eagle3Error("method eagle3 needs a draft head: pass --draft PATH")
     if method != "eagle3" and not callable(method):
         dparams = dcfg = vocab = None
-    tree = method_tree(method, tree, None if dcfg is None else dcfg.draft_vocab_size)
+    choices = None
+    if dcfg is not None:  # SpecVocab drafts among its per-row candidates only
+        choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
+        if dcfg.uses_target_head and "out_embed" not in dparams:
+            raise Eagle3Error(
+                "this head reads the target's output embedding: load it with "
+                "evaluation.runner.load_head / cli.load_draft_for, which attach it"
+            )
+    tree = method_tree(method, tree, choices)
     return dparams, dcfg, vocab, tree
 
 

@@ -51,6 +51,14 @@ class DraftConfig:
     target_hidden_size: int | None = None  # None: same as hidden_size
     rms_norm_eps: float = 1e-5
     rope: RopeConfig = RopeConfig()
+    # Output layer (the draft-vocabulary methods, docs/draft_vocab.md):
+    # "own": the head's lm_head [D, Vd] (EAGLE-3; Vd = V is a full-vocabulary head).
+    # "target": logits from the TARGET's frozen output embedding over the full vocabulary (EAGLE-1/2
+    #   style; FR-Spec restricts it to a subset; SpecVocab adds a speculator). Nothing is stored:
+    #   the output embedding is attached at load time as params["out_embed"] [V, D].
+    lm_head_source: str = "own"
+    speculator_rank: int = 0  # SpecVocab: > 0 adds spec_a [D, r] and spec_b [r, V]
+    spec_candidates: int = 2048  # SpecVocab: exact-logit candidates per drafted row (decode time)
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
@@ -78,10 +86,32 @@ class DraftConfig:
                 f"draft_vocab_size {self.draft_vocab_size} must be between 1 and "
                 f"vocab_size {self.vocab_size} (the target vocab)"
             )
+        if self.lm_head_source not in ("own", "target"):
+            raise Eagle3Error(f"lm_head_source {self.lm_head_source!r}: use own or target")
+        if self.lm_head_source == "target" and self.draft_vocab_size != self.vocab_size:
+            raise Eagle3Error(
+                "a head reading the target's output embedding covers the full vocabulary "
+                f"(draft_vocab_size {self.draft_vocab_size} != {self.vocab_size}); restrict it "
+                "afterwards (FR-Spec) with `python -m eagle3_jax.vocab_tools`"
+            )
+        if self.speculator_rank < 0 or (self.speculator_rank and self.lm_head_source != "target"):
+            raise Eagle3Error(
+                f"speculator_rank {self.speculator_rank}: SpecVocab needs rank > 0 and "
+                "lm_head_source='target' (exact logits come from the target's output embedding)"
+            )
+        if self.speculator_rank and not 1 <= self.spec_candidates <= self.vocab_size:
+            raise Eagle3Error(
+                f"spec_candidates {self.spec_candidates} must be in 1..{self.vocab_size}"
+            )
 
     @property
     def n_aux(self) -> int:
         return len(self.aux_layer_ids)
+
+    @property
+    def uses_target_head(self) -> bool:
+        """Whether params["out_embed"] (the target's output embedding) must be attached."""
+        return self.lm_head_source == "target"
 
     @property
     def feature_size(self) -> int:
@@ -108,7 +138,9 @@ class DraftConfig:
             rms_norm_eps=target_cfg.rms_norm_eps,
             rope=RopeConfig(theta=10000.0),
         )
-        unknown = set(overrides) - set(fields)
+        unknown = (
+            set(overrides) - set(fields) - {"lm_head_source", "speculator_rank", "spec_candidates"}
+        )
         if unknown:
             raise Eagle3Error(
                 f"unknown DraftConfig field(s) {sorted(unknown)}: valid are {sorted(fields)}"
@@ -140,12 +172,18 @@ def layer_param_specs(cfg: DraftConfig) -> dict[str, ParamSpec]:
 def param_specs(cfg: DraftConfig) -> dict[str, Any]:
     """ParamSpecs in the shape of the params pytree (init, checks and shardings derive from it)."""
     d = cfg.hidden_size
-    return {
+    specs = {
         "fc": ParamSpec((cfg.feature_size, d), (None, "embed"), "normal"),
         "layer": layer_param_specs(cfg),
         "final_norm": ParamSpec((d,), (None,), "ones"),
-        "lm_head": ParamSpec((d, cfg.draft_vocab_size), ("embed", "draft_vocab"), "normal"),
     }
+    if cfg.lm_head_source == "own":
+        specs["lm_head"] = ParamSpec((d, cfg.draft_vocab_size), ("embed", "draft_vocab"), "normal")
+    if cfg.speculator_rank:
+        r = cfg.speculator_rank
+        specs["spec_a"] = ParamSpec((d, r), ("embed", None), "normal")
+        specs["spec_b"] = ParamSpec((r, cfg.vocab_size), (None, "draft_vocab"), "normal")
+    return specs
 
 
 def _flat_specs(cfg: DraftConfig) -> dict[str, ParamSpec]:
@@ -201,7 +239,7 @@ def check_params(params: Params, cfg: DraftConfig) -> None:
     specs = _flat_specs(cfg)
     if not isinstance(params, dict) or not isinstance(params.get("layer"), dict):
         raise Eagle3Error("draft params must be a dict with a 'layer' dict (see models/draft.py)")
-    flat = {k: v for k, v in params.items() if k != "layer"}
+    flat = {k: v for k, v in params.items() if k not in ("layer", "out_embed")}
     flat.update({f"layer.{k}": v for k, v in params["layer"].items()})
     problems = [f"{n} missing" for n in specs if n not in flat]
     problems += [f"{n} unexpected" for n in flat if n not in specs]
@@ -338,8 +376,69 @@ def midlayer(
 
 
 def head_logits(params: Params, hidden_BTD: jax.Array, cfg: DraftConfig) -> jax.Array:
-    """Draft logits [..., Vd] from the pre-norm midlayer output."""
-    return rms_norm(hidden_BTD, params["final_norm"], cfg.rms_norm_eps) @ params["lm_head"]
+    """Draft logits [..., Vd] from the pre-norm midlayer output: the head's own lm_head, or (for
+    lm_head_source="target") the attached target output embedding over the full vocabulary."""
+    normed = rms_norm(hidden_BTD, params["final_norm"], cfg.rms_norm_eps)
+    if cfg.lm_head_source == "own":
+        return normed @ params["lm_head"]
+    return jnp.einsum("...d,vd->...v", normed, _out_embed(params).astype(normed.dtype))
+
+
+def _out_embed(params: Params) -> jax.Array:
+    if "out_embed" not in params:
+        raise Eagle3Error(
+            "this head reads the target's output embedding: attach it first "
+            "(models.draft.attach_target_head, done by every loader)"
+        )
+    return params["out_embed"]
+
+
+def attach_target_head(params: Params, cfg: DraftConfig, target_params: Params, tcfg) -> Params:
+    """params plus "out_embed" [V, D] = the target's output embedding, for heads that read it.
+
+    Tied targets share their embedding array (no copy); others pass lm_head transposed (XLA
+    reads it through the transpose inside the einsum). Heads with their own lm_head are returned
+    unchanged.
+    """
+    if not cfg.uses_target_head:
+        return params
+    out = target_params["embed"] if tcfg.tie_word_embeddings else target_params["lm_head"].T
+    if tuple(out.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise Eagle3Error(
+            f"the target's output embedding is {tuple(out.shape)}, the head needs "
+            f"[{cfg.vocab_size}, {cfg.hidden_size}]: the head was trained for another target"
+        )
+    return {**params, "out_embed": out}
+
+
+def speculator_logits(params: Params, normed_XD: jax.Array) -> jax.Array:
+    """SpecVocab's approximate logits over the full vocabulary: (h A) B, rank r = d/8 typically."""
+    return (normed_XD @ params["spec_a"].astype(normed_XD.dtype)) @ params["spec_b"].astype(
+        normed_XD.dtype
+    )
+
+
+def draft_topk(
+    params: Params, hidden_XD: jax.Array, cfg: DraftConfig, vocab: DraftVocab, k: int
+) -> tuple[jax.Array, jax.Array]:
+    """The k best next tokens of each drafted row: (log-probs fp32 [..., k], target ids [..., k]).
+
+    Own or full-vocabulary heads: log-softmax over the draft vocabulary, top k, mapped to target
+    ids. SpecVocab (speculator_rank > 0): approximate logits pick `spec_candidates` candidates per
+    row (a static top-k), exact logits are computed for those only from the gathered rows of the
+    target's output embedding, and the log-softmax runs over the candidates; no exact full-vocab
+    logits exist.
+    """
+    if not cfg.speculator_rank:
+        lp = jax.nn.log_softmax(head_logits(params, hidden_XD, cfg).astype(jnp.float32), axis=-1)
+        score, ids = jax.lax.top_k(lp, k)
+        return score, draft_to_target_ids(ids, vocab)
+    normed = rms_norm(hidden_XD, params["final_norm"], cfg.rms_norm_eps)
+    _, cand = jax.lax.top_k(speculator_logits(params, normed), cfg.spec_candidates)  # [..., K]
+    rows = jnp.take(_out_embed(params), cand, axis=0).astype(normed.dtype)  # [..., K, D]
+    exact = jnp.einsum("...d,...kd->...k", normed, rows).astype(jnp.float32)
+    score, j = jax.lax.top_k(jax.nn.log_softmax(exact, axis=-1), k)
+    return score, jnp.take_along_axis(cand, j, axis=-1).astype(jnp.int32)
 
 
 def forward(
