@@ -4,6 +4,7 @@ gradients flow, and no (steps*T)-sized array is ever built."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -357,3 +358,65 @@ def test_refuses_bad_batches():
             voc.t2d,
             feature_loss_weight=1.0,
         )
+
+
+def test_specvocab_auxiliary_loss_is_the_speculator_soft_cross_entropy():
+    """A full-vocabulary head on the target's output embedding with a speculator: the loss adds
+    w * sum_i decay^i * sloss_i, sloss_i the soft CE of softmax((hA)B) against the target, masked
+    and averaged like ploss; its gradient trains the speculator."""
+    _, embed, _, batch = _setup()
+    cfg = dataclasses.replace(CFG, draft_vocab_size=V, lm_head_source="target", speculator_rank=4)
+    rng = np.random.default_rng(3)
+    params = jax.tree.map(
+        lambda spec: jnp.asarray(
+            (1.0 + 0.2 * rng.normal(size=spec.shape))
+            if spec.init == "ones"
+            else 0.15 * rng.normal(size=spec.shape),
+            jnp.float32,
+        ),
+        dr.param_specs(cfg),
+        is_leaf=lambda x: isinstance(x, ParamSpec),
+    )
+    params = {**params, "out_embed": embed}  # a tied target: its embedding is the output layer
+    t2d = vocab_lib.identity(V).t2d
+    kw = dict(steps=3, decay=0.8)
+    base, m0 = ttt.ttt_loss(params, embed, batch, cfg, t2d, **kw)
+    total, m = ttt.ttt_loss(params, embed, batch, cfg, t2d, speculator_loss_weight=0.1, **kw)
+    np.testing.assert_allclose(m["ploss"], m0["ploss"], rtol=1e-6)
+    want = float(base) + 0.1 * float(np.sum(0.8 ** np.arange(3) * np.asarray(m["sloss"])))
+    np.testing.assert_allclose(total, want, rtol=1e-5)
+    # step 0 by hand: the speculator reads the step-0 hidden state
+    ids = np.asarray(batch["input_ids"])
+    h0 = dr.forward(
+        params,
+        embed,
+        jnp.asarray(_shift(ids)),
+        batch["aux"],
+        jnp.broadcast_to(jnp.arange(T), (B, T)),
+        jnp.asarray(_dense_mask(np.asarray(batch["attention_mask"]).astype(bool), 0)),
+        cfg,
+        compute_logits=False,
+    ).hidden
+    from eagle3_jax.models.layers import rms_norm
+
+    s = np.asarray(
+        dr.speculator_logits(params, rms_norm(h0, params["final_norm"], cfg.rms_norm_eps)),
+        np.float64,
+    )
+    logp = s - s.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    tgt = _shift(np.asarray(batch["target_logits"], np.float64))
+    tp = np.exp(tgt - tgt.max(-1, keepdims=True))
+    tp /= tp.sum(-1, keepdims=True)
+    valid = np.asarray(batch["attention_mask"])
+    pm = np.asarray(batch["loss_mask"]) * valid * _shift(valid.astype(float))
+    want0 = -(pm[..., None] * tp * logp).sum() / (B * T)
+    np.testing.assert_allclose(m["sloss"][0], want0, rtol=1e-4)
+    assert 0 <= float(m["sacc"][0]) <= 1
+    grads, _ = jax.grad(ttt.ttt_loss, has_aux=True)(
+        params, embed, batch, cfg, t2d, speculator_loss_weight=0.1, **kw
+    )
+    assert float(jnp.abs(grads["spec_b"]).sum()) > 0 and float(jnp.abs(grads["spec_a"]).sum()) > 0
+    plain_params, _, voc, _ = _setup()
+    with pytest.raises(Eagle3Error, match="SpecVocab head"):
+        ttt.ttt_loss(plain_params, embed, batch, CFG, voc.t2d, speculator_loss_weight=0.1, **kw)

@@ -58,7 +58,8 @@ class DraftConfig:
     #   the output embedding is attached at load time as params["out_embed"] [V, D].
     lm_head_source: str = "own"
     speculator_rank: int = 0  # SpecVocab: > 0 adds spec_a [D, r] and spec_b [r, V]
-    spec_candidates: int = 2048  # SpecVocab: exact-logit candidates per drafted row (decode time)
+    spec_candidates: int = 0  # SpecVocab: exact-logit candidates per drafted row (decode time);
+    # 0 = min(2048, V), the published k
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
@@ -99,6 +100,8 @@ class DraftConfig:
                 f"speculator_rank {self.speculator_rank}: SpecVocab needs rank > 0 and "
                 "lm_head_source='target' (exact logits come from the target's output embedding)"
             )
+        if self.speculator_rank and self.spec_candidates == 0:
+            object.__setattr__(self, "spec_candidates", min(2048, self.vocab_size))
         if self.speculator_rank and not 1 <= self.spec_candidates <= self.vocab_size:
             raise Eagle3Error(
                 f"spec_candidates {self.spec_candidates} must be in 1..{self.vocab_size}"

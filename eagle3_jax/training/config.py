@@ -36,6 +36,12 @@ class TrainConfig:
     ttt_decay: float = 0.8
     feature_loss_weight: float = 0.0  # EAGLE-1/2-style regression of the target's hidden state
     head_init: str = "random"  # "target": lm_head rows and final norm start as the target's
+    # output layer (docs/draft_vocab.md): "own" lm_head over Vd, or "target" = the target's frozen
+    # output embedding over the full vocabulary (FR-Spec's source head; SpecVocab)
+    lm_head_source: str = "own"
+    speculator_rank: int = 0  # SpecVocab: > 0 trains a (h A) B speculator, rank r (d/8 published)
+    speculator_loss_weight: float = 0.1  # SpecVocab's auxiliary loss weight (published 0.1)
+    remat: bool = False  # recompute each TTT step in the backward pass (full-vocabulary memory)
     # optimisation
     lr: float = 1e-4
     warmup_ratio: float = 0.015
@@ -69,6 +75,13 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         if self.ttt_steps < 1:
             raise Eagle3Error(f"ttt_steps {self.ttt_steps} < 1 (1 means no training-time test)")
+        if self.lm_head_source not in ("own", "target"):
+            raise Eagle3Error(f"lm_head_source {self.lm_head_source!r}: use own or target")
+        if self.speculator_rank and self.lm_head_source != "target":
+            raise Eagle3Error(
+                "speculator_rank > 0 (SpecVocab) needs lm_head_source=target: its exact "
+                "logits come from the target's output embedding"
+            )
         if self.head_init not in ("random", "target"):
             raise Eagle3Error(f"head_init {self.head_init!r}: use random or target")
         if self.features not in ("online", "offline"):

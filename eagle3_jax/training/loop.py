@@ -116,7 +116,7 @@ def prepare_vocab(tc: TrainConfig, ds, vocab_size: int, out: Path):
         return DraftVocab(z["d2t"], z["t2d"])
     vocab = (
         identity(vocab_size)
-        if tc.draft_vocab_size >= vocab_size
+        if tc.draft_vocab_size >= vocab_size or tc.lm_head_source == "target"
         else build_from_counts(token_counts(ds, vocab_size), tc.draft_vocab_size)
     )
     tmp = path.with_suffix(".tmp.npz")
@@ -211,14 +211,23 @@ def train(
             f"{tcfg.num_layers}, e.g. {tcfg.num_layers - 1} for the input to the last layer"
         )
     dcfg = drf.DraftConfig.from_target(
-        tcfg, draft_vocab_size=vocab.draft_size, aux_layer_ids=aux_ids
+        tcfg,
+        draft_vocab_size=vocab.draft_size,
+        aux_layer_ids=aux_ids,
+        lm_head_source=tc.lm_head_source,
+        speculator_rank=tc.speculator_rank,
     )
     per_epoch = steps_per_epoch(ds, tc.batch_size)
     total = tc.max_steps or tc.epochs * per_epoch
     tx = make_optimizer(tc, total)
     dparams = drf.init_params(dcfg, jax.random.PRNGKey(tc.seed), DTYPES[tc.param_dtype])
-    if tc.head_init == "target":
+    if tc.head_init == "target" and dcfg.lm_head_source == "own":
         dparams = drf.init_output_from_target(dparams, target.params, tcfg, vocab, dcfg)
+    elif tc.head_init == "target":  # the lm_head IS the target's: start the norm as its too
+        dparams = {
+            **dparams,
+            "final_norm": target.params["final_norm"].astype(DTYPES[tc.param_dtype]),
+        }
     state_sh = None
     if mesh is not None:
         dparams = jax.tree.map(jax.device_put, dparams, drf.param_shardings(dcfg, mesh))
@@ -297,7 +306,9 @@ def train(
                 "tokens": tokens_seen,
                 "tokens_per_s": tokens_since / (now - t_last),
             }
-            for name in ("acc", "ploss"):
+            for name in ("acc", "ploss", "sloss", "sacc"):
+                if name not in m:
+                    continue
                 for i, v in enumerate(np.asarray(m[name]).reshape(-1)):
                     rec[f"{name}_{i}"] = float(v)
             writer.write(rec)

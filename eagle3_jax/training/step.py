@@ -96,6 +96,8 @@ def loss_fn(
         jnp.float32
     )
     dp = jax.tree.map(lambda x: x.astype(compute), dparams)
+    # heads reading the target's output embedding get it here, outside the differentiated params
+    dp = drf.attach_target_head(dp, dcfg, jax.tree.map(lambda x: x.astype(compute), tparams), tcfg)
     ttt_batch = {
         "input_ids": batch["input_ids"],
         "aux": aux.astype(compute),
@@ -113,7 +115,9 @@ def loss_fn(
         steps=tc.ttt_steps,
         decay=tc.ttt_decay,
         feature_loss_weight=tc.feature_loss_weight,
+        remat=tc.remat,
         mean_len=tc.max_len,
+        speculator_loss_weight=tc.speculator_loss_weight if dcfg.speculator_rank else 0.0,
     )
 
 

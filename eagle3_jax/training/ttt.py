@@ -53,8 +53,15 @@ import numpy as np
 
 from eagle3_jax.config import rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.models.draft import DraftConfig, finish_layer, fuse, head_logits, project_qkv
-from eagle3_jax.models.layers import NEG_INF, rope_cos_sin
+from eagle3_jax.models.draft import (
+    DraftConfig,
+    finish_layer,
+    fuse,
+    head_logits,
+    project_qkv,
+    speculator_logits,
+)
+from eagle3_jax.models.layers import NEG_INF, rms_norm, rope_cos_sin
 
 Params = dict[str, Any]
 
@@ -178,6 +185,7 @@ def ttt_loss(
     feature_loss_weight: float = 0.0,
     remat: bool = False,
     mean_len: int | None = None,
+    speculator_loss_weight: float = 0.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The decayed sum of the per-step TTT losses and per-step metrics.
 
@@ -203,11 +211,16 @@ def ttt_loss(
       mean_len: positions per row that ploss averages over (default T). Training passes max_len,
         so a batch cut to its longest row (length buckets) has the same loss as one padded to
         max_len.
+      speculator_loss_weight: > 0 (SpecVocab heads, whose Vd = V) adds, per step, the auxiliary
+        loss of the speculator: the same soft cross-entropy as ploss but of softmax((hA)B), i.e.
+        KL(target || speculator) up to a constant, weighted speculator_loss_weight * decay**i.
+        Its gradient reaches A, B and (through h) the layer (docs/draft_vocab.md).
 
     Every loss_mask_i below is loss_mask shifted left i times AND attention_mask (see the module
     docstring; identical to the official loss_mask_i for right-padded batches).
     Returns:
-      loss: fp32 scalar sum_i decay^i * (ploss_i + feature_loss_weight * vloss_i).
+      loss: fp32 scalar sum_i decay^i * (ploss_i + feature_loss_weight * vloss_i
+        + speculator_loss_weight * sloss_i).
       metrics: fp32 arrays [steps]: "ploss", "acc", "correct" (acc numerator), "denom" (sum of
         loss_mask_i, the acc denominator without its 1e-6, for exact averaging across batches),
         and "vloss" when feature_loss_weight > 0.
@@ -243,6 +256,12 @@ def ttt_loss(
         start_ok_BT = batch["attention_mask"].astype(f32)
         ids_ext = _shift_ext(ids_BT, steps, 0)
         feature_loss = feature_loss_weight > 0
+        speculator = speculator_loss_weight > 0
+        if speculator and (not dcfg.speculator_rank or vd != dcfg.vocab_size):
+            raise Eagle3Error(
+                "speculator_loss_weight > 0 needs a SpecVocab head (speculator_rank > 0, "
+                "full vocabulary)"
+            )
         if feature_loss:
             th_ext = _shift_ext(
                 jax.lax.stop_gradient(batch["target_hidden"]).astype(f32), steps, 0.0
@@ -294,6 +313,13 @@ def ttt_loss(
                 ad = jnp.abs(diff)
                 sl1 = jnp.where(ad < 1.0, 0.5 * diff * diff, ad - 0.5)  # torch SmoothL1, beta 1
                 out["vloss"] = jnp.sum(sl1.mean(-1) * fm_BT) / (jnp.sum(fm_BT) + VLOSS_EPS)
+            if speculator:
+                normed = rms_norm(h_new, dparams["final_norm"], dcfg.rms_norm_eps)
+                s_BTV = speculator_logits(dparams, normed).astype(f32)
+                slogp = jax.nn.log_softmax(s_BTV, axis=-1)
+                out["sloss"] = -jnp.sum(pm_BT[..., None] * at(tp_ext, i) * slogp) / (b * mean_len)
+                shit = (jnp.argmax(s_BTV, axis=-1) == at(tp_top_ext, i)).astype(f32)
+                out["scorrect"] = jax.lax.stop_gradient(jnp.sum(shit * pm_BT))
         return (h_new, k_JBTGK, v_JBTGK), out
 
     if remat:
@@ -304,10 +330,15 @@ def ttt_loss(
     step_loss = per_step["ploss"]
     if feature_loss:
         step_loss = step_loss + feature_loss_weight * per_step["vloss"]
+    if speculator:
+        step_loss = step_loss + speculator_loss_weight * per_step["sloss"]
     loss = jnp.sum(weights * step_loss)
     metrics = dict(per_step)
     metrics["acc"] = per_step["correct"] / (per_step["denom"] + ACC_EPS)
     metrics["ploss"] = jax.lax.stop_gradient(per_step["ploss"])
     if feature_loss:
         metrics["vloss"] = jax.lax.stop_gradient(per_step["vloss"])
+    if speculator:
+        metrics["sloss"] = jax.lax.stop_gradient(per_step["sloss"])
+        metrics["sacc"] = per_step["scorrect"] / (per_step["denom"] + ACC_EPS)
     return loss, metrics
