@@ -1,0 +1,176 @@
+"""Training-free draft-vocabulary methods: token counts, FR-Spec and VocabTrim heads.
+
+  python -m eagle3_jax.vocab_tools count --corpus FILE [--corpus FILE ...] [--roles all] --out C.npy
+  python -m eagle3_jax.vocab_tools trim --draft HEAD --counts C.npy --size 8192 --out NEW_HEAD
+
+`count` tokenises a corpus with the target's tokenizer and counts every token id ([V] int64 .npy).
+A corpus is a ShareGPT / role-content conversation file (.json/.jsonl, optionally .gz; `--roles`
+picks whose messages count: `assistant` (default), `user` or `all`) or plain text (.txt, one
+document per line).
+
+`trim` derives an ordinary reduced-vocabulary head from a full-vocabulary one:
+  * FR-Spec (arXiv 2502.14856): the source head reads the TARGET's output embedding
+    (lm_head_source="target"); the new head's lm_head is the target's rows of the `size` most
+    frequent ids of a corpus the user names (FR-Spec counts a pretraining corpus);
+  * VocabTrim (arXiv 2506.22694): the source head has its own full-vocabulary lm_head; the new
+    head keeps its columns of the `size` most frequent ids (best counted on target-GENERATED text).
+Both force the target's end-of-sequence ids into the set (FR-Spec does; a draft that cannot
+propose EOS cannot finish a turn early). The result is a plain EAGLE-3 head in the official
+format (Vd = size, d2t/t2d), usable by decode.py and the harness like any other; it is lossless
+because the target still verifies over its full vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from eagle3_jax.errors import Eagle3Error
+
+ROLES = ("assistant", "user", "all")
+
+
+def read_corpus(path: str | Path, roles: str = "assistant") -> list[str]:
+    """Documents of a corpus file (see the module docstring)."""
+    from eagle3_jax.data.conversations import read_conversations
+
+    path = Path(path)
+    if roles not in ROLES:
+        raise Eagle3Error(f"--roles {roles!r}: use one of {', '.join(ROLES)}")
+    if not path.is_file():
+        raise Eagle3Error(f"corpus file {path} does not exist")
+    if path.suffix == ".txt":
+        return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    convs, _ = read_conversations(path)
+    want = {"assistant": ("assistant",), "user": ("user",), "all": ("user", "assistant", "system")}
+    return [m["content"] for c in convs for m in c.messages if m["role"] in want[roles]]
+
+
+def count_tokens(tokenizer, docs: list[str], vocab_size: int, batch: int = 256) -> np.ndarray:
+    """[V] int64 occurrences of each token id over the documents (no special tokens added)."""
+    counts = np.zeros((vocab_size,), np.int64)
+    for i in range(0, len(docs), batch):
+        enc = tokenizer(docs[i : i + batch], add_special_tokens=False)["input_ids"]
+        for ids in enc:
+            ids = np.asarray(ids, np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise Eagle3Error(
+                    f"the tokenizer produced ids outside the target vocabulary 0..{vocab_size - 1}"
+                )
+            counts += np.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def top_ids(counts_V: np.ndarray, size: int, forced: tuple[int, ...] = ()) -> np.ndarray:
+    """The `size` most frequent ids (ties to the lower id), `forced` ids always in, ascending."""
+    counts = np.asarray(counts_V)
+    v = counts.shape[0]
+    if not 1 <= size <= v:
+        raise Eagle3Error(f"size {size} must be between 1 and the vocabulary size {v}")
+    forced = sorted({int(i) for i in forced if 0 <= int(i) < v})
+    if len(forced) > size:
+        raise Eagle3Error(f"size {size} is smaller than the {len(forced)} forced ids")
+    order = np.argsort(-counts, kind="stable")
+    rest = [int(i) for i in order if int(i) not in set(forced)][: size - len(forced)]
+    return np.sort(np.asarray(forced + rest, np.int64))
+
+
+def trim_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray):
+    """(params, cfg, vocab) of the reduced head over target ids `ids` (ascending)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from eagle3_jax import vocab as vocab_lib
+    from eagle3_jax.models import draft as drf
+
+    if cfg.speculator_rank:
+        raise Eagle3Error(
+            "a SpecVocab head chooses its candidates per row: trimming it would discard the "
+            "speculator; trim a full-vocabulary head instead"
+        )
+    if not vocab.is_identity:
+        raise Eagle3Error(
+            f"the source head already has a reduced vocabulary (Vd {cfg.draft_vocab_size}): "
+            "trim a full-vocabulary head (lm_head over all V tokens, or the target's)"
+        )
+    ids = np.asarray(ids, np.int64)
+    if cfg.lm_head_source == "target":  # FR-Spec: rows of the target's output embedding
+        out = drf.attach_target_head(params, cfg, target_params, tcfg)["out_embed"]
+        lm = jnp.take(out, jnp.asarray(ids), axis=0).T
+    else:  # VocabTrim: the head's own columns
+        lm = jnp.take(params["lm_head"], jnp.asarray(ids), axis=1)
+    new_cfg = dataclasses.replace(
+        cfg, draft_vocab_size=int(ids.size), lm_head_source="own", speculator_rank=0
+    )
+    new_params = {k: v for k, v in params.items() if k not in ("out_embed", "lm_head")}
+    new_params["lm_head"] = lm.astype(params["final_norm"].dtype)
+    return new_params, new_cfg, vocab_lib.from_target_ids(ids, cfg.vocab_size)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m eagle3_jax.vocab_tools",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("count", help="token counts of a corpus")
+    c.add_argument("--target", default=None, help="tokenizer's model (default: embedded SmolLM2)")
+    c.add_argument("--corpus", action="append", required=True)
+    c.add_argument("--roles", default="assistant", choices=ROLES)
+    c.add_argument("--out", required=True, help="counts .npy")
+    t = sub.add_parser("trim", help="FR-Spec / VocabTrim: a reduced head from a full one")
+    t.add_argument("--target", default=None)
+    t.add_argument("--draft", required=True, help="full-vocabulary head directory")
+    t.add_argument("--counts", required=True, help=".npy from `count`")
+    t.add_argument("--size", type=int, required=True, help="Vd of the new head")
+    t.add_argument("--no-force-eos", action="store_true", help="do not force EOS ids in")
+    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    t.add_argument("--out", required=True, help="new head directory")
+    args = p.parse_args(argv)
+    try:
+        from eagle3_jax.checkpoints import load_target
+
+        target = load_target(args.target)
+        v = target.cfg.vocab_size
+        if args.cmd == "count":
+            docs = [d for f in args.corpus for d in read_corpus(f, args.roles)]
+            counts = count_tokens(target.tokenizer, docs, v)
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            np.save(out, counts)
+            meta = {"corpus": args.corpus, "roles": args.roles, "documents": len(docs)}
+            meta["tokens"] = int(counts.sum())
+            meta["distinct"] = int((counts > 0).sum())
+            out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+            print(json.dumps(meta))
+            return 0
+        from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
+
+        counts = np.load(args.counts)
+        if counts.shape != (v,):
+            raise Eagle3Error(
+                f"counts {args.counts} have shape {counts.shape}, the target's vocabulary "
+                f"is {v}: count with the same target's tokenizer"
+            )
+        params, cfg, vocab, embed = load_draft(args.draft, target.cfg)
+        forced = () if args.no_force_eos else tuple(target.cfg.eos_token_ids)
+        ids = top_ids(counts, args.size, forced)
+        new_p, new_cfg, new_vocab = trim_head(params, cfg, vocab, target.params, target.cfg, ids)
+        save_draft(args.out, new_p, new_cfg, new_vocab, dtype=args.dtype, embed=embed)
+        cover = float(counts[ids].sum() / max(counts.sum(), 1))
+        method = "FR-Spec" if cfg.lm_head_source == "target" else "VocabTrim"
+        print(f"{method}: wrote {args.out} (Vd {ids.size}, {cover:.1%} of counted tokens)")
+        return 0
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Draft-vocabulary methods: token counts, FR-Spec and VocabTrim heads (training-free), lossless."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from eagle3_jax import vocab as vocab_lib
+from eagle3_jax.checkpoints import load_target
+from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
+from eagle3_jax.decoding import plain
+from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.evaluation.runner import load_head
+from eagle3_jax.models import draft as drf
+from eagle3_jax.vocab_tools import main, top_ids, trim_head
+
+
+def test_top_ids_ties_forced_and_sorted():
+    counts = np.array([5, 9, 9, 0, 1, 9, 2])
+    assert top_ids(counts, 3).tolist() == [1, 2, 5]  # ties to the lower id
+    assert top_ids(counts, 3, forced=(3,)).tolist() == [1, 2, 3]  # forced in, then the best
+    assert top_ids(counts, 7).tolist() == list(range(7))
+    with pytest.raises(Eagle3Error, match="between 1"):
+        top_ids(counts, 0)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target(tiny_target_dir)
+
+
+def _heads(target, tmp_path):
+    """A full head on the target's output embedding (FR-Spec's source) and one with its own
+    full-vocabulary lm_head (VocabTrim's source), saved."""
+    cfg = target.cfg
+    out = {}
+    for name, source in (("tied", "target"), ("full", "own")):
+        dcfg = drf.DraftConfig.from_target(cfg, lm_head_source=source)
+        params = drf.init_params(dcfg, jax.random.PRNGKey(4), scale=0.2)
+        save_draft(tmp_path / name, params, dcfg, vocab_lib.identity(cfg.vocab_size), "float32")
+        out[name] = tmp_path / name
+    return out
+
+
+def test_count_and_trim_end_to_end(target, tiny_target_dir, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    recs = [
+        {"conversations": [{"from": "human", "value": "w7 w7 w8"}, {"from": "gpt", "value": t}]}
+        for t in ["w5 w6 w5", "w5 w9", "w10 w5 w6"]
+    ]
+    corpus.write_text("\n".join(json.dumps(r) for r in recs))
+    counts_path = tmp_path / "counts.npy"
+    assert main(["count", "--target", str(tiny_target_dir), "--corpus", str(corpus),
+                 "--out", str(counts_path)]) == 0  # fmt: skip
+    counts = np.load(counts_path)
+    tok = target.tokenizer
+    ids = {w: tok.convert_tokens_to_ids(w) for w in ("w5", "w6", "w7", "w9", "w10")}
+    assert counts[ids["w5"]] == 4 and counts[ids["w6"]] == 2 and counts[ids["w9"]] == 1
+    assert counts[ids["w7"]] == 0  # only assistant messages by default
+    assert json.loads(counts_path.with_suffix(".json").read_text())["tokens"] == counts.sum()
+    heads = _heads(target, tmp_path)
+    prompts = [[5, 9, 11, 5, 9], [40, 41, 12]]
+    ref = plain.generate(target.params, target.cfg, prompts, 24, eos_ids=())
+    for name in ("tied", "full"):
+        new = tmp_path / f"{name}_trim"
+        argv = ["trim", "--target", str(tiny_target_dir), "--draft", str(heads[name]),
+                "--counts", str(counts_path), "--size", "6", "--out", str(new),
+                "--dtype", "float32"]  # fmt: skip
+        assert main(argv) == 0
+        p, c, v, _ = load_draft(new, target.cfg)
+        assert c.draft_vocab_size == 6 and c.lm_head_source == "own"
+        chosen = set(vocab_lib.target_ids(v).tolist())
+        assert {ids["w5"], ids["w6"], ids["w9"], ids["w10"]} <= chosen
+        assert set(target.cfg.eos_token_ids) <= chosen  # EOS forced in
+        # lossless: the trimmed head decodes exactly what plain decoding does
+        out = spec.generate(target.params, target.cfg, p, c, v, prompts, 24,
+                            spec.TreeConfig(2, 3, 6), eos_ids=())  # fmt: skip
+        assert out.output_ids == ref.output_ids
+    bad = np.zeros(7)
+    np.save(tmp_path / "bad.npy", bad)
+    argv = ["trim", "--target", str(tiny_target_dir), "--draft", str(heads["tied"]),
+            "--counts", str(tmp_path / "bad.npy"), "--size", "6", "--out", str(tmp_path / "x")]  # fmt: skip
+    assert main(argv) == 2
+
+
+@pytest.mark.parametrize("source", ["target", "own"])
+def test_trimmed_logits_are_the_full_heads_on_the_subset(target, tmp_path, source):
+    """FR-Spec = the target's output rows, VocabTrim = the head's own columns: the trimmed head's
+    logits equal the full head's at the kept ids, so its choices are the full head's restricted."""
+    head = _heads(target, tmp_path)["tied" if source == "target" else "full"]
+    params, cfg, vocab, _ = load_head(head, target)
+    ids = np.array([3, 5, 8, 13, 21, 34])
+    p2, c2, v2 = trim_head(params, cfg, vocab, target.params, target.cfg, ids)
+    h = jax.random.normal(jax.random.PRNGKey(0), (2, 4, cfg.hidden_size))
+    full = np.asarray(drf.head_logits(params, h, cfg))
+    np.testing.assert_allclose(drf.head_logits(p2, h, c2), full[..., ids], rtol=1e-5, atol=1e-5)
+    score, tok = drf.draft_topk(p2, h, c2, v2, 3)
+    sub = full[..., ids]
+    want = ids[np.argsort(-sub, axis=-1, kind="stable")[..., :3]]
+    assert (np.asarray(tok) == want).all()
+    with pytest.raises(Eagle3Error, match="already has a reduced vocabulary"):
+        trim_head(p2, c2, v2, target.params, target.cfg, ids[:3])
