@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--questions", type=int, default=2, help="per task (category)")
     p.add_argument("--tree", default="1,4,5", help="top_k,depth,total_tokens")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--steps", default=None, help="comma list: only the heads of these steps")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/tau_curve"))
     args = p.parse_args(argv)
 
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
 
     run, out = Path(args.run), Path(args.out)
     heads = heads_of(run)
+    if args.steps:
+        keep = {int(x) for x in args.steps.split(",")}
+        heads = [h for h in heads if h[0] in keep]
     if not heads:
         print(f"error: no exported heads (with training.json) under {run}", file=sys.stderr)
         return 2

@@ -80,6 +80,26 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
     assert dcfg.draft_vocab_size == 97 and vocab.is_identity
 
 
+def test_init_head_continues_a_head_with_its_vocabulary(tiny_target_dir, tmp_path):
+    from eagle3_jax.checkpoints.eagle_format import load_draft
+
+    first = _cfg(
+        tiny_target_dir, tmp_path, "--config.max_steps=3", f"--config.out_dir={tmp_path / 'a'}"
+    )
+    head = train(first, progress=False)["head"]
+    # lr 0 for one step: the continued run exports exactly the head it started from
+    cont = dataclasses.replace(
+        first, out_dir=str(tmp_path / "b"), init_head=head, lr=0.0, max_steps=1, seed=9
+    )
+    again = train(cont, progress=False)["head"]
+    (p0, c0, v0, _), (p1, c1, v1, _) = load_draft(head), load_draft(again)
+    assert c0 == c1 and np.array_equal(v0.d2t, v1.d2t)
+    jax.tree.map(np.testing.assert_array_equal, p1, p0)
+    other = dataclasses.replace(cont, out_dir=str(tmp_path / "c"), ttt_steps=2, aux_layer_ids=(1,))
+    with pytest.raises(Eagle3Error, match="aux_layer_ids"):
+        train(other, progress=False)
+
+
 def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
     full = _cfg(
         tiny_target_dir,

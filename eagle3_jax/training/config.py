@@ -36,6 +36,8 @@ class TrainConfig:
     ttt_decay: float = 0.8
     feature_loss_weight: float = 0.0  # EAGLE-1/2-style regression of the target's hidden state
     head_init: str = "random"  # "target": lm_head rows and final norm start as the target's
+    init_head: str = ""  # a head directory (official format) to start from instead: continue
+    # training a shipped head on more data; its shapes and draft vocabulary must match this run's
     # output layer (docs/draft_vocab.md): "own" lm_head over Vd, or "target" = the target's frozen
     # output embedding over the full vocabulary (FR-Spec's source head; SpecVocab)
     lm_head_source: str = "own"

@@ -150,6 +150,36 @@ def precompute_features(tc: TrainConfig, progress: bool = True) -> Path:
     return features.precompute(target, ds, tuple(layers), tc.features_dir, progress=progress)
 
 
+def keep_vocab_of(path: str, tcfg, out: Path) -> None:
+    from eagle3_jax.checkpoints.eagle_format import load_draft
+
+    _, _, vocab, _ = load_draft(path, tcfg)
+    tmp = out / "vocab.tmp.npz"
+    np.savez(tmp, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d))
+    os.replace(tmp, out / "vocab.npz")
+
+
+def start_from_head(path: str, dcfg, vocab, tcfg, dtype):
+    """The params of an existing head, refused unless it is the head this run would train."""
+    from eagle3_jax.checkpoints.eagle_format import load_draft
+
+    params, cfg, head_vocab, _ = load_draft(path, tcfg, dtype=dtype)
+    if cfg != dcfg:
+        diff = [
+            f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(dcfg, f.name)
+        ]
+        raise Eagle3Error(
+            f"init_head {path} differs from this run's head in {', '.join(diff)}: start from "
+            "a head with the same aux layers, sizes and draft vocabulary size"
+        )
+    if not np.array_equal(np.asarray(head_vocab.d2t), np.asarray(vocab.d2t)):
+        raise Eagle3Error(
+            f"init_head {path} has another draft vocabulary than this run's vocab.npz: copy "
+            "its mapping (or train with the data it was built from)"
+        )
+    return params
+
+
 def export_head(path: Path, state, dcfg, vocab, tc: TrainConfig, step: int, tokens: int) -> Path:
     """The head at this step in the official format, plus training.json (step, tokens seen)."""
     from eagle3_jax.checkpoints.eagle_format import save_draft
@@ -202,6 +232,8 @@ def train(
     target = load_target(tc.target, dtype=DTYPES[tc.param_dtype], mesh=mesh)
     tcfg = target.cfg
     ds = prepare_data(tc, target, out)
+    if tc.init_head and not (out / "vocab.npz").exists():
+        keep_vocab_of(tc.init_head, tcfg, out)  # a continued head keeps its draft vocabulary
     vocab = prepare_vocab(tc, ds, tcfg.vocab_size, out)
     aux_ids = tcfg.check_aux_layer_ids(tc.aux_layer_ids or tcfg.default_aux_layer_ids())
     if tcfg.num_layers in aux_ids:
@@ -221,7 +253,9 @@ def train(
     total = tc.max_steps or tc.epochs * per_epoch
     tx = make_optimizer(tc, total)
     dparams = drf.init_params(dcfg, jax.random.PRNGKey(tc.seed), DTYPES[tc.param_dtype])
-    if tc.head_init == "target" and dcfg.lm_head_source == "own":
+    if tc.init_head:
+        dparams = start_from_head(tc.init_head, dcfg, vocab, tcfg, DTYPES[tc.param_dtype])
+    elif tc.head_init == "target" and dcfg.lm_head_source == "own":
         dparams = drf.init_output_from_target(dparams, target.params, tcfg, vocab, dcfg)
     elif tc.head_init == "target":  # the lm_head IS the target's: start the norm as its too
         dparams = {
