@@ -39,7 +39,10 @@ CONFIGS = [  # name, method, TreeConfig
     ("vanilla", "vanilla", None),
     ("vanilla (spec engine)", "vanilla", spec.TreeConfig(1, 1, 1)),
     ("pld chain d4", "pld", spec.TreeConfig(1, 4, 5)),
+    ("eagle3 chain d2", "eagle3", spec.TreeConfig(1, 2, 3)),
+    ("eagle3 chain d3", "eagle3", spec.TreeConfig(1, 3, 4)),
     ("eagle3 chain d4", "eagle3", spec.TreeConfig(1, 4, 5)),
+    ("eagle3 tree k2 d3 n6", "eagle3", spec.TreeConfig(2, 3, 6)),
     ("eagle3 tree k2 d3 n8", "eagle3", spec.TreeConfig(2, 3, 8)),
     ("eagle3 tree k4 d4 n16", "eagle3", spec.TreeConfig(4, 4, 16)),
     ("eagle3 tree k4 d5 n24", "eagle3", spec.TreeConfig(4, 5, 24)),
@@ -60,10 +63,9 @@ def main() -> None:
     cfg = target.cfg
     embed = None
     if args.draft:
-        from eagle3_jax.checkpoints.eagle_format import check_compatible, load_draft
+        from eagle3_jax.evaluation.runner import load_head
 
-        dparams, dcfg, vocab, embed = load_draft(args.draft, cfg)
-        check_compatible(dcfg, vocab, cfg, embed)
+        dparams, dcfg, vocab, embed = load_head(args.draft, target)
     else:
         counts = np.random.default_rng(0).integers(1, 1000, cfg.vocab_size)
         vocab = build_from_counts(counts, args.draft_vocab)
