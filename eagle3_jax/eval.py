@@ -44,7 +44,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--bench", default="spec_bench", help="spec_bench | mt_bench | gsm8k | question.jsonl PATH"
     )
-    p.add_argument("--questions", type=int, default=None, help="first N questions of each task")
+    p.add_argument(
+        "--questions",
+        type=int,
+        default=None,
+        help="first N questions of each category (MT-bench: N per subcategory)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per turn")
     p.add_argument("--seeds", type=int, default=None, help="default: 1 at T=0, 5 at T>0")

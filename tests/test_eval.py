@@ -77,7 +77,10 @@ def test_shipped_benchmarks():
     assert {q.task for q in spec} == {
         "mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"
     }  # fmt: skip
-    assert len(load_questions("spec_bench", 2)) == 12
+    # first N per category: MT-bench's 8 subcategories each give N (a stratified subset)
+    two = load_questions("spec_bench", 2)
+    assert len(two) == 5 * 2 + 8 * 2 and sum(q.task == "mt_bench" for q in two) == 16
+    assert len({q.category for q in load_questions("mt_bench", 1)}) == 8
     assert all(len(q.turns) == 2 for q in load_questions("mt_bench"))
     gsm = load_questions("gsm8k", 3)
     assert len(gsm) == 3 and gsm[0].task == "gsm8k"

@@ -28,6 +28,7 @@ class Question:
     id: str
     task: str
     turns: tuple[str, ...]
+    category: str = ""  # FastChat category (MT-bench's 8 subcategories are one task)
 
 
 def task_of(category: str | None) -> str:
@@ -48,7 +49,7 @@ def parse_record(rec: dict, n: int, where: str, default_task: str | None = None)
         raise Eagle3Error(f"{where}:{n} has an empty turn")
     qid = rec.get("question_id", rec.get("id", n))
     task = default_task or task_of(rec.get("category"))
-    return Question(str(qid), task, tuple(turns))
+    return Question(str(qid), task, tuple(turns), str(rec.get("category") or task))
 
 
 def read_questions(path: str | Path, default_task: str | None = None) -> list[Question]:
@@ -78,7 +79,8 @@ def read_questions(path: str | Path, default_task: str | None = None) -> list[Qu
 
 
 def limit_per_task(questions: list[Question], n: int | None) -> list[Question]:
-    """The first `n` questions of each task (file order kept); all when n is None."""
+    """The first `n` questions of each category (file order kept); all when n is None. A task is
+    its own category except MT-bench, whose 8 subcategories each give n (a stratified subset)."""
     if n is None:
         return list(questions)
     if n < 1:
@@ -86,8 +88,9 @@ def limit_per_task(questions: list[Question], n: int | None) -> list[Question]:
     seen: dict[str, int] = {}
     out = []
     for q in questions:
-        if seen.get(q.task, 0) < n:
-            seen[q.task] = seen.get(q.task, 0) + 1
+        group = q.category or q.task
+        if seen.get(group, 0) < n:
+            seen[group] = seen.get(group, 0) + 1
             out.append(q)
     return out
 
