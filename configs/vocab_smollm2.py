@@ -6,9 +6,9 @@ set, one step budget, one feature store, four output layers.
 Cells: the EAGLE-3 reduced head (Vd 8192), a full-vocabulary head with its own lm_head (VocabTrim's
 source), a head on the target's frozen output embedding (FR-Spec's source) and SpecVocab (the same
 plus a rank-72 = d/8 speculator, auxiliary loss weight 0.1). benchmarks/vocab_methods.py then
-derives the FR-Spec and VocabTrim heads and measures all six in one harness run; docs/draft_vocab.md
-holds the results. Full-vocabulary cells recompute each TTT step in the backward pass (remat):
-their [B, T, 49152] logits would not fit 24 GB seven times over.
+derives the FR-Spec and VocabTrim heads and measures all six in one harness run (runs/vocab_methods/
+report.md; not measured yet on this CPU). Full-vocabulary cells recompute each TTT step in the
+backward pass (remat): their [B, T, 49152] logits would not fit 24 GB seven times over.
 """
 
 import dataclasses
@@ -25,7 +25,7 @@ def get_config() -> AblationConfig:
         load_config(ROOT / "configs/smollm2_135m.py"),
         num_conversations=400,
         epochs=0,
-        max_steps=100,
+        max_steps=30,
         save_every=10,
         export_every=0,
         log_every=5,
