@@ -37,6 +37,20 @@ CFG = dr.DraftConfig(
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+def _numpy_params(cfg, rng, norm_noise):
+    """Params built in numpy from the ParamSpecs (fast): norms 1 + noise, matrices at scale 0.15."""
+    return jax.tree.map(
+        lambda spec: jnp.asarray(
+            (1.0 + norm_noise * rng.normal(size=spec.shape))
+            if spec.init == "ones"
+            else 0.15 * rng.normal(size=spec.shape),
+            jnp.float32,
+        ),
+        dr.param_specs(cfg),
+        is_leaf=lambda x: isinstance(x, ParamSpec),
+    )
+
+
 @functools.cache
 def _setup():
     """Params with non-trivial norms, a 40-of-97 vocab containing id 0, and a padded batch.
@@ -45,17 +59,7 @@ def _setup():
     Row 1: right padding (3 pads). Row 2: left padding (2 pads: fully masked step-0 rows).
     """
     rng = np.random.default_rng(0)
-    # Built in numpy from the ParamSpecs (fast): noisy norms around 1, matrices at scale 0.15.
-    params = jax.tree.map(
-        lambda spec: jnp.asarray(
-            (1.0 + 0.3 * rng.normal(size=spec.shape))
-            if spec.init == "ones"
-            else 0.15 * rng.normal(size=spec.shape),
-            jnp.float32,
-        ),
-        dr.param_specs(CFG),
-        is_leaf=lambda x: isinstance(x, ParamSpec),
-    )
+    params = _numpy_params(CFG, rng, norm_noise=0.3)
     dr.check_params(params, CFG)
     embed = jnp.asarray(rng.normal(size=(V, D)).astype(np.float32))
     counts = rng.integers(0, 50, V)
@@ -366,17 +370,7 @@ def test_specvocab_auxiliary_loss_is_the_speculator_soft_cross_entropy():
     and averaged like ploss; its gradient trains the speculator."""
     _, embed, _, batch = _setup()
     cfg = dataclasses.replace(CFG, draft_vocab_size=V, lm_head_source="target", speculator_rank=4)
-    rng = np.random.default_rng(3)
-    params = jax.tree.map(
-        lambda spec: jnp.asarray(
-            (1.0 + 0.2 * rng.normal(size=spec.shape))
-            if spec.init == "ones"
-            else 0.15 * rng.normal(size=spec.shape),
-            jnp.float32,
-        ),
-        dr.param_specs(cfg),
-        is_leaf=lambda x: isinstance(x, ParamSpec),
-    )
+    params = _numpy_params(cfg, np.random.default_rng(3), norm_noise=0.2)
     params = {**params, "out_embed": embed}  # a tied target: its embedding is the output layer
     t2d = vocab_lib.identity(V).t2d
     kw = dict(steps=3, decay=0.8)

@@ -497,11 +497,6 @@ def _method_setup(method, dparams, dcfg, vocab, tree: TreeConfig):
     choices = None
     if dcfg is not None:  # SpecVocab drafts among its per-row candidates only
         choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
-        if dcfg.uses_target_head and "out_embed" not in dparams:
-            raise Eagle3Error(
-                "this head reads the target's output embedding: load it with "
-                "evaluation.runner.load_head / cli.load_draft_for, which attach it"
-            )
     tree = method_tree(method, tree, choices)
     return dparams, dcfg, vocab, tree
 

@@ -248,13 +248,13 @@ class Models:
 
 
 def load_head(path, target, dtype=None) -> tuple:
-    """(params, cfg, vocab, embed) of the head at path, checked against the target."""
-    from eagle3_jax.checkpoints.eagle_format import check_compatible, load_draft
+    """(params, cfg, vocab, embed) of the head at path, checked against the target (load_draft
+    runs check_compatible when given the target's config)."""
+    from eagle3_jax.checkpoints.eagle_format import load_draft
     from eagle3_jax.models.draft import attach_target_head
 
     kw = {} if dtype is None else {"dtype": dtype}
     params, cfg, vocab, embed = load_draft(path, target.cfg, **kw)
-    check_compatible(cfg, vocab, target.cfg, embed)
     params = attach_target_head(params, cfg, target.params, target.cfg)
     return params, cfg, vocab, embed
 

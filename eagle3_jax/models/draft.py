@@ -141,12 +141,11 @@ class DraftConfig:
             rms_norm_eps=target_cfg.rms_norm_eps,
             rope=RopeConfig(theta=10000.0),
         )
-        unknown = (
-            set(overrides) - set(fields) - {"lm_head_source", "speculator_rank", "spec_candidates"}
-        )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise Eagle3Error(
-                f"unknown DraftConfig field(s) {sorted(unknown)}: valid are {sorted(fields)}"
+                f"unknown DraftConfig field(s) {sorted(unknown)}: valid are "
+                f"{sorted(f.name for f in dataclasses.fields(cls))}"
             )
         return cls(**{**fields, **overrides})
 
