@@ -3,7 +3,7 @@
 FR-Spec, VocabTrim and SpecVocab (and the target-lm_head head FR-Spec is cut from).
 
   .venv/bin/python benchmarks/vocab_methods.py [--grid configs/vocab_smollm2.py] \
-      [--frspec-corpus FILE] [--size 8192] [--bench spec_bench --questions 2]
+      [--frspec-corpus FILE] [--size 8192] [--bench spec_bench --questions 1]
 
 Stages, each resumable (rerun the same command after a stop):
   1. the grid's heads are trained (python -m eagle3_jax.ablate on --grid: one feature store, same
@@ -50,8 +50,8 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--size", type=int, default=8192)
     ap.add_argument("--bench", default="spec_bench")
-    ap.add_argument("--questions", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--questions", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--tree", default="1,4,5")
     ap.add_argument("--out", default=str(ROOT / "runs/vocab_methods"))
     args = ap.parse_args()

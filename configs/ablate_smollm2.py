@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def get_config() -> AblationConfig:
     base = dataclasses.replace(
         load_config(ROOT / "configs/smollm2_135m.py"),
-        num_conversations=400,
+        num_conversations=160,  # exactly the records 20 steps x batch 8 read
         epochs=0,
-        max_steps=30,  # 240 records: ~7 min a cell at ~14 s a step (TTT 7) on 2 cores
-        save_every=25,
+        max_steps=20,  # ~5 min a cell at ~14 s a step (TTT 7) on 2 cores: the grid fits an hour
+        save_every=10,
         export_every=0,
         log_every=5,
     )
@@ -45,6 +45,6 @@ def get_config() -> AblationConfig:
         out_dir="runs/ablate_smollm2",
         bench="mt_bench",
         questions=1,  # per category: 8 questions, 2 turns each
-        max_new_tokens=96,
+        max_new_tokens=64,
         tree=(1, 4, 5),
     )

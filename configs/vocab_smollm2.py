@@ -1,14 +1,22 @@
 """The draft-vocabulary comparison's trained heads on the embedded SmolLM2-135M-Instruct: one data
-set, one step budget, one feature store, four output layers.
+set, one step budget, one feature store, one trunk, four output layers.
 
   .venv/bin/python -m eagle3_jax.ablate --config configs/vocab_smollm2.py
 
 Cells: the EAGLE-3 reduced head (Vd 8192), a full-vocabulary head with its own lm_head (VocabTrim's
 source), a head on the target's frozen output embedding (FR-Spec's source) and SpecVocab (the same
-plus a rank-72 = d/8 speculator, auxiliary loss weight 0.1). benchmarks/vocab_methods.py then
-derives the FR-Spec and VocabTrim heads and measures all six in one harness run (runs/vocab_methods/
-report.md; not measured yet on this CPU). Full-vocabulary cells recompute each TTT step in the
-backward pass (remat): their [B, T, 49152] logits would not fit 24 GB seven times over.
+plus a rank-72 = d/8 speculator, auxiliary loss weight 0.1, SVD start). benchmarks/vocab_methods.py
+then derives the FR-Spec and VocabTrim heads and measures all six in one harness run
+(runs/vocab_methods/report.md; results in docs/draft_vocab.md).
+
+A 2-core CPU cannot train four heads from scratch to a useful tau in one session (the shipped head
+took 180 steps for tau 1.15; 20 steps from scratch give ~1.02, where every method ties). So every
+cell starts from the SAME trained trunk, the shipped head's fc, decoder layer and norm
+(init_trunk), with its output layer fresh: own lm_head rows from the target's output embedding
+(head_init=target), the frozen target embedding, or the speculator's SVD start; then 20 steps on the
+same records. What differs between cells is the output layer and its 20 steps of adaptation.
+Full-vocabulary cells recompute each TTT step in the backward pass (remat): their [B, T, 49152]
+logits would not fit 24 GB seven times over.
 """
 
 import dataclasses
@@ -23,10 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def get_config() -> AblationConfig:
     base = dataclasses.replace(
         load_config(ROOT / "configs/smollm2_135m.py"),
-        num_conversations=400,
+        num_conversations=160,  # exactly the records 20 steps x batch 8 read: features for no more
         epochs=0,
-        max_steps=30,
+        max_steps=20,
         save_every=10,
+        init_trunk=str(ROOT / "eagle3_jax/heads/smollm2_135m_instruct"),
+        head_init="target",
         export_every=0,
         log_every=5,
     )
@@ -42,6 +52,6 @@ def get_config() -> AblationConfig:
         out_dir="runs/vocab_smollm2",
         bench="mt_bench",
         questions=1,
-        max_new_tokens=96,
+        max_new_tokens=64,
         tree=(1, 4, 5),
     )

@@ -523,6 +523,34 @@ def test_target_lm_head_reads_the_target_output_embedding():
         dr.head_logits(bare, h, dcfg)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_speculator_svd_init_is_the_best_rank_r_approximation_of_the_target_logits(tied):
+    """(h A) B after the SVD init equals h times the truncated-SVD output embedding (numpy's), and
+    its error is Eckart-Young's: the norm of the dropped singular values."""
+    from eagle3_jax.models import target as tg
+
+    r = 4
+    tcfg = dataclasses.replace(TARGET, tie_word_embeddings=tied)
+    tparams = tg.init_params(tcfg, jax.random.PRNGKey(0))
+    dcfg = dr.DraftConfig.from_target(
+        tcfg, lm_head_source="target", speculator_rank=r, spec_candidates=8
+    )
+    params = dr.init_speculator_svd(
+        dr.init_params(dcfg, jax.random.PRNGKey(1)), tparams, tcfg, dcfg
+    )
+    out = np.asarray(tparams["embed"] if tied else tparams["lm_head"].T, np.float64)  # [V, D]
+    u, s, vt = np.linalg.svd(out, full_matrices=False)
+    best = (u[:, :r] * s[:r]) @ vt[:r]  # [V, D]
+    h = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (5, HT)), np.float64)
+    got = np.asarray(dr.speculator_logits(params, jnp.asarray(h, jnp.float32)), np.float64)
+    np.testing.assert_allclose(got, h @ best.T, rtol=1e-4, atol=1e-4)
+    ab = np.asarray(params["spec_a"], np.float64) @ np.asarray(params["spec_b"], np.float64)
+    np.testing.assert_allclose(np.linalg.norm(ab.T - out), np.sqrt((s[r:] ** 2).sum()), rtol=1e-4)
+    plain = dr.DraftConfig.from_target(tcfg)
+    with pytest.raises(Eagle3Error, match="no speculator"):
+        dr.init_speculator_svd(dr.init_params(plain, jax.random.PRNGKey(1)), tparams, tcfg, plain)
+
+
 @pytest.mark.parametrize("k_cand", [V, 16])
 def test_specvocab_topk_is_the_exact_topk_among_the_speculator_candidates(k_cand):
     from eagle3_jax.models.layers import rms_norm

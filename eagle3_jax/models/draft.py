@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eagle3_jax.config import RopeConfig, TargetConfig, rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
@@ -233,6 +234,29 @@ def init_output_from_target(
     new = dict(params)
     new["lm_head"] = lm_DC.astype(params["lm_head"].dtype)
     new["final_norm"] = target_params["final_norm"].astype(params["final_norm"].dtype)
+    return new
+
+
+def init_speculator_svd(params: Params, target_params: Params, tcfg, cfg: DraftConfig) -> Params:
+    """A copy of `params` whose SpecVocab speculator is the best rank-r approximation of the
+    target's output embedding: with out_VD = U S V^T (truncated to r), spec_a = V sqrt(S) [D, r]
+    and spec_b = sqrt(S) U^T [r, V], so (h A) B = h (out_VD)_r^T, the target's own logits for
+    `h` through an r-dimensional bottleneck (Eckart-Young). Training then adapts it to the head.
+    """
+    if not cfg.speculator_rank:
+        raise Eagle3Error("init_speculator_svd: this head has no speculator (speculator_rank 0)")
+    out_VD = target_params["embed"] if tcfg.tie_word_embeddings else target_params["lm_head"].T
+    w = np.asarray(out_VD, np.float32)
+    # SVD of the small Gram side: out^T out = V S^2 V^T ([D, D]), then U S = out V
+    evals, evecs = np.linalg.eigh(w.T.astype(np.float64) @ w.astype(np.float64))
+    order = np.argsort(evals)[::-1][: cfg.speculator_rank]
+    s = np.sqrt(np.maximum(evals[order], 0.0))
+    v_Dr = evecs[:, order]
+    us_Vr = w.astype(np.float64) @ v_Dr  # = U S
+    root = np.sqrt(np.maximum(s, 1e-12))
+    new = dict(params)
+    new["spec_a"] = jnp.asarray(v_Dr * root, params["spec_a"].dtype)
+    new["spec_b"] = jnp.asarray((us_Vr / root).T, params["spec_b"].dtype)
     return new
 
 

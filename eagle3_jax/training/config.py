@@ -41,8 +41,13 @@ class TrainConfig:
     # output layer (docs/draft_vocab.md): "own" lm_head over Vd, or "target" = the target's frozen
     # output embedding over the full vocabulary (FR-Spec's source head; SpecVocab)
     lm_head_source: str = "own"
+    init_trunk: str = ""  # a head directory whose fc, decoder layer and final norm this run
+    # starts from, while the output layer starts as head_init / speculator_init say: compare output
+    # layers (draft-vocabulary methods) on one trained trunk. Same target, aux layers and sizes.
     speculator_rank: int = 0  # SpecVocab: > 0 trains a (h A) B speculator, rank r (d/8 published)
     speculator_loss_weight: float = 0.1  # SpecVocab's auxiliary loss weight (published 0.1)
+    speculator_init: str = "svd"  # "svd": (h A) B starts as the best rank-r approximation of the
+    # target's output embedding (truncated SVD: the target's own logits, compressed); "random"
     remat: bool = False  # recompute each TTT step in the backward pass (full-vocabulary memory)
     # optimisation
     lr: float = 1e-4
@@ -83,6 +88,13 @@ class TrainConfig:
             raise Eagle3Error(
                 "speculator_rank > 0 (SpecVocab) needs lm_head_source=target: its exact "
                 "logits come from the target's output embedding"
+            )
+        if self.speculator_init not in ("svd", "random"):
+            raise Eagle3Error(f"speculator_init {self.speculator_init!r}: use svd or random")
+        if self.init_head and self.init_trunk:
+            raise Eagle3Error(
+                "init_head and init_trunk both set: init_head continues a whole head, "
+                "init_trunk takes only its fc/layer/norm; choose one"
             )
         if self.head_init not in ("random", "target"):
             raise Eagle3Error(f"head_init {self.head_init!r}: use random or target")

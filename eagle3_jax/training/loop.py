@@ -180,6 +180,29 @@ def start_from_head(path: str, dcfg, vocab, tcfg, dtype):
     return params
 
 
+TRUNK = ("fc", "layer", "final_norm")
+
+
+def start_trunk_from(path: str, dparams, dcfg, tcfg, dtype):
+    """`dparams` with fc, decoder layer and final norm taken from the head at `path` (trained);
+    its output layer is left as this run initialised it. Refused unless the trunks match."""
+    from eagle3_jax.checkpoints.eagle_format import load_draft
+
+    params, cfg, _, _ = load_draft(path, tcfg, dtype=dtype)
+    trunk_fields = ("aux_layer_ids", "hidden_size", "intermediate_size", "num_heads",
+                    "num_kv_heads", "head_dim", "feature_size")  # fmt: skip
+    diff = [f for f in trunk_fields if getattr(cfg, f, None) != getattr(dcfg, f, None)]
+    if diff:
+        raise Eagle3Error(
+            f"init_trunk {path} differs from this run's head in {', '.join(diff)}: its fc, "
+            "layer and norm only fit a head with the same aux layers and sizes"
+        )
+    new = dict(dparams)
+    for k in TRUNK:
+        new[k] = jax.tree.map(lambda a: a.astype(dtype), params[k])
+    return new
+
+
 def export_head(path: Path, state, dcfg, vocab, tc: TrainConfig, step: int, tokens: int) -> Path:
     """The head at this step in the official format, plus training.json (step, tokens seen)."""
     from eagle3_jax.checkpoints.eagle_format import save_draft
@@ -262,6 +285,10 @@ def train(
             **dparams,
             "final_norm": target.params["final_norm"].astype(DTYPES[tc.param_dtype]),
         }
+    if dcfg.speculator_rank and tc.speculator_init == "svd" and not tc.init_head:
+        dparams = drf.init_speculator_svd(dparams, target.params, tcfg, dcfg)
+    if tc.init_trunk:
+        dparams = start_trunk_from(tc.init_trunk, dparams, dcfg, tcfg, DTYPES[tc.param_dtype])
     state_sh = None
     if mesh is not None:
         dparams = jax.tree.map(jax.device_put, dparams, drf.param_shardings(dcfg, mesh))
