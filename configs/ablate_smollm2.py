@@ -27,7 +27,7 @@ def get_config() -> AblationConfig:
         max_steps=20,  # ~5 min a cell at ~14 s a step (TTT 7) on 2 cores: the grid fits an hour
         save_every=10,
         export_every=0,
-        log_every=5,
+        log_every=1,  # every step scored before its update: acc_i = mean of the last 5 (unseen)
     )
     return AblationConfig(
         base=base,
@@ -47,4 +47,5 @@ def get_config() -> AblationConfig:
         questions=1,  # per category: 8 questions, 2 turns each
         max_new_tokens=64,
         tree=(1, 4, 5),
+        acc_window=5,
     )

@@ -96,3 +96,23 @@ def test_bad_grids_are_refused(tiny_target_dir, tmp_path):
     argv = ["--config", str(ROOT / "configs/ablate_tiny.py"), "--out", str(tmp_path / "g"),
             f"--config.target={tiny_target_dir}", f"--config.data={data}", "--cells", "nope"]  # fmt: skip
     assert main(argv) == 2
+
+
+def test_final_metrics_average_the_last_logged_steps(tmp_path):
+    from eagle3_jax.ablation import final_metrics
+
+    recs = [
+        {"step": 1, "loss": 4.0, "acc_0": 0.0, "acc_1": 0.0, "tokens": 10},
+        {"step": 2, "loss": 3.0, "acc_0": 0.2, "acc_1": 0.1, "tokens": 20},
+        {"step": 3, "loss": 1.0, "acc_0": 0.4, "acc_1": None, "tokens": 30},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    last = final_metrics(tmp_path)
+    assert last["acc_0"] == 0.4 and last["loss"] == 1.0 and last["window"] == 1
+    two = final_metrics(tmp_path, window=2)
+    assert two["step"] == 3 and two["tokens"] == 30 and two["window"] == 2
+    assert two["loss"] == pytest.approx(2.0) and two["acc_0"] == pytest.approx(0.3)
+    assert two["acc_1"] == pytest.approx(0.1)  # a step that logged no value is skipped
+    assert final_metrics(tmp_path / "absent") == {}
+    with pytest.raises(Eagle3Error, match="acc_window"):
+        AblationConfig(base=TrainConfig(), cells=(Cell("a"),), acc_window=0).validate()
