@@ -4,8 +4,9 @@ set, one step budget, one feature store, one trunk, four output layers.
   .venv/bin/python -m eagle3_jax.ablate --config configs/vocab_smollm2.py
 
 Cells: the EAGLE-3 reduced head (Vd 8192), a full-vocabulary head with its own lm_head (VocabTrim's
-source), a head on the target's frozen output embedding (FR-Spec's source) and SpecVocab (the same
-plus a rank-72 = d/8 speculator, auxiliary loss weight 0.1, SVD start). benchmarks/vocab_methods.py
+source), a head on the target's frozen output embedding (FR-Spec's source), SpecVocab (the same
+plus a rank-72 = d/8 speculator, auxiliary loss weight 0.1, SVD start) and SpecVocab without the
+auxiliary loss (weight 0: what the loss buys). benchmarks/vocab_methods.py
 then derives the FR-Spec and VocabTrim heads and measures all six in one harness run
 (runs/vocab_methods/report.md; results in docs/draft_vocab.md).
 
@@ -48,6 +49,17 @@ def get_config() -> AblationConfig:
             Cell("full_vocab", full),
             Cell("target_lm_head", {**full, "lm_head_source": "target"}),
             Cell("specvocab", {**full, "lm_head_source": "target", "speculator_rank": 72}),
+            # the auxiliary loss measured: the same speculator left at its SVD start, and no
+            # auxiliary gradient reaching the layer
+            Cell(
+                "specvocab_noaux",
+                {
+                    **full,
+                    "lm_head_source": "target",
+                    "speculator_rank": 72,
+                    "speculator_loss_weight": 0.0,
+                },
+            ),  # fmt: skip
         ),
         out_dir="runs/vocab_smollm2",
         bench="mt_bench",
