@@ -177,7 +177,7 @@ def _reference(params, embed, batch, t2d, steps, decay, fw):
     cache = dr.make_cache(CFG, B, s)
     feat = batch["aux"]
     pos = np.broadcast_to(np.arange(T), (B, T))
-    total, plosses, accs, vlosses = 0.0, [], [], []
+    total, plosses, accs, vlosses, xents = 0.0, [], [], [], []
     for i in range(steps):
         mask = np.zeros((B, T, s), bool)
         mask[:, :, : (i + 1) * T] = _dense_mask(valid, i)
@@ -210,10 +210,11 @@ def _reference(params, embed, batch, t2d, steps, decay, fw):
         vloss = (sl1.mean(-1) * fm).sum() / (fm.sum() + 1e-5)
         total += decay**i * (ploss + fw * vloss)
         plosses.append(ploss)
+        xents.append(-(pm[..., None] * tp * logp).sum() / pm.sum())
         accs.append(acc)
         vlosses.append(vloss)
         ids, tgt, lm, th, has_next, nxt = (_shift(x) for x in (ids, tgt, lm, th, has_next, nxt))
-    return total, np.array(plosses), np.array(accs), np.array(vlosses)
+    return total, np.array(plosses), np.array(accs), np.array(vlosses), np.array(xents)
 
 
 def test_loss_and_metrics_equal_dense_per_step_reference():
@@ -221,8 +222,9 @@ def test_loss_and_metrics_equal_dense_per_step_reference():
     loss, m = ttt_loss(
         params, embed, batch, CFG, voc.t2d, steps=STEPS, decay=0.8, feature_loss_weight=0.5
     )
-    want, pl, acc, vl = _reference(params, embed, batch, voc.t2d, STEPS, 0.8, 0.5)
+    want, pl, acc, vl, xent = _reference(params, embed, batch, voc.t2d, STEPS, 0.8, 0.5)
     np.testing.assert_allclose(m["ploss"], pl, **TOL)
+    np.testing.assert_allclose(m["xent"], xent, **TOL)  # per supervised position
     np.testing.assert_allclose(m["vloss"], vl, **TOL)
     np.testing.assert_allclose(m["acc"], acc, **TOL)
     np.testing.assert_allclose(loss, want, **TOL)
@@ -269,7 +271,7 @@ def test_one_step_is_plain_training_and_gradients_flow():
     params, embed, voc, batch = _setup()
     loss1, m1 = ttt_loss(params, embed, batch, CFG, voc.t2d, steps=1)
     g, m5 = _grads(False)
-    want1, _, _, _ = _reference(params, embed, batch, voc.t2d, 1, 0.8, 0.0)
+    want1, _, _, _, _ = _reference(params, embed, batch, voc.t2d, 1, 0.8, 0.0)
     np.testing.assert_allclose(loss1, want1, **TOL)
     np.testing.assert_allclose(loss1, m5["ploss"][0], **TOL)
     np.testing.assert_allclose(m1["acc"][0], m5["acc"][0], **TOL)

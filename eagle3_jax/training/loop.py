@@ -367,7 +367,7 @@ def train(
                 "tokens": tokens_seen,
                 "tokens_per_s": tokens_since / (now - t_last),
             }
-            for name in ("acc", "ploss", "sloss", "sacc"):
+            for name in ("acc", "xent", "ploss", "sloss", "sacc"):
                 if name not in m:
                     continue
                 for i, v in enumerate(np.asarray(m[name]).reshape(-1)):

@@ -306,7 +306,12 @@ def ttt_loss(
             hit = (jnp.argmax(logits_BTC, axis=-1) == at(tp_top_ext, i)).astype(f32)
             correct = jax.lax.stop_gradient(jnp.sum(hit * pm_BT))
             denom = jnp.sum(lm_BT)
-            out = {"ploss": ploss, "correct": correct, "denom": denom}
+            out = {
+                "ploss": ploss,
+                "correct": correct,
+                "denom": denom,
+                "pcount": jax.lax.stop_gradient(jnp.sum(pm_BT)),
+            }
             if feature_loss:
                 fm_BT = lm_BT * at(has_next_ext, i)
                 diff = h_new.astype(f32) - at(th_ext, i)
@@ -336,6 +341,9 @@ def ttt_loss(
     metrics = dict(per_step)
     metrics["acc"] = per_step["correct"] / (per_step["denom"] + ACC_EPS)
     metrics["ploss"] = jax.lax.stop_gradient(per_step["ploss"])
+    # cross-entropy per supervised position: ploss is scaled by B * mean_len so that padding
+    # leaves it unchanged, hence it grows with a batch's supervised tokens; xent does not
+    metrics["xent"] = metrics["ploss"] * (b * mean_len) / (per_step["pcount"] + ACC_EPS)
     if feature_loss:
         metrics["vloss"] = jax.lax.stop_gradient(per_step["vloss"])
     if speculator:
