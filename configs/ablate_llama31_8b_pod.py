@@ -38,6 +38,7 @@ def get_config() -> AblationConfig:
             Cell("ttt_1", {"ttt_steps": 1}),
             Cell("ttt_3", {"ttt_steps": 3}),
             Cell("feature_loss", {"feature_loss_weight": 1.0}),
+            Cell("vd_64000", {"draft_vocab_size": 64000}),
         ),
         out_dir="runs/ablate_llama31_8b",
         bench="spec_bench",

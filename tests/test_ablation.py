@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from eagle3_jax.ablate import main
@@ -14,8 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _data(tmp_path):
-    import numpy as np
-
     rng = np.random.default_rng(0)
     recs = []
     for i in range(12):
@@ -79,6 +78,21 @@ def test_two_cell_grid_end_to_end_and_resume(tiny_target_dir, tmp_path, capsys):
         n: (out / "cells" / n / "head/model.safetensors").stat().st_mtime_ns for n in rows
     }
     assert "training" not in capsys.readouterr().err
+    # the same grid on a 2 x 4 mesh of simulated devices (batch over data, matrices over model):
+    # the default cell trains to the same losses as on one device
+    mesh_out = tmp_path / "grid_mesh"
+    argv_mesh = [a if a != str(out) else str(mesh_out) for a in argv]
+    argv_mesh += ["--config.mesh_data=2", "--config.mesh_model=4", "--cells", "default"]
+    assert main(argv_mesh) == 0
+
+    def losses(root):
+        lines = (root / "cells/default/metrics.jsonl").read_text().splitlines()
+        return [json.loads(x)["loss"] for x in lines]
+
+    assert len(losses(out)) == 6
+    np.testing.assert_allclose(losses(mesh_out), losses(out), rtol=2e-4)
+    mesh_row = json.loads((mesh_out / "results.json").read_text())["cells"][0]
+    assert mesh_row["fc_input_width"] == rows["default"]["fc_input_width"]
 
 
 def test_bad_grids_are_refused(tiny_target_dir, tmp_path):
