@@ -66,4 +66,5 @@ def get_config() -> AblationConfig:
         questions=1,
         max_new_tokens=64,
         tree=(1, 4, 5),
+        evaluate=False,  # benchmarks/vocab_methods.py measures every head in one harness run
     )

@@ -29,6 +29,9 @@ def parse_args(argv=None):
     p.add_argument("--cells", default=None, help="comma list of cell names (default: all)")
     p.add_argument("--bench", default=None, help="override the grid's evaluation bench")
     p.add_argument("--questions", type=int, default=None, help="override questions per task")
+    p.add_argument(
+        "--no-eval", action="store_true", help="train the cells only (no harness run per cell)"
+    )
     p.add_argument("--no-progress", action="store_true")
     return p.parse_known_args(argv)
 
@@ -46,6 +49,8 @@ def main(argv=None) -> int:
                 ac = dataclasses.replace(ac, **{name: getattr(args, name)})
         if args.out:
             ac = dataclasses.replace(ac, out_dir=args.out)
+        if args.no_eval:
+            ac = dataclasses.replace(ac, evaluate=False)
         only = [c.strip() for c in args.cells.split(",")] if args.cells else None
         result = run_ablation(ac, only=only, progress=not args.no_progress)
     except Eagle3Error as e:

@@ -59,6 +59,7 @@ class AblationConfig:
     # shorter than an epoch make each a batch the head had not trained on yet, scored before its
     # update: progressive validation); 1 = the last logged step alone
     acc_window: int = 1
+    evaluate: bool = True  # False: train only (a caller measures the heads itself, e.g. in one run)
 
     def validate(self) -> AblationConfig:
         if not self.cells:
@@ -189,22 +190,24 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
             train(tc, resume=resume, progress=progress)
             state["train_wall_s"] += time.perf_counter() - t0
             state_path.write_text(json.dumps(state) + "\n")
-        print(f"[{cell.name}] evaluating", file=sys.stderr)
-        k, d, n = ac.tree
-        summary = run_eval(
-            EvalOptions(
-                out=cdir / "eval",
-                target=ac.base.target,
-                drafts=(f"head={cdir / 'head'}",),
-                methods=f"eagle3:{k},{d},{n}",
-                bench=ac.bench,
-                questions=ac.questions,
-                max_new_tokens=ac.max_new_tokens,
-                dtype=ac.dtype,
-                progress=progress,
-                baseline=False,
+        summary = None
+        if ac.evaluate:
+            print(f"[{cell.name}] evaluating", file=sys.stderr)
+            k, d, n = ac.tree
+            summary = run_eval(
+                EvalOptions(
+                    out=cdir / "eval",
+                    target=ac.base.target,
+                    drafts=(f"head={cdir / 'head'}",),
+                    methods=f"eagle3:{k},{d},{n}",
+                    bench=ac.bench,
+                    questions=ac.questions,
+                    max_new_tokens=ac.max_new_tokens,
+                    dtype=ac.dtype,
+                    progress=progress,
+                    baseline=False,
+                )
             )
-        )
         rows.append(cell_row(cell, tc, cdir, summary, state["train_wall_s"], tcfg, ac.acc_window))
     result = {
         "config": {
@@ -213,6 +216,7 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
             "max_new_tokens": ac.max_new_tokens,
             "tree": list(ac.tree),
             "acc_window": ac.acc_window,
+            "evaluate": ac.evaluate,
             "feature_layers": list(layers),
             "base": json.loads(json.dumps(dataclasses.asdict(ac.base))),
         },
@@ -227,8 +231,7 @@ def cell_row(
 ) -> dict:
     from eagle3_jax.checkpoints.eagle_format import load_draft
 
-    label = summary["methods"][0]
-    s = summary["by_method"][label]
+    s = summary["by_method"][summary["methods"][0]] if summary else None
     last = final_metrics(cdir, window)
     params, dcfg, _, _ = load_draft(cdir / "head", tcfg)
     return {
@@ -239,9 +242,9 @@ def cell_row(
         "ttt_steps": tc.ttt_steps,
         "feature_loss_weight": tc.feature_loss_weight,
         "draft_vocab_size": dcfg.draft_vocab_size,
-        "tau": s["overall"]["tau"]["mean"],
-        "tau_by_task": {t: g["tau"]["mean"] for t, g in s["tasks"].items()},
-        "acceptance_by_depth": s["overall"]["acceptance_by_depth"],
+        "tau": s["overall"]["tau"]["mean"] if s else None,
+        "tau_by_task": {t: g["tau"]["mean"] for t, g in s["tasks"].items()} if s else {},
+        "acceptance_by_depth": s["overall"]["acceptance_by_depth"] if s else None,
         "final_acc": [last.get(f"acc_{i}") for i in range(tc.ttt_steps)],
         "final_loss": last.get("loss"),
         "steps": last.get("step"),
@@ -262,33 +265,47 @@ def report_markdown(result: dict) -> str:
         "# Ablation",
         "",
         f"Every cell trained from the same precomputed features (layers {cfg['feature_layers']}), "
-        f"data order and step budget; evaluated greedily on `{cfg['bench']}` "
-        f"({cfg['questions']} questions per task, {cfg['max_new_tokens']} new tokens per turn, "
-        f"tree top_k,depth,total = {','.join(map(str, cfg['tree']))}). τ = tokens per target "
-        "forward; acc_i = training accuracy of TTT step i, "
+        f"data order and step budget; "
+        + (
+            f"evaluated greedily on `{cfg['bench']}` ({cfg['questions']} questions per task, "
+            f"{cfg['max_new_tokens']} new tokens per turn, tree top_k,depth,total = "
+            f"{','.join(map(str, cfg['tree']))}). τ = tokens per target forward; "
+            if cfg.get("evaluate", True)
+            else "not evaluated here (evaluate=False). "
+        )
+        + "acc_i = training accuracy of TTT step i, "
         + (
             f"mean of the last {cfg['acc_window']} logged steps."
             if cfg.get("acc_window", 1) > 1
             else "at the last logged step."
         ),
         "",
-        "| cell | aux layers | fc in | TTT | feat. loss | Vd | "
-        + " | ".join(f"τ {t}" for t in tasks)
-        + " | τ | "
-        + " | ".join(f"acc_{i}" for i in range(steps))
-        + " | train s |",
+        "| "
+        + " | ".join(
+            ["cell", "aux layers", "fc in", "TTT", "feat. loss", "Vd"]
+            + [f"τ {t}" for t in tasks]
+            + ["τ"]
+            + [f"acc_{i}" for i in range(steps)]
+            + ["train s"]
+        )
+        + " |",
         "|" + " --- |" * (8 + len(tasks) + steps),
     ]
     for r in rows:
         accs = [_f(a) for a in r["final_acc"]] + [""] * (steps - len(r["final_acc"]))
-        lines.append(
-            f"| {r['cell']} | {','.join(map(str, r['aux_layer_ids']))} | {r['fc_input_width']} | "
-            f"{r['ttt_steps']} | {r['feature_loss_weight']:g} | {r['draft_vocab_size']} | "
-            + " | ".join(_f(r["tau_by_task"].get(t)) for t in tasks)
-            + f" | {_f(r['tau'])} | "
-            + " | ".join(accs)
-            + f" | {r['train_wall_s']:.0f} |"
-        )
+        cells = [
+            r["cell"],
+            ",".join(map(str, r["aux_layer_ids"])),
+            str(r["fc_input_width"]),
+            str(r["ttt_steps"]),
+            f"{r['feature_loss_weight']:g}",
+            str(r["draft_vocab_size"]),
+            *(_f(r["tau_by_task"].get(t)) for t in tasks),
+            _f(r["tau"]),
+            *accs,
+            f"{r['train_wall_s']:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -304,7 +321,7 @@ def write_outputs(out: Path, result: dict) -> None:
     (out / "report.md").write_text(report_markdown(result))
     rows = result["cells"]
     fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows) + 2), 4))
-    ax.bar(range(len(rows)), [r["tau"] or 0 for r in rows])
+    ax.bar(range(len(rows)), [r["tau"] or 0 for r in rows])  # 0: a cell not evaluated
     ax.set_xticks(range(len(rows)), [r["cell"] for r in rows], rotation=30, ha="right")
     ax.set_ylabel("τ (tokens per target forward)")
     ax.grid(axis="y", alpha=0.3)

@@ -83,7 +83,7 @@ def test_two_cell_grid_end_to_end_and_resume(tiny_target_dir, tmp_path, capsys):
     mesh_out = tmp_path / "grid_mesh"
     argv_mesh = [a if a != str(out) else str(mesh_out) for a in argv]
     argv_mesh += ["--config.mesh_data=2", "--config.mesh_model=4", "--cells", "default"]
-    assert main(argv_mesh) == 0
+    assert main(argv_mesh + ["--no-eval"]) == 0  # train only: no harness run, no tau
 
     def losses(root):
         lines = (root / "cells/default/metrics.jsonl").read_text().splitlines()
@@ -91,8 +91,12 @@ def test_two_cell_grid_end_to_end_and_resume(tiny_target_dir, tmp_path, capsys):
 
     assert len(losses(out)) == 6
     np.testing.assert_allclose(losses(mesh_out), losses(out), rtol=2e-4)
-    mesh_row = json.loads((mesh_out / "results.json").read_text())["cells"][0]
+    mesh_res = json.loads((mesh_out / "results.json").read_text())
+    mesh_row = mesh_res["cells"][0]
     assert mesh_row["fc_input_width"] == rows["default"]["fc_input_width"]
+    assert mesh_row["tau"] is None and not (mesh_out / "cells/default/eval").exists()
+    assert mesh_res["config"]["evaluate"] is False
+    assert "not evaluated here" in (mesh_out / "report.md").read_text()
 
 
 def test_bad_grids_are_refused(tiny_target_dir, tmp_path):
