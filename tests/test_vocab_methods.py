@@ -102,3 +102,50 @@ def test_trimmed_logits_are_the_full_heads_on_the_subset(target, tmp_path, sourc
     assert (np.asarray(tok) == want).all()
     with pytest.raises(Eagle3Error, match="already has a reduced vocabulary"):
         trim_head(p2, c2, v2, target.params, target.cfg, ids[:3])
+
+
+def test_speculator_recall_benchmark(target, tiny_target_dir, tmp_path):
+    """benchmarks/speculator_recall.py: a full-rank SVD speculator ranks exactly as the exact
+    logits (head@1 = 1), every k = V recall is 1 and top1@V is the exact top-1; a rank-2 one
+    recalls less at small k, monotonically in k."""
+    import importlib.util
+    from pathlib import Path
+
+    spec_ = importlib.util.spec_from_file_location(
+        "speculator_recall", Path(__file__).resolve().parents[1] / "benchmarks/speculator_recall.py"
+    )
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    cfg = target.cfg
+    v, d = cfg.vocab_size, cfg.hidden_size
+    heads = []
+    for name, rank in (("full_rank", d), ("rank2", 2)):
+        dcfg = drf.DraftConfig.from_target(
+            cfg, lm_head_source="target", speculator_rank=rank, spec_candidates=v
+        )
+        params = drf.init_params(dcfg, jax.random.PRNGKey(4), scale=0.2)
+        params = drf.init_speculator_svd(params, target.params, cfg, dcfg)
+        save_draft(tmp_path / name, params, dcfg, vocab_lib.identity(v), "float32")
+        heads += ["--draft", f"{name}={tmp_path / name}"]
+    data = tmp_path / "c.jsonl"
+    recs = [
+        {"conversations": [{"from": "human", "value": "w7 w8 w9"}, {"from": "gpt", "value": t}]}
+        for t in ["w5 w6 w5 w11 w12 w30", "w5 w9 w40 w41 w42", "w10 w5 w6 w60 w61 w62 w63"]
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in recs))
+    out = tmp_path / "recall.json"
+    argv = ["--target", str(tiny_target_dir), "--data", str(data), "--records", "0:3",
+            "--k", f"1,4,{v}", "--max-len", "64", "--out", str(out), *heads]  # fmt: skip
+    assert mod.main(argv) == 0
+    rows = {r["head"]: r for r in json.loads(out.read_text())["rows"]}
+    for r in rows.values():
+        assert r["positions"] > 10
+        assert r[f"head@{v}"] == r[f"target@{v}"] == 1.0
+        assert r[f"top1@{v}"] == r["exact_top1"]
+        assert r["head@1"] <= r["head@4"] <= r[f"head@{v}"]
+        assert r["target@1"] <= r["target@4"] <= r[f"target@{v}"]
+    assert rows["full_rank"]["head@1"] == 1.0
+    assert rows["rank2"]["head@1"] < 1.0
+    with pytest.raises(Eagle3Error, match="no speculator"):
+        mod.main(["--target", str(tiny_target_dir), "--data", str(data), "--records", "0:3",
+                  "--draft", str(_heads(target, tmp_path)["tied"])])  # fmt: skip
