@@ -44,13 +44,18 @@ def _heads(target, tmp_path):
     return out
 
 
-def test_count_and_trim_end_to_end(target, tiny_target_dir, tmp_path):
-    corpus = tmp_path / "c.jsonl"
+def _corpus(path, question, answers):
+    """A ShareGPT-style jsonl file: one conversation per answer, all to the same question."""
     recs = [
-        {"conversations": [{"from": "human", "value": "w7 w7 w8"}, {"from": "gpt", "value": t}]}
-        for t in ["w5 w6 w5", "w5 w9", "w10 w5 w6"]
+        {"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": a}]}
+        for a in answers
     ]
-    corpus.write_text("\n".join(json.dumps(r) for r in recs))
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    return path
+
+
+def test_count_and_trim_end_to_end(target, tiny_target_dir, tmp_path):
+    corpus = _corpus(tmp_path / "c.jsonl", "w7 w7 w8", ["w5 w6 w5", "w5 w9", "w10 w5 w6"])
     counts_path = tmp_path / "counts.npy"
     assert main(["count", "--target", str(tiny_target_dir), "--corpus", str(corpus),
                  "--out", str(counts_path)]) == 0  # fmt: skip
@@ -127,12 +132,8 @@ def test_speculator_recall_benchmark(target, tiny_target_dir, tmp_path):
         params = drf.init_speculator_svd(params, target.params, cfg, dcfg)
         save_draft(tmp_path / name, params, dcfg, vocab_lib.identity(v), "float32")
         heads += ["--draft", f"{name}={tmp_path / name}"]
-    data = tmp_path / "c.jsonl"
-    recs = [
-        {"conversations": [{"from": "human", "value": "w7 w8 w9"}, {"from": "gpt", "value": t}]}
-        for t in ["w5 w6 w5 w11 w12 w30", "w5 w9 w40 w41 w42", "w10 w5 w6 w60 w61 w62 w63"]
-    ]
-    data.write_text("\n".join(json.dumps(r) for r in recs))
+    answers = ["w5 w6 w5 w11 w12 w30", "w5 w9 w40 w41 w42", "w10 w5 w6 w60 w61 w62 w63"]
+    data = _corpus(tmp_path / "c.jsonl", "w7 w8 w9", answers)
     out = tmp_path / "recall.json"
     argv = ["--target", str(tiny_target_dir), "--data", str(data), "--records", "0:3",
             "--k", f"1,4,{v}", "--max-len", "64", "--out", str(out), *heads]  # fmt: skip
