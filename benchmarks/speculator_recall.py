@@ -14,7 +14,7 @@ normed draft state:
   - target@k: the target's next token is among the top k (a draft that can be accepted exists);
   - top1@k: SpecVocab's top-1 with k candidates equals the target's next token (an accepted first
     draft token), beside `exact top1`, the same with all V exact logits (k = V).
-Prints a table and writes benchmarks/results/speculator_recall.json.
+Prints a table and writes benchmarks/results/speculator_recall.json (and the table as .md).
 """
 
 from __future__ import annotations
@@ -130,19 +130,21 @@ def main(argv=None) -> int:
                 row[f"{m}@{k}"] = s[f"{m}@{k}"] / s["n"]
         rows_out.append(row)
     cols = [f"{m}@{k}" for m in ("head", "target", "top1") for k in ks]
-    print("| head | positions | " + " | ".join(cols) + " | exact top1 |")
-    print("|" + " --- |" * (len(cols) + 3))
+    table = ["| head | positions | " + " | ".join(cols) + " | exact top1 |"]
+    table.append("|" + " --- |" * (len(cols) + 3))
     for row in rows_out:
-        print(
+        table.append(
             f"| {row['head']} | {row['positions']} | "
             + " | ".join(f"{row[c]:.3f}" for c in cols)
             + f" | {row['exact_top1']:.3f} |"
         )
+    print("\n".join(table))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"data": args.data, "records": args.records, "k": ks, "target": args.target or "default"}
     out.write_text(json.dumps({"config": meta, "rows": rows_out}, indent=1) + "\n")
-    print(f"wrote {out}")
+    out.with_suffix(".md").write_text("\n".join(table) + "\n")
+    print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 
 

@@ -14,7 +14,8 @@ Stages, each resumable (rerun the same command after a stop):
   3. FR-Spec and VocabTrim heads of Vd --size are cut from the target-lm_head and full heads;
   4. one harness run: vanilla and every head, interleaved per question (tau, throughput, speedup
      per task, exactness);
-  5. drafting time per step of every head (benchmarks/draft_cost.py).
+  5. drafting time per step of every head (benchmarks/draft_cost.py);
+  6. SpecVocab's speculator recall on held-out answers (benchmarks/speculator_recall.py).
 Writes OUT/report.md (the harness table + drafting times) beside the harness's own outputs.
 """
 
@@ -93,6 +94,13 @@ def main() -> None:
         for d in drafts:
             cmd += ["--draft", d]
         run(cmd)
+    recall = out / "speculator_recall.json"
+    spec_heads = [c.name for c in grid.cells if c.overrides.get("speculator_rank")]
+    if spec_heads and not recall.exists():  # 6
+        cmd = [PY, "benchmarks/speculator_recall.py", "--out", str(recall)]
+        for name in spec_heads:
+            cmd += ["--draft", f"{name}={heads[name]}"]
+        run(cmd)
     report = (out / "eval" / "report.md").read_text()
     rows = json.loads(cost.read_text())["rows"]
     lines = [report, "## Drafting time per step (ms, one draft step: layer + output top-k)", ""]
@@ -103,6 +111,9 @@ def main() -> None:
         lines.append(
             f"| {r['head']} | {r['kind']} | " + " | ".join(f"{r[c]:.2f}" for c in rcols) + " |"
         )
+    if recall.exists():
+        lines += ["", "## SpecVocab speculator recall (held-out answers, first draft step)", ""]
+        lines.append(recall.with_suffix(".md").read_text())
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

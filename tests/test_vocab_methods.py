@@ -139,6 +139,7 @@ def test_speculator_recall_benchmark(target, tiny_target_dir, tmp_path):
             "--k", f"1,4,{v}", "--max-len", "64", "--out", str(out), *heads]  # fmt: skip
     assert mod.main(argv) == 0
     rows = {r["head"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "| full_rank |" in out.with_suffix(".md").read_text()
     for r in rows.values():
         assert r["positions"] > 10
         assert r[f"head@{v}"] == r[f"target@{v}"] == 1.0
