@@ -137,7 +137,7 @@ def final_metrics(run: Path, window: int = 1) -> dict:
 
 
 def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bool = True) -> dict:
-    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.checkpoints import load_target_config
     from eagle3_jax.evaluation.runner import EvalOptions, run_eval
     from eagle3_jax.training.loop import precompute_features, train
 
@@ -148,7 +148,7 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
         raise Eagle3Error(f"no cell named {', '.join(missing)} in this grid")
     out = Path(ac.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tcfg = load_target(ac.base.target).cfg
+    tcfg = load_target_config(ac.base.target)
     layers = feature_layers(ac, tcfg)
 
     # 1. data and features, once

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle3_jax.checkpoints import load_target
+from eagle3_jax.checkpoints import load_target, load_target_config
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.checkpoints.native import load_native, save_native
 from eagle3_jax.errors import Eagle3Error
@@ -41,6 +41,8 @@ def test_native_format_round_trip_is_exact(hf_checkpoint, tmp_path):
     save_native(tmp_path / "conv", params, cfg)
     again, cfg2 = load_native(tmp_path / "conv")
     assert cfg2 == cfg
+    # the config alone, without reading weights, from either format
+    assert load_target_config(tmp_path / "conv") == cfg == load_target_config(path)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

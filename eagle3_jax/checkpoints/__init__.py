@@ -135,6 +135,16 @@ def load_tokenizer(path: Path):
         ) from e
 
 
+def load_target_config(spec: str | os.PathLike | None = None):
+    """The target's TargetConfig alone (no weights read): what planning code needs."""
+    from eagle3_jax.checkpoints.hf import read_config
+    from eagle3_jax.checkpoints.native import is_native, read_native_config
+    from eagle3_jax.config import target_config_from_hf
+
+    path = resolve_target(spec)
+    return read_native_config(path) if is_native(path) else target_config_from_hf(read_config(path))
+
+
 def load_target(
     spec: str | os.PathLike | None = None, dtype=np.float32, mesh=None, with_tokenizer: bool = True
 ) -> Target:
