@@ -71,8 +71,8 @@ def main(argv=None) -> int:
     aux_ids = aux_ids.pop()
 
     @jax.jit
-    def target_pass(ids_1T):
-        out = tgt.full_forward(target.params, ids_1T, tcfg, aux_ids=aux_ids)
+    def target_pass(tparams, ids_1T):  # params as arguments, not constants XLA would fold
+        out = tgt.full_forward(tparams, ids_1T, tcfg, aux_ids=aux_ids)
         return jnp.argmax(out.logits[0], -1), out.aux
 
     @functools.partial(jax.jit, static_argnames=("dcfg",))
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         padded = -(-length // 64) * 64
         ids = np.full((1, padded), ds.pad_id, np.int32)
         ids[0, :length] = ds.input_ids[r, :length]
-        nxt, aux = target_pass(jnp.asarray(ids))
+        nxt, aux = target_pass(target.params, jnp.asarray(ids))
         nxt = np.asarray(nxt)
         # position t (feature t, token t+1) drafts the token after t+1: the target's argmax at
         # t+1; counted where that token is an answer token inside the record
