@@ -1,5 +1,5 @@
 """The draft-vocabulary comparison's trained heads on the embedded SmolLM2-135M-Instruct: one data
-set, one step budget, one feature store, one trunk, four output layers.
+set, one step budget, one feature store, one trunk, five cells over four output layers.
 
   .venv/bin/python -m eagle3_jax.ablate --config configs/vocab_smollm2.py
 
@@ -7,10 +7,10 @@ Cells: the EAGLE-3 reduced head (Vd 8192), a full-vocabulary head with its own l
 source), a head on the target's frozen output embedding (FR-Spec's source), SpecVocab (the same
 plus a rank-72 = d/8 speculator, auxiliary loss weight 0.1, SVD start) and SpecVocab without the
 auxiliary loss (weight 0: what the loss buys). benchmarks/vocab_methods.py
-then derives the FR-Spec and VocabTrim heads and measures all six in one harness run
+then derives the FR-Spec and VocabTrim heads and measures all seven in one harness run
 (runs/vocab_methods/report.md; results in docs/draft_vocab.md).
 
-A 2-core CPU cannot train four heads from scratch to a useful tau in one session (the shipped head
+A 2-core CPU cannot train five heads from scratch to a useful tau in one session (the shipped head
 took 180 steps for tau 1.15; 20 steps from scratch give ~1.02, where every method ties). So every
 cell starts from the SAME trained trunk, the shipped head's fc, decoder layer and norm
 (init_trunk), with its output layer fresh: own lm_head rows from the target's output embedding

@@ -227,7 +227,13 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
 
 
 def cell_row(
-    cell: Cell, tc: TrainConfig, cdir: Path, summary: dict, wall: float, tcfg, window: int = 1
+    cell: Cell,
+    tc: TrainConfig,
+    cdir: Path,
+    summary: dict | None,  # the harness summary; None: the cell was not evaluated
+    wall: float,
+    tcfg,
+    window: int = 1,
 ) -> dict:
     from eagle3_jax.checkpoints.eagle_format import load_draft
 

@@ -246,13 +246,13 @@ def init_speculator_svd(params: Params, target_params: Params, tcfg, cfg: DraftC
     if not cfg.speculator_rank:
         raise Eagle3Error("init_speculator_svd: this head has no speculator (speculator_rank 0)")
     out_VD = target_params["embed"] if tcfg.tie_word_embeddings else target_params["lm_head"].T
-    w = np.asarray(out_VD, np.float32)
+    w = np.asarray(out_VD, np.float64)
     # SVD of the small Gram side: out^T out = V S^2 V^T ([D, D]), then U S = out V
-    evals, evecs = np.linalg.eigh(w.T.astype(np.float64) @ w.astype(np.float64))
+    evals, evecs = np.linalg.eigh(w.T @ w)
     order = np.argsort(evals)[::-1][: cfg.speculator_rank]
     s = np.sqrt(np.maximum(evals[order], 0.0))
     v_Dr = evecs[:, order]
-    us_Vr = w.astype(np.float64) @ v_Dr  # = U S
+    us_Vr = w @ v_Dr  # = U S
     root = np.sqrt(np.maximum(s, 1e-12))
     new = dict(params)
     new["spec_a"] = jnp.asarray(v_Dr * root, params["spec_a"].dtype)
