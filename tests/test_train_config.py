@@ -50,6 +50,8 @@ def test_overrides_use_field_types():
         ("--config.lr=fast", "not a valid"),
         ("--config.ttt_steps=0", "ttt_steps 0 < 1"),
         ("--config.features=disk", "use online or offline"),
+        ("--config.log_every=0", "log_every 0 < 1"),
+        ("--config.save_every=-1", "save_every -1 < 0"),
         ("lr=1", "bad override"),
     ],
 )

@@ -88,8 +88,15 @@ def test_init_head_continues_a_head_with_its_vocabulary(tiny_target_dir, tmp_pat
     )
     head = train(first, progress=False)["head"]
     # lr 0 for one step: the continued run exports exactly the head it started from
+    # (save_every 0: one checkpoint, at the last step)
     cont = dataclasses.replace(
-        first, out_dir=str(tmp_path / "b"), init_head=head, lr=0.0, max_steps=1, seed=9
+        first,
+        out_dir=str(tmp_path / "b"),
+        init_head=head,
+        lr=0.0,
+        max_steps=1,
+        seed=9,
+        save_every=0,
     )
     again = train(cont, progress=False)["head"]
     (p0, c0, v0, _), (p1, c1, v1, _) = load_draft(head), load_draft(again)

@@ -73,13 +73,18 @@ class TrainConfig:
     mesh_model: int = 1
     # bookkeeping
     out_dir: str = "runs/default"
-    save_every: int = 200
+    save_every: int = 200  # 0: a checkpoint at the last step only
     keep_checkpoints: int = 3
     export_every: int = 0  # > 0: also export the head to out_dir/heads/step_N every N steps
     log_every: int = 10
     export_dtype: str = "bfloat16"
 
     def validate(self) -> TrainConfig:
+        if self.log_every < 1:
+            raise Eagle3Error(f"log_every {self.log_every} < 1 (the last step is always logged)")
+        for name in ("save_every", "export_every", "max_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise Eagle3Error(f"{name} {getattr(self, name)} < 0 (0 = off)")
         if self.ttt_steps < 1:
             raise Eagle3Error(f"ttt_steps {self.ttt_steps} < 1 (1 means no training-time test)")
         if self.lm_head_source not in ("own", "target"):

@@ -378,7 +378,7 @@ def train(
             accs = " ".join(f"{rec[f'acc_{i}']:.2f}" for i in range(tc.ttt_steps))
             bar.set_postfix_str(f"loss {loss:.3f} acc {accs} {rec['tokens_per_s']:.0f} tok/s")
         bar.update(1)
-        if step % tc.save_every == 0 or step == total:
+        if (tc.save_every and step % tc.save_every == 0) or step == total:
             ckpt.save(step, state, {**meta, "data_step": step, "tokens_seen": tokens_seen})
         if tc.export_every and step % tc.export_every == 0 and step != total:
             export_head(
