@@ -7,7 +7,9 @@ loss, Vd 8192): which layers to fuse (the top layer alone, four layers, all low,
 length (1, 3), the EAGLE-1/2 feature-regression loss, and a larger draft vocabulary. Every cell
 trains for the same steps on the same records in the same order from one feature store (11
 layers incl. the final state), then decodes the same MT-bench questions with the same chain.
-The table lands in runs/ablate_smollm2/report.md (not measured yet on this CPU).
+Training recipe: batch 1 at lr 1e-3, the fastest learner per token of configs/recipe_smollm2.py
+(batch 8 at 3e-4 leaves every head at acc_0 ~0.05 after these 160 records: no cell could differ).
+Results: docs/ablations.md; the table lands in runs/ablate_smollm2/report.md.
 """
 
 import dataclasses
@@ -22,12 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def get_config() -> AblationConfig:
     base = dataclasses.replace(
         load_config(ROOT / "configs/smollm2_135m.py"),
-        num_conversations=160,  # exactly the records 20 steps x batch 8 read
+        num_conversations=160,  # exactly the records 160 steps x batch 1 read, once
         epochs=0,
-        max_steps=20,  # ~5 min a cell at ~14 s a step (TTT 7) on 2 cores: the grid fits an hour
-        save_every=10,
+        batch_size=1,
+        lr=1e-3,
+        max_steps=160,  # ~5 min a cell (TTT 7) on 2 cores
+        save_every=80,
         export_every=0,
-        log_every=1,  # every step scored before its update: acc_i = mean of the last 5 (unseen)
+        log_every=1,  # every step scored before its update: acc_i = mean over the last 40 records
     )
     return AblationConfig(
         base=base,
@@ -47,5 +51,5 @@ def get_config() -> AblationConfig:
         questions=1,  # per category: 8 questions, 2 turns each
         max_new_tokens=64,
         tree=(1, 4, 5),
-        acc_window=5,
+        acc_records=40,  # acc_i: the last 40 records of each cell, each scored before its update
     )

@@ -59,13 +59,25 @@ class AblationConfig:
     # shorter than an epoch make each a batch the head had not trained on yet, scored before its
     # update: progressive validation); 1 = the last logged step alone
     acc_window: int = 1
+    # > 0: instead, each cell averages the logged steps that cover its last `acc_records`
+    # training records (ceil(acc_records / (batch_size * log_every)) of them), so cells that
+    # differ in batch size are scored on the same records
+    acc_records: int = 0
     evaluate: bool = True  # False: train only (a caller measures the heads itself, e.g. in one run)
+
+    def window(self, tc: TrainConfig) -> int:
+        """The logged steps a cell's acc_i averages."""
+        if not self.acc_records:
+            return self.acc_window
+        return max(1, math.ceil(self.acc_records / (tc.batch_size * tc.log_every)))
 
     def validate(self) -> AblationConfig:
         if not self.cells:
             raise Eagle3Error("the ablation has no cells: list at least one Cell")
         if self.acc_window < 1:
             raise Eagle3Error(f"acc_window {self.acc_window} < 1")
+        if self.acc_records < 0:
+            raise Eagle3Error(f"acc_records {self.acc_records} < 0 (0 = use acc_window)")
         names = [c.name for c in self.cells]
         if len(set(names)) != len(names):
             raise Eagle3Error(f"cell names repeat: {', '.join(names)}")
@@ -136,6 +148,42 @@ def final_metrics(run: Path, window: int = 1) -> dict:
     return last
 
 
+# what a cell's result depends on: every TrainConfig field but where and how often it writes
+_BOOKKEEPING = (
+    "out_dir",
+    "save_every",
+    "log_every",
+    "keep_checkpoints",
+    "export_every",
+    "features_dir",
+    "feature_layers",  # where the shared store is and what else it holds
+)
+
+
+def cell_record(tc: TrainConfig) -> dict:
+    d = {k: v for k, v in dataclasses.asdict(tc).items() if k not in _BOOKKEEPING}
+    return json.loads(json.dumps(d))  # tuples -> lists, as read back from disk
+
+
+def check_cell_config(cell: Cell, cdir: Path, state: dict, tc: TrainConfig) -> None:
+    """A cell trained (or started) under another config is refused, never silently reused."""
+    saved = state.get("config")
+    if saved is None:  # no record yet, or a run from before records: its train_config.json
+        path = cdir / "train_config.json"
+        if not path.exists():
+            return
+        saved = {k: v for k, v in json.loads(path.read_text()).items() if k not in _BOOKKEEPING}
+        now = {k: v for k, v in cell_record(tc).items() if k in saved}
+    else:
+        now = cell_record(tc)
+    diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    if diff:
+        raise Eagle3Error(
+            f"cell {cell.name!r} in {cdir} was trained with another config ({', '.join(diff)}): "
+            "delete that directory to train it again, or use another out_dir"
+        )
+
+
 def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bool = True) -> dict:
     from eagle3_jax.checkpoints import load_target_config
     from eagle3_jax.evaluation.runner import EvalOptions, run_eval
@@ -183,6 +231,9 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
             shutil.copyfile(out / "shared" / "dataset.npz", cdir / "dataset.npz")
         state_path = cdir / "cell.json"
         state = json.loads(state_path.read_text()) if state_path.exists() else {"train_wall_s": 0.0}
+        check_cell_config(cell, cdir, state, tc)
+        state["config"] = cell_record(tc)
+        state_path.write_text(json.dumps(state) + "\n")
         if not (cdir / "head" / "config.json").exists():
             print(f"[{cell.name}] training {cell.overrides}", file=sys.stderr)
             t0 = time.perf_counter()
@@ -208,7 +259,7 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
                     baseline=False,
                 )
             )
-        rows.append(cell_row(cell, tc, cdir, summary, state["train_wall_s"], tcfg, ac.acc_window))
+        rows.append(cell_row(cell, tc, cdir, summary, state["train_wall_s"], tcfg, ac.window(tc)))
     result = {
         "config": {
             "bench": ac.bench,
@@ -216,6 +267,7 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
             "max_new_tokens": ac.max_new_tokens,
             "tree": list(ac.tree),
             "acc_window": ac.acc_window,
+            "acc_records": ac.acc_records,
             "evaluate": ac.evaluate,
             "feature_layers": list(layers),
             "base": json.loads(json.dumps(dataclasses.asdict(ac.base))),
@@ -254,6 +306,7 @@ def cell_row(
         "final_acc": [last.get(f"acc_{i}") for i in range(tc.ttt_steps)],
         "final_loss": last.get("loss"),
         "steps": last.get("step"),
+        "acc_steps": last.get("window"),  # logged steps acc_i averages
         "tokens": last.get("tokens"),
         "train_wall_s": wall,
     }
@@ -281,7 +334,10 @@ def report_markdown(result: dict) -> str:
         )
         + "acc_i = training accuracy of TTT step i, "
         + (
-            f"mean of the last {cfg['acc_window']} logged steps."
+            f"mean over the logged steps that cover each cell's last {cfg['acc_records']} "
+            "training records."
+            if cfg.get("acc_records")
+            else f"mean of the last {cfg['acc_window']} logged steps."
             if cfg.get("acc_window", 1) > 1
             else "at the last logged step."
         ),

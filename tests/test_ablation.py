@@ -1,5 +1,6 @@
 """python -m eagle3_jax.ablate: a two-cell grid on the tiny target, end to end and resumed."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -78,6 +79,10 @@ def test_two_cell_grid_end_to_end_and_resume(tiny_target_dir, tmp_path, capsys):
         n: (out / "cells" / n / "head/model.safetensors").stat().st_mtime_ns for n in rows
     }
     assert "training" not in capsys.readouterr().err
+    # a changed budget is refused by name, never answered with the heads of the old one
+    argv_more = [a if a != "--config.max_steps=6" else "--config.max_steps=7" for a in argv]
+    assert main(argv_more) == 2
+    assert "'default'" in (err := capsys.readouterr().err) and "another config (max_steps)" in err
     # the same grid on a 2 x 4 mesh of simulated devices (batch over data, matrices over model):
     # the default cell trains to the same losses as on one device
     mesh_out = tmp_path / "grid_mesh"
@@ -134,3 +139,12 @@ def test_final_metrics_average_the_last_logged_steps(tmp_path):
     assert final_metrics(tmp_path / "absent") == {}
     with pytest.raises(Eagle3Error, match="acc_window"):
         AblationConfig(base=TrainConfig(), cells=(Cell("a"),), acc_window=0).validate()
+    # acc_records: the window covers the same records whatever a cell's batch size
+    grid = AblationConfig(base=TrainConfig(), cells=(Cell("a"),), acc_window=3, acc_records=40)
+    assert grid.window(TrainConfig(batch_size=8, log_every=1)) == 5
+    assert grid.window(TrainConfig(batch_size=1, log_every=1)) == 40
+    assert grid.window(TrainConfig(batch_size=3, log_every=2)) == 7  # ceil(40 / 6)
+    assert grid.window(TrainConfig(batch_size=64, log_every=1)) == 1
+    assert dataclasses.replace(grid, acc_records=0).window(TrainConfig()) == 3
+    with pytest.raises(Eagle3Error, match="acc_records"):
+        dataclasses.replace(grid, acc_records=-1).validate()
