@@ -2,13 +2,14 @@
 
   .venv/bin/python -m eagle3_jax.ablate --config configs/recipe_smollm2.py --no-eval
 
-Every cell reads the same 160 regenerated records once, in the same order (27,459 supervised
-tokens): batch 8 for 20 steps, batch 2 for 80 or batch 1 for 160, at lr 3e-4 (the first shipped
-head's recipe), 1e-3 or 3e-3.
-A CPU run is far below any critical batch size, so more, smaller updates per token should learn
-faster; this grid measures by how much (progressive validation: acc_i of the last 40 records,
-each scored before the update that sees it). It shares the feature store of
-configs/ablate_smollm2.py (link runs/recipe_smollm2/features to it, or let it precompute).
+Every cell reads the same 160 regenerated records once (27,459 tokens, 19,959 of them supervised
+answer tokens): batch 8 for 20 steps, batch 2 for 80 or batch 1 for 160, at lr 3e-4 (the first
+shipped head's recipe), 1e-3 or 3e-3. (The order differs with the batch size: length buckets group
+32 batches' worth of records.) A CPU run is far below any critical batch size, so more, smaller
+updates per token should learn faster; this grid measures by how much (progressive validation:
+acc_i over each cell's last 40 records, each scored before the update that sees it). It shares
+the feature store of configs/ablate_smollm2.py (link runs/recipe_smollm2/features to it, or let
+it precompute).
 """
 
 import dataclasses
@@ -25,6 +26,8 @@ def get_config() -> AblationConfig:
         load_config(ROOT / "configs/smollm2_135m.py"),
         num_conversations=160,
         epochs=0,
+        batch_size=8,
+        lr=3e-4,
         max_steps=20,
         save_every=10,
         export_every=0,

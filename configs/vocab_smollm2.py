@@ -34,6 +34,8 @@ def get_config() -> AblationConfig:
         load_config(ROOT / "configs/smollm2_135m.py"),
         num_conversations=160,  # exactly the records 20 steps x batch 8 read: features for no more
         epochs=0,
+        batch_size=8,  # the recipe this comparison was measured with (not the head's batch 1)
+        lr=3e-4,
         max_steps=20,
         save_every=10,
         init_trunk=str(ROOT / "eagle3_jax/heads/smollm2_135m_instruct"),

@@ -6,7 +6,8 @@ named cells, each a dict of TrainConfig overrides (aux_layer_ids, ttt_steps, fea
 draft_vocab_size, ...). `run_ablation`:
   1. builds the dataset once (OUT/shared) and precomputes the target's features once (OUT/features)
      for the union of every cell's aux layers (plus the final hidden state);
-  2. trains each cell in OUT/cells/NAME with the same data, data order, seed and step budget
+  2. trains each cell in OUT/cells/NAME with the same data, seed and step budget (and data order,
+     for cells of one batch size)
      (offline features; resumes a cell interrupted mid-run, skips a finished one);
   3. evaluates each head with the harness (tau only, no vanilla) on the same questions and tree;
   4. writes OUT/results.json, OUT/report.md, OUT/tau_per_cell.png and OUT/acc_by_ttt_step.png.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -59,17 +61,16 @@ class AblationConfig:
     # shorter than an epoch make each a batch the head had not trained on yet, scored before its
     # update: progressive validation); 1 = the last logged step alone
     acc_window: int = 1
-    # > 0: instead, each cell averages the logged steps that cover its last `acc_records`
-    # training records (ceil(acc_records / (batch_size * log_every)) of them), so cells that
-    # differ in batch size are scored on the same records
+    # > 0: instead, each cell averages the logged steps among its last
+    # ceil(acc_records / batch_size) training steps, so cells that differ in batch size are scored
+    # on as many records (not the same ones: length buckets order records by batch size)
     acc_records: int = 0
     evaluate: bool = True  # False: train only (a caller measures the heads itself, e.g. in one run)
 
-    def window(self, tc: TrainConfig) -> int:
-        """The logged steps a cell's acc_i averages."""
-        if not self.acc_records:
-            return self.acc_window
-        return max(1, math.ceil(self.acc_records / (tc.batch_size * tc.log_every)))
+    def acc_span(self, tc: TrainConfig) -> int | None:
+        """The training steps whose logged acc_i a cell averages (None: the last acc_window
+        logged steps)."""
+        return math.ceil(self.acc_records / tc.batch_size) if self.acc_records else None
 
     def validate(self) -> AblationConfig:
         if not self.cells:
@@ -132,15 +133,17 @@ def feature_layers(ac: AblationConfig, tcfg) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def final_metrics(run: Path, window: int = 1) -> dict:
+def final_metrics(run: Path, window: int = 1, span: int | None = None) -> dict:
     """The last logged training record, with loss and acc_i replaced by their means over the
-    last `window` logged steps."""
+    last `window` logged steps or, when `span` is given, over the logged steps among the last
+    `span` training steps (whatever log_every was)."""
     path = run / "metrics.jsonl"
     recs = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     recs = [r for r in recs if "loss" in r]
     if not recs:
         return {}
-    last, tail = dict(recs[-1]), recs[-window:]
+    last = dict(recs[-1])
+    tail = recs[-window:] if span is None else [r for r in recs if r["step"] > last["step"] - span]
     for k in [k for k in last if k == "loss" or k.startswith("acc_")]:
         vals = [r[k] for r in tail if r.get(k) is not None]
         last[k] = sum(vals) / len(vals) if vals else None
@@ -148,7 +151,9 @@ def final_metrics(run: Path, window: int = 1) -> dict:
     return last
 
 
-# what a cell's result depends on: every TrainConfig field but where and how often it writes
+# what a cell's result depends on: every TrainConfig field but where and how often it writes,
+# where the shared feature store is and what else it holds, and how the work is laid out (a cell
+# on a mesh trains to the same losses as on one device, tested; remat recomputes the same values)
 _BOOKKEEPING = (
     "out_dir",
     "save_every",
@@ -156,7 +161,10 @@ _BOOKKEEPING = (
     "keep_checkpoints",
     "export_every",
     "features_dir",
-    "feature_layers",  # where the shared store is and what else it holds
+    "feature_layers",
+    "mesh_data",
+    "mesh_model",
+    "remat",
 )
 
 
@@ -165,23 +173,42 @@ def cell_record(tc: TrainConfig) -> dict:
     return json.loads(json.dumps(d))  # tuples -> lists, as read back from disk
 
 
+def _default_record() -> dict:
+    return cell_record(TrainConfig())
+
+
 def check_cell_config(cell: Cell, cdir: Path, state: dict, tc: TrainConfig) -> None:
-    """A cell trained (or started) under another config is refused, never silently reused."""
+    """A cell trained (or started) under another config is refused, never silently reused.
+
+    A field missing from a saved record (added to TrainConfig since) counts as its default. Cells
+    from before records (train_config.json only, which omits max_steps) are checked on the fields
+    it has, and a finished one on its step count."""
+    now = cell_record(tc)
     saved = state.get("config")
-    if saved is None:  # no record yet, or a run from before records: its train_config.json
+    if saved is None:
         path = cdir / "train_config.json"
         if not path.exists():
             return
         saved = {k: v for k, v in json.loads(path.read_text()).items() if k not in _BOOKKEEPING}
-        now = {k: v for k, v in cell_record(tc).items() if k in saved}
-    else:
-        now = cell_record(tc)
+        now = {k: v for k, v in now.items() if k in saved or k == "max_steps"}
+        info = cdir / "head" / "training.json"
+        steps = json.loads(info.read_text())["step"] if info.exists() else None
+        saved["max_steps"] = steps if steps is not None and tc.max_steps else now["max_steps"]
+    defaults = _default_record()
+    saved = {k: v for k, v in saved.items() if k not in _BOOKKEEPING}  # as recorded before
+    saved = {**{k: defaults.get(k) for k in now.keys() - saved.keys()}, **saved}
     diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
     if diff:
         raise Eagle3Error(
             f"cell {cell.name!r} in {cdir} was trained with another config ({', '.join(diff)}): "
             "delete that directory to train it again, or use another out_dir"
         )
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj) + "\n")
+    os.replace(tmp, path)
 
 
 def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bool = True) -> dict:
@@ -198,6 +225,12 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
     out.mkdir(parents=True, exist_ok=True)
     tcfg = load_target_config(ac.base.target)
     layers = feature_layers(ac, tcfg)
+    states = {}
+    for cell in cells:  # every cell's config first: a refusal must not come after hours of work
+        tc = cell_config(ac, cell, out, tcfg)
+        path = Path(tc.out_dir) / "cell.json"
+        states[cell.name] = json.loads(path.read_text()) if path.exists() else {"train_wall_s": 0.0}
+        check_cell_config(cell, Path(tc.out_dir), states[cell.name], tc)
 
     # 1. data and features, once
     shared = dataclasses.replace(
@@ -229,18 +262,18 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
         cdir.mkdir(parents=True, exist_ok=True)
         if not (cdir / "dataset.npz").exists():
             shutil.copyfile(out / "shared" / "dataset.npz", cdir / "dataset.npz")
-        state_path = cdir / "cell.json"
-        state = json.loads(state_path.read_text()) if state_path.exists() else {"train_wall_s": 0.0}
-        check_cell_config(cell, cdir, state, tc)
+        state_path, state = cdir / "cell.json", states[cell.name]
         state["config"] = cell_record(tc)
-        state_path.write_text(json.dumps(state) + "\n")
+        _write_json(state_path, state)
         if not (cdir / "head" / "config.json").exists():
             print(f"[{cell.name}] training {cell.overrides}", file=sys.stderr)
             t0 = time.perf_counter()
             resume = (cdir / "checkpoints").exists() and any((cdir / "checkpoints").iterdir())
-            train(tc, resume=resume, progress=progress)
-            state["train_wall_s"] += time.perf_counter() - t0
-            state_path.write_text(json.dumps(state) + "\n")
+            try:
+                train(tc, resume=resume, progress=progress)
+            finally:  # an interrupted run's time counts too (it resumes from its checkpoint)
+                state["train_wall_s"] += time.perf_counter() - t0
+                _write_json(state_path, state)
         summary = None
         if ac.evaluate:
             print(f"[{cell.name}] evaluating", file=sys.stderr)
@@ -259,7 +292,11 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
                     baseline=False,
                 )
             )
-        rows.append(cell_row(cell, tc, cdir, summary, state["train_wall_s"], tcfg, ac.window(tc)))
+        rows.append(
+            cell_row(
+                cell, tc, cdir, summary, state["train_wall_s"], tcfg, ac.acc_window, ac.acc_span(tc)
+            )
+        )
     result = {
         "config": {
             "bench": ac.bench,
@@ -286,11 +323,12 @@ def cell_row(
     wall: float,
     tcfg,
     window: int = 1,
+    span: int | None = None,
 ) -> dict:
     from eagle3_jax.checkpoints.eagle_format import load_draft
 
     s = summary["by_method"][summary["methods"][0]] if summary else None
-    last = final_metrics(cdir, window)
+    last = final_metrics(cdir, window, span)
     params, dcfg, _, _ = load_draft(cdir / "head", tcfg)
     return {
         "cell": cell.name,
@@ -324,7 +362,7 @@ def report_markdown(result: dict) -> str:
         "# Ablation",
         "",
         f"Every cell trained from the same precomputed features (layers {cfg['feature_layers']}), "
-        f"data order and step budget; "
+        f"records, seed and step budget (in one order per batch size); "
         + (
             f"evaluated greedily on `{cfg['bench']}` ({cfg['questions']} questions per task, "
             f"{cfg['max_new_tokens']} new tokens per turn, tree top_k,depth,total = "
@@ -334,7 +372,7 @@ def report_markdown(result: dict) -> str:
         )
         + "acc_i = training accuracy of TTT step i, "
         + (
-            f"mean over the logged steps that cover each cell's last {cfg['acc_records']} "
+            f"mean over the logged steps among each cell's last {cfg['acc_records']} "
             "training records."
             if cfg.get("acc_records")
             else f"mean of the last {cfg['acc_window']} logged steps."

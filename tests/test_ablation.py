@@ -139,12 +139,38 @@ def test_final_metrics_average_the_last_logged_steps(tmp_path):
     assert final_metrics(tmp_path / "absent") == {}
     with pytest.raises(Eagle3Error, match="acc_window"):
         AblationConfig(base=TrainConfig(), cells=(Cell("a"),), acc_window=0).validate()
-    # acc_records: the window covers the same records whatever a cell's batch size
+    # acc_records: the logged steps among the last ceil(records / batch) training steps
     grid = AblationConfig(base=TrainConfig(), cells=(Cell("a"),), acc_window=3, acc_records=40)
-    assert grid.window(TrainConfig(batch_size=8, log_every=1)) == 5
-    assert grid.window(TrainConfig(batch_size=1, log_every=1)) == 40
-    assert grid.window(TrainConfig(batch_size=3, log_every=2)) == 7  # ceil(40 / 6)
-    assert grid.window(TrainConfig(batch_size=64, log_every=1)) == 1
-    assert dataclasses.replace(grid, acc_records=0).window(TrainConfig()) == 3
+    assert grid.acc_span(TrainConfig(batch_size=8)) == 5
+    assert grid.acc_span(TrainConfig(batch_size=3)) == 14  # ceil(40 / 3)
+    assert dataclasses.replace(grid, acc_records=0).acc_span(TrainConfig()) is None
     with pytest.raises(Eagle3Error, match="acc_records"):
         dataclasses.replace(grid, acc_records=-1).validate()
+    span = final_metrics(tmp_path, window=1, span=2)  # steps 2 and 3, whatever log_every was
+    assert span["window"] == 2 and span["acc_0"] == pytest.approx(0.3)
+
+
+def test_a_cell_trained_under_another_config_is_refused(tmp_path):
+    from eagle3_jax.ablation import cell_record, check_cell_config
+
+    cell, tc = Cell("c"), TrainConfig(data="d", max_steps=20, lr=1e-3)
+    check_cell_config(cell, tmp_path, {}, tc)  # a new cell: nothing to compare
+    state = {"config": cell_record(tc)}
+    check_cell_config(cell, tmp_path, state, dataclasses.replace(tc, save_every=7, mesh_data=1))
+    check_cell_config(cell, tmp_path, {"config": {**state["config"], "mesh_model": 4}}, tc)
+    with pytest.raises(Eagle3Error, match=r"'c' .* another config \(lr, max_steps\)"):
+        check_cell_config(cell, tmp_path, state, dataclasses.replace(tc, lr=3e-4, max_steps=30))
+    # a field added to TrainConfig after the cell was recorded counts as its default
+    old = {"config": {k: v for k, v in cell_record(tc).items() if k != "remat" and k != "seed"}}
+    check_cell_config(cell, tmp_path, old, tc)
+    with pytest.raises(Eagle3Error, match=r"\(seed\)"):
+        check_cell_config(cell, tmp_path, old, dataclasses.replace(tc, seed=5))
+    # a cell from before records: its train_config.json (no max_steps) and its head's step count
+    legacy = {k: v for k, v in cell_record(tc).items() if k != "max_steps"}
+    (tmp_path / "train_config.json").write_text(json.dumps({**legacy, "out_dir": "elsewhere"}))
+    check_cell_config(cell, tmp_path, {}, tc)  # interrupted: the step budget is not known
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head/training.json").write_text(json.dumps({"step": 20, "tokens": 99}))
+    check_cell_config(cell, tmp_path, {}, tc)
+    with pytest.raises(Eagle3Error, match=r"\(max_steps\)"):
+        check_cell_config(cell, tmp_path, {}, dataclasses.replace(tc, max_steps=160))

@@ -52,6 +52,7 @@ def test_overrides_use_field_types():
         ("--config.features=disk", "use online or offline"),
         ("--config.log_every=0", "log_every 0 < 1"),
         ("--config.save_every=-1", "save_every -1 < 0"),
+        ("--config.keep_checkpoints=0", "keep_checkpoints 0 < 1"),
         ("lr=1", "bad override"),
     ],
 )

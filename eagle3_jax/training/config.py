@@ -82,9 +82,18 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         if self.log_every < 1:
             raise Eagle3Error(f"log_every {self.log_every} < 1 (the last step is always logged)")
-        for name in ("save_every", "export_every", "max_steps"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise Eagle3Error(f"{name} {getattr(self, name)} < 0 (0 = off)")
+        for name, zero in (
+            ("save_every", "a checkpoint at the last step only"),
+            ("export_every", "no intermediate exports"),
+            ("max_steps", "epochs x steps per epoch"),
+            ("epochs", "max_steps alone"),
+        ):
+            if getattr(self, name) < 0:
+                raise Eagle3Error(f"{name} {getattr(self, name)} < 0 (0 means {zero})")
+        if self.epochs == 0 and self.max_steps == 0:
+            raise Eagle3Error("epochs 0 and max_steps 0: nothing to train; set one of them")
+        if self.keep_checkpoints < 1:
+            raise Eagle3Error(f"keep_checkpoints {self.keep_checkpoints} < 1")
         if self.ttt_steps < 1:
             raise Eagle3Error(f"ttt_steps {self.ttt_steps} < 1 (1 means no training-time test)")
         if self.lm_head_source not in ("own", "target"):

@@ -300,6 +300,11 @@ def train(
         state, saved_meta = ckpt.restore(state)
         start = int(state.step)
         tokens_seen = int(saved_meta.get("tokens_seen", 0))
+        if start > total:
+            raise Eagle3Error(
+                f"{out} holds a checkpoint at step {start}, past this run's {total} steps: "
+                "raise max_steps (or epochs) to continue it, or start a new out_dir"
+            )
         print(f"resumed from step {start}", file=sys.stderr)
     t2d = jnp.asarray(vocab.t2d)
     offline = None
@@ -352,9 +357,15 @@ def train(
         loss = float(metrics["loss"])
         if not math.isfinite(loss):
             writer.close()
+            kept = ckpt.latest_step()
             raise Eagle3Error(
-                f"loss is {loss} at step {step}: stopped; the last good checkpoint "
-                f"(step {ckpt.latest_step()}) is kept. Lower lr or check the data"
+                f"loss is {loss} at step {step}: stopped; "
+                + (
+                    f"the last good checkpoint (step {kept}) is kept"
+                    if kept is not None
+                    else "no checkpoint was saved before it"
+                )
+                + ". Lower lr or check the data"
             )
         if step % tc.log_every == 0 or step == total:
             now = time.perf_counter()
