@@ -2,7 +2,7 @@
 """What one target forward over T tokens costs against one token: the ceiling speculative decoding
 lives under on a given machine.
 
-  .venv/bin/python benchmarks/verify_cost.py [--context 320] [--reps 20]
+  .venv/bin/python benchmarks/verify_cost.py [--context 320] [--reps 20] [--sizes 1,2,4] [--out F]
 
 The embedded SmolLM2-135M-Instruct (or --target) runs T new tokens (T = 1, 2, 3, 4, 5, 6, 8, 12,
 16, 24, 32, 64) against a cache holding `context` tokens, with logits for every new token, as a
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=320)
     ap.add_argument("--slots", type=int, default=512)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma list of T")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/verify_cost.json"))
     args = ap.parse_args()
     target = load_target(args.target)
     cfg = target.cfg
@@ -52,7 +55,8 @@ def main() -> None:
     start = jnp.full((1,), args.context, jnp.int32)
     rng = np.random.default_rng(0)
     rows = []
-    for t in SIZES:
+    sizes = sorted({int(x) for x in args.sizes.split(",")} | {1})  # T = 1 is the unit
+    for t in sizes:
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, t)), jnp.int32)
         jax.block_until_ready(step(target.params, tokens, cache, start))
         times = []
@@ -68,7 +72,7 @@ def main() -> None:
         r["relative"] = r["ms"] / base
         r["ceiling"] = r["tokens"] / r["relative"]
         print(f"{r['tokens']:>4} {r['ms']:>8.1f} {r['relative']:>9.2f} {r['ceiling']:>7.2f}")
-    out = ROOT / "benchmarks/results/verify_cost.json"
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "machine": platform.processor() or platform.machine(),
@@ -76,6 +80,7 @@ def main() -> None:
         "jax": jax.__version__,
         "context": args.context,
         "reps": args.reps,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")

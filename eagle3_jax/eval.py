@@ -33,13 +33,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--draft",
         action="append",
         default=[],
-        help="EAGLE-3 head dir, or NAME=PATH (repeatable; methods pick one with eagle3@NAME)",
+        help="EAGLE-3 head dir, or NAME=PATH (repeatable; methods pick one with eagle3@NAME; "
+        "default on the embedded target: the head shipped in eagle3_jax/heads)",
     )
     p.add_argument(
         "--methods",
         default=None,
         help="comma list of vanilla, pld[:k,d,t], eagle3[:k,d,t][@NAME] "
-        "(default: vanilla,pld and eagle3 when --draft is given)",
+        "(default: vanilla,pld and eagle3 when there is a draft)",
     )
     p.add_argument(
         "--bench", default="spec_bench", help="spec_bench | mt_bench | gsm8k | question.jsonl PATH"
@@ -65,6 +66,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def drafts_of(args) -> tuple[str, ...]:
+    """--draft values; none given on the embedded target: its shipped head (as in decode.py)."""
+    if args.draft or args.target is not None:
+        return tuple(args.draft)
+    from eagle3_jax.heads import default_head
+
+    return (str(default_head()),)
+
+
 def main(argv=None) -> int:
     from eagle3_jax.evaluation.runner import EvalOptions, run_eval
 
@@ -72,7 +82,7 @@ def main(argv=None) -> int:
     opts = EvalOptions(
         out=Path(args.out),
         target=args.target,
-        drafts=tuple(args.draft),
+        drafts=drafts_of(args),
         methods=args.methods,
         bench=args.bench,
         questions=args.questions,

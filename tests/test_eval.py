@@ -227,3 +227,12 @@ def test_no_baseline_runs_tau_only(setup, tmp_path, capsys):
     assert "| eagle3:2,3,6 |" in (out / "report.md").read_text()
     assert main(args(setup, tmp_path / "x", "--methods", "vanilla,pld", "--no-baseline")) == 2
     assert "drop it from --methods" in capsys.readouterr().err
+
+
+def test_the_embedded_target_is_evaluated_with_its_shipped_head():
+    from eagle3_jax.eval import drafts_of, parse_args
+    from eagle3_jax.heads import default_head
+
+    assert drafts_of(parse_args([])) == (str(default_head()),)
+    assert drafts_of(parse_args(["--draft", "h"])) == ("h",)
+    assert drafts_of(parse_args(["--target", "t"])) == ()  # another target: no default head

@@ -270,7 +270,14 @@ def forward(
 def lm_head(params: Params, hidden: jax.Array, cfg: TargetConfig) -> jax.Array:
     """Logits [..., V] from final normed hidden states (tied embeddings read the embedding)."""
     if cfg.tie_word_embeddings:
-        return jnp.einsum("...d,vd->...v", hidden, params["embed"])
+        # [V, D] . [..., D] with the embedding as the LEFT operand, then V moved last: the same
+        # products, but XLA:CPU's GEMM streams the 113 MB (SmolLM2) matrix far better this way
+        # round when a few rows are scored at once (a tree verification: 8 ms instead of 13 ms for
+        # 2-4 rows on the 2-core CPU; one row costs the same)
+        logits = jax.lax.dot_general(
+            params["embed"], hidden, (((1,), (hidden.ndim - 1,)), ((), ()))
+        )
+        return jnp.moveaxis(logits, 0, -1)
     return hidden @ params["lm_head"]
 
 
