@@ -10,11 +10,12 @@ auxiliary loss (weight 0: what the loss buys). benchmarks/vocab_methods.py
 then derives the FR-Spec and VocabTrim heads and measures all seven in one harness run
 (runs/vocab_methods/report.md; results in docs/draft_vocab.md).
 
-A 2-core CPU cannot train five heads from scratch to a useful tau in one session (the shipped head
-took 180 steps for tau 1.15; 20 steps from scratch give ~1.02, where every method ties). So every
-cell starts from the SAME trained trunk, the shipped head's fc, decoder layer and norm
-(init_trunk), with its output layer fresh: own lm_head rows from the target's output embedding
-(head_init=target), the frozen target embedding, or the speculator's SVD start; then 20 steps on the
+A 2-core CPU cannot train five heads from scratch to a useful tau in one session (the first
+shipped head took 180 steps for tau 1.15; 20 steps from scratch give ~1.02, where every method
+ties). So every cell starts from the SAME trained trunk, the shipped head's fc, decoder layer and
+norm (init_trunk; the measured results used the first shipped head, commit f00e4f8), with its
+output layer fresh: own lm_head rows from the target's output embedding (head_init=target), the
+frozen target embedding, or the speculator's SVD start; then 20 steps on the
 same records. What differs between cells is the output layer and its 20 steps of adaptation.
 Full-vocabulary cells recompute each TTT step in the backward pass (remat): their [B, T, 49152]
 logits would not fit 24 GB seven times over.

@@ -48,3 +48,27 @@ def test_config_and_tokenizer_of_the_default(smollm2):
     ids = encode_chat(target.tokenizer, [{"role": "user", "content": "Hi"}])
     assert ids[0] == 1 and ids[-4:] == target.tokenizer("<|im_start|>assistant\n")["input_ids"]
     assert np.isfinite(np.asarray(target.params["embed"][:10])).all()
+
+
+def test_the_shipped_head_speculates_exactly_and_accepts(smollm2):
+    """The head make demo uses, on the real target: the same tokens as plain decoding, and more
+    than one token per target forward (a random head of this shape gives tau ~1.0)."""
+    from eagle3_jax.decoding import speculative
+    from eagle3_jax.decoding.speculative import TreeConfig
+    from eagle3_jax.evaluation.runner import load_head
+    from eagle3_jax.heads import default_head
+
+    target, _ = smollm2
+    dparams, dcfg, vocab, embed = load_head(str(default_head()), target, None)
+    ids = [encode_chat(target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    want = plain.generate(target.params, target.cfg, ids, 48, pad_id=2).output_ids
+    tree = TreeConfig(top_k=1, depth=3, total_tokens=4)
+    # summed per row as speculative.tau counts them: the prefill's token and pass left out
+    new = rounds = 0
+    for p, ref in zip(ids, want):
+        got = speculative.generate(
+            target.params, target.cfg, dparams, dcfg, vocab, [p], 48, tree, pad_id=2, embed=embed
+        )
+        assert got.output_ids[0] == ref
+        new, rounds = new + len(ref) - 1, rounds + got.target_forwards[0] - 1
+    assert new / rounds > 1.1, new / rounds
