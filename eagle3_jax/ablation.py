@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from eagle3_jax.checkpoints.atomic import write_text_atomic
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.training.config import TrainConfig, load_python_config
 
@@ -169,12 +169,7 @@ _BOOKKEEPING = (
 
 
 def cell_record(tc: TrainConfig) -> dict:
-    d = {k: v for k, v in dataclasses.asdict(tc).items() if k not in _BOOKKEEPING}
-    return json.loads(json.dumps(d))  # tuples -> lists, as read back from disk
-
-
-def _default_record() -> dict:
-    return cell_record(TrainConfig())
+    return tc.record(_BOOKKEEPING)
 
 
 def check_cell_config(cell: Cell, cdir: Path, state: dict, tc: TrainConfig) -> None:
@@ -189,13 +184,13 @@ def check_cell_config(cell: Cell, cdir: Path, state: dict, tc: TrainConfig) -> N
         path = cdir / "train_config.json"
         if not path.exists():
             return
-        saved = {k: v for k, v in json.loads(path.read_text()).items() if k not in _BOOKKEEPING}
+        saved = json.loads(path.read_text())
         now = {k: v for k, v in now.items() if k in saved or k == "max_steps"}
         info = cdir / "head" / "training.json"
         steps = json.loads(info.read_text())["step"] if info.exists() else None
         saved["max_steps"] = steps if steps is not None and tc.max_steps else now["max_steps"]
-    defaults = _default_record()
     saved = {k: v for k, v in saved.items() if k not in _BOOKKEEPING}  # as recorded before
+    defaults = cell_record(TrainConfig())
     saved = {**{k: defaults.get(k) for k in now.keys() - saved.keys()}, **saved}
     diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
     if diff:
@@ -203,12 +198,6 @@ def check_cell_config(cell: Cell, cdir: Path, state: dict, tc: TrainConfig) -> N
             f"cell {cell.name!r} in {cdir} was trained with another config ({', '.join(diff)}): "
             "delete that directory to train it again, or use another out_dir"
         )
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj) + "\n")
-    os.replace(tmp, path)
 
 
 def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bool = True) -> dict:
@@ -225,12 +214,13 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
     out.mkdir(parents=True, exist_ok=True)
     tcfg = load_target_config(ac.base.target)
     layers = feature_layers(ac, tcfg)
-    states = {}
+    plan = []  # (cell, its TrainConfig, its cell.json state)
     for cell in cells:  # every cell's config first: a refusal must not come after hours of work
         tc = cell_config(ac, cell, out, tcfg)
         path = Path(tc.out_dir) / "cell.json"
-        states[cell.name] = json.loads(path.read_text()) if path.exists() else {"train_wall_s": 0.0}
-        check_cell_config(cell, Path(tc.out_dir), states[cell.name], tc)
+        state = json.loads(path.read_text()) if path.exists() else {"train_wall_s": 0.0}
+        check_cell_config(cell, Path(tc.out_dir), state, tc)
+        plan.append((cell, tc, state))
 
     # 1. data and features, once
     shared = dataclasses.replace(
@@ -256,15 +246,14 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
 
     # 2 + 3. each cell: train (resumable), then evaluate (resumable)
     rows = []
-    for cell in cells:
-        tc = cell_config(ac, cell, out, tcfg)
+    for cell, tc, state in plan:
         cdir = Path(tc.out_dir)
         cdir.mkdir(parents=True, exist_ok=True)
         if not (cdir / "dataset.npz").exists():
             shutil.copyfile(out / "shared" / "dataset.npz", cdir / "dataset.npz")
-        state_path, state = cdir / "cell.json", states[cell.name]
+        state_path = cdir / "cell.json"
         state["config"] = cell_record(tc)
-        _write_json(state_path, state)
+        write_text_atomic(state_path, json.dumps(state) + "\n")
         if not (cdir / "head" / "config.json").exists():
             print(f"[{cell.name}] training {cell.overrides}", file=sys.stderr)
             t0 = time.perf_counter()
@@ -273,7 +262,7 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
                 train(tc, resume=resume, progress=progress)
             finally:  # an interrupted run's time counts too (it resumes from its checkpoint)
                 state["train_wall_s"] += time.perf_counter() - t0
-                _write_json(state_path, state)
+                write_text_atomic(state_path, json.dumps(state) + "\n")
         summary = None
         if ac.evaluate:
             print(f"[{cell.name}] evaluating", file=sys.stderr)

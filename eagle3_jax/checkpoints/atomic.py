@@ -1,5 +1,5 @@
-"""Directories written atomically: built in a temporary sibling, renamed into place when complete,
-so a reader (or a run killed mid-write) never sees a half-written checkpoint."""
+"""Files and directories written atomically: built in a temporary sibling, renamed into place when
+complete, so a reader (or a run killed mid-write) never sees a half-written checkpoint."""
 
 from __future__ import annotations
 
@@ -25,3 +25,11 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """`path.write_text(text)`, but a kill mid-write leaves the old file, never half of the new."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

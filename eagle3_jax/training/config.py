@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import types
 import typing
 from pathlib import Path
@@ -78,6 +79,11 @@ class TrainConfig:
     export_every: int = 0  # > 0: also export the head to out_dir/heads/step_N every N steps
     log_every: int = 10
     export_dtype: str = "bfloat16"
+
+    def record(self, drop: tuple[str, ...] = ()) -> dict:
+        """The fields as JSON reads them back (tuples as lists), without those in `drop`."""
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in drop}
+        return json.loads(json.dumps(d))
 
     def validate(self) -> TrainConfig:
         if self.log_every < 1:

@@ -63,11 +63,8 @@ class MetricsWriter:
             self.tb.close()
 
 
-def _config_record(tc: TrainConfig) -> dict:
-    d = dataclasses.asdict(tc)
-    for k in ("max_steps", "save_every", "log_every", "keep_checkpoints", "export_every"):
-        d.pop(k)  # may change between a run and its resume
-    return json.loads(json.dumps(d))  # tuples -> lists, as read back from disk
+# fields that may change between a run and its resume (train_config.json leaves them out)
+RESUMABLE = ("max_steps", "save_every", "log_every", "keep_checkpoints", "export_every")
 
 
 def prepare_data(tc: TrainConfig, target, out: Path):
@@ -241,14 +238,14 @@ def train(
                 "--resume to continue that run, or choose another out_dir"
             )
         saved = json.loads(cfg_path.read_text())
-        now = _config_record(tc)
+        now = tc.record(RESUMABLE)
         if saved != now:
             diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
             raise Eagle3Error(
                 f"--resume with a different config ({', '.join(diff)}): resume with the "
                 "run's own config, or start a new out_dir"
             )
-    cfg_path.write_text(json.dumps(_config_record(tc), indent=1))
+    cfg_path.write_text(json.dumps(tc.record(RESUMABLE), indent=1))
 
     n_dev = tc.mesh_data * tc.mesh_model
     mesh = make_mesh(tc.mesh_data, tc.mesh_model) if n_dev > 1 else None
