@@ -148,7 +148,40 @@ def final_metrics(run: Path, window: int = 1, span: int | None = None) -> dict:
         vals = [r[k] for r in tail if r.get(k) is not None]
         last[k] = sum(vals) / len(vals) if vals else None
     last["window"] = len(tail)
+    # the averaged steps' own values: cells that read the same records in the same order are
+    # compared step by step (paired), which cancels how hard each record is
+    last["acc_by_step"] = {
+        str(r["step"]): [r.get(f"acc_{i}") for i in range(_num_acc(r))] for r in tail
+    }
     return last
+
+
+def _num_acc(rec: dict) -> int:
+    return sum(1 for k in rec if k.startswith("acc_") and k[4:].isdigit())
+
+
+def tau_by_question(eval_dir: Path, method: str | None = None) -> dict[str, float]:
+    """τ of each question (all its turns): new tokens / target forwards, from the harness's
+    records.jsonl (of `method` only, when given)."""
+    path = eval_dir / "records.jsonl"
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("target_forwards") and method in (None, r.get("method")):
+            out[str(r["question_id"])] = r["new_tokens"] / r["target_forwards"]
+    return out
+
+
+def paired_difference(a: dict, b: dict) -> tuple[float, float, int] | None:
+    """Mean and standard error of a[k] - b[k] over the keys both hold (None under two)."""
+    d = [a[k] - b[k] for k in a if k in b and a[k] is not None and b[k] is not None]
+    if len(d) < 2:
+        return None
+    m = sum(d) / len(d)
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1))
+    return m, sd / math.sqrt(len(d)), len(d)
 
 
 # what a cell's result depends on: every TrainConfig field but where and how often it writes,
@@ -334,6 +367,9 @@ def cell_row(
         "final_loss": last.get("loss"),
         "steps": last.get("step"),
         "acc_steps": last.get("window"),  # logged steps acc_i averages
+        "acc_by_step": last.get("acc_by_step", {}),
+        "batch_size": tc.batch_size,
+        "tau_by_question": tau_by_question(cdir / "eval", summary["methods"][0]) if s else {},
         "tokens": last.get("tokens"),
         "train_wall_s": wall,
     }
@@ -395,7 +431,43 @@ def report_markdown(result: dict) -> str:
             f"{r['train_wall_s']:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + paired_table(rows)) + "\n"
+
+
+PAIRED_ACC = 3  # acc_0..acc_2 in the paired table
+
+
+def paired_table(rows: list[dict]) -> list[str]:
+    """Each cell against the first, paired: acc_i step by step over the same records (only
+    between cells of one batch size, which read the records in one order), τ question by
+    question. Record difficulty and question difficulty cancel; what is left is the head."""
+    if len(rows) < 2:
+        return []
+    ref = rows[0]
+    lines = [
+        "",
+        f"Paired differences against `{ref['cell']}` (mean ± standard error; acc_i over the "
+        "same records, τ over the same questions; a difference inside ±2 se is noise):",
+        "",
+        "| cell | " + " | ".join(f"Δacc_{i}" for i in range(PAIRED_ACC)) + " | Δτ |",
+        "|" + " --- |" * (PAIRED_ACC + 2),
+    ]
+
+    def fmt(d):
+        return "–" if d is None else f"{d[0]:+.3f} ± {d[1]:.3f}"
+
+    for r in rows[1:]:
+        same_order = r.get("batch_size") == ref.get("batch_size")
+        cols = []
+        for i in range(PAIRED_ACC):
+            a = {k: v[i] if i < len(v) else None for k, v in r.get("acc_by_step", {}).items()}
+            b = {k: v[i] if i < len(v) else None for k, v in ref.get("acc_by_step", {}).items()}
+            cols.append(fmt(paired_difference(a, b) if same_order else None))
+        cols.append(
+            fmt(paired_difference(r.get("tau_by_question", {}), ref.get("tau_by_question", {})))
+        )
+        lines.append(f"| {r['cell']} | " + " | ".join(cols) + " |")
+    return lines
 
 
 def write_outputs(out: Path, result: dict) -> None:

@@ -64,6 +64,13 @@ def test_two_cell_grid_end_to_end_and_resume(tiny_target_dir, tmp_path, capsys):
     assert "| default | 2,3,3 |" in report and "| top_layer_only | 5 |" in report
     assert "acc_2" in report and (out / "tau_per_cell.png").is_file()
     assert (out / "acc_by_ttt_step.png").is_file()
+    # the paired table: same records step by step, same questions
+    for r in rows.values():
+        assert set(r["tau_by_question"]) == {"0", "1"} and r["batch_size"] == 4
+        assert len(r["acc_by_step"]) == r["acc_steps"]
+    assert "Paired differences against `default`" in report
+    paired = report.split("Paired differences")[1]
+    assert "| top_layer_only | " in paired and paired.count("± ") >= 1  # Δτ over 2 questions
     # features are computed once, in one shared store; both cells read it
     feats = json.loads((out / "features/features.json").read_text())
     assert feats["layers"] == [2, 3, 5]
@@ -148,6 +155,35 @@ def test_final_metrics_average_the_last_logged_steps(tmp_path):
         dataclasses.replace(grid, acc_records=-1).validate()
     span = final_metrics(tmp_path, window=1, span=2)  # steps 2 and 3, whatever log_every was
     assert span["window"] == 2 and span["acc_0"] == pytest.approx(0.3)
+
+
+def test_paired_differences_cancel_what_cells_share():
+    from eagle3_jax.ablation import paired_difference, paired_table
+
+    # record difficulty varies 0.1..0.9 and is the same for both cells; cell b is 0.05 better
+    hard = {str(i): 0.1 + 0.8 * i / 9 for i in range(10)}
+    better = {k: v + 0.05 + (0.01 if int(k) % 2 else -0.01) for k, v in hard.items()}
+    m, se, n = paired_difference(better, hard)
+    assert n == 10 and m == pytest.approx(0.05) and se == pytest.approx(0.01 / 3)
+    assert paired_difference({"a": 1.0}, {"a": 0.5}) is None  # one pair: no standard error
+    assert paired_difference({"a": 1.0, "b": None}, {"a": 0.5, "b": 0.5}) is None
+
+    def row(name, shift, batch=1, steps=3):
+        return {
+            "cell": name,
+            "batch_size": batch,
+            "acc_by_step": {k: [v + shift] * steps for k, v in hard.items()},
+            "tau_by_question": {"q1": 1.2 + shift, "q2": 1.5 + shift, "q3": 1.1 + 2 * shift},
+        }
+
+    lines = paired_table([row("ref", 0.0), row("up", 0.1), row("b8", 0.1, batch=8),
+                          row("one_step", 0.1, steps=1)])  # fmt: skip
+    table = {ln.split(" | ")[0][2:]: ln.split(" | ")[1:] for ln in lines if ln.startswith("| ")}
+    assert table["up"][0] == "+0.100 ± 0.000" and table["up"][2] == "+0.100 ± 0.000"
+    assert table["up"][3].startswith("+0.133 ± 0.033")
+    assert table["b8"][:3] == ["–"] * 3  # another batch size reads the records in another order
+    assert table["one_step"][1] == "–" and table["one_step"][0] == "+0.100 ± 0.000"
+    assert paired_table([row("alone", 0.0)]) == []
 
 
 def test_a_cell_trained_under_another_config_is_refused(tmp_path):
