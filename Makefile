@@ -1,13 +1,13 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11):
 #   make demo   EAGLE-3 speculative decoding on the embedded default with its shipped head, compared
 #               with plain decoding in the same run (answer, tau, tokens/s, speedup)
-#   make test   the test suite (what .ci/run calls)
+#   make test   the default test suite, ~14 min on 2 cores (.ci/run calls it, then make test-slow)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench lint clean
+.PHONY: demo test test-slow test-all bench lint clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,10 +23,14 @@ demo: $(VENV)/.base
 	$(PY) decode.py --compare-plain --max-new-tokens 128
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
-
-test-fast: $(VENV)/.test
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# the real SmolLM2 checks and the longest runs (kill-and-resume, training on a mesh): ~5 min
+test-slow: $(VENV)/.test
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+test-all: $(VENV)/.test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/plain_decoding.py

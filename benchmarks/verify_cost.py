@@ -8,8 +8,9 @@ The embedded SmolLM2-135M-Instruct (or --target) runs T new tokens (T = 1, 2, 3,
 16, 24, 32, 64) against a cache holding `context` tokens, with logits for every new token, as a
 tree verification does (fp32, batch 1, jitted, K/V written into the cache, medians of `reps`).
 With a perfect draft a round of T tokens yields T tokens, so T / cost(T) bounds the speedup of
-a chain of depth T - 1 before any drafting cost. Prints a table and writes
-benchmarks/results/verify_cost.json.
+a chain of depth T - 1 before any drafting cost. `--row-products 8,0` times the per-row
+products of models.layers (`dense`) against plain matrix products in the same run. Prints a
+table and writes benchmarks/results/verify_cost.json.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.checkpoints import load_target
+from eagle3_jax.models import layers
 from eagle3_jax.models import target as tgt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,16 +42,35 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma list of T")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/verify_cost.json"))
+    ap.add_argument(
+        "--row-products",
+        default=str(layers.ROW_PRODUCTS_MAX),
+        help="comma list of settings of models.layers.ROW_PRODUCTS_MAX to compare (0: plain "
+        "matrix products only), e.g. 8,0",
+    )
     args = ap.parse_args()
+    default_setting = layers.ROW_PRODUCTS_MAX
     target = load_target(args.target)
     cfg = target.cfg
 
-    @jax.jit
-    def step(params, tokens, cache, start):
-        t = tokens.shape[1]
-        pos = start[:, None] + jnp.arange(t)[None, :]
-        mask = jnp.arange(args.slots)[None, None, :] <= pos[:, :, None]
-        return tgt.forward(params, tokens, pos, mask, cfg, cache, start)
+    def make_step():
+        @jax.jit
+        def step(params, tokens, cache, start):
+            t = tokens.shape[1]
+            pos = start[:, None] + jnp.arange(t)[None, :]
+            mask = jnp.arange(args.slots)[None, None, :] <= pos[:, :, None]
+            return tgt.forward(params, tokens, pos, mask, cfg, cache, start)
+
+        return step
+
+    # each setting of layers.ROW_PRODUCTS_MAX (read when a shape is traced) gets its own program;
+    # the settings are timed in turn, rep by rep, so they see the same machine
+    settings = [int(x) for x in args.row_products.split(",")]
+    steps = {s: make_step() for s in settings}
+
+    def call(s, tokens):
+        layers.ROW_PRODUCTS_MAX = s
+        return steps[s](target.params, tokens, cache, start)
 
     cache = tgt.make_cache(cfg, 1, args.slots)
     start = jnp.full((1,), args.context, jnp.int32)
@@ -58,20 +79,30 @@ def main() -> None:
     sizes = sorted({int(x) for x in args.sizes.split(",")} | {1})  # T = 1 is the unit
     for t in sizes:
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, t)), jnp.int32)
-        jax.block_until_ready(step(target.params, tokens, cache, start))
-        times = []
+        for s in settings:
+            jax.block_until_ready(call(s, tokens))
+        times = {s: [] for s in settings}
         for _ in range(args.reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(target.params, tokens, cache, start).logits)
-            times.append(time.perf_counter() - t0)
-        rows.append({"tokens": t, "ms": 1e3 * float(np.median(times))})
-    base = rows[0]["ms"]
+            for s in settings:
+                t0 = time.perf_counter()
+                jax.block_until_ready(call(s, tokens).logits)
+                times[s].append(time.perf_counter() - t0)
+        for s in settings:
+            rows.append(
+                {"tokens": t, "row_products_max": s, "ms": 1e3 * float(np.median(times[s]))}
+            )
+    layers.ROW_PRODUCTS_MAX = default_setting
+    unit = {r["row_products_max"]: r["ms"] for r in rows if r["tokens"] == 1}
     print(f"target forward over T new tokens, context {args.context}, fp32, batch 1")
-    print(f"{'T':>4} {'ms':>8} {'cost/T=1':>9} {'T/cost':>7}")
+    print(f"{'T':>4} {'rows<=':>6} {'ms':>8} {'cost/T=1':>9} {'T/cost':>7} {'vs first T=1':>12}")
     for r in rows:
-        r["relative"] = r["ms"] / base
+        r["relative"] = r["ms"] / unit[r["row_products_max"]]
         r["ceiling"] = r["tokens"] / r["relative"]
-        print(f"{r['tokens']:>4} {r['ms']:>8.1f} {r['relative']:>9.2f} {r['ceiling']:>7.2f}")
+        r["relative_to_first"] = r["ms"] / unit[settings[0]]
+        print(
+            f"{r['tokens']:>4} {r['row_products_max']:>6} {r['ms']:>8.1f} {r['relative']:>9.2f} "
+            f"{r['ceiling']:>7.2f} {r['relative_to_first']:>12.2f}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -81,6 +112,7 @@ def main() -> None:
         "context": args.context,
         "reps": args.reps,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "row_products": settings,
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")

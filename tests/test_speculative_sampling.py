@@ -89,6 +89,7 @@ def test_sampling_matches_plain_sampling(tiny, sampling):
     assert out.accept_hist[:, 1:].sum() > 0.2 * ROWS  # drafted tokens were really accepted
 
 
+@pytest.mark.slow  # ~40-75 s on 2 cores; CI runs it (make test-slow)
 def test_a_broken_rule_is_detected(tiny, monkeypatch):
     """Accepting the first child with probability 1 skews the distribution: the test must see it."""
     orig = acceptance.sample_accept

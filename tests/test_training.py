@@ -260,6 +260,7 @@ def test_tensorboard_events_and_nan_stop(tiny_target_dir, tmp_path):
         train(boom, progress=False)
 
 
+@pytest.mark.slow  # ~40-75 s on 2 cores; CI runs it (make test-slow)
 def test_sigkill_mid_run_then_resume(tiny_target_dir, tmp_path):
     """train.py killed with SIGKILL loses at most the steps since its last checkpoint; --resume
     continues to the same losses as a run that was never interrupted."""
@@ -321,6 +322,7 @@ def test_sigkill_mid_run_then_resume(tiny_target_dir, tmp_path):
     np.testing.assert_allclose(_losses(tmp_path / "killed"), _losses(tmp_path / "clean"), rtol=1e-5)
 
 
+@pytest.mark.slow  # ~40-75 s on 2 cores; CI runs it (make test-slow)
 def test_a_run_on_a_mesh_matches_one_device(tiny_target_dir, tmp_path):
     """train() on a 2 x 4 mesh of simulated devices: same losses as on one device, and it resumes."""
     one = _cfg(

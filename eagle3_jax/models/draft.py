@@ -24,7 +24,14 @@ import numpy as np
 
 from eagle3_jax.config import RopeConfig, TargetConfig, rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.models.layers import apply_rope, attention, rms_norm, rope_cos_sin, swiglu
+from eagle3_jax.models.layers import (
+    apply_rope,
+    attention,
+    dense,
+    rms_norm,
+    rope_cos_sin,
+    swiglu,
+)
 from eagle3_jax.models.target import ParamSpec
 from eagle3_jax.vocab import DraftVocab
 
@@ -335,7 +342,7 @@ class Output(NamedTuple):
 
 def fuse(params: Params, aux_BTF: jax.Array) -> jax.Array:
     """fc: concatenated target features [B, T, n_aux*Ht] -> [B, T, D] (no bias)."""
-    return aux_BTF.astype(params["fc"].dtype) @ params["fc"]
+    return dense(aux_BTF.astype(params["fc"].dtype), params["fc"])
 
 
 def project_qkv(
@@ -357,9 +364,9 @@ def project_qkv(
     x = jnp.concatenate(
         [rms_norm(emb_BTD, p["input_norm"], eps), rms_norm(h_BTD, p["hidden_norm"], eps)], axis=-1
     )
-    q = (x @ p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = (x @ p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = (x @ p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = dense(x, p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = dense(x, p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = dense(x, p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -367,7 +374,7 @@ def finish_layer(p: Params, h_BTD: jax.Array, attn_BTHK: jax.Array, cfg: DraftCo
     """The layer after attention: o_proj onto the residual h (the feature BEFORE hidden_norm), then
     the SwiGLU MLP block. Returns the pre-norm output [B, T, D]."""
     b, t, _ = h_BTD.shape
-    h = h_BTD + attn_BTHK.reshape(b, t, -1) @ p["wo"]
+    h = h_BTD + dense(attn_BTHK.reshape(b, t, -1), p["wo"])
     with jax.named_scope("mlp"):
         h = h + swiglu(
             rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"]
@@ -406,7 +413,7 @@ def head_logits(params: Params, hidden_BTD: jax.Array, cfg: DraftConfig) -> jax.
     lm_head_source="target") the attached target output embedding over the full vocabulary."""
     normed = rms_norm(hidden_BTD, params["final_norm"], cfg.rms_norm_eps)
     if cfg.lm_head_source == "own":
-        return normed @ params["lm_head"]
+        return dense(normed, params["lm_head"])
     return jnp.einsum("...d,vd->...v", normed, _out_embed(params).astype(normed.dtype))
 
 

@@ -55,8 +55,27 @@ def attention(
     return out.reshape(b, t, h, k)
 
 
+# XLA:CPU computes a product of a few rows with its GEMM, which handles them poorly: on the 2-core
+# VM the SmolLM2 decoder stack costs ~2x one row for 4 rows, though it only reads its weights once
+# either way. One vector-matrix product per row (a lax.map, so one compiled body whatever the
+# count) keeps 2-8 rows near the one-row cost (4 rows: ~1.5x), and one row as a vector is ~10%
+# faster than as a [1, K] matrix (benchmarks/verify_cost.py; BENCHMARKS.md). Other backends, and
+# more rows (prefill, training), keep the plain product.
+ROW_PRODUCTS_MAX = 8
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x[..., K] @ w[K, N], as one vector-matrix product per row for a few rows on the CPU."""
+    rows = int(np.prod(x.shape[:-1]))
+    if rows > ROW_PRODUCTS_MAX or jax.default_backend() != "cpu":
+        return x @ w
+    flat = x.reshape(rows, x.shape[-1])
+    out = (flat[0] @ w)[None] if rows == 1 else jax.lax.map(lambda r: r @ w, flat)
+    return out.reshape(*x.shape[:-1], w.shape[-1])
+
+
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    return dense(jax.nn.silu(dense(x, w_gate)) * dense(x, w_up), w_down)
 
 
 def causal_mask(cursor_B: jax.Array, t: int, s: int, window: int | None = None) -> jax.Array:

@@ -22,7 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.config import TargetConfig, rope_inv_freq
-from eagle3_jax.models.layers import apply_rope, attention, rms_norm, rope_cos_sin, swiglu
+from eagle3_jax.models.layers import (
+    apply_rope,
+    attention,
+    dense,
+    rms_norm,
+    rope_cos_sin,
+    swiglu,
+)
 
 Params = dict[str, Any]
 
@@ -181,7 +188,7 @@ def _layer(
     eps = cfg.rms_norm_eps
     pre = cfg.norm_placement == "pre"
     x = rms_norm(h_BTD, p["attn_norm"], eps) if pre else h_BTD
-    q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+    q, k, v = dense(x, p["wq"]), dense(x, p["wk"]), dense(x, p["wv"])
     if cfg.attention_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if cfg.qk_norm == "full":
@@ -198,7 +205,7 @@ def _layer(
     else:
         k_all, v_all = k, v
     with jax.named_scope("attention"):
-        o = attention(q, k_all, v_all, mask).reshape(b, t, -1) @ p["wo"]
+        o = dense(attention(q, k_all, v_all, mask).reshape(b, t, -1), p["wo"])
     if pre:
         h_BTD = h_BTD + o
         h_BTD = h_BTD + swiglu(
