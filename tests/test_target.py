@@ -87,3 +87,21 @@ def test_tied_embeddings(hf_checkpoint):
         ref = model(torch.tensor(toks, dtype=torch.long)).logits.numpy()
     out = tgt.full_forward(params, jnp.asarray(toks), cfg)
     np.testing.assert_allclose(np.asarray(out.logits), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 4), (1, 9), (3, 5)])
+def test_row_products_equal_the_matrix_product(shape):
+    from eagle3_jax.models import layers
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((*shape, 48)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((48, 40)), jnp.float32)
+    got = jax.jit(layers.dense)(x, w)
+    assert got.shape == (*shape, 40)
+    np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)
+    rows = int(np.prod(shape))
+    hlo = jax.jit(layers.dense).lower(x, w).as_text()
+    # on the CPU, 2..ROW_PRODUCTS_MAX rows go one vector-matrix product per row (a loop)
+    assert ("while" in hlo) == (
+        jax.default_backend() == "cpu" and 1 < rows <= layers.ROW_PRODUCTS_MAX
+    )
