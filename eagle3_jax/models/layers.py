@@ -55,12 +55,13 @@ def attention(
     return out.reshape(b, t, h, k)
 
 
-# XLA:CPU computes a product of a few rows with its GEMM, which handles them poorly: on the 2-core
-# VM the SmolLM2 decoder stack costs ~2x one row for 4 rows, though it only reads its weights once
-# either way. One vector-matrix product per row (a lax.map, so one compiled body whatever the
-# count) keeps 2-8 rows near the one-row cost (4 rows: ~1.5x), and one row as a vector is ~10%
-# faster than as a [1, K] matrix (benchmarks/verify_cost.py; BENCHMARKS.md). Other backends, and
-# more rows (prefill, training), keep the plain product.
+# XLA:CPU computes a product of a few rows with its GEMM, which handles them poorly: a few rows cost
+# far more than one though the weights are read once either way. One vector-matrix product per row
+# (a lax.map, so one compiled body whatever the count) does better for 2-8 rows: the whole SmolLM2
+# forward over 4 tokens costs 1.52x one token instead of 1.73x on the 2-core VM (3 tokens: 1.58x vs
+# 1.79x; 2, 6 and 8 tokens about the same; `benchmarks/verify_cost.py --row-products 8,0`). One
+# row goes as a vector too (the same speed). Other backends, and more rows (prefill, trees of 9+
+# nodes, training), keep the plain product.
 ROW_PRODUCTS_MAX = 8
 
 
