@@ -161,16 +161,18 @@ def _num_acc(rec: dict) -> int:
 
 
 def tau_by_question(eval_dir: Path, method: str | None = None) -> dict[str, float]:
-    """τ of each question (all its turns): new tokens / target forwards, from the harness's
+    """τ of each question (all its turns; the harness's definition, `metrics.tau`), from its
     records.jsonl (of `method` only, when given)."""
+    from eagle3_jax.evaluation.metrics import tau
+
     path = eval_dir / "records.jsonl"
     if not path.exists():
         return {}
     out = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        if r.get("target_forwards") and method in (None, r.get("method")):
-            out[str(r["question_id"])] = r["new_tokens"] / r["target_forwards"]
+        if method in (None, r.get("method")) and math.isfinite(t := tau([r])):
+            out[str(r["question_id"])] = t
     return out
 
 
