@@ -280,7 +280,8 @@ def train(
     elif tc.head_init == "target":  # the lm_head IS the target's: start the norm as its too
         dparams = {
             **dparams,
-            "final_norm": target.params["final_norm"].astype(DTYPES[tc.param_dtype]),
+            # a copy: the step donates the head's params and reads the target's
+            "final_norm": jnp.array(target.params["final_norm"], DTYPES[tc.param_dtype], copy=True),
         }
     if dcfg.speculator_rank and tc.speculator_init == "svd" and not tc.init_head:
         dparams = drf.init_speculator_svd(dparams, target.params, tcfg, dcfg)
