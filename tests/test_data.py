@@ -113,6 +113,12 @@ def test_reads_role_content_and_sharegpt_jsonl_with_bad_lines(tmp_path):
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
     with pytest.raises(Eagle3Error, match="bad.jsonl.gz"):
         read_conversations(tmp_path / "bad.jsonl.gz")
+    # several files, comma-separated: concatenated in order, a repeated id renamed
+    both, skipped2 = read_conversations(f"{path},{gz}")
+    assert [c.id for c in both] == ["7", "s", "7#2", "s#2"] and skipped2 == 4
+    assert both[2].messages == convs[0].messages
+    with pytest.raises(Eagle3Error, match="missing.jsonl"):
+        read_conversations(f"{path},{tmp_path / 'missing.jsonl'}")
 
 
 def test_unreadable_files_name_the_file(tmp_path):

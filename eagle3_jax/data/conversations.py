@@ -121,9 +121,20 @@ def unique_ids(convs: list[Conversation]) -> list[Conversation]:
 def read_conversations(path: str | Path) -> tuple[list[Conversation], int]:
     """Reads a ShareGPT / role-content file; returns (conversations, number of skipped records).
 
-    Ids come from the record's `id` (or `question_id`), else `<file stem>:<record number>`.
-    Raises Eagle3Error when the file cannot be read or parsed, or holds no usable record.
+    Several files may be given as one comma-separated string ("a.jsonl.gz,b.jsonl.gz"): their
+    records are concatenated in that order. Ids come from the record's `id` (or `question_id`),
+    else `<file stem>:<record number>`; an id repeated across or within files becomes `id#2`, ...
+    Raises Eagle3Error when a file cannot be read or parsed, or holds no usable record.
     """
+    if isinstance(path, str) and "," in path and not Path(path).exists():
+        convs, skipped = [], 0
+        for part in (p.strip() for p in path.split(",")):
+            if not part:
+                raise Eagle3Error(f"empty file name in the data list {path!r}")
+            c, s = read_conversations(part)
+            convs += c
+            skipped += s
+        return unique_ids(convs), skipped
     path = Path(path)
     records, bad = _load_records(path)
     if not isinstance(records, list):
