@@ -337,3 +337,55 @@ def test_a_run_on_a_mesh_matches_one_device(tiny_target_dir, tmp_path):
     train(mesh, progress=False, stop_after=3)
     train(mesh, resume=True, progress=False)
     np.testing.assert_allclose(_losses(tmp_path / "mesh"), _losses(tmp_path / "one"), rtol=1e-5)
+
+
+def test_timed_run_fits_max_steps_to_the_budget(tiny_target_dir, tmp_path, capsys):
+    from eagle3_jax.training import timed
+
+    data = _conversations(tmp_path / "data.json")
+    args = [
+        f"--config={ROOT / 'configs/tiny.py'}",
+        f"--config.target={tiny_target_dir}",
+        f"--config.data={data}",
+        f"--config.out_dir={tmp_path / 'run'}",
+        "--config.max_steps=0",
+        "--config.epochs=3",
+        "--config.batch_size=2",
+        # lm_head and norm start as the target's, features online: the step donates the head's
+        # params while it reads the target's, so they must not share a buffer
+        "--config.head_init=target",
+        "--no-progress",
+    ]
+    # a generous budget: the epochs cap (3 x 6 steps) decides
+    assert timed.main([*args, "--minutes=30", "--calibrate-steps=8", "--exports=2"]) == 0
+    plan = json.loads((tmp_path / "run/timed.json").read_text())
+    assert plan["cap_steps"] == 18 and plan["max_steps"] == 18 and plan["seconds_per_step"] > 0
+    assert _metrics(tmp_path / "run", "step")[-1] == 18
+    assert sorted(p.name for p in (tmp_path / "run/heads").iterdir()) == [
+        "step_000006",
+        "step_000012",
+    ]
+    assert (tmp_path / "run/head/config.json").exists()
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 18 and summary["timed"]["max_steps"] == 18
+    # the planning itself: the budget decides below the cap, never fewer than one step
+    assert timed.plan_steps(100.0, 0.5, cap=1000, safety=0.9) == 180
+    assert timed.plan_steps(100.0, 0.5, cap=50) == 50
+    assert timed.plan_steps(-5.0, 0.5, cap=50) == 1
+    with pytest.raises(Eagle3Error, match="calibration"):
+        timed.plan_steps(10.0, 0.0, cap=5)
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in (
+                {"step": 2, "tokens": 100, "tokens_per_s": 1.0},  # pays compilation: left out
+                {"step": 4, "tokens": 200, "tokens_per_s": 100.0},  # 1 s / 2 steps
+                {"step": 6, "tokens": 300, "tokens_per_s": 50.0},  # 2 s / 2 steps
+            )
+        )
+    )
+    assert timed.seconds_per_step(metrics) == pytest.approx(0.75)
+    metrics.write_text(metrics.read_text().splitlines()[0])
+    with pytest.raises(Eagle3Error, match="logged steps"):
+        timed.seconds_per_step(metrics)

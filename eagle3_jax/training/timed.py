@@ -1,0 +1,123 @@
+"""Training within a wall-clock budget: fit max_steps to the minutes a machine is lent for.
+
+  python -m eagle3_jax.training.timed --config=configs/smollm2_135m_gpu.py --minutes=5
+
+A short calibration run (its own out_dir, `<out_dir>_calibration`) measures the seconds per step
+after compilation; the real run then gets max_steps = min(epochs x steps per epoch,
+remaining budget / seconds per step x safety), so its learning-rate schedule decays to zero inside
+the budget instead of being cut off mid-way. The chosen max_steps is written to
+`<out_dir>/timed.json`: rerunning train.py with `--config.max_steps=N` reproduces the run on any
+machine. The calibration run's dataset.npz and vocab.npz are reused (the data is prepared once),
+and with a persistent compilation cache (JAX_COMPILATION_CACHE_DIR) the real run does not compile
+again. Other `--config.FIELD=VALUE` overrides apply to both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from eagle3_jax.errors import Eagle3Error
+
+
+def seconds_per_step(metrics_path: Path) -> float:
+    """Seconds per step over the logged intervals after the first (which pays compilation).
+
+    Each record's tokens_per_s covers the steps since the previous record, so the interval ending
+    at record k lasts (tokens_k - tokens_{k-1}) / tokens_per_s_k seconds.
+    """
+    recs = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    if len(recs) < 2:
+        raise Eagle3Error(
+            f"{metrics_path} holds {len(recs)} logged steps: the calibration needs 2 or more "
+            "(raise --calibrate-steps or lower log_every)"
+        )
+    secs = sum((b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in zip(recs, recs[1:]))
+    return secs / (recs[-1]["step"] - recs[0]["step"])
+
+
+def plan_steps(budget_s: float, sec_per_step: float, cap: int, safety: float = 0.9) -> int:
+    """Steps that fit `budget_s` at `sec_per_step` (times `safety`), at most `cap`, at least 1."""
+    if sec_per_step <= 0:
+        raise Eagle3Error(f"seconds per step {sec_per_step} <= 0: the calibration failed")
+    return max(1, min(cap, int(budget_s * safety / sec_per_step)))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", required=True)
+    p.add_argument("--minutes", type=float, required=True, help="wall-clock budget, whole job")
+    p.add_argument("--calibrate-steps", type=int, default=40)
+    p.add_argument("--safety", type=float, default=0.9, help="fraction of the rest to plan on")
+    p.add_argument("--exports", type=int, default=0, help="intermediate head exports (evenly)")
+    p.add_argument("--no-progress", action="store_true")
+    args, overrides = p.parse_known_args(argv)
+    t0 = time.monotonic()
+    try:
+        from eagle3_jax.data.dataset import steps_per_epoch
+        from eagle3_jax.training.config import load_config
+        from eagle3_jax.training.loop import train
+
+        tc = load_config(args.config.removeprefix("="), overrides)
+        if tc.grad_accum != 1:
+            raise Eagle3Error("timed runs plan optimizer steps with grad_accum 1")
+        out = Path(tc.out_dir)
+        cal = Path(f"{tc.out_dir}_calibration")
+        if cal.exists():
+            shutil.rmtree(cal)
+        log_every = max(1, args.calibrate_steps // 8)
+        cal_tc = dataclasses.replace(tc, 
+            out_dir=str(cal),
+            max_steps=args.calibrate_steps,
+            save_every=0,
+            export_every=0,
+            log_every=log_every,
+        )
+        t_cal = time.monotonic()
+        train(cal_tc, progress=not args.no_progress)
+        sps = seconds_per_step(cal / "metrics.jsonl")
+        # the real run pays the calibration run's fixed costs again (target and data loading,
+        # compilation unless cached, the head's export): its wall time less its steps
+        fixed = max(0.0, time.monotonic() - t_cal - args.calibrate_steps * sps)
+        from eagle3_jax.data import dataset as dsm
+
+        ds = dsm.load(cal / "dataset.npz")
+        cap = (tc.epochs * steps_per_epoch(ds, tc.batch_size)) if tc.epochs else tc.max_steps
+        if tc.max_steps:
+            cap = min(cap, tc.max_steps)
+        left = args.minutes * 60 - (time.monotonic() - t0) - fixed
+        steps = plan_steps(left, sps, cap, args.safety)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("dataset.npz", "vocab.npz"):
+            if not (out / name).exists():
+                shutil.copy(cal / name, out / name)
+        plan = {
+            "seconds_per_step": sps,
+            "budget_s": args.minutes * 60,
+            "left_s": left,
+            "fixed_s": fixed,
+            "max_steps": steps,
+            "cap_steps": cap,
+            "calibrate_steps": args.calibrate_steps,
+        }
+        (out / "timed.json").write_text(json.dumps(plan, indent=1))
+        print(f"timed: {json.dumps(plan)}", file=sys.stderr)
+        export_every = steps // (args.exports + 1) if args.exports else 0
+        run_tc = dataclasses.replace(tc, max_steps=steps, export_every=export_every)
+        summary = train(run_tc, progress=not args.no_progress)
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({**summary, "timed": plan}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
