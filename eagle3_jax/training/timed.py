@@ -73,7 +73,8 @@ def main(argv=None) -> int:
         if cal.exists():
             shutil.rmtree(cal)
         log_every = max(1, args.calibrate_steps // 8)
-        cal_tc = dataclasses.replace(tc, 
+        cal_tc = dataclasses.replace(
+            tc,
             out_dir=str(cal),
             max_steps=args.calibrate_steps,
             save_every=0,
