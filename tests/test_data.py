@@ -113,6 +113,16 @@ def test_reads_role_content_and_sharegpt_jsonl_with_bad_lines(tmp_path):
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
     with pytest.raises(Eagle3Error, match="bad.jsonl.gz"):
         read_conversations(tmp_path / "bad.jsonl.gz")
+    # JSON leaves U+2028 (and U+0085, U+001E, ...) raw inside strings when ensure_ascii=False, as
+    # the regeneration writes: a line is still one record, and a resume still finds its id
+    odd = tmp_path / "odd.jsonl"
+    rec = {"id": "u", "conversations": [{"from": "human", "value": "a\u2028b\x85c\x1ed"}]}
+    odd.write_text(json.dumps(rec, ensure_ascii=False) + "\n", encoding="utf-8")
+    (c,), bad = read_conversations(odd)
+    assert bad == 0 and c.messages[0]["content"] == "a\u2028b\x85c\x1ed"
+    from eagle3_jax.data.regenerate import prepare_resume
+
+    assert prepare_resume(odd) == {"u"}
     # several files, comma-separated: concatenated in order, a repeated id renamed
     both, skipped2 = read_conversations(f"{path},{gz}")
     assert [c.id for c in both] == ["7", "s", "7#2", "s#2"] and skipped2 == 4
@@ -364,3 +374,29 @@ def test_regenerate_writes_records_and_resumes_without_duplicates(tiny_target, t
 def test_duplicate_prompt_ids_are_refused(tiny_target, tmp_path):
     with pytest.raises(Eagle3Error, match="twice"):
         regenerate(tiny_target, [("a", "w5"), ("a", "w6")], tmp_path / "d.jsonl", progress=False)
+
+
+def test_prompt_selection_skips_answered_repeated_held_out_and_long_prompts():
+    from eagle3_jax.data.select_prompts import fold, select
+
+    held = {fold("What is the capital of France? Answer in one word, please.")}
+    prompts = [
+        ("a", "Write a poem"),
+        ("b", "write  a\npoem "),  # the same text, case and whitespace folded
+        ("c", "Done before"),  # answered under another id
+        ("d", "Tell me: what is the capital of France? answer in one word, please."),
+        ("e", "x " * 50),
+        ("f", "A new question"),
+        ("a", "Another text under an answered id"),
+    ]
+    exclude = [("z", "done before")]
+    kept, why = select(
+        prompts, exclude, held, n_tokens=lambda t: len(t.split()), max_prompt_tokens=20
+    )
+    assert kept == [("a", "Write a poem"), ("f", "A new question")]
+    assert why == {
+        "repeated text": 2,
+        "evaluation question": 1,
+        "too long": 1,
+        "already answered": 1,
+    }

@@ -97,7 +97,9 @@ def _load_records(path: Path) -> tuple[list[Any], int]:
             ) from e
         return records, 0
     records, bad = [], 0
-    for line in text.splitlines():
+    # JSON Lines end in \n only: str.splitlines would also cut at U+2028 and other separators
+    # that JSON leaves raw inside strings (ensure_ascii=False), breaking those records
+    for line in text.split("\n"):
         if not line.strip():
             continue
         try:

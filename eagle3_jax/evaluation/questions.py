@@ -56,7 +56,7 @@ def read_questions(path: str | Path, default_task: str | None = None) -> list[Qu
     """All records of a JSON Lines question file, in file order."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 in text
     except OSError as e:
         raise Eagle3Error(f"cannot read question file {path}: {e}") from e
     out = []

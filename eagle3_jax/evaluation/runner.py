@@ -170,7 +170,8 @@ def load_records(path: Path) -> list[dict]:
     """Finished records; a line cut short by an interruption is dropped (and the file repaired)."""
     if not path.exists():
         return []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    # not splitlines: U+2028 and other separators may sit raw inside JSON strings
+    lines = [x for x in path.read_text(encoding="utf-8").split("\n") if x]
     good, seen = [], set()
     for line in lines:
         try:

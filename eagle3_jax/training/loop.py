@@ -41,7 +41,7 @@ class MetricsWriter:
         self.tb = SummaryWriter(path.parent / "tensorboard")
         kept = []
         if path.exists() and resume_step > 0:
-            for line in path.read_text().splitlines():
+            for line in path.read_text().split("\n"):
                 try:
                     rec = json.loads(line)
                 except ValueError:

@@ -31,7 +31,7 @@ def seconds_per_step(metrics_path: Path) -> float:
     Each record's tokens_per_s covers the steps since the previous record, so the interval ending
     at record k lasts (tokens_k - tokens_{k-1}) / tokens_per_s_k seconds.
     """
-    recs = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    recs = [json.loads(line) for line in metrics_path.read_text().split("\n") if line.strip()]
     if len(recs) < 2:
         raise Eagle3Error(
             f"{metrics_path} holds {len(recs)} logged steps: the calibration needs 2 or more "

@@ -1,0 +1,110 @@
+"""Choosing new training prompts: first user turns not yet answered, not repeated, not held out.
+
+  python -m eagle3_jax.data.select_prompts SHAREGPT.json [MORE.json ...] --out prompts.jsonl.gz \
+      --exclude data/smollm2_135m_regenerated.jsonl.gz,data/smollm2_135m_regenerated_more.jsonl.gz
+
+A prompt is kept when its conversation id is not in an --exclude file, its text (case and runs of
+whitespace folded) is not the prompt of an --exclude record or of an earlier kept prompt, it is not
+an evaluation question (any turn of Spec-Bench, MT-bench or the GSM8K test set, exactly or as a
+substring of the prompt), and it fits --max-prompt-tokens under the target's chat template. The
+output is ShareGPT JSONL (one human turn per record), the input of `eagle3_jax.data.regenerate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+from eagle3_jax.data.conversations import first_user_turns, read_conversations
+from eagle3_jax.errors import Eagle3Error
+
+
+def fold(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip().lower())
+
+
+def held_out_texts(benches: tuple[str, ...] = ("spec_bench", "mt_bench", "gsm8k")) -> set[str]:
+    from eagle3_jax.evaluation.questions import load_questions
+
+    return {fold(t) for b in benches for q in load_questions(b) for t in q.turns}
+
+
+def select(
+    prompts: list[tuple[str, str]],
+    exclude: list[tuple[str, str]],
+    held_out: set[str],
+    n_tokens=None,
+    max_prompt_tokens: int = 256,
+) -> tuple[list[tuple[str, str]], Counter]:
+    """(kept prompts, counts of the reasons others were dropped)."""
+    ids = {pid for pid, _ in exclude}
+    seen = {fold(t) for _, t in exclude}
+    # long held-out texts also count inside a prompt (a pasted question with an instruction)
+    long_held = [h for h in held_out if len(h) >= 40]
+    kept, why = [], Counter()
+    for pid, text in prompts:
+        f = fold(text)
+        if pid in ids:
+            why["already answered"] += 1
+        elif f in seen:
+            why["repeated text"] += 1
+        elif f in held_out or any(h in f for h in long_held):
+            why["evaluation question"] += 1
+        elif n_tokens is not None and n_tokens(text) > max_prompt_tokens:
+            why["too long"] += 1
+        else:
+            kept.append((pid, text))
+            seen.add(f)
+            ids.add(pid)
+    return kept, why
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("files", nargs="+", help="ShareGPT / role-content files, in order")
+    p.add_argument("--out", required=True, help="ShareGPT JSONL (.gz to compress)")
+    p.add_argument("--exclude", default="", help="comma list of answered files to skip")
+    p.add_argument("--target", default=None, help="whose chat template counts the tokens")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    args = p.parse_args(argv)
+    try:
+        from eagle3_jax.checkpoints import load_tokenizer, resolve_target
+        from eagle3_jax.prompts import encode_chat
+
+        tok = load_tokenizer(resolve_target(args.target))
+        prompts = []
+        for f in args.files:
+            prompts += first_user_turns(read_conversations(f)[0])
+        exclude = first_user_turns(read_conversations(args.exclude)[0]) if args.exclude else []
+        # a cheap bound first: no prompt reaches 16 characters per token, so longer ones are
+        # dropped untokenised (the tokenizer is slow on pasted documents)
+        limit = args.max_prompt_tokens
+
+        def n_tokens(text: str) -> int:
+            if len(text) > 16 * limit:
+                return limit + 1
+            return len(encode_chat(tok, [{"role": "user", "content": text}]))
+
+        kept, why = select(prompts, exclude, held_out_texts(), n_tokens, limit)
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    opener = gzip.open if out.suffix == ".gz" else open
+    with opener(out, "wt", encoding="utf-8") as f:
+        for pid, text in kept:
+            rec = {"id": pid, "conversations": [{"from": "human", "value": text}]}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    print(json.dumps({"kept": len(kept), "read": len(prompts), **why}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
