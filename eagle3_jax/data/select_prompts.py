@@ -8,6 +8,12 @@ whitespace folded) is not the prompt of an --exclude record or of an earlier kep
 an evaluation question (any turn of Spec-Bench, MT-bench or the GSM8K test set, exactly or as a
 substring of the prompt), and it fits --max-prompt-tokens under the target's chat template. The
 output is ShareGPT JSONL (one human turn per record), the input of `eagle3_jax.data.regenerate`.
+
+With --conversations the whole conversations are written instead (every turn, the original
+answers; role/content JSONL), selected the same way by their first user turn, with every user
+turn checked against the evaluation sets and no --exclude by id (answered prompts still count as
+repeated text only when --exclude is given): training text written by another model, whose labels
+the training step takes from the target itself (EAGLE-1's fixed-dataset setting).
 """
 
 from __future__ import annotations
@@ -73,15 +79,17 @@ def main(argv=None) -> int:
     p.add_argument("--exclude", default="", help="comma list of answered files to skip")
     p.add_argument("--target", default=None, help="whose chat template counts the tokens")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--conversations", action="store_true", help="write whole conversations")
     args = p.parse_args(argv)
     try:
         from eagle3_jax.checkpoints import load_tokenizer, resolve_target
         from eagle3_jax.prompts import encode_chat
 
         tok = load_tokenizer(resolve_target(args.target))
-        prompts = []
+        convs = []
         for f in args.files:
-            prompts += first_user_turns(read_conversations(f)[0])
+            convs += read_conversations(f)[0]
+        prompts = first_user_turns(convs)
         exclude = first_user_turns(read_conversations(args.exclude)[0]) if args.exclude else []
         # a cheap bound first: no prompt reaches 16 characters per token, so longer ones are
         # dropped untokenised (the tokenizer is slow on pasted documents)
@@ -92,15 +100,38 @@ def main(argv=None) -> int:
                 return limit + 1
             return len(encode_chat(tok, [{"role": "user", "content": text}]))
 
-        kept, why = select(prompts, exclude, held_out_texts(), n_tokens, limit)
+        held = held_out_texts()
+        if args.conversations:
+            long_held = [h for h in held if len(h) >= 40]
+
+            def is_held(text: str) -> bool:
+                f = fold(text)
+                return f in held or any(h in f for h in long_held)
+
+            bad = {
+                c.id
+                for c in convs
+                for m in c.messages
+                if m["role"] == "user" and is_held(m["content"])
+            }
+            n_bad = sum(pid in bad for pid, _ in prompts)
+            prompts = [(pid, t) for pid, t in prompts if pid not in bad]
+            kept, why = select(prompts, [("", t) for _, t in exclude], set(), n_tokens, limit)
+            why["evaluation question"] += n_bad
+        else:
+            kept, why = select(prompts, exclude, held, n_tokens, limit)
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     opener = gzip.open if out.suffix == ".gz" else open
+    by_id = {c.id: c for c in convs}
     with opener(out, "wt", encoding="utf-8") as f:
         for pid, text in kept:
-            rec = {"id": pid, "conversations": [{"from": "human", "value": text}]}
+            if args.conversations:
+                rec = {"id": pid, "messages": by_id[pid].messages}
+            else:
+                rec = {"id": pid, "conversations": [{"from": "human", "value": text}]}
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     print(json.dumps({"kept": len(kept), "read": len(prompts), **why}))
     return 0
