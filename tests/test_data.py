@@ -400,3 +400,10 @@ def test_prompt_selection_skips_answered_repeated_held_out_and_long_prompts():
         "too long": 1,
         "already answered": 1,
     }
+    from eagle3_jax.data.select_prompts import clip_turns
+
+    turns = [
+        {"role": r, "content": "x" * n} for r, n in (("user", 9), ("assistant", 9), ("user", 3))
+    ]
+    assert clip_turns(turns, 10) == turns[:2]  # the first two always stay
+    assert clip_turns(turns, 21) == turns and clip_turns(turns, 0) == turns

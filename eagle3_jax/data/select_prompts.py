@@ -40,6 +40,19 @@ def held_out_texts(benches: tuple[str, ...] = ("spec_bench", "mt_bench", "gsm8k"
     return {fold(t) for b in benches for q in load_questions(b) for t in q.turns}
 
 
+def clip_turns(messages: list[dict], max_chars: int) -> list[dict]:
+    """The turns up to the one that would pass `max_chars` in all (the first two always kept)."""
+    if not max_chars:
+        return list(messages)
+    out, total = [], 0
+    for m in messages:
+        if len(out) >= 2 and total + len(m["content"]) > max_chars:
+            break
+        out.append(m)
+        total += len(m["content"])
+    return out
+
+
 def select(
     prompts: list[tuple[str, str]],
     exclude: list[tuple[str, str]],
@@ -80,6 +93,13 @@ def main(argv=None) -> int:
     p.add_argument("--target", default=None, help="whose chat template counts the tokens")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--conversations", action="store_true", help="write whole conversations")
+    p.add_argument(
+        "--max-chars",
+        type=int,
+        default=0,
+        help="--conversations: end each after the turn that passes this many characters (the "
+        "first two turns always kept; 0 = whole); a 512-token window reads ~2,000",
+    )
     args = p.parse_args(argv)
     try:
         from eagle3_jax.checkpoints import load_tokenizer, resolve_target
@@ -129,11 +149,15 @@ def main(argv=None) -> int:
     with opener(out, "wt", encoding="utf-8") as f:
         for pid, text in kept:
             if args.conversations:
-                rec = {"id": pid, "messages": by_id[pid].messages}
+                msgs = clip_turns(by_id[pid].messages, args.max_chars)
+                if not any(m["role"] == "assistant" for m in msgs):
+                    why["no answer"] += 1
+                    continue
+                rec = {"id": pid, "messages": msgs}
             else:
                 rec = {"id": pid, "conversations": [{"from": "human", "value": text}]}
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    print(json.dumps({"kept": len(kept), "read": len(prompts), **why}))
+    print(json.dumps({"kept": len(kept) - why["no answer"], "read": len(prompts), **why}))
     return 0
 
 
