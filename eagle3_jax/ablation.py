@@ -458,13 +458,16 @@ def paired_table(rows: list[dict]) -> list[str]:
     def fmt(d):
         return "–" if d is None else f"{d[0]:+.3f} ± {d[1]:.3f}"
 
+    def step_column(row: dict, i: int) -> dict:
+        return {k: v[i] if i < len(v) else None for k, v in row.get("acc_by_step", {}).items()}
+
+    ref_cols = [step_column(ref, i) for i in range(PAIRED_ACC)]
     for r in rows[1:]:
         same_order = r.get("batch_size") == ref.get("batch_size")
         cols = []
         for i in range(PAIRED_ACC):
-            a = {k: v[i] if i < len(v) else None for k, v in r.get("acc_by_step", {}).items()}
-            b = {k: v[i] if i < len(v) else None for k, v in ref.get("acc_by_step", {}).items()}
-            cols.append(fmt(paired_difference(a, b) if same_order else None))
+            d = paired_difference(step_column(r, i), ref_cols[i]) if same_order else None
+            cols.append(fmt(d))
         cols.append(
             fmt(paired_difference(r.get("tau_by_question", {}), ref.get("tau_by_question", {})))
         )
