@@ -1,6 +1,10 @@
-"""EAGLE-3 head for the embedded SmolLM2-135M-Instruct, trained on a 2-core CPU: the shipped head.
+"""EAGLE-3 head for the embedded SmolLM2-135M-Instruct, trained on a 2-core CPU.
 
-Recipe (eagle3_jax/heads/smollm2_135m_instruct/README.md has the measured results):
+This recipe made the head shipped before the GPU-trained one (configs/smollm2_135m_gpu.py; the
+CPU head is in git history, its results in BENCHMARKS.md "The previous head"). It stays the
+recipe for a CPU budget, and the base of the ablation and vocabulary grids.
+
+Recipe:
   .venv/bin/python train.py --config=configs/smollm2_135m.py --precompute-features
   .venv/bin/python train.py --config=configs/smollm2_135m.py          # add --resume after a stop
 
