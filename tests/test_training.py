@@ -348,7 +348,7 @@ def test_timed_run_fits_max_steps_to_the_budget(tiny_target_dir, tmp_path, capsy
         f"--config.target={tiny_target_dir}",
         f"--config.data={data}",
         f"--config.out_dir={tmp_path / 'run'}",
-        "--config.max_steps=0",
+        "--config.max_steps=20",
         "--config.epochs=3",
         "--config.batch_size=2",
         # lm_head and norm start as the target's, features online: the step donates the head's
@@ -356,7 +356,7 @@ def test_timed_run_fits_max_steps_to_the_budget(tiny_target_dir, tmp_path, capsy
         "--config.head_init=target",
         "--no-progress",
     ]
-    # a generous budget: the epochs cap (3 x 6 steps) decides
+    # a generous budget: the epochs cap (3 x 6 steps, under max_steps 20) decides
     assert timed.main([*args, "--minutes=30", "--calibrate-steps=8", "--exports=2"]) == 0
     plan = json.loads((tmp_path / "run/timed.json").read_text())
     assert plan["cap_steps"] == 18 and plan["max_steps"] == 18 and plan["seconds_per_step"] > 0
@@ -368,6 +368,23 @@ def test_timed_run_fits_max_steps_to_the_budget(tiny_target_dir, tmp_path, capsy
     assert (tmp_path / "run/head/config.json").exists()
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == 18 and summary["timed"]["max_steps"] == 18
+    # a run that already holds checkpoints is refused before any calibration
+    assert timed.main([*args, "--minutes=30"]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+    # max_steps caps below the epochs; 20 steps and two exports: at most two heads before the end
+    args = [a.replace("epochs=3", "epochs=0") for a in args]
+    args = [a.replace(str(tmp_path / "run"), str(tmp_path / "run2")) for a in args]
+    assert timed.main([*args, "--minutes=30", "--calibrate-steps=8", "--exports=2"]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "run2/timed.json").read_text())["max_steps"] == 20
+    assert sorted(p.name for p in (tmp_path / "run2/heads").iterdir()) == [
+        "step_000007",
+        "step_000014",
+    ]
+    # a budget the calibration alone uses up is an error, not a one-step run
+    args = [a.replace(str(tmp_path / "run2"), str(tmp_path / "run3")) for a in args]
+    assert timed.main([*args, "--minutes=0.01", "--calibrate-steps=8"]) == 2
+    assert "budget" in capsys.readouterr().err and not (tmp_path / "run3/head").exists()
     # the planning itself: the budget decides below the cap, never fewer than one step
     assert timed.plan_steps(100.0, 0.5, cap=1000, safety=0.9) == 180
     assert timed.plan_steps(100.0, 0.5, cap=50) == 50

@@ -69,6 +69,11 @@ def main(argv=None) -> int:
         if tc.grad_accum != 1:
             raise Eagle3Error("timed runs plan optimizer steps with grad_accum 1")
         out = Path(tc.out_dir)
+        if (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
+            raise Eagle3Error(
+                f"{out} already holds checkpoints: a timed run starts fresh; choose another "
+                "out_dir (or continue that run with train.py --resume)"
+            )
         cal = Path(f"{tc.out_dir}_calibration")
         if cal.exists():
             shutil.rmtree(cal)
@@ -84,8 +89,10 @@ def main(argv=None) -> int:
         t_cal = time.monotonic()
         train(cal_tc, progress=not args.no_progress)
         sps = seconds_per_step(cal / "metrics.jsonl")
-        # the real run pays the calibration run's fixed costs again (target and data loading,
-        # compilation unless cached, the head's export): its wall time less its steps
+        # the real run pays the calibration run's fixed costs again (loading the target,
+        # compiling unless cached, exporting the head); counting the calibration's whole wall
+        # time less its steps also charges its data preparation (tokenising, a regeneration),
+        # which the real run reuses: conservative, so prepare the data first for a tight plan
         fixed = max(0.0, time.monotonic() - t_cal - args.calibrate_steps * sps)
         from eagle3_jax.data import dataset as dsm
 
@@ -94,11 +101,16 @@ def main(argv=None) -> int:
         if tc.max_steps:
             cap = min(cap, tc.max_steps)
         left = args.minutes * 60 - (time.monotonic() - t0) - fixed
+        if left * args.safety < sps:
+            raise Eagle3Error(
+                f"the budget of {args.minutes} min is used up: the calibration took "
+                f"{time.monotonic() - t0:.0f} s and a run costs {fixed:.0f} s before its first "
+                "step; give more minutes"
+            )
         steps = plan_steps(left, sps, cap, args.safety)
         out.mkdir(parents=True, exist_ok=True)
-        for name in ("dataset.npz", "vocab.npz"):
-            if not (out / name).exists():
-                shutil.copy(cal / name, out / name)
+        for name in ("dataset.npz", "vocab.npz"):  # the data the plan was made for
+            shutil.copy(cal / name, out / name)
         plan = {
             "seconds_per_step": sps,
             "budget_s": args.minutes * 60,
@@ -110,7 +122,8 @@ def main(argv=None) -> int:
         }
         (out / "timed.json").write_text(json.dumps(plan, indent=1))
         print(f"timed: {json.dumps(plan)}", file=sys.stderr)
-        export_every = steps // (args.exports + 1) if args.exports else 0
+        # rounded up: at most `exports` intermediate heads before the final one
+        export_every = -(-steps // (args.exports + 1)) if args.exports else 0
         run_tc = dataclasses.replace(tc, max_steps=steps, export_every=export_every)
         summary = train(run_tc, progress=not args.no_progress)
     except Eagle3Error as e:
