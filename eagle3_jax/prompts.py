@@ -29,7 +29,8 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
     """One prompt per line, or JSONL records: FastChat `turns` (first turn), `prompt`, `question`."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # "\n" only: str.splitlines would also cut at U+2028, raw inside JSON strings
+        lines = path.read_text(encoding="utf-8").split("\n")
     except OSError as e:
         raise Eagle3Error(f"cannot read prompt file {path}: {e}") from e
     prompts = []

@@ -113,19 +113,28 @@ def test_reads_role_content_and_sharegpt_jsonl_with_bad_lines(tmp_path):
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
     with pytest.raises(Eagle3Error, match="bad.jsonl.gz"):
         read_conversations(tmp_path / "bad.jsonl.gz")
-    # JSON leaves U+2028 (and U+0085, U+001E, ...) raw inside strings when ensure_ascii=False, as
-    # the regeneration writes: a line is still one record, and a resume still finds its id
+    # JSON leaves U+2028, U+2029 and U+0085 raw inside strings when ensure_ascii=False, as the
+    # regeneration writes, and str.splitlines cuts at them: a line must stay one record, and a
+    # resume must still find its id
     odd = tmp_path / "odd.jsonl"
-    rec = {"id": "u", "conversations": [{"from": "human", "value": "a\u2028b\x85c\x1ed"}]}
+    rec = {"id": "u", "conversations": [{"from": "human", "value": "a\u2028b\x85c\u2029d"}]}
     odd.write_text(json.dumps(rec, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert len(odd.read_text(encoding="utf-8").splitlines()) == 4  # what the old reader saw
     (c,), bad = read_conversations(odd)
-    assert bad == 0 and c.messages[0]["content"] == "a\u2028b\x85c\x1ed"
+    assert bad == 0 and c.messages[0]["content"] == "a\u2028b\x85c\u2029d"
     from eagle3_jax.data.regenerate import prepare_resume
 
     assert prepare_resume(odd) == {"u"}
     # several files, comma-separated: concatenated in order, a repeated id renamed
     both, skipped2 = read_conversations(f"{path},{gz}")
     assert [c.id for c in both] == ["7", "s", "7#2", "s#2"] and skipped2 == 4
+    # renaming never collides with a name an earlier file's renaming took
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text(
+        (json.dumps({"id": 7, "messages": [{"role": "user", "content": "u"}]}) + "\n") * 2
+    )
+    ids = [c.id for c in read_conversations(f"{twice},{path}")[0]]
+    assert ids == ["7", "7#2", "7#3", "s"]
     assert both[2].messages == convs[0].messages
     with pytest.raises(Eagle3Error, match="missing.jsonl"):
         read_conversations(f"{path},{tmp_path / 'missing.jsonl'}")
@@ -389,16 +398,16 @@ def test_prompt_selection_skips_answered_repeated_held_out_and_long_prompts():
         ("f", "A new question"),
         ("a", "Another text under an answered id"),
     ]
-    exclude = [("z", "done before")]
+    exclude = [("z", "done before"), ("f", "answered under this id before")]
     kept, why = select(
         prompts, exclude, held, n_tokens=lambda t: len(t.split()), max_prompt_tokens=20
     )
-    assert kept == [("a", "Write a poem"), ("f", "A new question")]
+    assert kept == [("a", "Write a poem")]
     assert why == {
         "repeated text": 2,
         "evaluation question": 1,
         "too long": 1,
-        "already answered": 1,
+        "already answered": 2,  # "f" by the exclude list, the second "a" by the first
     }
     from eagle3_jax.data.select_prompts import clip_turns
 

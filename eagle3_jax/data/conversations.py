@@ -110,13 +110,17 @@ def _load_records(path: Path) -> tuple[list[Any], int]:
 
 
 def unique_ids(convs: list[Conversation]) -> list[Conversation]:
-    """Renames repeated ids to `id#2`, `id#3`, ...: regeneration resumes by id."""
-    seen: dict[str, int] = {}
+    """Renames repeated ids to `id#2`, `id#3`, ... (skipping names already taken, e.g. by an
+    earlier renaming in another file): regeneration resumes by id."""
+    taken: set[str] = set()
     out = []
     for c in convs:
-        n = seen.get(c.id, 0) + 1
-        seen[c.id] = n
-        out.append(c if n == 1 else c._replace(id=f"{c.id}#{n}"))
+        new, n = c.id, 1
+        while new in taken:
+            n += 1
+            new = f"{c.id}#{n}"
+        taken.add(new)
+        out.append(c if new == c.id else c._replace(id=new))
     return out
 
 

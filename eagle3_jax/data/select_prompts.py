@@ -26,7 +26,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from eagle3_jax.data.conversations import first_user_turns, read_conversations
+from eagle3_jax.data.conversations import first_user_turns, read_conversations, unique_ids
 from eagle3_jax.errors import Eagle3Error
 
 
@@ -97,8 +97,8 @@ def main(argv=None) -> int:
         "--max-chars",
         type=int,
         default=0,
-        help="--conversations: end each after the turn that passes this many characters (the "
-        "first two turns always kept; 0 = whole); a 512-token window reads ~2,000",
+        help="--conversations: end each before the turn that would pass this many characters "
+        "(the first two turns always kept; 0 = whole); a 512-token window reads ~2,000",
     )
     args = p.parse_args(argv)
     try:
@@ -109,6 +109,7 @@ def main(argv=None) -> int:
         convs = []
         for f in args.files:
             convs += read_conversations(f)[0]
+        convs = unique_ids(convs)  # an id repeated across files names one conversation each
         prompts = first_user_turns(convs)
         exclude = first_user_turns(read_conversations(args.exclude)[0]) if args.exclude else []
         # a cheap bound first: no prompt reaches 16 characters per token, so longer ones are
@@ -144,19 +145,21 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    opener = gzip.open if out.suffix == ".gz" else open
     by_id = {c.id: c for c in convs}
-    with opener(out, "wt", encoding="utf-8") as f:
-        for pid, text in kept:
-            if args.conversations:
-                msgs = clip_turns(by_id[pid].messages, args.max_chars)
-                if not any(m["role"] == "assistant" for m in msgs):
-                    why["no answer"] += 1
-                    continue
-                rec = {"id": pid, "messages": msgs}
-            else:
-                rec = {"id": pid, "conversations": [{"from": "human", "value": text}]}
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    lines = []
+    for pid, text in kept:
+        if args.conversations:
+            msgs = clip_turns(by_id[pid].messages, args.max_chars)
+            if not any(m["role"] == "assistant" for m in msgs):
+                why["no answer"] += 1
+                continue
+            rec = {"id": pid, "messages": msgs}
+        else:
+            rec = {"id": pid, "conversations": [{"from": "human", "value": text}]}
+        lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+    data = "".join(lines).encode("utf-8")
+    # .gz without a time stamp or file name in its header: the same selection, the same bytes
+    out.write_bytes(gzip.compress(data, mtime=0) if out.suffix == ".gz" else data)
     print(json.dumps({"kept": len(kept) - why["no answer"], "read": len(prompts), **why}))
     return 0
 
