@@ -6,7 +6,7 @@ features computed online in the step, batch 16 and one compiled shape (no length
 a padded row costs little, a new shape costs a compilation).
 
   python train.py --config=configs/smollm2_135m_gpu.py                       # 16 epochs, 4,448 steps
-  python -m eagle3_jax.training.timed --config=configs/smollm2_135m_gpu.py --minutes=7
+  python -m eagle3_jax.training.timed --config=configs/smollm2_135m_gpu.py --minutes=8
 
 (timed.py fits max_steps to a wall-clock budget, at most the 16 epochs, and writes its plan to
 out_dir/timed.json.) The shipped head: 4,448 steps, 19.3M tokens read, 5.1 minutes of training on
@@ -19,7 +19,8 @@ configs/smollm2_135m.py (720: first user turns of the first 2,000 ShareGPT V3 re
 tokens), its continuation (924) and data/smollm2_135m_regenerated_gpu.jsonl.gz (2,808: the other
 ShareGPT prompts of ../shared/data/sharegpt/, deduplicated by text, none from Spec-Bench, MT-bench
 or GSM8K, answered by SmolLM2 on the GPU, greedy, 256 new tokens at most). The shipped head read
-4,449 of them: a JSON Lines reader fixed since then dropped 3 records that hold U+2028.
+4,451 of them: the JSON Lines reader of that day (fixed since) dropped x2koHPp_9, whose text
+holds U+2028.
 """
 
 from pathlib import Path
