@@ -416,3 +416,45 @@ def test_prompt_selection_skips_answered_repeated_held_out_and_long_prompts():
     ]
     assert clip_turns(turns, 10) == turns[:2]  # the first two always stay
     assert clip_turns(turns, 21) == turns and clip_turns(turns, 0) == turns
+
+
+def test_regenerate_turns_answers_every_turn_in_its_own_context(tiny_target, tmp_path):
+    from eagle3_jax.data.conversations import Conversation
+    from eagle3_jax.data.regenerate import regenerate_turns
+    from eagle3_jax.decoding import plain
+    from eagle3_jax.prompts import encode_chat
+
+    def conv(cid, *users):
+        msgs = []
+        for u in users:  # original answers are replaced by the target's own
+            msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": "w5 w6"}]
+        return Conversation(cid, msgs)
+
+    convs = [
+        conv("a", "w3 w4 w5", "w7 w8"),
+        conv("b", "w9 w10", "w11 w12 w13", "w14"),
+        conv("c", " ".join(["w20"] * 30), "w21"),  # a second turn that does not fit max_len
+        conv("d", " ".join(["w30"] * 60)),  # not even the first turn fits: skipped
+    ]
+    out = tmp_path / "turns.jsonl"
+    kw = dict(max_new_tokens=6, batch_size=2, max_len=48, progress=False)
+    stats = regenerate_turns(tiny_target, convs, out, **kw)
+    assert (stats.answered, stats.skipped, stats.resumed) == (3, 1, 0)
+    recs = {r["id"]: r for r in _read_jsonl(out)}
+    assert [len(recs[c]["conversations"]) for c in "abc"] == [4, 6, 2]
+    tok, t = tiny_target.tokenizer, tiny_target
+    for r in recs.values():  # each answer = plain greedy decoding of the context so far
+        msgs = []
+        for human, gpt, ids in zip(
+            r["conversations"][::2], r["conversations"][1::2], r["turn_output_ids"]
+        ):
+            msgs.append({"role": "user", "content": human["value"]})
+            prompt = encode_chat(tok, msgs)
+            ref = plain.generate(t.params, t.cfg, [prompt], 6, pad_id=0).output_ids[0]
+            assert ids == ref and gpt["value"] == tok.decode(ref, skip_special_tokens=True)
+            msgs.append({"role": "assistant", "content": gpt["value"]})
+    # resumed: nothing answered twice; the records read back as multi-turn conversations
+    again = regenerate_turns(tiny_target, convs, out, **kw)
+    assert (again.answered, again.resumed) == (0, 4 - 1) and len(_read_jsonl(out)) == 3
+    back = {c.id: c for c in read_conversations(out)[0]}
+    assert [m["role"] for m in back["b"].messages] == ["user", "assistant"] * 3

@@ -1,7 +1,7 @@
 """Regenerating answers with the target itself, so the draft learns the target's own distribution.
 
   python -m eagle3_jax.data.regenerate PROMPTS.jsonl OUT.jsonl [--target CKPT] [--batch-size 64]
-      [--max-new-tokens 256] [--max-prompt-tokens 256] [--limit N]
+      [--max-new-tokens 256] [--max-prompt-tokens 256] [--limit N] [--all-turns --max-len 2048]
 
 (train.py --config.regenerate=true runs the same step inside a training run.)
 
@@ -163,6 +163,102 @@ def regenerate(
     return RegenStats(answered, skipped, resumed, cut)
 
 
+def regenerate_turns(
+    target: Target,
+    convs: list,
+    out_path: str | Path,
+    max_new_tokens: int = 512,
+    batch_size: int = 8,
+    max_len: int = 2048,
+    sampling: Sampling = Sampling(),
+    seed: int = 0,
+    progress: bool = True,
+    chunk: int = 0,
+) -> RegenStats:
+    """Answers EVERY user turn of each conversation in context (the official EAGLE-3 data recipe):
+    turn k's prompt is the conversation so far with the target's own answers in place of the
+    original ones. A conversation ends at its last user turn, or before the first turn whose
+    prompt plus max_new_tokens passes max_len (or the target's context); one whose first turn
+    does not fit is skipped. Conversations are answered `chunk` at a time (default 8 batches),
+    turn by turn across the chunk (batches of similar lengths), and a chunk's records are
+    appended and flushed before the next starts, so an interrupted run resumes by id.
+
+    Records: {"id", "conversations": [human, gpt, human, gpt, ...], "turn_output_ids": [[...]]}
+    (the generated ids of each answer; the next turn's prompt re-encodes the answer's text with the
+    chat template, as a chat client would). `hit_max_tokens` counts answers cut at the limit.
+    """
+    if batch_size < 1:
+        raise Eagle3Error(f"batch size {batch_size} < 1")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = prepare_resume(out_path)
+    tok, cfg = target.tokenizer, target.cfg
+    limit = min(max_len, cfg.max_position_embeddings)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    todo = []
+    for c in convs:
+        users = [m["content"] for m in c.messages if m["role"] == "user" and m["content"].strip()]
+        if c.id not in done and users:
+            todo.append((c.id, users))
+    if len({cid for cid, _ in todo}) != len(todo):
+        raise Eagle3Error(
+            "repeated conversation ids: resuming keys on them (read_conversations renames)"
+        )
+    resumed = sum(c.id in done for c in convs)
+    chunk = chunk or 8 * batch_size
+    answered = skipped = cut = 0
+    bar = tqdm(total=len(todo), unit="conv", desc="regenerating turns", disable=not progress)
+    with open(out_path, "a", encoding="utf-8") as f, bar:
+        for start in range(0, len(todo), chunk):
+            part = todo[start : start + chunk]
+            msgs = {cid: [] for cid, _ in part}
+            outs = {cid: [] for cid, _ in part}
+            alive = {cid for cid, _ in part}
+            for k in range(max(len(u) for _, u in part)):
+                pending = []
+                for cid, users in part:
+                    if cid not in alive or k >= len(users):
+                        continue
+                    ids = encode_chat(tok, [*msgs[cid], {"role": "user", "content": users[k]}])
+                    if len(ids) + max_new_tokens > limit:
+                        alive.discard(cid)  # this turn does not fit: the conversation ends here
+                        continue
+                    pending.append((cid, users[k], ids))
+                pending.sort(key=lambda p: len(p[2]))
+                for b in range(0, len(pending), batch_size):
+                    rows = pending[b : b + batch_size]
+                    ids = [r[2] for r in rows] + [rows[-1][2]] * (batch_size - len(rows))
+                    res = plain.generate(
+                        target.params, cfg, ids, max_new_tokens, sampling,
+                        seed=seed + start + 1000 * k + b, pad_id=pad_id,
+                    )  # fmt: skip
+                    for (cid, text, _), out, why in zip(rows, res.output_ids, res.finish_reasons):
+                        answer = tok.decode(out, skip_special_tokens=True)
+                        msgs[cid] += [
+                            {"role": "user", "content": text},
+                            {"role": "assistant", "content": answer},
+                        ]
+                        outs[cid].append(out)
+                        cut += why == "max_tokens"
+            lines = []
+            for cid, _ in part:
+                if not outs[cid]:
+                    skipped += 1
+                    continue
+                turns = [
+                    {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
+                    for m in msgs[cid]
+                ]
+                rec = {"id": cid, "conversations": turns, "turn_output_ids": outs[cid]}
+                lines.append(json.dumps(rec, ensure_ascii=False))
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+            answered += len(lines)
+            bar.update(len(part))
+    return RegenStats(answered, skipped, resumed, cut)
+
+
 def main(argv=None) -> int:
     import argparse
     import sys
@@ -178,25 +274,43 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=0, help="first N prompts only (0 = all)")
+    p.add_argument(
+        "--all-turns",
+        action="store_true",
+        help="answer every user turn in context (multi-turn records), not only the first",
+    )
+    p.add_argument("--max-len", type=int, default=2048, help="--all-turns: prompt + answer limit")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
         from eagle3_jax.checkpoints import load_target
         from eagle3_jax.data.conversations import first_user_turns, read_conversations
 
-        prompts = first_user_turns(read_conversations(args.prompts)[0])
-        prompts = prompts[: args.limit] if args.limit else prompts
+        convs = read_conversations(args.prompts)[0]
+        convs = convs[: args.limit] if args.limit else convs
+        prompts = first_user_turns(convs)
         target = load_target(args.target)
         t0 = time.perf_counter()
-        stats = regenerate(
-            target,
-            prompts,
-            args.out,
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
-            max_prompt_tokens=args.max_prompt_tokens,
-            progress=not args.no_progress,
-        )
+        if args.all_turns:
+            stats = regenerate_turns(
+                target,
+                convs,
+                args.out,
+                max_new_tokens=args.max_new_tokens,
+                batch_size=args.batch_size,
+                max_len=args.max_len,
+                progress=not args.no_progress,
+            )
+        else:
+            stats = regenerate(
+                target,
+                prompts,
+                args.out,
+                max_new_tokens=args.max_new_tokens,
+                batch_size=args.batch_size,
+                max_prompt_tokens=args.max_prompt_tokens,
+                progress=not args.no_progress,
+            )
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
