@@ -240,11 +240,7 @@ def init_output_from_target(
     lm_DC = jnp.take(out_VD, ids, axis=0).T
     new = dict(params)
     new["lm_head"] = lm_DC.astype(params["lm_head"].dtype)
-    # a copy even when the dtypes agree (astype then returns the same buffer): the train step
-    # donates the head's params while it reads the target's, and one buffer cannot be both
-    new["final_norm"] = jnp.array(
-        target_params["final_norm"], params["final_norm"].dtype, copy=True
-    )
+    new["final_norm"] = target_params["final_norm"].astype(params["final_norm"].dtype)
     return new
 
 

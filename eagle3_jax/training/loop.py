@@ -280,8 +280,7 @@ def train(
     elif tc.head_init == "target":  # the lm_head IS the target's: start the norm as its too
         dparams = {
             **dparams,
-            # a copy: the step donates the head's params and reads the target's
-            "final_norm": jnp.array(target.params["final_norm"], DTYPES[tc.param_dtype], copy=True),
+            "final_norm": target.params["final_norm"].astype(DTYPES[tc.param_dtype]),
         }
     if dcfg.speculator_rank and tc.speculator_init == "svd" and not tc.init_head:
         dparams = drf.init_speculator_svd(dparams, target.params, tcfg, dcfg)
@@ -290,6 +289,10 @@ def train(
     state_sh = None
     if mesh is not None:
         dparams = jax.tree.map(jax.device_put, dparams, drf.param_shardings(dcfg, mesh))
+    # The step donates the head's state while it reads the target's params, so no leaf may share
+    # a buffer with them: a start taken from the target (head_init=target: its final norm, which
+    # astype to the same dtype returns as the same array) is copied here, once, for every start.
+    dparams = jax.tree.map(jnp.copy, dparams)
     state = init_state(dparams, tx, mesh)
     if mesh is not None:
         state_sh = jax.tree.map(lambda x: x.sharding, state)
