@@ -84,6 +84,30 @@ def _check_unique(prompts: list[tuple[str, str]]) -> None:
         seen.add(pid)
 
 
+def _answer(
+    target: Target, rows: list[list[int]], batch_size: int, max_new_tokens: int, sampling, seed: int
+) -> list[tuple[list[int], str, str]]:
+    """(generated ids, answer text, finish reason) of each prompt of one batch. A short batch is
+    padded with copies of its last prompt: one static batch shape, so no second compiled program."""
+    tok = target.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    full = rows + [rows[-1]] * (batch_size - len(rows))
+    res = plain.generate(
+        target.params, target.cfg, full, max_new_tokens, sampling, seed=seed, pad_id=pad_id
+    )
+    return [
+        (out, tok.decode(out, skip_special_tokens=True), why)
+        for out, why in zip(res.output_ids[: len(rows)], res.finish_reasons)
+    ]
+
+
+def _append(f, records: list[dict]) -> None:
+    """Appends records as JSON lines, flushed to disk before the next batch (resumable)."""
+    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def regenerate(
     target: Target,
     prompts: list[tuple[str, str]],
@@ -129,7 +153,6 @@ def regenerate(
     # decoding the answers do not depend on the batching.
     pending.sort(key=lambda p: len(p[2]))
     resumed = sum(pid in done for pid, _ in prompts)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     bar = tqdm(
         total=resumed + len(pending),
@@ -143,20 +166,13 @@ def regenerate(
     with open(out_path, "a", encoding="utf-8") as f, bar:
         for start in range(0, len(pending), batch_size):
             chunk = pending[start : start + batch_size]
-            # A short last batch is padded with copies of its last prompt: one static batch shape,
-            # so it does not compile a second program.
-            rows = [ids for _, _, ids in chunk] + [chunk[-1][2]] * (batch_size - len(chunk))
-            res = plain.generate(
-                target.params, cfg, rows, max_new_tokens, sampling, seed=seed + start, pad_id=pad_id
-            )
-            lines = []
-            for (pid, text, ids), out, why in zip(chunk, res.output_ids, res.finish_reasons):
-                answer = tok.decode(out, skip_special_tokens=True)
-                lines.append(json.dumps(record(pid, text, answer, ids, out), ensure_ascii=False))
+            rows = [ids for _, _, ids in chunk]
+            answers = _answer(target, rows, batch_size, max_new_tokens, sampling, seed + start)
+            recs = []
+            for (pid, text, ids), (out, answer, why) in zip(chunk, answers):
+                recs.append(record(pid, text, answer, ids, out))
                 cut += why == "max_tokens"
-            f.write("".join(line + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
+            _append(f, recs)
             answered += len(chunk)
             bar.update(len(chunk))
             bar.set_postfix(skipped=skipped, refresh=False)
@@ -191,19 +207,15 @@ def regenerate_turns(
         raise Eagle3Error(f"batch size {batch_size} < 1")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    _check_unique([(c.id, c) for c in convs])
     done = prepare_resume(out_path)
-    tok, cfg = target.tokenizer, target.cfg
-    limit = min(max_len, cfg.max_position_embeddings)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    tok = target.tokenizer
+    limit = min(max_len, target.cfg.max_position_embeddings)
     todo = []
     for c in convs:
         users = [m["content"] for m in c.messages if m["role"] == "user" and m["content"].strip()]
         if c.id not in done and users:
             todo.append((c.id, users))
-    if len({cid for cid, _ in todo}) != len(todo):
-        raise Eagle3Error(
-            "repeated conversation ids: resuming keys on them (read_conversations renames)"
-        )
     resumed = sum(c.id in done for c in convs)
     chunk = chunk or 8 * batch_size
     answered = skipped = cut = 0
@@ -227,20 +239,18 @@ def regenerate_turns(
                 pending.sort(key=lambda p: len(p[2]))
                 for b in range(0, len(pending), batch_size):
                     rows = pending[b : b + batch_size]
-                    ids = [r[2] for r in rows] + [rows[-1][2]] * (batch_size - len(rows))
-                    res = plain.generate(
-                        target.params, cfg, ids, max_new_tokens, sampling,
-                        seed=seed + start + 1000 * k + b, pad_id=pad_id,
+                    answers = _answer(
+                        target, [r[2] for r in rows], batch_size, max_new_tokens, sampling,
+                        seed + start + 1000 * k + b,
                     )  # fmt: skip
-                    for (cid, text, _), out, why in zip(rows, res.output_ids, res.finish_reasons):
-                        answer = tok.decode(out, skip_special_tokens=True)
+                    for (cid, text, _), (out, answer, why) in zip(rows, answers):
                         msgs[cid] += [
                             {"role": "user", "content": text},
                             {"role": "assistant", "content": answer},
                         ]
                         outs[cid].append(out)
                         cut += why == "max_tokens"
-            lines = []
+            recs = []
             for cid, _ in part:
                 if not outs[cid]:
                     skipped += 1
@@ -249,12 +259,9 @@ def regenerate_turns(
                     {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
                     for m in msgs[cid]
                 ]
-                rec = {"id": cid, "conversations": turns, "turn_output_ids": outs[cid]}
-                lines.append(json.dumps(rec, ensure_ascii=False))
-            f.write("".join(line + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-            answered += len(lines)
+                recs.append({"id": cid, "conversations": turns, "turn_output_ids": outs[cid]})
+            _append(f, recs)
+            answered += len(recs)
             bar.update(len(part))
     return RegenStats(answered, skipped, resumed, cut)
 
@@ -288,28 +295,19 @@ def main(argv=None) -> int:
 
         convs = read_conversations(args.prompts)[0]
         convs = convs[: args.limit] if args.limit else convs
-        prompts = first_user_turns(convs)
         target = load_target(args.target)
         t0 = time.perf_counter()
+        common = dict(
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            progress=not args.no_progress,
+        )
         if args.all_turns:
-            stats = regenerate_turns(
-                target,
-                convs,
-                args.out,
-                max_new_tokens=args.max_new_tokens,
-                batch_size=args.batch_size,
-                max_len=args.max_len,
-                progress=not args.no_progress,
-            )
+            stats = regenerate_turns(target, convs, args.out, max_len=args.max_len, **common)
         else:
+            prompts = first_user_turns(convs)
             stats = regenerate(
-                target,
-                prompts,
-                args.out,
-                max_new_tokens=args.max_new_tokens,
-                batch_size=args.batch_size,
-                max_prompt_tokens=args.max_prompt_tokens,
-                progress=not args.no_progress,
+                target, prompts, args.out, max_prompt_tokens=args.max_prompt_tokens, **common
             )
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
