@@ -40,6 +40,17 @@ def held_out_texts(benches: tuple[str, ...] = ("spec_bench", "mt_bench", "gsm8k"
     return {fold(t) for b in benches for q in load_questions(b) for t in q.turns}
 
 
+def held_out_matcher(held_out: set[str]):
+    """folded text -> whether it is an evaluation question: equal, or, for held-out texts of 40+
+    characters, inside it (a pasted question with an instruction around it)."""
+    long_held = [h for h in held_out if len(h) >= 40]
+
+    def is_held(folded: str) -> bool:
+        return folded in held_out or any(h in folded for h in long_held)
+
+    return is_held
+
+
 def clip_turns(messages: list[dict], max_chars: int) -> list[dict]:
     """The turns up to the one that would pass `max_chars` in all (the first two always kept)."""
     if not max_chars:
@@ -63,8 +74,7 @@ def select(
     """(kept prompts, counts of the reasons others were dropped)."""
     ids = {pid for pid, _ in exclude}
     seen = {fold(t) for _, t in exclude}
-    # long held-out texts also count inside a prompt (a pasted question with an instruction)
-    long_held = [h for h in held_out if len(h) >= 40]
+    is_held = held_out_matcher(held_out)
     kept, why = [], Counter()
     for pid, text in prompts:
         f = fold(text)
@@ -72,7 +82,7 @@ def select(
             why["already answered"] += 1
         elif f in seen:
             why["repeated text"] += 1
-        elif f in held_out or any(h in f for h in long_held):
+        elif is_held(f):
             why["evaluation question"] += 1
         elif n_tokens is not None and n_tokens(text) > max_prompt_tokens:
             why["too long"] += 1
@@ -123,17 +133,12 @@ def main(argv=None) -> int:
 
         held = held_out_texts()
         if args.conversations:
-            long_held = [h for h in held if len(h) >= 40]
-
-            def is_held(text: str) -> bool:
-                f = fold(text)
-                return f in held or any(h in f for h in long_held)
-
+            is_held = held_out_matcher(held)
             bad = {
                 c.id
                 for c in convs
                 for m in c.messages
-                if m["role"] == "user" and is_held(m["content"])
+                if m["role"] == "user" and is_held(fold(m["content"]))
             }
             n_bad = sum(pid in bad for pid, _ in prompts)
             prompts = [(pid, t) for pid, t in prompts if pid not in bad]

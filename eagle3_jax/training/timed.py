@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     args, overrides = p.parse_known_args(argv)
     t0 = time.monotonic()
     try:
-        from eagle3_jax.data.dataset import steps_per_epoch
+        from eagle3_jax.data import dataset as dsm
         from eagle3_jax.training.config import load_config
         from eagle3_jax.training.loop import train
 
@@ -94,10 +94,8 @@ def main(argv=None) -> int:
         # time less its steps also charges its data preparation (tokenising, a regeneration),
         # which the real run reuses: conservative, so prepare the data first for a tight plan
         fixed = max(0.0, time.monotonic() - t_cal - args.calibrate_steps * sps)
-        from eagle3_jax.data import dataset as dsm
-
         ds = dsm.load(cal / "dataset.npz")
-        cap = (tc.epochs * steps_per_epoch(ds, tc.batch_size)) if tc.epochs else tc.max_steps
+        cap = (tc.epochs * dsm.steps_per_epoch(ds, tc.batch_size)) if tc.epochs else tc.max_steps
         if tc.max_steps:
             cap = min(cap, tc.max_steps)
         left = args.minutes * 60 - (time.monotonic() - t0) - fixed
