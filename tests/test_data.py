@@ -136,6 +136,13 @@ def test_reads_role_content_and_sharegpt_jsonl_with_bad_lines(tmp_path):
     ids = [c.id for c in read_conversations(f"{twice},{path}")[0]]
     assert ids == ["7", "7#2", "7#3", "s"]
     assert both[2].messages == convs[0].messages
+    # repeated="first": a file of whole conversations supersedes the same ids answered alone
+    # later (a repeat inside one file is still renamed and kept)
+    first, skipped3 = read_conversations(f"{twice},{path},{gz}", repeated="first")
+    assert [c.id for c in first] == ["7", "7#2", "s"] and skipped3 == 4
+    assert first[0].messages == [{"role": "user", "content": "u"}]
+    with pytest.raises(Eagle3Error, match="repeated ids 'last'"):
+        read_conversations(f"{path},{gz}", repeated="last")
     with pytest.raises(Eagle3Error, match="missing.jsonl"):
         read_conversations(f"{path},{tmp_path / 'missing.jsonl'}")
 

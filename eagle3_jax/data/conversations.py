@@ -124,14 +124,36 @@ def unique_ids(convs: list[Conversation]) -> list[Conversation]:
     return out
 
 
-def read_conversations(path: str | Path) -> tuple[list[Conversation], int]:
+def first_of_each_id(convs: list[Conversation]) -> list[Conversation]:
+    """Keeps the first conversation of each id: a later file that answers the same prompt again
+    (first user turns, after a file of whole conversations that starts with them) adds nothing."""
+    seen: set[str] = set()
+    out = []
+    for c in convs:
+        if c.id not in seen:
+            seen.add(c.id)
+            out.append(c)
+    return out
+
+
+REPEATED = ("rename", "first")
+
+
+def read_conversations(
+    path: str | Path, repeated: str = "rename"
+) -> tuple[list[Conversation], int]:
     """Reads a ShareGPT / role-content file; returns (conversations, number of skipped records).
 
     Several files may be given as one comma-separated string ("a.jsonl.gz,b.jsonl.gz"): their
     records are concatenated in that order. Ids come from the record's `id` (or `question_id`),
-    else `<file stem>:<record number>`; an id repeated across or within files becomes `id#2`, ...
-    Raises Eagle3Error when a file cannot be read or parsed, or holds no usable record.
+    else `<file stem>:<record number>`. An id repeated across files becomes `id#2`, ...
+    (`repeated="rename"`: every record kept), or only its first record is kept
+    (`repeated="first"`: list the file that supersedes the others first); within one file a
+    repeated id is always renamed. Raises Eagle3Error when a file cannot be read or parsed, or
+    holds no usable record.
     """
+    if repeated not in REPEATED:
+        raise Eagle3Error(f"repeated ids {repeated!r}: use {' or '.join(REPEATED)}")
     if isinstance(path, str) and "," in path and not Path(path).exists():
         convs, skipped = [], 0
         for part in (p.strip() for p in path.split(",")):
@@ -140,6 +162,8 @@ def read_conversations(path: str | Path) -> tuple[list[Conversation], int]:
             c, s = read_conversations(part)
             convs += c
             skipped += s
+        if repeated == "first":
+            convs = first_of_each_id(convs)
         return unique_ids(convs), skipped
     path = Path(path)
     records, bad = _load_records(path)

@@ -1,7 +1,8 @@
 """Regenerating answers with the target itself, so the draft learns the target's own distribution.
 
   python -m eagle3_jax.data.regenerate PROMPTS.jsonl OUT.jsonl [--target CKPT] [--batch-size 64]
-      [--max-new-tokens 256] [--max-prompt-tokens 256] [--limit N] [--all-turns --max-len 2048]
+      [--max-new-tokens 256] [--max-prompt-tokens 256] [--limit N]
+      [--all-turns --max-len 2048 --chunk N]
 
 (train.py --config.regenerate=true runs the same step inside a training run.)
 
@@ -196,8 +197,9 @@ def regenerate_turns(
     original ones. A conversation ends at its last user turn, or before the first turn whose
     prompt plus max_new_tokens passes max_len (or the target's context); one whose first turn
     does not fit is skipped. Conversations are answered `chunk` at a time (default 8 batches),
-    turn by turn across the chunk (batches of similar lengths), and a chunk's records are
-    appended and flushed before the next starts, so an interrupted run resumes by id.
+    fewest user turns first, turn by turn across the chunk (batches of similar lengths), and a
+    chunk's records are appended and flushed before the next starts, so an interrupted run
+    resumes by id.
 
     Records: {"id", "conversations": [human, gpt, human, gpt, ...], "turn_output_ids": [[...]]}
     (the generated ids of each answer; the next turn's prompt re-encodes the answer's text with the
@@ -216,6 +218,11 @@ def regenerate_turns(
         users = [m["content"] for m in c.messages if m["role"] == "user" and m["content"].strip()]
         if c.id not in done and users:
             todo.append((c.id, users))
+    # fewest user turns first: a chunk then holds conversations of similar turn counts, so each
+    # of its turn-by-turn generations fills its batches (a chunk costs as many sequential
+    # generations as its longest conversation has turns), and a deadline leaves the most
+    # conversations done. Only the order of the records in the file changes.
+    todo.sort(key=lambda t: len(t[1]))
     resumed = sum(c.id in done for c in convs)
     chunk = chunk or 8 * batch_size
     answered = skipped = cut = 0
@@ -287,6 +294,12 @@ def main(argv=None) -> int:
         help="answer every user turn in context (multi-turn records), not only the first",
     )
     p.add_argument("--max-len", type=int, default=2048, help="--all-turns: prompt + answer limit")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="--all-turns: conversations answered (and saved) together (default 8 batches)",
+    )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -303,7 +316,9 @@ def main(argv=None) -> int:
             progress=not args.no_progress,
         )
         if args.all_turns:
-            stats = regenerate_turns(target, convs, args.out, max_len=args.max_len, **common)
+            stats = regenerate_turns(
+                target, convs, args.out, max_len=args.max_len, chunk=args.chunk, **common
+            )
         else:
             prompts = first_user_turns(convs)
             stats = regenerate(

@@ -27,6 +27,9 @@ class TrainConfig:
     regen_max_new_tokens: int = 256
     regen_batch_size: int = 8
     num_conversations: int = 0  # 0 = all
+    repeated_ids: str = "rename"  # an id in several data files: "rename" keeps every record
+    # (id#2, ...), "first" keeps the first file's (whole conversations listed before their
+    # first turns answered alone)
     max_len: int = 1024
     length_bucket: int = 0  # > 0: batch records of similar length, each batch cut to a multiple
     # of this (less padding; at most max_len / length_bucket compiled shapes); 0: pad to max_len
@@ -116,6 +119,8 @@ class TrainConfig:
                 "init_head and init_trunk both set: init_head continues a whole head, "
                 "init_trunk takes only its fc/layer/norm; choose one"
             )
+        if self.repeated_ids not in ("rename", "first"):
+            raise Eagle3Error(f"repeated_ids {self.repeated_ids!r}: use rename or first")
         if self.head_init not in ("random", "target"):
             raise Eagle3Error(f"head_init {self.head_init!r}: use random or target")
         if self.features not in ("online", "offline"):

@@ -78,7 +78,7 @@ def prepare_data(tc: TrainConfig, target, out: Path):
         return dsm.load(ds_path)
     if not tc.data:
         raise Eagle3Error("no training data: set --config.data=FILE (ShareGPT JSON/JSONL)")
-    convs, skipped = read_conversations(tc.data)
+    convs, skipped = read_conversations(tc.data, tc.repeated_ids)
     if skipped:
         print(f"skipped {skipped} empty or malformed records in {tc.data}", file=sys.stderr)
     if tc.num_conversations:
