@@ -36,7 +36,7 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/plain_decoding.py
 
 lint: $(VENV)/.test
-	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check eagle3_jax tests decode.py benchmarks
+	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check eagle3_jax tests decode.py train.py benchmarks configs scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache

