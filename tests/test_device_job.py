@@ -2,6 +2,7 @@
 
 import argparse
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ def test_run_refuses_until_every_part_is_there(dj, tmp_path, monkeypatch, capsys
     (device / "p1" / "manifest.json").write_text(
         '{"name": "m.gguf", "size": 2, "sha256": "0", "parts": 2}'
     )
+    monkeypatch.setattr(dj, "FULL_CONVERSATIONS", device / "conv" / "c.jsonl.gz")
     assert dj.check(None) == 0
     assert "missing [0]" in capsys.readouterr().out
     args = argparse.Namespace(out=str(tmp_path / "out"), target=None, no_install=True, minutes=1.0)
@@ -49,4 +51,42 @@ def test_run_refuses_until_every_part_is_there(dj, tmp_path, monkeypatch, capsys
     log = (tmp_path / "runs" / "turns" / "device_log.txt").read_text()
     assert "missing parts [0]" in log
     # the logs are packed even when the job stops early
-    assert (tmp_path / "out" / "logs.tar.gz").exists()
+    assert (tmp_path / "out" / "results.tar.gz").exists()
+
+
+def test_results_come_back_in_parts_and_unpack_restores_them(dj, tmp_path, monkeypatch):
+    turns = tmp_path / "runs" / "turns" / "regenerated_turns.jsonl"
+    train = tmp_path / "runs" / "turns" / "train"
+    monkeypatch.setattr(dj, "TURNS", turns)
+    monkeypatch.setattr(dj, "TRAIN_OUT", train)
+    monkeypatch.setattr(dj, "PART_MIB", 1 / 16)  # 64 KiB parts
+    (train / "head").mkdir(parents=True)
+    weights = bytes(range(256)) * 600  # 150 KiB: three parts
+    (train / "head" / "model.safetensors").write_bytes(weights)
+    (train / "metrics.jsonl").write_text('{"step": 1}\n')
+    turns.write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c", "cut')  # a partial last record
+    out = tmp_path / "out"
+    out.mkdir()
+    n = dj.pack_results(out, dj.Log(turns.parent / "device_log.txt"))
+    names = sorted(p.name for p in out.iterdir())
+    assert n == len(names) == 5 and names[:3] == [f"head.tar.part{i}" for i in range(3)]
+    assert all(p.stat().st_size <= 64 * 1024 for p in out.iterdir())
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs")
+    assert dj.unpack(argparse.Namespace(files_at=str(out))) == 0
+    assert (train / "head" / "model.safetensors").read_bytes() == weights
+    import gzip
+
+    back = gzip.decompress((turns.parent / "regenerated_turns.jsonl.gz").read_bytes())
+    assert back == b'{"id": "a"}\n{"id": "b"}\n'
+    assert (turns.parent / "results" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_complete_records_of_a_cut_off_json_array(dj):
+    recs = [{"id": "a", "conversations": []}, {"id": "b, ]", "x": [1, {"y": "]"}]}]
+    whole = json.dumps(recs, indent=1)
+    assert dj.complete_records(whole) == recs
+    cut = whole[: whole.index('"x"') + 6]  # inside the second record
+    assert dj.complete_records(cut) == recs[:1]
+    assert dj.complete_records("[]") == [] and dj.complete_records("[\n") == []

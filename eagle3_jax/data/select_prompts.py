@@ -164,6 +164,7 @@ def main(argv=None) -> int:
         lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
     data = "".join(lines).encode("utf-8")
     # .gz without a time stamp or file name in its header: the same selection, the same bytes
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(gzip.compress(data, mtime=0) if out.suffix == ".gz" else data)
     print(json.dumps({"kept": len(kept) - why["no answer"], "read": len(prompts), **why}))
     return 0
