@@ -317,6 +317,7 @@ def run(args) -> int:
             py + ["eagle3_jax.data.regenerate", str(conversations), str(TURNS),
                   "--all-turns", "--max-len", "2048", "--batch-size", str(args.batch_size),
                   "--chunk", str(args.chunk), "--max-new-tokens", str(args.max_new_tokens),
+                  "--max-batch-tokens", str(args.max_batch_tokens),
                   "--no-progress", *target, *(["--limit", str(args.limit)] if args.limit else [])],
             env,
             regen_s,
@@ -439,6 +440,9 @@ def main(argv=None) -> int:
     r.add_argument("--config", default=str(CONFIG))
     r.add_argument("--batch-size", type=int, default=512)
     r.add_argument("--chunk", type=int, default=512)
+    r.add_argument(
+        "--max-batch-tokens", type=int, default=262144, help="rows x (context + answer) a batch"
+    )
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--limit", type=int, default=0, help="first N conversations (dry runs)")
     r.add_argument("--no-train", action="store_true")

@@ -4,6 +4,7 @@ regeneration, the .npz dataset, token counts and the resumable, sharded batch or
 import copy
 import gzip
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -425,7 +426,7 @@ def test_prompt_selection_skips_answered_repeated_held_out_and_long_prompts():
     assert clip_turns(turns, 21) == turns and clip_turns(turns, 0) == turns
 
 
-def test_regenerate_turns_answers_every_turn_in_its_own_context(tiny_target, tmp_path):
+def test_regenerate_turns_answers_every_turn_in_its_own_context(tiny_target, tmp_path, monkeypatch):
     from eagle3_jax.data.conversations import Conversation
     from eagle3_jax.data.regenerate import regenerate_turns
     from eagle3_jax.decoding import plain
@@ -465,3 +466,21 @@ def test_regenerate_turns_answers_every_turn_in_its_own_context(tiny_target, tmp
     assert (again.answered, again.resumed) == (0, 4 - 1) and len(_read_jsonl(out)) == 3
     back = {c.id: c for c in read_conversations(out)[0]}
     assert [m["role"] for m in back["b"].messages] == ["user", "assistant"] * 3
+    # a token budget per batch (rows x (prompt + new) <= 40) splits batches, not answers
+    regen_mod = sys.modules["eagle3_jax.data.regenerate"]  # the package re-exports the function
+
+    calls = []
+
+    def spy(target, rows, n, *a):
+        calls.append((n, max(len(r) for r in rows)))
+        return answer(target, rows, n, *a)
+
+    answer = regen_mod._answer
+    monkeypatch.setattr(regen_mod, "_answer", spy)
+    regenerate_turns(tiny_target, convs, tmp_path / "whole.jsonl", **kw)
+    whole = len(calls)
+    calls.clear()
+    split = tmp_path / "split.jsonl"
+    regenerate_turns(tiny_target, convs, split, **kw, max_batch_tokens=40)
+    assert len(calls) > whole and all(n == 1 or n * (t + 6) <= 40 for n, t in calls)
+    assert {r["id"]: r for r in _read_jsonl(split)} == recs

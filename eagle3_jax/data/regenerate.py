@@ -2,7 +2,7 @@
 
   python -m eagle3_jax.data.regenerate PROMPTS.jsonl OUT.jsonl [--target CKPT] [--batch-size 64]
       [--max-new-tokens 256] [--max-prompt-tokens 256] [--limit N]
-      [--all-turns --max-len 2048 --chunk N]
+      [--all-turns --max-len 2048 --chunk N --max-batch-tokens N]
 
 (train.py --config.regenerate=true runs the same step inside a training run.)
 
@@ -191,6 +191,7 @@ def regenerate_turns(
     seed: int = 0,
     progress: bool = True,
     chunk: int = 0,
+    max_batch_tokens: int = 0,
 ) -> RegenStats:
     """Answers EVERY user turn of each conversation in context (the official EAGLE-3 data recipe):
     turn k's prompt is the conversation so far with the target's own answers in place of the
@@ -204,6 +205,11 @@ def regenerate_turns(
     Records: {"id", "conversations": [human, gpt, human, gpt, ...], "turn_output_ids": [[...]]}
     (the generated ids of each answer; the next turn's prompt re-encodes the answer's text with the
     chat template, as a chat client would). `hit_max_tokens` counts answers cut at the limit.
+
+    max_batch_tokens > 0 bounds rows x (prompt + max_new_tokens) per generation: a batch of long
+    contexts is halved until it fits (so at most log2(batch_size) batch shapes). The prefill's
+    attention scores grow with rows x prompt x cache slots: 512 rows of 1,800-token contexts
+    would need ~135 GB for one layer's scores and probabilities, more than an H200 holds.
     """
     if batch_size < 1:
         raise Eagle3Error(f"batch size {batch_size} < 1")
@@ -244,12 +250,22 @@ def regenerate_turns(
                         continue
                     pending.append((cid, users[k], ids))
                 pending.sort(key=lambda p: len(p[2]))
-                for b in range(0, len(pending), batch_size):
-                    rows = pending[b : b + batch_size]
+                b = 0
+                while b < len(pending):
+                    n = batch_size
+                    while (
+                        n > 1
+                        and max_batch_tokens
+                        and n * (len(pending[min(b + n, len(pending)) - 1][2]) + max_new_tokens)
+                        > max_batch_tokens
+                    ):
+                        n //= 2
+                    rows = pending[b : b + n]
                     answers = _answer(
-                        target, [r[2] for r in rows], batch_size, max_new_tokens, sampling,
+                        target, [r[2] for r in rows], n, max_new_tokens, sampling,
                         seed + start + 1000 * k + b,
                     )  # fmt: skip
+                    b += n
                     for (cid, text, _), (out, answer, why) in zip(rows, answers):
                         msgs[cid] += [
                             {"role": "user", "content": text},
@@ -300,6 +316,13 @@ def main(argv=None) -> int:
         default=0,
         help="--all-turns: conversations answered (and saved) together (default 8 batches)",
     )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=0,
+        help="--all-turns: at most rows x (prompt + max new tokens) per batch (0 = no bound); "
+        "262144 keeps an H200 inside its memory at batch 512",
+    )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -317,7 +340,13 @@ def main(argv=None) -> int:
         )
         if args.all_turns:
             stats = regenerate_turns(
-                target, convs, args.out, max_len=args.max_len, chunk=args.chunk, **common
+                target,
+                convs,
+                args.out,
+                max_len=args.max_len,
+                chunk=args.chunk,
+                max_batch_tokens=args.max_batch_tokens,
+                **common,
             )
         else:
             prompts = first_user_turns(convs)
