@@ -2,26 +2,32 @@
 
 The `device` tool (../.library/device) sends the working tree, at most 64 MiB with what `carry`
 names, to a machine that reaches nothing else: no PyPI, so neither the default target's wheel nor
-the `gguf` package. The GGUF (98 MB) travels in parts, one call each, every part small enough to
-go beside the tracked tree (~31 MB with the shipped head); the machine keeps ignored files between
-calls while it is warm (30 s idle), and `run` joins the parts and checks their sha256.
+the `gguf` package nor the ShareGPT wheel. The GGUF (98 MB) travels in parts, one call each, every
+part small enough to go beside the tracked tree (~30 MB with the shipped head), the conversations
+in a call of their own; the machine keeps ignored files between calls while it is warm (30 s
+idle), and `run` joins the parts and checks their sha256.
 
 Here, once (writes .device/, ignored by git):
   python scripts/device_job.py pack
-On the device, with the `run` tool, one call per part, then the job (the commands `pack` prints):
-  carry [".device/p0"]                  python3 scripts/device_job.py check
+On the device, with the `run` tool, back to back (the calls `pack` prints):
+  carry [".device/conv", ".device/whl"]  python3 scripts/device_job.py check   (installs gguf,
+                                          imports what the job imports, names the GPU)
+  carry [".device/p0"]                   python3 scripts/device_job.py check
   ...
-  carry [".device/p3", ".device/whl"]   python3 scripts/device_job.py run --minutes 9 --out $OUT
+  carry [".device/p3"]                   python3 scripts/device_job.py run --minutes M --out $OUT
+  (M: at most 9, and at most the device time left less ~1.5 minutes: a command the tool cuts
+  off at its limit returns nothing it had not yet packed)
 Here again, on the files that came back:
-  python scripts/device_job.py unpack FILES_AT        # -> runs/turns/
+  python scripts/device_job.py unpack FILES_AT        # -> runs/device_result/
 
-`run`: joins the GGUF, converts the target (our loader, as on a laptop), answers every user turn
-of data/sharegpt_conversations.jsonl.gz in context (`eagle3_jax.data.regenerate --all-turns`,
-resumable by conversation: whatever a deadline cuts off, a second `run` continues) within
-`--regen-minutes`, continues the shipped head on the answers plus the first-turn files for the
-rest of the budget (`eagle3_jax.training.timed`, configs/smollm2_135m_turns.py), and packs the
-answers, the head (split to fit) and the logs into $OUT: at most 8 files of at most 15 MiB.
-Every phase is a subprocess with its own deadline, and everything is packed even when one fails.
+`run`: joins the GGUF; answers every user turn of the conversations in context
+(`eagle3_jax.data.regenerate --all-turns`, which converts the target from the GGUF on its first
+load) within `--regen-minutes`, and packs those answers into $OUT at once; continues the shipped
+head on the answers plus the first-turn files for the rest of the budget
+(`eagle3_jax.training.timed`, configs/smollm2_135m_turns.py); packs the answers, the head (split
+to fit) and the logs into $OUT: at most 8 files of at most 15 MiB. Each phase is a subprocess
+with its own deadline. The answers are resumable by conversation: a second `run` in the same
+lease (the machine still warm) continues them; in a later lease, carry runs/turns/ back.
 """
 
 from __future__ import annotations
@@ -173,14 +179,13 @@ def pack(args) -> int:
     if tracked + part_bytes > 62 * MIB:
         print("warning: a part and the tree may pass 64 MiB: pack with a smaller --part-mib")
     print("calls (device `run` tool), in order, without pausing over 30 s between them:")
-    if FULL_CONVERSATIONS.exists():
-        print('  carry [".device/conv"]  command: python3 scripts/device_job.py check')
+    first = [".device/whl"] + ([".device/conv"] if FULL_CONVERSATIONS.exists() else [])
+    print(f"  carry {json.dumps(first)}  command: python3 scripts/device_job.py check")
     for i in range(len(parts) - 1):
         print(f'  carry [".device/p{i}"]  command: python3 scripts/device_job.py check')
-    last = len(parts) - 1
     print(
-        f'  carry [".device/p{last}", ".device/whl"]  command: python3 scripts/device_job.py '
-        "run --minutes 9 --out $OUT   (timeout_s 600)"
+        f'  carry [".device/p{len(parts) - 1}"]  command: python3 scripts/device_job.py run '
+        "--minutes M --out $OUT  (timeout_s 600; M = min(9, device time left / 60 - 1.5))"
     )
     return 0
 
@@ -217,14 +222,29 @@ def _parts_status() -> tuple[dict | None, list[Path], list[int]]:
 
 
 def check(args) -> int:
-    """What has arrived so far (each carrying call leaves its part here)."""
+    """What has arrived so far (each carrying call leaves its part here); where the gguf wheel
+    has come too, installs it and imports what the job will import, so a missing package shows
+    in the first call, not the last."""
     conv = FULL_CONVERSATIONS
     print(f"{conv.name}: {f'{conv.stat().st_size} bytes' if conv.exists() else 'not'} here")
     m, parts, missing = _parts_status()
     if m is None:
         print("no GGUF part here yet (.device/p*/manifest.json)")
-        return 0
-    print(f"{m['name']}: parts here {[p.name for p in parts]}, missing {missing}")
+    else:
+        print(f"{m['name']}: parts here {[p.name for p in parts]}, missing {missing}")
+    print(f"accelerator: {_accelerator()}")
+    if (DEVICE / "whl").is_dir():
+        env = _install_wheels()
+        probe = (
+            "import gguf, jax, optax, orbax.checkpoint, transformers, safetensors, tqdm; "
+            "from transformers.integrations.gguf.reader import read_gguf_metadata; "
+            "import eagle3_jax.training.timed, eagle3_jax.data.regenerate; "
+            "print('imports ok: jax', jax.__version__, 'transformers', transformers.__version__, "
+            "'gguf', gguf.__file__)"
+        )
+        env["JAX_PLATFORMS"] = "cpu"  # the import check must not take the GPU
+        r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env)
+        return r.returncode
     return 0
 
 
@@ -263,32 +283,53 @@ def _phase(log: Log, name: str, cmd: list[str], env: dict, timeout_s: float) -> 
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
             rc = -9
     tail = out.read_text(errors="replace").strip().split("\n")[-3:]
     log(f"{name}: rc {rc}; " + " | ".join(t[-300:] for t in tail))
     return rc
 
 
-def _env(args) -> dict:
+SITE = Path("/tmp/device_job_site")
+
+
+def _base_env() -> dict:
     env = dict(os.environ)
-    site = Path("/tmp/device_job_site")
-    wheels = sorted((DEVICE / "whl").glob("*.whl"))
-    if wheels and not args.no_install:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-             "--no-compile", "--upgrade", "--target", str(site), *map(str, wheels)],
-            check=True,
-        )  # fmt: skip
-    paths = [str(ROOT)] + ([str(site)] if site.exists() else [])
+    paths = [str(ROOT)] + ([str(SITE)] if SITE.exists() else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _install_wheels() -> dict:
+    """Installs the carried wheels (gguf) into SITE; returns the environment for subprocesses."""
+    wheels = sorted((DEVICE / "whl").glob("*.whl"))
+    if wheels and not SITE.exists():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+             "--no-compile", "--upgrade", "--target", str(SITE), *map(str, wheels)],
+            check=True,
+        )  # fmt: skip
+    return _base_env()
+
+
+def _env(args) -> dict:
+    env = _base_env() if args.no_install else _install_wheels()
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(DEVICE / "jax_cache"))
     if not args.target:  # the default target, converted from the joined GGUF into our cache
         env["EAGLE3_JAX_CACHE"] = str(DEVICE / "cache")
     return env
 
 
+COMMAND_LIMIT_S = 600  # the device tool's limit for one command
+
+
 def run(args) -> int:
+    if args.minutes * 60 > COMMAND_LIMIT_S - 30:
+        raise SystemExit(
+            f"--minutes {args.minutes}: the device tool stops a command at "
+            f"{COMMAND_LIMIT_S} s and returns nothing it had not packed; give at most 9.5"
+        )
     out = Path(args.out or (ROOT / "runs" / "turns" / "out"))
     out.mkdir(parents=True, exist_ok=True)
     log = Log(TURNS.parent / "device_log.txt")
@@ -318,12 +359,15 @@ def run(args) -> int:
                   "--all-turns", "--max-len", "2048", "--batch-size", str(args.batch_size),
                   "--chunk", str(args.chunk), "--max-new-tokens", str(args.max_new_tokens),
                   "--max-batch-tokens", str(args.max_batch_tokens),
+                  *(["--buckets", args.buckets] if args.buckets else []),
+                  *([] if args.unrolled else ["--scan-layers"]),
                   "--no-progress", *target, *(["--limit", str(args.limit)] if args.limit else [])],
             env,
             regen_s,
         )  # fmt: skip
         answered = _count_lines(TURNS)
         log(f"conversations answered in every turn: {answered}")
+        pack_results(out, log)  # the answers are safe before the training starts
         if answered and not args.no_train:
             if TRAIN_OUT.exists():  # a timed run starts fresh; the answers are what carries over
                 shutil.rmtree(TRAIN_OUT)
@@ -333,7 +377,7 @@ def run(args) -> int:
                 "train",
                 py + ["eagle3_jax.training.timed", f"--config={args.config}",
                       f"--minutes={left_min:.2f}", "--no-progress",
-                      f"--config.out_dir={TRAIN_OUT}", *args.train_arg,
+                      f"--config.out_dir={TRAIN_OUT}", "--config.save_every=0", *args.train_arg,
                       *([f"--config.target={args.target}"] if args.target else [])],
                 env,
                 left_min * 60 + 30,  # timed.py keeps inside its budget; this is the backstop
@@ -345,12 +389,18 @@ def run(args) -> int:
 
 
 def _accelerator() -> str:
+    """The GPU's name from nvidia-smi: importing jax here would make this process take most of
+    the GPU's memory (XLA preallocates) away from the phases' subprocesses."""
     try:
-        import jax
-
-        return f"{jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}"
-    except Exception as e:  # the log must start whatever the machine is
-        return f"no jax device ({e})"
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,memory.used", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return r.stdout.strip() or f"nvidia-smi: {r.stderr.strip()}"
+    except (OSError, subprocess.TimeoutExpired) as e:  # the log must start whatever the machine
+        return f"no nvidia-smi ({e})"
 
 
 def _count_lines(path: Path) -> int:
@@ -366,6 +416,8 @@ def pack_results(out: Path, log: Log) -> int:
 
     files = []
     work = TURNS.parent
+    for old in out.glob("*.part*"):  # an earlier packing of this run (after the answers)
+        old.unlink()
     if TURNS.exists():
         data = TURNS.read_bytes()
         gz = work / "regenerated_turns.jsonl.gz"
@@ -377,11 +429,14 @@ def pack_results(out: Path, log: Log) -> int:
             t.add(TRAIN_OUT / "head", arcname="head")
         files += split_file(tar, out, int(PART_MIB * MIB), tar.name)
     small = [TRAIN_OUT / n for n in ("metrics.jsonl", "timed.json", "train_config.json")]
+    cal = TRAIN_OUT.with_name(TRAIN_OUT.name + "_calibration") / "metrics.jsonl"
     results = out / "results.tar.gz"
     with tarfile.open(results, "w:gz") as t:
         for p in small + sorted(work.glob("*.log")) + [log.path]:
             if p.exists():
                 t.add(p, arcname=p.name)
+        if cal.exists():
+            t.add(cal, arcname="calibration_metrics.jsonl")
     files.append(results)
     if len(files) > 8:
         log(f"warning: {len(files)} files; the tool returns 8 (the answers come first)")
@@ -397,14 +452,21 @@ def _joined(src: Path, name: str, dest: Path) -> Path | None:
 
 
 def unpack(args) -> int:
-    src = Path(args.files_at)
-    dest = TURNS.parent
+    """The files that came back -> DEST (a new folder): regenerated_turns.jsonl(.gz), head/,
+    results/ (metrics, plan, config, logs)."""
+    src, dest = Path(args.files_at), Path(args.dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise SystemExit(f"{dest} is not empty: unpack into a new folder (--dest)")
     dest.mkdir(parents=True, exist_ok=True)
-    _joined(src, "regenerated_turns.jsonl.gz", dest)
+    gz = _joined(src, "regenerated_turns.jsonl.gz", dest)
+    if gz is not None:
+        import gzip
+
+        (dest / "regenerated_turns.jsonl").write_bytes(gzip.decompress(gz.read_bytes()))
     tar = _joined(src, "head.tar", dest)
     if tar is not None:
         with tarfile.open(tar) as t:
-            t.extractall(TRAIN_OUT, filter="data")
+            t.extractall(dest, filter="data")
         tar.unlink()
     if (src / "results.tar.gz").exists():
         with tarfile.open(src / "results.tar.gz") as t:
@@ -445,6 +507,8 @@ def main(argv=None) -> int:
     )
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--limit", type=int, default=0, help="first N conversations (dry runs)")
+    r.add_argument("--buckets", default="256,512", help="regeneration shape buckets")
+    r.add_argument("--unrolled", action="store_true", help="regenerate with unrolled layers")
     r.add_argument("--no-train", action="store_true")
     r.add_argument("--no-install", action="store_true")
     r.add_argument(
@@ -452,6 +516,7 @@ def main(argv=None) -> int:
     )
     u = sub.add_parser("unpack", help="here: the files that came back -> runs/turns/")
     u.add_argument("files_at")
+    u.add_argument("--dest", default=str(ROOT / "runs" / "device_result"))
     args = p.parse_args(argv)
     return {"pack": pack, "check": check, "run": run, "unpack": unpack}[args.cmd](args)
 

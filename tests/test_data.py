@@ -484,3 +484,7 @@ def test_regenerate_turns_answers_every_turn_in_its_own_context(tiny_target, tmp
     regenerate_turns(tiny_target, convs, split, **kw, max_batch_tokens=40)
     assert len(calls) > whole and all(n == 1 or n * (t + 6) <= 40 for n, t in calls)
     assert {r["id"]: r for r in _read_jsonl(split)} == recs
+    # coarser compiled shapes (prompt padded to 128, cache to 256 slots): the same answers
+    coarse = tmp_path / "coarse.jsonl"
+    regenerate_turns(tiny_target, convs, coarse, **kw, buckets=(128, 256))
+    assert {r["id"]: r for r in _read_jsonl(coarse)} == recs

@@ -71,16 +71,18 @@ def test_results_come_back_in_parts_and_unpack_restores_them(dj, tmp_path, monke
     names = sorted(p.name for p in out.iterdir())
     assert n == len(names) == 5 and names[:3] == [f"head.tar.part{i}" for i in range(3)]
     assert all(p.stat().st_size <= 64 * 1024 for p in out.iterdir())
-    import shutil
-
-    shutil.rmtree(tmp_path / "runs")
-    assert dj.unpack(argparse.Namespace(files_at=str(out))) == 0
-    assert (train / "head" / "model.safetensors").read_bytes() == weights
-    import gzip
-
-    back = gzip.decompress((turns.parent / "regenerated_turns.jsonl.gz").read_bytes())
-    assert back == b'{"id": "a"}\n{"id": "b"}\n'
-    assert (turns.parent / "results" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    back = tmp_path / "back"
+    assert dj.unpack(argparse.Namespace(files_at=str(out), dest=str(back))) == 0
+    assert (back / "head" / "model.safetensors").read_bytes() == weights
+    assert (back / "regenerated_turns.jsonl").read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'
+    assert (back / "results" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    # never into a folder that holds something (an earlier result, a dry run's head)
+    with pytest.raises(SystemExit, match="not empty"):
+        dj.unpack(argparse.Namespace(files_at=str(out), dest=str(back)))
+    # packing again (after the answers, then at the end) replaces the earlier parts
+    (train / "head" / "model.safetensors").write_bytes(b"small")
+    n = dj.pack_results(out, dj.Log(turns.parent / "device_log.txt"))
+    assert n == 3 == len([p for p in out.iterdir() if ".part" in p.name]) + 1
 
 
 def test_complete_records_of_a_cut_off_json_array(dj):

@@ -403,6 +403,11 @@ def test_timed_run_fits_max_steps_to_the_budget(tiny_target_dir, tmp_path, capsy
         )
     )
     assert timed.seconds_per_step(metrics) == pytest.approx(0.75)
+    # a second shape compiled mid-calibration (length buckets) does not count as step time
+    recs = [{"step": 2 * i, "tokens": 100 * i, "tokens_per_s": 100.0} for i in range(1, 6)]
+    recs[3]["tokens_per_s"] = 100 / 16  # 16 s for that interval's 2 steps
+    metrics.write_text("\n".join(json.dumps(r) for r in recs))
+    assert timed.seconds_per_step(metrics) == pytest.approx(0.5)
     metrics.write_text(metrics.read_text().splitlines()[0])
     with pytest.raises(Eagle3Error, match="logged steps"):
         timed.seconds_per_step(metrics)

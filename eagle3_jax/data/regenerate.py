@@ -2,7 +2,7 @@
 
   python -m eagle3_jax.data.regenerate PROMPTS.jsonl OUT.jsonl [--target CKPT] [--batch-size 64]
       [--max-new-tokens 256] [--max-prompt-tokens 256] [--limit N]
-      [--all-turns --max-len 2048 --chunk N --max-batch-tokens N]
+      [--all-turns --max-len 2048 --chunk N --max-batch-tokens N --buckets P,S] [--scan-layers]
 
 (train.py --config.regenerate=true runs the same step inside a training run.)
 
@@ -86,7 +86,13 @@ def _check_unique(prompts: list[tuple[str, str]]) -> None:
 
 
 def _answer(
-    target: Target, rows: list[list[int]], batch_size: int, max_new_tokens: int, sampling, seed: int
+    target: Target,
+    rows: list[list[int]],
+    batch_size: int,
+    max_new_tokens: int,
+    sampling,
+    seed: int,
+    buckets: tuple[int, int] | None = None,
 ) -> list[tuple[list[int], str, str]]:
     """(generated ids, answer text, finish reason) of each prompt of one batch. A short batch is
     padded with copies of its last prompt: one static batch shape, so no second compiled program."""
@@ -94,7 +100,14 @@ def _answer(
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     full = rows + [rows[-1]] * (batch_size - len(rows))
     res = plain.generate(
-        target.params, target.cfg, full, max_new_tokens, sampling, seed=seed, pad_id=pad_id
+        target.params,
+        target.cfg,
+        full,
+        max_new_tokens,
+        sampling,
+        seed=seed,
+        pad_id=pad_id,
+        buckets=buckets,
     )
     return [
         (out, tok.decode(out, skip_special_tokens=True), why)
@@ -192,6 +205,7 @@ def regenerate_turns(
     progress: bool = True,
     chunk: int = 0,
     max_batch_tokens: int = 0,
+    buckets: tuple[int, int] | None = None,
 ) -> RegenStats:
     """Answers EVERY user turn of each conversation in context (the official EAGLE-3 data recipe):
     turn k's prompt is the conversation so far with the target's own answers in place of the
@@ -210,6 +224,8 @@ def regenerate_turns(
     contexts is halved until it fits (so at most log2(batch_size) batch shapes). The prefill's
     attention scores grow with rows x prompt x cache slots: 512 rows of 1,800-token contexts
     would need ~135 GB for one layer's scores and probabilities, more than an H200 holds.
+    `buckets` (prompt, cache slots) coarsens the compiled shapes (plain.plan_shape): contexts
+    of every length up to max_len otherwise make a new program for most batches.
     """
     if batch_size < 1:
         raise Eagle3Error(f"batch size {batch_size} < 1")
@@ -263,7 +279,7 @@ def regenerate_turns(
                     rows = pending[b : b + n]
                     answers = _answer(
                         target, [r[2] for r in rows], n, max_new_tokens, sampling,
-                        seed + start + 1000 * k + b,
+                        seed + start + 1000 * k + b, buckets,
                     )  # fmt: skip
                     b += n
                     for (cid, text, _), (out, answer, why) in zip(rows, answers):
@@ -323,6 +339,17 @@ def main(argv=None) -> int:
         help="--all-turns: at most rows x (prompt + max new tokens) per batch (0 = no bound); "
         "262144 keeps an H200 inside its memory at batch 512",
     )
+    p.add_argument(
+        "--buckets",
+        default="",
+        help="--all-turns: PROMPT,SLOTS shape buckets (e.g. 256,512: fewer compilations)",
+    )
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="run the target's layers as one lax.scan: compiles several times faster "
+        "(accelerators; on the CPU the unrolled layers decode faster)",
+    )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -331,7 +358,14 @@ def main(argv=None) -> int:
 
         convs = read_conversations(args.prompts)[0]
         convs = convs[: args.limit] if args.limit else convs
+        buckets = tuple(int(x) for x in args.buckets.split(",")) if args.buckets else None
+        if buckets is not None and (len(buckets) != 2 or min(buckets) < 1):
+            raise Eagle3Error(f"--buckets {args.buckets!r}: give PROMPT,SLOTS, e.g. 256,512")
         target = load_target(args.target)
+        if args.scan_layers:
+            from eagle3_jax.models.target import stack_layers
+
+            target = target._replace(params=stack_layers(target.params))
         t0 = time.perf_counter()
         common = dict(
             max_new_tokens=args.max_new_tokens,
@@ -346,6 +380,7 @@ def main(argv=None) -> int:
                 max_len=args.max_len,
                 chunk=args.chunk,
                 max_batch_tokens=args.max_batch_tokens,
+                buckets=buckets,
                 **common,
             )
         else:

@@ -44,8 +44,17 @@ class Shape:
     max_new: int  # token buffer size
 
 
-def plan_shape(lengths: list[int], max_new: int, max_context: int, extra_slots: int = 0) -> Shape:
-    """Checks the request against the context and picks bucketed static sizes."""
+def plan_shape(
+    lengths: list[int],
+    max_new: int,
+    max_context: int,
+    extra_slots: int = 0,
+    buckets: tuple[int, int] | None = None,
+) -> Shape:
+    """Checks the request against the context and picks bucketed static sizes; `buckets` =
+    (prompt, slots) replaces (PROMPT_BUCKET, SLOT_BUCKET): coarser buckets, fewer programs to
+    compile for a stream of batches of varied lengths (regenerating long conversations)."""
+    prompt_bucket, slot_bucket = buckets or (PROMPT_BUCKET, SLOT_BUCKET)
     if not lengths or min(lengths) < 1:
         raise Eagle3Error("empty prompt: give at least one token of text")
     if max_new < 1:
@@ -56,8 +65,8 @@ def plan_shape(lengths: list[int], max_new: int, max_context: int, extra_slots: 
             f"prompt of {longest} tokens + {max_new} new tokens exceeds the context of {max_context}: "
             "shorten the prompt, lower --max-new-tokens or raise --max-context"
         )
-    prompt_len = min(round_up(longest, PROMPT_BUCKET), max_context)
-    slots = round_up(max(prompt_len, longest + max_new + extra_slots), SLOT_BUCKET)
+    prompt_len = min(round_up(longest, prompt_bucket), max_context)
+    slots = round_up(max(prompt_len, longest + max_new + extra_slots), slot_bucket)
     return Shape(len(lengths), prompt_len, slots, round_up(max_new, NEW_BUCKET))
 
 
@@ -79,6 +88,7 @@ def prepare(
     max_context: int | None = None,
     pad_id: int = 0,
     extra_slots: int = 0,
+    buckets: tuple[int, int] | None = None,
 ) -> Request:
     """Checks the request, picks bucketed static sizes and pads the prompts (plain and speculative
     decoding, batch and streaming, all start here)."""
@@ -87,6 +97,7 @@ def prepare(
         max_new_tokens,
         max_context or cfg.max_position_embeddings,
         extra_slots,
+        buckets,
     )
     toks, lengths = pad_prompts(prompts, shape, pad_id)
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
@@ -246,13 +257,14 @@ def generate(
     max_context: int | None = None,
     pad_id: int = 0,
     warmup: bool = False,
+    buckets: tuple[int, int] | None = None,
 ) -> Result:
     """Batched plain decoding of token-id prompts; each row stops at EOS, max tokens or the context.
 
     `warmup` first runs the same compiled programs with a one-token limit, so `wall_time_s` measures
-    decoding, not compilation.
+    decoding, not compilation. `buckets`: see plan_shape.
     """
-    req = prepare(cfg, prompts, max_new_tokens, eos_ids, max_context, pad_id)
+    req = prepare(cfg, prompts, max_new_tokens, eos_ids, max_context, pad_id, buckets=buckets)
     args = (cfg, req.shape, sampling, req.eos)
     key = jax.random.PRNGKey(seed)
     if warmup:

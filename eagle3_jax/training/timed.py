@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,10 @@ from eagle3_jax.errors import Eagle3Error
 
 
 def seconds_per_step(metrics_path: Path) -> float:
-    """Seconds per step over the logged intervals after the first (which pays compilation).
+    """Seconds per step: the median over the logged intervals after the first (which pays
+    compilation). The median, not the mean: with length buckets another shape can first appear
+    mid-calibration, and its compilation would otherwise count as step time (one 16 s compile in
+    40 steps of 0.08 s would plan a sixth of the steps).
 
     Each record's tokens_per_s covers the steps since the previous record, so the interval ending
     at record k lasts (tokens_k - tokens_{k-1}) / tokens_per_s_k seconds.
@@ -37,8 +41,11 @@ def seconds_per_step(metrics_path: Path) -> float:
             f"{metrics_path} holds {len(recs)} logged steps: the calibration needs 2 or more "
             "(raise --calibrate-steps or lower log_every)"
         )
-    secs = sum((b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in zip(recs, recs[1:]))
-    return secs / (recs[-1]["step"] - recs[0]["step"])
+    per_step = [
+        (b["tokens"] - a["tokens"]) / b["tokens_per_s"] / (b["step"] - a["step"])
+        for a, b in zip(recs, recs[1:])
+    ]
+    return statistics.median(per_step)
 
 
 def plan_steps(budget_s: float, sec_per_step: float, cap: int, safety: float = 0.9) -> int:
