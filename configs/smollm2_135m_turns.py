@@ -28,44 +28,27 @@ tokens: mean 761 tokens, 90th percentile 1,206); length_bucket 512 gives two com
 recipe's 8,192 tokens a step.
 """
 
+import dataclasses
 from pathlib import Path
 
-from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config import TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TURNS = ROOT / "runs" / "turns" / "regenerated_turns.jsonl"
-FIRST_TURNS = [
-    ROOT / "data" / f
-    for f in (
-        "smollm2_135m_regenerated.jsonl.gz",
-        "smollm2_135m_regenerated_more.jsonl.gz",
-        "smollm2_135m_regenerated_gpu.jsonl.gz",
-    )
-]
+SHIPPED = ROOT / "configs" / "smollm2_135m_gpu.py"  # its data: the first-turn files
 
 
 def get_config() -> TrainConfig:
-    return TrainConfig(
-        target=None,
-        data=",".join(str(p) for p in [TURNS, *FIRST_TURNS]),
+    shipped = load_config(SHIPPED)
+    return dataclasses.replace(
+        shipped,
+        data=f"{TURNS},{shipped.data}",
         repeated_ids="first",
-        regenerate=False,
-        num_conversations=0,
         max_len=1024,
         length_bucket=512,
-        draft_vocab_size=8192,
-        ttt_steps=7,
         init_head=str(ROOT / "eagle3_jax" / "heads" / "smollm2_135m_instruct"),
         lr=5e-4,
-        warmup_ratio=0.02,
         epochs=8,  # a cap: timed.py plans max_steps from the measured step time
         batch_size=8,
-        grad_accum=1,
-        param_dtype="float32",
-        compute_dtype="float32",
-        features="online",
         out_dir="runs/smollm2_135m_turns",
-        save_every=250,
-        keep_checkpoints=2,
-        log_every=20,
     )
