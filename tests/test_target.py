@@ -105,3 +105,21 @@ def test_row_products_equal_the_matrix_product(shape):
     assert ("while" in hlo) == (
         jax.default_backend() == "cpu" and 1 < rows <= layers.ROW_PRODUCTS_MAX
     )
+
+
+def test_row_products_can_be_turned_off_per_machine(monkeypatch):
+    """EAGLE3_JAX_ROW_PRODUCTS sets the limit at import (0: plain products for any row count,
+    faster on an Intel Xeon VM; benchmarks/results/verify_cost_xeon.json)."""
+    import os
+    import subprocess
+    import sys
+
+    from eagle3_jax.models import layers
+
+    probe = "from eagle3_jax.models import layers; print(layers.ROW_PRODUCTS_MAX)"
+    env = {**os.environ, "EAGLE3_JAX_ROW_PRODUCTS": "0", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "0", out.stderr
+    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", 0)
+    x, w = jnp.ones((4, 48), jnp.float32), jnp.ones((48, 40), jnp.float32)
+    assert "while" not in jax.jit(layers.dense).lower(x, w).as_text()

@@ -6,6 +6,8 @@ dtype) so that parity tests hold at 1e-4 or tighter.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,8 +63,11 @@ def attention(
 # forward over 4 tokens costs 1.52x one token instead of 1.73x on the 2-core VM (3 tokens: 1.58x vs
 # 1.79x; 2, 6 and 8 tokens about the same; `benchmarks/verify_cost.py --row-products 8,0`). One
 # row goes as a vector too (the same speed). Other backends, and more rows (prefill, trees of 9+
-# nodes, training), keep the plain product.
-ROW_PRODUCTS_MAX = 8
+# nodes, training), keep the plain product. That was measured on an AMD EPYC VM; on an Intel Xeon
+# VM with AVX-512 the plain product is the faster one (4 tokens: 1.31x one token against 1.84x with
+# row products; benchmarks/results/verify_cost_xeon.json), so EAGLE3_JAX_ROW_PRODUCTS sets the
+# limit (0: plain products always), read once at import.
+ROW_PRODUCTS_MAX = int(os.environ.get("EAGLE3_JAX_ROW_PRODUCTS", "8"))
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
