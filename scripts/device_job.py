@@ -14,7 +14,7 @@ On the device, with the `run` tool, back to back (the calls `pack` prints):
                                           imports what the job imports, names the GPU)
   carry [".device/p0"]                   python3 scripts/device_job.py check
   ...
-  carry [".device/p3"]                   python3 scripts/device_job.py run --minutes M --out $OUT
+  carry [".device/p3", ".device/whl"]    python3 scripts/device_job.py run --minutes M --out $OUT
   (M: at most 9, and at most the device time left less ~1.5 minutes: a command the tool cuts
   off at its limit returns nothing it had not yet packed)
 Here again, on the files that came back:
@@ -184,7 +184,8 @@ def pack(args) -> int:
     for i in range(len(parts) - 1):
         print(f'  carry [".device/p{i}"]  command: python3 scripts/device_job.py check')
     print(
-        f'  carry [".device/p{len(parts) - 1}"]  command: python3 scripts/device_job.py run '
+        f'  carry [".device/p{len(parts) - 1}", ".device/whl"]  command: python3 '
+        "scripts/device_job.py run "
         "--minutes M --out $OUT  (timeout_s 600; M = min(9, device time left / 60 - 1.5))"
     )
     return 0
