@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11):
 #   make demo   EAGLE-3 speculative decoding on the embedded default with its shipped head, compared
 #               with plain decoding in the same run (answer, tau, tokens/s, speedup)
-#   make test   the default test suite, ~14 min on 2 cores (.ci/run calls it, then make test-slow)
+#   make test   the default test suite, 10-14 min on 2 cores (.ci/run calls it, then make test-slow)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
