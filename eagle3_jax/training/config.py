@@ -119,8 +119,10 @@ class TrainConfig:
                 "init_head and init_trunk both set: init_head continues a whole head, "
                 "init_trunk takes only its fc/layer/norm; choose one"
             )
-        if self.repeated_ids not in ("rename", "first"):
-            raise Eagle3Error(f"repeated_ids {self.repeated_ids!r}: use rename or first")
+        from eagle3_jax.data.conversations import REPEATED
+
+        if self.repeated_ids not in REPEATED:
+            raise Eagle3Error(f"repeated_ids {self.repeated_ids!r}: use {' or '.join(REPEATED)}")
         if self.head_init not in ("random", "target"):
             raise Eagle3Error(f"head_init {self.head_init!r}: use random or target")
         if self.features not in ("online", "offline"):
