@@ -20,7 +20,7 @@ $(VENV)/.test: $(VENV)/.base
 	touch $@
 
 demo: $(VENV)/.base
-	$(PY) decode.py --compare-plain --max-new-tokens 128
+	$(PY) decode.py --compare-plain --max-new-tokens 128 --timing-runs 3
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

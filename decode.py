@@ -100,6 +100,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--json", default=None, help="write one record per prompt to this file")
     p.add_argument(
+        "--timing-runs",
+        type=int,
+        default=1,
+        help="run each batch N times (with --compare-plain alternating with plain decoding) and "
+        "report the median wall time: a steadier speedup on a noisy machine",
+    )
+    p.add_argument(
         "--no-warmup", action="store_true", help="time the first batch including compilation"
     )
     return p.parse_args(argv)

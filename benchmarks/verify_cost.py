@@ -44,12 +44,14 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/verify_cost.json"))
     ap.add_argument(
         "--row-products",
-        default=str(layers.ROW_PRODUCTS_MAX),
+        default=None,
         help="comma list of settings of models.layers.ROW_PRODUCTS_MAX to compare (0: plain "
-        "matrix products only), e.g. 8,0",
+        "matrix products only), e.g. 8,0; default: this machine's choice (row_products_max)",
     )
     args = ap.parse_args()
-    default_setting = layers.ROW_PRODUCTS_MAX
+    default_setting = layers.row_products_max()
+    if args.row_products is None:
+        args.row_products = str(default_setting)
     target = load_target(args.target)
     cfg = target.cfg
 

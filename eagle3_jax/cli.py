@@ -141,6 +141,8 @@ def _decode(args) -> int:
 
     if args.batch_size < 1:
         raise Eagle3Error(f"--batch-size {args.batch_size} < 1")
+    if args.timing_runs < 1:
+        raise Eagle3Error(f"--timing-runs {args.timing_runs} < 1")
     resolve_method(args)
     if args.compare_plain and (args.method == "vanilla" or args.chat):
         raise Eagle3Error("--compare-plain compares eagle3/pld with plain decoding, not in --chat")
@@ -178,20 +180,23 @@ def _decode(args) -> int:
     records = []
     for batch in _batches(prompts, args.batch_size):
         ids = [encode(_messages(p.text, args.system)) for p in batch]
-        rows, wall = _run_batch(
-            args,
-            target,
-            draft,
-            ids,
-            sampling,
-            max_context,
-            warmup=not args.no_warmup and not records,
-        )
-        plain_rows = None
-        if args.compare_plain:
-            plain_rows, plain_wall = _run_batch(
-                _as_plain(args), target, None, ids, sampling, max_context, warmup=not records
+        # --timing-runs N: the batch N times, the methods alternating so they see the same machine;
+        # the median wall time of each (outputs do not change: same seed, same programs)
+        walls, plain_walls, plain_rows = [], [], None
+        for rep in range(args.timing_runs):
+            first = not records and rep == 0
+            rows, wall = _run_batch(
+                args, target, draft, ids, sampling, max_context, warmup=not args.no_warmup and first
             )
+            walls.append(wall)
+            if args.compare_plain:
+                plain_rows, plain_wall = _run_batch(
+                    _as_plain(args), target, None, ids, sampling, max_context, warmup=first
+                )
+                plain_walls.append(plain_wall)
+        wall = float(np.median(walls))
+        plain_wall = float(np.median(plain_walls)) if plain_walls else None
+        runs = f", median of {len(walls)} runs" if len(walls) > 1 else ""
         for i, (p, pids, row) in enumerate(zip(batch, ids, rows)):
             out = row["output_ids"]
             text = tok.decode(out, skip_special_tokens=True)
@@ -227,7 +232,7 @@ def _decode(args) -> int:
                 f"### [{p.id}] {p.text[:80]}\n{text}\n"
                 f"--- {args.method}: {len(out)} tokens in {wall:.2f}s = "
                 f"{rec['tokens_per_s']:.1f} tokens/s, tau {rec['tau']:.2f}{extra} "
-                f"(batch {len(batch)}, {row['finish_reason']})"
+                f"(batch {len(batch)}, {row['finish_reason']}{runs})"
             )
             if plain_rows is not None:
                 same = "identical" if rec["identical_to_plain"] else "DIFFERENT"

@@ -101,25 +101,69 @@ def test_row_products_equal_the_matrix_product(shape):
     np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)
     rows = int(np.prod(shape))
     hlo = jax.jit(layers.dense).lower(x, w).as_text()
-    # on the CPU, 2..ROW_PRODUCTS_MAX rows go one vector-matrix product per row (a loop)
+    # on the CPU, 2..row_products_max() rows go one vector-matrix product per row (a loop)
     assert ("while" in hlo) == (
-        jax.default_backend() == "cpu" and 1 < rows <= layers.ROW_PRODUCTS_MAX
+        jax.default_backend() == "cpu" and 1 < rows <= layers.row_products_max()
     )
 
 
-def test_row_products_can_be_turned_off_per_machine(monkeypatch):
-    """EAGLE3_JAX_ROW_PRODUCTS sets the limit at import (0: plain products for any row count,
-    faster on an Intel Xeon VM; benchmarks/results/verify_cost_xeon.json)."""
+def test_row_products_can_be_set_per_machine(monkeypatch):
+    """EAGLE3_JAX_ROW_PRODUCTS sets the limit at import (0: plain products for any row count) and
+    skips the probe; unset or auto leaves it to the probe; anything else is an error."""
     import os
     import subprocess
     import sys
 
     from eagle3_jax.models import layers
 
-    probe = "from eagle3_jax.models import layers; print(layers.ROW_PRODUCTS_MAX)"
-    env = {**os.environ, "EAGLE3_JAX_ROW_PRODUCTS": "0", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "0", out.stderr
-    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", 0)
+    code = "from eagle3_jax.models import layers; print(layers.ROW_PRODUCTS_MAX)"
+    for value, want in (("0", "0"), ("8", "8"), ("auto", "None"), ("fast", None)):
+        env = {**os.environ, "EAGLE3_JAX_ROW_PRODUCTS": value, "JAX_PLATFORMS": "cpu"}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        if want is None:
+            assert out.returncode != 0 and "EAGLE3_JAX_ROW_PRODUCTS='fast'" in out.stderr
+        else:
+            assert out.stdout.strip() == want, out.stderr
+    # a fresh function per setting: jit caches a traced function, and the limit is read in tracing
     x, w = jnp.ones((4, 48), jnp.float32), jnp.ones((48, 40), jnp.float32)
-    assert "while" not in jax.jit(layers.dense).lower(x, w).as_text()
+    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", 0)
+    assert "while" not in jax.jit(lambda *a: layers.dense(*a)).lower(x, w).as_text()
+    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", 8)
+    assert "while" in jax.jit(lambda *a: layers.dense(*a)).lower(x, w).as_text()
+
+
+@pytest.mark.parametrize("row_ms,want", [(5.0, 8), (9.8, 0), (20.0, 0)])
+def test_row_product_probe_picks_the_faster_way_once_per_cpu(monkeypatch, tmp_path, row_ms, want):
+    """Unset, the limit is measured the first time a few rows are multiplied, even while a caller
+    is being traced (the probe runs in its own thread, so its work is timed, not staged), then
+    read from the cache: row products only when 5 % faster than plain ones."""
+    import threading
+
+    from eagle3_jax.models import layers
+
+    monkeypatch.setenv("EAGLE3_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", None)
+    probes = []
+
+    def fake_timing():
+        probes.append(threading.current_thread() is threading.main_thread())
+        return {"row_products_ms": row_ms, "plain_products_ms": 10.0}
+
+    monkeypatch.setattr(layers, "time_row_products", fake_timing)
+    w = jnp.ones((48, 40), jnp.float32)
+    jax.jit(lambda *a: layers.dense(*a)).lower(jnp.ones((1, 48), jnp.float32), w)
+    assert probes == []  # one row is a vector product whatever the machine: no probe
+    hlo = jax.jit(lambda *a: layers.dense(*a)).lower(jnp.ones((4, 48), jnp.float32), w).as_text()
+    assert probes == [False]  # once, in its own thread
+    assert layers.ROW_PRODUCTS_MAX == want and ("while" in hlo) == (want > 0)
+    assert '"choice": ' + str(want) in (tmp_path / "row_products.json").read_text()
+    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", None)  # as in a new process: the cache answers
+    assert layers.row_products_max() == want and len(probes) == 1
+
+
+def test_row_product_probe_times_both_ways():
+    """The real probe, small: both medians are positive times."""
+    from eagle3_jax.models import layers
+
+    t = layers.time_row_products(rows=2, layers=1, reps=2)
+    assert set(t) == {"row_products_ms", "plain_products_ms"} and min(t.values()) > 0

@@ -6,7 +6,13 @@ dtype) so that parity tests hold at 1e-4 or tighter.
 
 from __future__ import annotations
 
+import json
 import os
+import platform
+import sys
+import threading
+import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,27 +63,147 @@ def attention(
     return out.reshape(b, t, h, k)
 
 
-# XLA:CPU computes a product of a few rows with its GEMM, which handles them poorly: a few rows cost
-# far more than one though the weights are read once either way. One vector-matrix product per row
-# (a lax.map, so one compiled body whatever the count) does better for 2-8 rows: the whole SmolLM2
-# forward over 4 tokens costs 1.52x one token instead of 1.73x on the 2-core VM (3 tokens: 1.58x vs
-# 1.79x; 2, 6 and 8 tokens about the same; `benchmarks/verify_cost.py --row-products 8,0`). One
-# row goes as a vector too (the same speed). Other backends, and more rows (prefill, trees of 9+
-# nodes, training), keep the plain product. That was measured on an AMD EPYC VM; on an Intel Xeon
-# VM with AVX-512 the plain product is the faster one (4 tokens: 1.31x one token against 1.84x with
-# row products; benchmarks/results/verify_cost_xeon.json), so EAGLE3_JAX_ROW_PRODUCTS sets the
-# limit (0: plain products always), read once at import.
-ROW_PRODUCTS_MAX = int(os.environ.get("EAGLE3_JAX_ROW_PRODUCTS", "8"))
+# XLA:CPU computes a product of a few rows with its GEMM, which handles them poorly on some CPUs: a
+# few rows cost far more than one though the weights are read once either way. One vector-matrix
+# product per row (a lax.map, so one compiled body whatever the count) can do better for 2-8 rows:
+# on an AMD EPYC VM the whole SmolLM2 forward over 4 tokens costs 1.52x one token that way instead
+# of 1.73x (`benchmarks/verify_cost.py --row-products 8,0`). On an Intel Xeon VM with AVX-512 it is
+# the opposite (4 tokens: 1.84x one token with row products, 1.31x with plain products;
+# benchmarks/results/verify_cost_xeon.json). So the choice is measured per machine: the first time
+# a few rows are multiplied on the CPU, `choose_row_products` times both ways on SmolLM2-shaped
+# weights and keeps the faster, cached per CPU model in the cache folder. EAGLE3_JAX_ROW_PRODUCTS
+# (an integer, read at import) skips the probe: 0 = plain products always, 8 = row products for 2-8
+# rows. Other backends, and more rows (prefill, trees of 9+ nodes, training), use the plain product.
+ROW_PRODUCTS_ENV = "EAGLE3_JAX_ROW_PRODUCTS"
+ROW_PRODUCTS_ON = 8  # the most rows done one by one, when the probe picks row products
+_env = os.environ.get(ROW_PRODUCTS_ENV, "auto").strip().lower()
+if _env not in ("", "auto") and not _env.isdigit():
+    raise ValueError(f"{ROW_PRODUCTS_ENV}={_env!r}: use auto or a row count (0 = plain products)")
+ROW_PRODUCTS_MAX: int | None = None if _env in ("", "auto") else int(_env)  # None: not probed yet
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def time_row_products(rows: int = 4, layers: int = 6, reps: int = 25) -> dict[str, float]:
+    """Median ms of `layers` SmolLM2-135M-shaped layers' projections (q, k, v, o, gate, up, down:
+    576 wide, 1536 MLP, 192 K/V) over `rows` rows, as row products and as plain products, timed
+    alternately so both see the same machine. Call outside any trace (see choose_row_products)."""
+    d, f, kv = 576, 1536, 192
+    rng = np.random.default_rng(0)
+    shapes = ((d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d))
+    ws = [[jnp.asarray(0.02 * rng.standard_normal(s, dtype=np.float32)) for s in shapes]]
+    ws = ws * layers  # the same arrays: weights stay in memory at 1/6 the size, the reads repeat
+    ws = [[jnp.asarray(w + 0.0) for w in layer] for layer in ws]  # distinct buffers after all
+
+    def stack(prod):
+        def f_(x):
+            for q, k, v, o, g, u, dn in ws:
+                x = x + prod(prod(x, q), o) + prod(x, k).sum() + prod(x, v).sum()
+                x = x + prod(jax.nn.silu(prod(x, g)) * prod(x, u), dn)
+            return x
+
+        return jax.jit(f_)
+
+    ways = {
+        "row_products_ms": stack(lambda x, w: jax.lax.map(lambda r: r @ w, x)),
+        "plain_products_ms": stack(lambda x, w: x @ w),
+    }
+    x = jnp.asarray(rng.standard_normal((rows, d), dtype=np.float32))
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for fn in ways.values():
+        jax.block_until_ready(fn(x))
+    for _ in range(reps):
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def choose_row_products() -> int:
+    """The row-product limit for this machine: ROW_PRODUCTS_ON if row products beat plain products
+    by 5 % at 4 rows here, else 0. Measured once per CPU model and jax version, cached in
+    <cache>/row_products.json. The probe runs in its own thread: JAX's trace state is per thread,
+    so a call made while a caller is being traced (dense is) times real computations instead of
+    staging them into the caller."""
+    from eagle3_jax.checkpoints import cache_dir  # late: checkpoints imports the models
+
+    path = cache_dir() / "row_products.json"
+    key = f"{_cpu_name()} | {os.cpu_count()} cpus | jax {jax.__version__}"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(key), dict) and "choice" in known[key]:
+        return int(known[key]["choice"])
+    result: dict[str, Any] = {}
+
+    def probe():
+        try:
+            result.update(time_row_products())
+        except Exception as e:  # noqa: BLE001 - reported below, then plain products
+            result["error"] = repr(e)
+
+    worker = threading.Thread(target=probe, name="eagle3-row-products-probe")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        print(
+            f"eagle3_jax: row-product probe failed ({result['error']}); plain products",
+            file=sys.stderr,
+        )
+        return 0
+    faster = result["row_products_ms"] < 0.95 * result["plain_products_ms"]
+    result["choice"] = ROW_PRODUCTS_ON if faster else 0
+    known[key] = result
+    try:
+        from eagle3_jax.checkpoints.atomic import write_text_atomic
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(known, indent=1) + "\n")
+    except OSError:
+        pass  # a read-only cache only costs the probe again next time
+    print(
+        f"eagle3_jax: {'row' if faster else 'plain'} products for 2-{ROW_PRODUCTS_ON} rows on this "
+        f"CPU (4 rows: {result['row_products_ms']:.1f} ms row products, "
+        f"{result['plain_products_ms']:.1f} ms plain; {ROW_PRODUCTS_ENV} overrides; cached in {path})",
+        file=sys.stderr,
+    )
+    return result["choice"]
+
+
+def row_products_max() -> int:
+    """The most rows `dense` multiplies one by one on the CPU (0: none), probed on first use."""
+    global ROW_PRODUCTS_MAX
+    if ROW_PRODUCTS_MAX is None:
+        ROW_PRODUCTS_MAX = choose_row_products()
+    return ROW_PRODUCTS_MAX
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x[..., K] @ w[K, N], as one vector-matrix product per row for a few rows on the CPU."""
+    """x[..., K] @ w[K, N], as one vector-matrix product per row for a few rows on the CPU where
+    that is faster (see row_products_max)."""
     rows = int(np.prod(x.shape[:-1]))
-    if rows > ROW_PRODUCTS_MAX or jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu":
+        return x @ w
+    if rows == 1:  # a vector-matrix product either way
+        return (x.reshape(-1) @ w).reshape(*x.shape[:-1], w.shape[-1])
+    # probe only where its answer matters (2..ROW_PRODUCTS_ON rows); a set limit is used as is
+    limit = ROW_PRODUCTS_MAX
+    if limit is None:
+        limit = row_products_max() if rows <= ROW_PRODUCTS_ON else 0
+    if rows > limit:
         return x @ w
     flat = x.reshape(rows, x.shape[-1])
-    out = (flat[0] @ w)[None] if rows == 1 else jax.lax.map(lambda r: r @ w, flat)
-    return out.reshape(*x.shape[:-1], w.shape[-1])
+    return jax.lax.map(lambda r: r @ w, flat).reshape(*x.shape[:-1], w.shape[-1])
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
