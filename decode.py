@@ -60,6 +60,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--total-tokens", type=int, default=4, help="tree nodes verified per round, root included"
     )
     p.add_argument(
+        "--verify-threshold",
+        type=float,
+        default=0.0,
+        help="adaptive verification: verify only the nodes whose cumulative draft probability is "
+        "at least this (rounded up to a compiled size: 1, 2, 4, ..., total), and skip draft levels "
+        "none could pass; 0 = every node every round",
+    )
+    p.add_argument(
         "--spec-candidates",
         type=int,
         default=None,

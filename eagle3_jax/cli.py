@@ -74,7 +74,12 @@ def load_draft_for(args, target):
 def _tree(args):
     from eagle3_jax.decoding.speculative import TreeConfig
 
-    return TreeConfig(top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens)
+    return TreeConfig(
+        top_k=args.top_k,
+        depth=args.depth,
+        total_tokens=args.total_tokens,
+        verify_threshold=getattr(args, "verify_threshold", 0.0),
+    )
 
 
 def _run_batch(args, target, draft, ids, sampling, max_context, warmup):
@@ -119,9 +124,19 @@ def _run_batch(args, target, draft, ids, sampling, max_context, warmup):
         method=args.method,
     )
     rows = [
-        {"output_ids": o, "finish_reason": f, "target_forwards": fw, "accept_hist": h.tolist()}
-        for o, f, fw, h in zip(
-            res.output_ids, res.finish_reasons, res.target_forwards, res.accept_hist
+        {
+            "output_ids": o,
+            "finish_reason": f,
+            "target_forwards": fw,
+            "accept_hist": h.tolist(),
+            "verified_tokens": v,
+        }
+        for o, f, fw, h, v in zip(
+            res.output_ids,
+            res.finish_reasons,
+            res.target_forwards,
+            res.accept_hist,
+            res.verified_tokens,
         )
     ]
     return rows, res.wall_time_s
@@ -213,6 +228,8 @@ def _decode(args) -> int:
                 "tokens_per_s": len(out) / wall,
                 "tau": tau(len(out), row["target_forwards"]),
             }
+            if row.get("verified_tokens") is not None and row["target_forwards"] > 1:
+                rec["verified_per_round"] = row["verified_tokens"] / (row["target_forwards"] - 1)
             if row["accept_hist"] is not None:
                 rec["accept_hist"] = row["accept_hist"]
                 rec["acceptance_by_depth"] = acceptance_rates(np.asarray(row["accept_hist"]))
@@ -228,6 +245,8 @@ def _decode(args) -> int:
                 extra = " alpha by depth " + " ".join(
                     f"{a:.2f}" for a in rec["acceptance_by_depth"]
                 )
+            if "verified_per_round" in rec and _tree(args).verify_threshold > 0:
+                extra += f", {rec['verified_per_round']:.2f} tokens verified per round"
             print(
                 f"### [{p.id}] {p.text[:80]}\n{text}\n"
                 f"--- {args.method}: {len(out)} tokens in {wall:.2f}s = "

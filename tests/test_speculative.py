@@ -116,6 +116,67 @@ def test_long_acceptances_keep_the_cache_exact(setup):
     assert min(tau) > 3.0
 
 
+@pytest.mark.parametrize("tree", [CHAIN, TREE], ids=["chain", "tree"])
+def test_adaptive_verification_is_exact_and_verifies_fewer_tokens(setup, tree):
+    """verify_threshold > 0: each round verifies only the nodes the draft gives at least that
+    cumulative probability (rounded up to a compiled size), and skips draft levels none could
+    pass; the output is still plain decoding's, and fewer tokens are verified, yet more than the
+    roots alone (this random draft spreads its probability, so 0.05 splits its nodes)."""
+    import dataclasses
+
+    params, cfg, dparams, dcfg, vocab = setup
+    prompts = _prompts(cfg.vocab_size, [5, 12, 9], seed=3)
+    ref = plain.generate(params, cfg, prompts, 40, eos_ids=())
+    adaptive = dataclasses.replace(tree, verify_threshold=0.05)
+    assert adaptive.verify_sizes == ((1, 2, 4, 5) if tree.top_k == 1 else (1, 2, 4, 8, 9))
+    full = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 40, tree, eos_ids=())
+    out = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 40, adaptive, eos_ids=())
+    assert out.output_ids == ref.output_ids == full.output_ids
+    rounds = [f - 1 for f in out.target_forwards]
+    assert full.verified_tokens == [r * tree.total_tokens for r in rounds]
+    for v, r in zip(out.verified_tokens, rounds):
+        assert r < v < r * tree.total_tokens
+
+
+def test_adaptive_verification_prunes_accepted_paths_exactly(setup):
+    """A near-oracle chain whose later tokens score low every other round: those rounds verify a
+    shorter chain (accepting at most its length), the others the whole one; still exact."""
+
+    params, cfg, *_ = setup
+    prompts = _prompts(cfg.vocab_size, [5, 11], seed=11)
+    ref = plain.generate(params, cfg, prompts, 48, eos_ids=())
+    table = np.zeros((2, 64), np.int32)
+    for i, r in enumerate(ref.output_ids):
+        table[i, : len(r)] = r
+    oracle = _oracle_drafter(noise_every=1000)
+
+    def drafter(dparams, embed, vocab, state, dcfg, shape, tree):
+        trees, dcache = oracle(dparams, embed, vocab, state, dcfg, shape, tree)
+        odd = (jnp.sum(state.accept_hist, axis=1) % 2 == 1)[:, None]
+        low = jnp.where(odd & (trees.depth > 2), -5.0, 0.0)  # p = e^-5 below depth 2
+        return trees._replace(score=low), dcache
+
+    tree = spec.TreeConfig(1, 5, 6, verify_threshold=0.5)  # sizes 1, 2, 4, 6
+    out = spec.generate(
+        params,
+        cfg,
+        {"ref": jnp.asarray(table)},
+        None,
+        None,
+        prompts,
+        48,
+        tree,
+        eos_ids=(),
+        method=drafter,
+    )
+    assert out.output_ids == ref.output_ids
+    hist = out.accept_hist.sum(0)
+    # full chains (5 accepted) on even rounds; at most 3 on odd ones (size 4: root + 3)
+    assert hist[5] > 0 and hist[3] > 0 and hist[4] == 0
+    rounds = sum(f - 1 for f in out.target_forwards)
+    assert sum(out.verified_tokens) < rounds * 6
+
+
 def test_tree_logits_equal_path_forward(setup):
     """Verification's logits at every tree node equal a plain forward along its root-to-node path."""
     params, cfg, dparams, dcfg, vocab = setup
@@ -236,6 +297,7 @@ def test_bad_tree_shapes_are_refused(setup):
         (spec.TreeConfig(2, 2, 9), "total_tokens 9 must be"),
         (spec.TreeConfig(61, 2, 8), "exceeds the draft vocabulary"),
         (spec.TreeConfig(2, 0, 3), "depth 0 < 1"),
+        (spec.TreeConfig(2, 2, 4, verify_threshold=1.0), "verify threshold 1.0 must be"),
     ]:
         with pytest.raises(Eagle3Error, match=msg):
             spec.generate(params, cfg, dparams, dcfg, vocab, p, 8, tree)

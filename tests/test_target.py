@@ -89,6 +89,64 @@ def test_tied_embeddings(hf_checkpoint):
     np.testing.assert_allclose(np.asarray(out.logits), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
+def test_reading_the_cache_equals_writing_it(stacked, hf_checkpoint):
+    """forward(..., mask_new=M) (the cache only read, the new tokens attending to each other under
+    M) gives the logits and aux of the same tokens written into the cache first, and returns
+    exactly the K/V that the writing call puts at their slots."""
+    _, path = hf_checkpoint("qwen3")
+    params, cfg = load_hf(path)
+    params = tgt.stack_layers(params) if stacked else params
+    b, prompt, t, s = 2, 7, 4, 24
+    toks = jnp.asarray(_tokens(b, prompt + t, cfg.vocab_size, seed=5))
+    aux_ids = cfg.default_aux_layer_ids()
+    zero = jnp.zeros((b,), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
+    cache = tgt.forward(
+        params,
+        toks[:, :prompt],
+        pos,
+        causal_mask(zero, prompt, s),
+        cfg,
+        tgt.make_cache(cfg, b, s, stacked=stacked),
+        zero,
+    ).cache
+    start = jnp.full((b,), prompt, jnp.int32)
+    # a small tree: node 1 and 2 children of the root, node 3 child of 1
+    tree = jnp.asarray([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], bool)
+    depth = jnp.asarray([0, 1, 1, 2])
+    pos = jnp.broadcast_to(prompt + depth, (b, t))
+    slots = jnp.arange(s)
+    written = (slots[None, :] < prompt) | jnp.pad(tree, ((0, 0), (prompt, s - prompt - t)))
+    ref = tgt.forward(
+        params,
+        toks[:, prompt:],
+        pos,
+        jnp.broadcast_to(written, (b, t, s)),
+        cfg,
+        cache,
+        start,
+        aux_ids,
+    )
+    got = tgt.forward(
+        params,
+        toks[:, prompt:],
+        pos,
+        jnp.broadcast_to(slots < prompt, (b, t, s)),
+        cfg,
+        cache,
+        start,
+        aux_ids,
+        mask_new=jnp.broadcast_to(tree, (b, t, t)),
+    )
+    np.testing.assert_allclose(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.aux, ref.aux, rtol=1e-5, atol=1e-5)
+    for name in ("k", "v"):  # a list of [B, S, G, K] per layer, or [L, B, S, G, K] stacked
+        for layer in range(cfg.num_layers):
+            want = ref.cache[name][layer][:, prompt : prompt + t]
+            np.testing.assert_allclose(got.cache[name][layer], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 4), (1, 9), (3, 5)])
 def test_row_products_equal_the_matrix_product(shape):
     from eagle3_jax.models import layers

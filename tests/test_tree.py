@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.decoding.tree import chain_tree, greedy_accept, select_tree
+from eagle3_jax.decoding.tree import chain_tree, greedy_accept, prune_tree, select_tree
 
 
 def _pool():
@@ -24,6 +24,21 @@ def test_select_tree_takes_the_top_n_with_parents_first():
         [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
     )
     np.testing.assert_array_equal(tree.mask, expect.astype(bool))
+
+
+def test_pruning_a_tree_equals_selecting_fewer_nodes():
+    """prune_tree(select(n), m) is select(m - 1) for every m: the best m - 1 nodes, parents first,
+    the same tokens, parents, depths, masks and scores (adaptive verification relies on it)."""
+    full = select_tree(jnp.int32(7), *_pool(), n=6)
+    for size in range(1, 8):
+        got = prune_tree(full, size)
+        want = select_tree(jnp.int32(7), *_pool(), n=size - 1) if size > 1 else None
+        if want is None:  # the root alone
+            np.testing.assert_array_equal(got.tokens, [7])
+            np.testing.assert_array_equal(got.mask, [[True]])
+            continue
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_ties_keep_parents():

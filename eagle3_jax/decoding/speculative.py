@@ -31,12 +31,14 @@ from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding import acceptance
 from eagle3_jax.decoding.plain import FINISH_REASONS, Shape, prepare
 from eagle3_jax.decoding.sampling import Sampling, sample
-from eagle3_jax.decoding.tree import chain_tree, select_tree
+from eagle3_jax.decoding.tree import chain_tree, prune_tree, select_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
 from eagle3_jax.vocab import DraftVocab
+
+NEG_SCORE = -1e30  # the score of a node a skipped draft level did not draft: never verified
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +51,22 @@ class TreeConfig:
     top_k: int = 4
     depth: int = 4
     total_tokens: int = 16
+    # adaptive verification: > 0 verifies only the nodes whose cumulative draft probability is at
+    # least this (rounded up to one of verify_sizes, the largest need over the batch), and skips
+    # draft levels no node could pass; 0 verifies every node every round
+    verify_threshold: float = 0.0
 
     @property
     def n(self) -> int:
         return self.total_tokens - 1
+
+    @property
+    def verify_sizes(self) -> tuple[int, ...]:
+        """Tree sizes (root included) a round may verify: one compiled target forward each."""
+        if self.verify_threshold <= 0:
+            return (self.total_tokens,)
+        small = {1} | {2**i for i in range(1, 8) if 2**i < self.total_tokens}
+        return tuple(sorted(small | {self.total_tokens}))
 
     @property
     def pool_size(self) -> int:
@@ -72,6 +86,11 @@ class TreeConfig:
             raise Eagle3Error(
                 f"top_k {self.top_k} exceeds the draft vocabulary ({draft_vocab_size})"
             )
+        if not 0 <= self.verify_threshold < 1:
+            raise Eagle3Error(
+                f"verify threshold {self.verify_threshold} must be in [0, 1): a cumulative draft "
+                "probability (0: verify every node)"
+            )
         if not 2 <= self.total_tokens <= self.pool_size + 1:
             raise Eagle3Error(
                 f"total_tokens {self.total_tokens} must be in 2..{self.pool_size + 1} for top_k "
@@ -82,6 +101,11 @@ class TreeConfig:
 
 class SpecState(NamedTuple):
     tcache: dict[str, Any]
+    # last round's accepted path K/V ([B, depth + 1, G, K] per layer) and the slot it goes to:
+    # written at the start of the next round, so the cache is written before it is read (written
+    # after the verification's read, XLA copied the whole cache twice per round: ~20 ms on CPU)
+    pending_kv: dict[str, Any]
+    pending_at: jax.Array  # [B]
     dcache: dict[str, Any]
     length: jax.Array  # [B] tokens committed to the target cache; the root sits at this position
     root: jax.Array  # [B] newest token (already emitted), in neither cache
@@ -95,22 +119,17 @@ class SpecState(NamedTuple):
     num_new: jax.Array  # [B]
     finish: jax.Array  # [B] index into FINISH_REASONS
     forwards: jax.Array  # [B] target forward passes while the row ran (prefill included)
+    verified: jax.Array  # [B] tree tokens (root included) the target ran in rounds, row running
     accept_hist: jax.Array  # [B, depth + 1] rounds by number of accepted draft tokens
     limit: jax.Array  # [B]
     key: jax.Array
 
 
-def _map_cache(fn, cache: dict[str, Any]) -> dict[str, Any]:
-    """Applies a per-layer [B, S, G, K] function to a list-of-layers or [L, ...]-stacked cache."""
-    if isinstance(cache["k"], list):
-        return {n: [fn(c) for c in cache[n]] for n in ("k", "v")}
-    return {n: jax.vmap(fn)(cache[n]) for n in ("k", "v")}
-
-
-def _compact(c_BSGK: jax.Array, src_BJ: jax.Array, dst_B: jax.Array) -> jax.Array:
-    """Copies slots src[b, j] to dst[b] + j (the accepted path, made contiguous)."""
-    rows = jnp.take_along_axis(c_BSGK, src_BJ[:, :, None, None], axis=1)
-    return tgt._write_rows(c_BSGK, rows, dst_B)
+def _map_cache(fn, *caches: dict[str, Any]) -> dict[str, Any]:
+    """Applies a per-layer function of [B, ...] arrays to list-of-layers or [L, ...]-stacked caches."""
+    if isinstance(caches[0]["k"], list):
+        return {n: [fn(*c) for c in zip(*(x[n] for x in caches))] for n in ("k", "v")}
+    return {n: jax.vmap(fn)(*(x[n] for x in caches)) for n in ("k", "v")}
 
 
 def _eos_mask(tok, eos_ids):
@@ -198,8 +217,11 @@ def prefill(
     finish = jnp.where(_eos_mask(root, eos_ids), 1, jnp.where(num_new >= limit_B, 2, 0)).astype(
         jnp.int32
     )
+    pending = _map_cache(lambda c: jnp.zeros((b, e) + c.shape[2:], c.dtype), out.cache)
     return SpecState(
         out.cache,
+        pending,
+        lengths_B,
         dcache,
         lengths_B,
         root,
@@ -211,6 +233,7 @@ def prefill(
         num_new,
         finish,
         jnp.ones((b,), jnp.int32),
+        jnp.zeros((b,), jnp.int32),
         jnp.zeros((b, tree.depth + 1), jnp.int32),
         limit_B,
         key,
@@ -261,26 +284,44 @@ def eagle3_drafter(
     exp_anc = jnp.zeros((b, k, tree.tree_slots), bool)
     dcache = out.cache
     stable = jnp.arange(s)[None, None, :] < r[:, None, None]  # [B, 1, S]
+    # adaptive verification: a level whose expanded nodes all score below the threshold can only
+    # add nodes below it (a child never outscores its parent), so the draft skips it at run time
+    log_thr = float(np.log(tree.verify_threshold)) if tree.verify_threshold > 0 else None
     for lvl in range(2, depth + 1):
         own = jax.nn.one_hot((lvl - 2) * k + jnp.arange(k), tree.tree_slots, dtype=bool)  # [k, TS]
         anc = exp_anc | own[None]
         mask = jnp.concatenate([jnp.broadcast_to(stable, (b, k, s)), anc], axis=-1)
         pos = jnp.broadcast_to((r + lvl - 2)[:, None], (b, k))
-        o = drf.forward(
-            dparams,
-            embed,
-            exp_tok,
-            exp_h,
-            pos,
-            mask,
-            dcfg,
-            dcache,
-            jnp.full((b,), s + (lvl - 2) * k, jnp.int32),
-            compute_logits=False,
-            target_features=False,
-        )
-        dcache = o.cache
-        cs, ct = drf.draft_topk(dparams, o.hidden, dcfg, vocab, k)  # [B, k, k]
+
+        def expand(dc, exp_tok=exp_tok, exp_h=exp_h, mask=mask, pos=pos, lvl=lvl):
+            o = drf.forward(
+                dparams,
+                embed,
+                exp_tok,
+                exp_h,
+                pos,
+                mask,
+                dcfg,
+                dc,
+                jnp.full((b,), s + (lvl - 2) * k, jnp.int32),
+                compute_logits=False,
+                target_features=False,
+            )
+            return (o.cache, o.hidden, *drf.draft_topk(dparams, o.hidden, dcfg, vocab, k))
+
+        if log_thr is None:
+            dcache, hidden, cs, ct = expand(dcache)
+        else:
+            shapes = jax.eval_shape(expand, dcache)
+
+            def skip(dc, shapes=shapes):
+                _, h, sc, tk = shapes
+                h, tk = jnp.zeros(h.shape, h.dtype), jnp.zeros(tk.shape, tk.dtype)
+                return dc, h, jnp.full(sc.shape, NEG_SCORE, sc.dtype), tk
+
+            run = jnp.any(exp_score >= log_thr)
+            dcache, hidden, cs, ct = jax.lax.cond(run, expand, skip, dcache)
+        # hidden [B, k, H]; cs, ct [B, k, k]: children's log-probs and target ids
         cum = (exp_score[:, :, None] + cs).reshape(b, k * k)
         child_tok = ct.reshape(b, k * k)
         pool_tok.append(child_tok)
@@ -293,7 +334,7 @@ def eagle3_drafter(
             exp_idx = base + j
             exp_tok = jnp.take_along_axis(child_tok, j, axis=1)
             exp_score = nxt_score
-            exp_h = jnp.take_along_axis(o.hidden, par[:, :, None], axis=1)
+            exp_h = jnp.take_along_axis(hidden, par[:, :, None], axis=1)
             exp_anc = jnp.take_along_axis(anc, par[:, :, None], axis=1)
     pool = [jnp.concatenate(x, axis=1) for x in (pool_tok, pool_par, pool_score)]
     trees = jax.vmap(select_tree, in_axes=(0, 0, 0, 0, None))(state.root, *pool, tree.n)
@@ -348,23 +389,24 @@ DRAFTERS = {"eagle3": eagle3_drafter, "pld": pld_drafter, "vanilla": vanilla_dra
 def verify(
     tparams, trees, state: SpecState, tcfg: TargetConfig, dcfg: drf.DraftConfig, shape: Shape
 ):
-    """Step 3: the target over the N + 1 tree tokens, written at slots r .. r + N."""
+    """Step 3: the target over the tree tokens at positions r + depth. It reads the cache (slots
+    < r) and writes nothing: the nodes attend to their ancestors through the tree mask, and
+    Output.cache holds their new K/V ([B, N+1, G, K] per layer) for the accepted path alone to be
+    written."""
     r = state.length
     n1 = trees.tokens.shape[1]
-    rel = jnp.arange(shape.slots)[None, :] - r[:, None]  # [B, S]
-    in_tree = (rel >= 0) & (rel < n1)
-    tree_part = jnp.take_along_axis(trees.mask, jnp.clip(rel, 0, n1 - 1)[:, None, :], axis=2)
-    mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)  # [B, N+1, S]
-    positions = r[:, None] + trees.depth
+    before = jnp.arange(shape.slots)[None, :] < r[:, None]  # [B, S]
+    mask = jnp.broadcast_to(before[:, None, :], (r.shape[0], n1, shape.slots))
     return tgt.forward(
         tparams,
         trees.tokens,
-        positions,
+        r[:, None] + trees.depth,
         mask,
         tcfg,
         state.tcache,
         r,
         aux_ids=() if dcfg is None else dcfg.aux_layer_ids,
+        mask_new=trees.mask,
     )
 
 
@@ -387,19 +429,52 @@ def _round(
     rows = jnp.arange(b)
     running = state.finish == 0
     drafter = DRAFTERS[method] if isinstance(method, str) else method  # tests may pass a callable
+    # last round's accepted K/V first: from here on this round only reads the target cache
+    tcache = _map_cache(
+        lambda c, new: tgt._write_rows(c, new, state.pending_at), state.tcache, state.pending_kv
+    )
+    state = state._replace(tcache=tcache)
     trees, dcache = drafter(dparams, embed, vocab, state, dcfg, shape, tree)
-    tout = verify(tparams, trees, state, tcfg, dcfg, shape)
     key, sub = jax.random.split(state.key)
-    acc, bonus = acceptance.accept(trees, tout.logits, sub, sampling, tree.depth, tree.top_k)
-    a = acc.length
     r = state.length
-    tcache = _map_cache(lambda c: _compact(c, r[:, None] + acc.path, r), tout.cache)
+    n1 = trees.tokens.shape[1]
+
+    def check(size, trees=trees):
+        """Steps 3-4 on the tree's best `size` nodes: verify, accept, compact the accepted K/V."""
+        if size < n1:
+            trees = jax.vmap(prune_tree, in_axes=(0, None))(trees, size)
+        tout = verify(tparams, trees, state, tcfg, dcfg, shape)
+        acc, bonus = acceptance.accept(trees, tout.logits, sub, sampling, tree.depth, tree.top_k)
+        # the accepted path's K/V [B, depth + 1, G, K] (padding repeats its last node)
+        path_kv = _map_cache(
+            lambda new: jnp.take_along_axis(new, acc.path[:, :, None, None], axis=1), tout.cache
+        )
+        path_next = jnp.take_along_axis(
+            acc.path, jnp.minimum(jnp.arange(1, e + 1), tree.depth)[None], axis=1
+        )
+        path_tok = jnp.take_along_axis(trees.tokens, path_next, axis=1)
+        enc_feat = (
+            state.enc_feat
+            if tout.aux is None
+            else jnp.take_along_axis(tout.aux, acc.path[:, :, None], axis=1)
+        )
+        return acc.length, path_tok, bonus, path_kv, enc_feat
+
+    sizes = tree.verify_sizes if n1 == tree.total_tokens else (n1,)
+    if len(sizes) == 1:
+        a, path_tok, bonus, path_kv, enc_feat = check(n1)
+        verified = jnp.int32(n1)  # verified below: tokens the target ran this round
+    else:
+        # the smallest compiled size holding every node at or above the threshold, in every row
+        passing = trees.score[:, 1:] >= float(np.log(tree.verify_threshold))
+        need = jnp.max(jnp.where(running, 1 + jnp.sum(passing, axis=1), 1))
+        which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need).astype(jnp.int32)
+        branches = [functools.partial(lambda _, size: check(size), size=z) for z in sizes]
+        a, path_tok, bonus, path_kv, enc_feat = jax.lax.switch(which, branches, None)
+        verified = jnp.asarray(sizes, jnp.int32)[which]
     # emitted this round: the accepted drafted tokens, then the bonus
     j = jnp.arange(e)[None, :]
-    path_next = jnp.take_along_axis(acc.path, jnp.minimum(j + 1, tree.depth), axis=1)
-    emit = jnp.where(
-        j < a[:, None], jnp.take_along_axis(trees.tokens, path_next, axis=1), bonus[:, None]
-    )
+    emit = jnp.where(j < a[:, None], path_tok, bonus[:, None])
     is_eos = _eos_mask(emit, eos_ids) & (j <= a[:, None])
     has_eos = jnp.any(is_eos, axis=1)
     count = jnp.where(has_eos, jnp.argmax(is_eos, axis=1) + 1, a + 1)
@@ -414,15 +489,14 @@ def _round(
     history = state.history.at[rows[:, None], jnp.minimum(r[:, None] + 1 + j, shape.slots - 1)].set(
         emit
     )
-    enc_feat = (
-        state.enc_feat
-        if tout.aux is None
-        else jnp.take_along_axis(tout.aux, acc.path[:, :, None], axis=1)
-    )
     upd = lambda new, old: jnp.where(running.reshape((b,) + (1,) * (new.ndim - 1)), new, old)  # noqa
     hist = state.accept_hist.at[rows, a].add(running.astype(jnp.int32))
     return SpecState(
         tcache,
+        # the path goes to slots r .. r + depth next round (slots past r + a get padding, beyond
+        # the new length: masked, then overwritten)
+        path_kv,
+        r,
         dcache,
         upd(length, state.length),
         upd(bonus, state.root),
@@ -434,6 +508,7 @@ def _round(
         upd(state.num_new + count, state.num_new),
         upd(finish.astype(jnp.int32), state.finish),
         state.forwards + running,
+        state.verified + verified * running,
         hist,
         state.limit,
         key,
@@ -475,6 +550,7 @@ class SpecResult(NamedTuple):
     target_forwards: list[int]  # per row, prefill included
     accept_hist: np.ndarray  # [B, depth + 1] rounds by accepted draft tokens
     wall_time_s: float
+    verified_tokens: list[int] | None = None  # per row: tree tokens verified over all rounds
 
 
 def method_tree(method: str, tree: TreeConfig, draft_vocab_size: int | None) -> TreeConfig:
@@ -535,8 +611,15 @@ def generate(
     t0 = time.perf_counter()
     state = prefill(*inputs, req.limit, key, *args)
     state = decode_loop(tparams, dparams, embed, vocab, state, *args, method)
-    tokens, n, finish, fw, hist = jax.device_get(
-        (state.tokens, state.num_new, state.finish, state.forwards, state.accept_hist)
+    tokens, n, finish, fw, hist, ver = jax.device_get(
+        (
+            state.tokens,
+            state.num_new,
+            state.finish,
+            state.forwards,
+            state.accept_hist,
+            state.verified,
+        )
     )
     wall = time.perf_counter() - t0
     return SpecResult(
@@ -545,6 +628,7 @@ def generate(
         [int(x) for x in fw],
         np.asarray(hist),
         wall,
+        [int(x) for x in ver],
     )
 
 

@@ -103,3 +103,23 @@ def _propagate(parent: jax.Array, ok: jax.Array) -> jax.Array:
 def greedy_accept(tree: Tree, target_tokens: jax.Array, max_depth: int) -> Accepted:
     """Greedy verification: node i matches if it equals the target's argmax at its parent."""
     return accepted_path(tree, tree.tokens == target_tokens[tree.parent], max_depth)
+
+
+def prune_tree(tree: Tree, size: int) -> Tree:
+    """The root and the size - 1 best-scoring other nodes, as a tree of `size` nodes in the same
+    order. A child never outscores its parent and top_k prefers the lower (parent's) index on
+    ties, so every kept node's ancestors are kept: the result is a tree, and it holds every node
+    scoring above any dropped one."""
+    n1 = tree.tokens.shape[0]
+    if size >= n1:
+        return tree
+    _, best = jax.lax.top_k(tree.score[1:], size - 1)
+    idx = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.sort(best).astype(jnp.int32) + 1])
+    node_of = jnp.zeros((n1,), jnp.int32).at[idx].set(jnp.arange(size, dtype=jnp.int32))
+    return Tree(
+        tree.tokens[idx],
+        node_of[tree.parent[idx]],
+        tree.depth[idx],
+        tree.mask[idx][:, idx],
+        tree.score[idx],
+    )

@@ -34,7 +34,7 @@ class MethodSpec:
 
     label: str
     kind: str  # vanilla | pld | eagle3
-    tree: tuple[int, int, int] = DEFAULT_TREE  # top_k, depth, total_tokens
+    tree: tuple = DEFAULT_TREE  # top_k, depth, total_tokens[, verify_threshold]
     draft: str | None = None  # a draft name (eagle3 only)
 
 
@@ -73,15 +73,21 @@ def parse_drafts(specs: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def _parse_tree(text: str, where: str) -> tuple[int, int, int]:
+def _parse_tree(text: str, where: str) -> tuple:
+    """`K,D,T` or `K,D,T,THRESHOLD` (adaptive verification) -> (k, d, t[, threshold])."""
+    parts = text.split(",")
     try:
-        k, d, t = (int(x) for x in text.split(","))
+        if len(parts) not in (3, 4):
+            raise ValueError
+        shape = tuple(int(x) for x in parts[:3]) + tuple(float(x) for x in parts[3:])
     except ValueError:
-        raise Eagle3Error(f"method {where!r}: the tree shape must be TOP_K,DEPTH,TOTAL") from None
+        raise Eagle3Error(
+            f"method {where!r}: the tree shape must be TOP_K,DEPTH,TOTAL[,VERIFY_THRESHOLD]"
+        ) from None
     from eagle3_jax.decoding.speculative import TreeConfig
 
-    TreeConfig(k, d, t).validate(10**9)
-    return k, d, t
+    TreeConfig(*shape).validate(10**9)
+    return shape
 
 
 def parse_methods(

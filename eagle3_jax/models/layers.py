@@ -44,22 +44,40 @@ def apply_rope(x_BTHK: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attention(
-    q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array
+    q_BTHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    mask_BTS: jax.Array,
+    k_new: jax.Array | None = None,
+    v_new: jax.Array | None = None,
+    mask_new_BTT: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention of T queries over S keys under an explicit boolean mask.
 
     The mask is the only notion of causality: causal prefill, one decode step, a draft tree (each node
     sees the prefix and its ancestors) and the training-time-test blocks all go through here.
-    Returns [B, T, H, K]; softmax in fp32.
+    With k_new/v_new [B, T, G, K] the queries also attend to those T entries (under mask_new) in
+    one softmax with the S cached ones, which are only read: a tree verification that leaves the
+    cache untouched (no copy of it, even inside a lax.switch branch). Returns [B, T, H, K]; softmax
+    in fp32.
     """
     b, t, h, k = q_BTHK.shape
     g = k_BSGK.shape[2]
     q = q_BTHK.reshape(b, t, g, h // g, k)
+    scale = 1.0 / np.sqrt(k)
     scores = jnp.einsum("btgrk,bsgk->bgrts", q, k_BSGK, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / np.sqrt(k))
-    scores = jnp.where(mask_BTS[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGK.dtype)
-    out = jnp.einsum("bgrts,bsgk->btgrk", probs, v_BSGK)
+    scores = jnp.where(mask_BTS[:, None, None, :, :], scores * scale, NEG_INF)
+    if k_new is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGK.dtype)
+        out = jnp.einsum("bgrts,bsgk->btgrk", probs, v_BSGK)
+        return out.reshape(b, t, h, k)
+    s = k_BSGK.shape[1]
+    own = jnp.einsum("btgrk,bsgk->bgrts", q, k_new, preferred_element_type=jnp.float32)
+    own = jnp.where(mask_new_BTT[:, None, None, :, :], own * scale, NEG_INF)
+    probs = jax.nn.softmax(jnp.concatenate([scores, own], axis=-1), axis=-1).astype(v_BSGK.dtype)
+    out = jnp.einsum("bgrts,bsgk->btgrk", probs[..., :s], v_BSGK) + jnp.einsum(
+        "bgrts,bsgk->btgrk", probs[..., s:], v_new.astype(v_BSGK.dtype)
+    )
     return out.reshape(b, t, h, k)
 
 

@@ -183,6 +183,7 @@ def _layer(
     sin: jax.Array,
     mask: jax.Array,
     cfg: TargetConfig,
+    mask_new: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     b, t, _ = h_BTD.shape
     eps = cfg.rms_norm_eps
@@ -199,13 +200,19 @@ def _layer(
     if cfg.qk_norm == "head":
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if kv is not None:
-        k_all, v_all = _write_rows(kv[0], k, write_B), _write_rows(kv[1], v, write_B)
-        kv = (k_all, v_all)
+    if kv is not None and mask_new is not None:  # read the cache, return the new entries
+        with jax.named_scope("attention"):
+            att = attention(q, kv[0], kv[1], mask, k, v, mask_new)
+        kv = (k, v)
     else:
-        k_all, v_all = k, v
-    with jax.named_scope("attention"):
-        o = dense(attention(q, k_all, v_all, mask).reshape(b, t, -1), p["wo"])
+        if kv is not None:
+            k_all, v_all = _write_rows(kv[0], k, write_B), _write_rows(kv[1], v, write_B)
+            kv = (k_all, v_all)
+        else:
+            k_all, v_all = k, v
+        with jax.named_scope("attention"):
+            att = attention(q, k_all, v_all, mask)
+    o = dense(att.reshape(b, t, -1), p["wo"])
     if pre:
         h_BTD = h_BTD + o
         h_BTD = h_BTD + swiglu(
@@ -229,6 +236,7 @@ def forward(
     aux_ids: tuple[int, ...] = (),
     logits_idx_BP: jax.Array | None = None,
     compute_logits: bool = True,
+    mask_new: jax.Array | None = None,
 ) -> Output:
     """Runs T new tokens through the decoder.
 
@@ -238,6 +246,10 @@ def forward(
       cache: from `make_cache`; the new K/V of row b go to slots write_B[b] .. write_B[b] + T - 1.
       aux_ids: HF `hidden_states` indices to capture (i < L: input to layer i; L: final normed state).
       logits_idx_BP: optional [B, P] token indices whose logits are computed (saves the lm_head cost).
+      mask_new: bool [B, T, T], with a cache: the cache is only read (`mask` then covers its S
+        slots as they are) and the T new tokens attend to each other under mask_new; the returned
+        cache holds just the new entries ([B, T, G, K] per layer), for the caller to write where
+        it wants (a tree verification keeps only the accepted path's). write_B is unused.
     """
     cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(cfg.rope, cfg.head_dim))
     h = params["embed"][tokens_BT]
@@ -250,14 +262,14 @@ def forward(
                 captured[i] = h
             kv = None if cache is None else (cache["k"][i], cache["v"][i])
             with jax.named_scope(f"layer_{i}"):
-                h, kv = _layer(lp, h, kv, write_B, cos, sin, mask, cfg)
+                h, kv = _layer(lp, h, kv, write_B, cos, sin, mask, cfg, mask_new)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         new_cache = None if cache is None else {"k": new_k, "v": new_v}
     else:
         h, new_cache, captured = _scan_layers(
-            layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids
+            layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids, mask_new
         )
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if cfg.num_layers in aux_ids:
@@ -288,7 +300,7 @@ def lm_head(params: Params, hidden: jax.Array, cfg: TargetConfig) -> jax.Array:
     return hidden @ params["lm_head"]
 
 
-def _scan_layers(layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids):
+def _scan_layers(layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids, mask_new=None):
     """Stacked layers: one lax.scan per segment between aux capture points."""
     bounds = sorted({0, cfg.num_layers, *[i for i in aux_ids if i < cfg.num_layers]})
     captured, ks, vs = {}, [], []
@@ -306,7 +318,7 @@ def _scan_layers(layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids):
 
             def body_c(h, xs):
                 lp, k, v = xs
-                h, (k, v) = _layer(lp, h, (k, v), write_B, cos, sin, mask, cfg)
+                h, (k, v) = _layer(lp, h, (k, v), write_B, cos, sin, mask, cfg, mask_new)
                 return h, (k, v)
 
             h, (k, v) = jax.lax.scan(body_c, h, (seg, cache["k"][lo:hi], cache["v"][lo:hi]))
