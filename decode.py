@@ -62,10 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--verify-threshold",
         type=float,
-        default=0.0,
+        default=None,
         help="adaptive verification: verify only the nodes whose cumulative draft probability is "
         "at least this (rounded up to a compiled size: 1, 2, 4, ..., total), and skip draft levels "
-        "none could pass; 0 = every node every round",
+        "none could pass; 0 = every node every round. Default: 0.3 on the CPU (verifying costs "
+        "there: 1.17x against 1.08x plain decoding on MT-bench), 0 on accelerators",
     )
     p.add_argument(
         "--spec-candidates",

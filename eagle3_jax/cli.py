@@ -12,6 +12,10 @@ import numpy as np
 
 from eagle3_jax.errors import Eagle3Error
 
+# decode.py's adaptive-verification threshold on the CPU (MT-bench, 8 questions, the shipped head,
+# k2 d3 n4: 0.2 -> 1.15x, 0.3 -> 1.17x, off -> 1.08x plain decoding in one run; BENCHMARKS.md)
+CPU_VERIFY_THRESHOLD = 0.3
+
 
 def default_dtype(name: str | None):
     import jax
@@ -72,13 +76,18 @@ def load_draft_for(args, target):
 
 
 def _tree(args):
+    import jax
+
     from eagle3_jax.decoding.speculative import TreeConfig
 
+    threshold = getattr(args, "verify_threshold", None)
+    if threshold is None:  # where each verified token costs (a CPU), verify the likely ones only
+        threshold = CPU_VERIFY_THRESHOLD if jax.default_backend() == "cpu" else 0.0
     return TreeConfig(
         top_k=args.top_k,
         depth=args.depth,
         total_tokens=args.total_tokens,
-        verify_threshold=getattr(args, "verify_threshold", 0.0),
+        verify_threshold=threshold,
     )
 
 

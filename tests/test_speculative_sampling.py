@@ -1,5 +1,6 @@
 """Speculative sampling is lossless: same distribution as plain sampling (chi-square over many rows)."""
 
+import dataclasses
 import math
 
 import jax
@@ -62,12 +63,12 @@ def _pair_counts(outputs, v):
     return counts
 
 
-def _run(tiny, sampling, seed):
+def _run(tiny, sampling, seed, tree=TREE):
     params, cfg, dparams, dcfg, vocab = tiny
     prompts = [[1, 3, 2, 4]] * ROWS
     ref = plain.generate(params, cfg, prompts, 3, sampling, seed=seed, eos_ids=())
     out = spec.generate(
-        params, cfg, dparams, dcfg, vocab, prompts, 3, TREE, sampling, seed=seed + 1, eos_ids=()
+        params, cfg, dparams, dcfg, vocab, prompts, 3, tree, sampling, seed=seed + 1, eos_ids=()
     )
     return (
         _pair_counts(ref.output_ids, cfg.vocab_size),
@@ -87,6 +88,18 @@ def test_sampling_matches_plain_sampling(tiny, sampling):
     assert df >= 8, "the test needs a spread-out distribution to mean anything"
     assert stat < _chi2_critical(df), (stat, df)
     assert out.accept_hist[:, 1:].sum() > 0.2 * ROWS  # drafted tokens were really accepted
+
+
+def test_adaptive_verification_keeps_sampling_lossless(tiny):
+    """Verifying only the nodes of cumulative draft probability >= 0.3 (a pruned, still
+    deterministic, draft tree) leaves the output distribution the target's."""
+    adaptive = dataclasses.replace(TREE, verify_threshold=0.3)
+    a, b, out = _run(tiny, Sampling(temperature=1.0), seed=2, tree=adaptive)
+    stat, df = _homogeneity(a, b)
+    assert df >= 8 and stat < _chi2_critical(df), (stat, df)
+    rounds = sum(f - 1 for f in out.target_forwards)
+    assert sum(out.verified_tokens) < rounds * TREE.total_tokens  # nodes were really left out
+    assert out.accept_hist[:, 1:].sum() > 0.1 * ROWS  # and drafted tokens still accepted
 
 
 @pytest.mark.slow  # ~40-75 s on 2 cores; CI runs it (make test-slow)
