@@ -68,6 +68,26 @@ def test_metric_arithmetic():
     x = [rec("1", "e", 0, 1, 1, 1, out=[[1]]), rec("2", "e", 0, 1, 1, 1, out=[[5]])]
     y = [rec("1", "vanilla", 0, 1, 1, 1, out=[[1]]), rec("2", "vanilla", 0, 1, 1, 1, out=[[2]])]
     assert metrics.exactness(x, y) == 0.5
+    # tree tokens verified per round: over the records that counted them
+    a["verified_tokens"], b["verified_tokens"] = 12, 10  # (12 + 10) / (4 + 4) rounds
+    assert metrics.verified_per_round([a, b, v[0]]) == pytest.approx(22 / 8)
+    assert math.isnan(metrics.verified_per_round(v))
+
+
+def test_method_specs_take_an_optional_verify_threshold():
+    from eagle3_jax.errors import Eagle3Error
+    from eagle3_jax.evaluation.runner import parse_methods
+
+    specs = parse_methods("eagle3:2,3,4,eagle3:2,3,4,0.3,pld", {"h": "/x"})
+    assert [(s.label, s.tree) for s in specs] == [
+        ("vanilla", (1, 1, 1)),
+        ("eagle3:2,3,4", (2, 3, 4)),
+        ("eagle3:2,3,4,0.3", (2, 3, 4, 0.3)),
+        ("pld", (1, 4, 5)),
+    ]
+    for bad in ("eagle3:2,3,4,1.5", "eagle3:2,3", "eagle3:2,3,4,x"):
+        with pytest.raises(Eagle3Error, match="method|threshold"):
+            parse_methods(bad, {"h": "/x"})
 
 
 def test_shipped_benchmarks():
@@ -134,10 +154,13 @@ def test_end_to_end_resume_and_refusal(setup, tmp_path, capsys):
     for r in recs:
         assert r["new_tokens"] == sum(len(o) for o in r["output_ids"])
         assert all(len(o) <= 12 for o in r["output_ids"])
+        rounds = r["target_forwards"] - r["num_generations"]
         if r["method"] == "vanilla":
-            assert r["tau"] == 1.0 and r["accept_hist"] is None
+            assert r["tau"] == 1.0 and r["accept_hist"] is None and r["verified_tokens"] is None
         else:
             assert len(r["acceptance_by_depth"]) == 3 and r["tau"] >= 1.0
+            per_round = 6 if r["method"] == "eagle3:2,3,6" else 4  # every node, every round
+            assert r["verified_tokens"] == per_round * rounds
     # interleaved: every question's methods run vanilla first
     assert [r["method"] for r in recs[:3]] == ["vanilla", "pld:1,3,4", "eagle3:2,3,6"]
     res = json.loads((full / "results.json").read_text())
@@ -151,6 +174,7 @@ def test_end_to_end_resume_and_refusal(setup, tmp_path, capsys):
     report = (full / "report.md").read_text()
     assert "| Method | mt_bench | qa | Overall | Exact |" in report
     assert "| eagle3:2,3,6 |" in report and "α2" in report
+    assert "| Method | tokens/s | verified / round |" in report
     for png in ("tau_per_task", "speedup_per_task", "acceptance_by_depth"):
         assert (full / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
 

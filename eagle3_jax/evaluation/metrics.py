@@ -50,6 +50,15 @@ def tau(records: Iterable[dict]) -> float:
     return tokens / rounds if rounds > 0 else float("nan")
 
 
+def verified_per_round(records: Iterable[dict]) -> float:
+    """Tree tokens the target verified per round (root included), over the records that counted
+    them (speculative ones; adaptive verification makes it vary). NaN when none did."""
+    recs = [r for r in records if r.get("verified_tokens") is not None]
+    gens = sum(int(r.get("num_generations", 1)) for r in recs)
+    rounds = sum(int(r["target_forwards"]) for r in recs) - gens
+    return sum(int(r["verified_tokens"]) for r in recs) / rounds if rounds > 0 else float("nan")
+
+
 def throughput(records: Iterable[dict]) -> float:
     """Generated tokens per second of timed wall time (sum over sum). NaN without time."""
     recs = list(records)
@@ -116,6 +125,7 @@ def group_stats(records: Sequence[dict], method: str, task: str | None) -> dict:
         "throughput": mean_std(tps).as_dict(),
         "speedup": mean_std(sps).as_dict(),
         "acceptance_by_depth": acceptance_by_depth(mine),
+        "verified_per_round": verified_per_round(mine),
     }
 
 

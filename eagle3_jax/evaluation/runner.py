@@ -226,7 +226,7 @@ class Models:
             res = plain.generate(
                 t.params, t.cfg, ids, max_new, sampling, seed, pad_id=pad, warmup=True
             )
-            rows = [(o, f, len(o), None) for o, f in zip(res.output_ids, res.finish_reasons)]
+            rows = [(o, f, len(o), None, None) for o, f in zip(res.output_ids, res.finish_reasons)]
             return rows, res.wall_time_s
         dparams, dcfg, vocab, embed = self.drafts[m.draft] if m.draft else (None,) * 4
         res = spec.generate(
@@ -246,9 +246,13 @@ class Models:
             method=m.kind,
         )
         rows = [
-            (o, f, fw, np.asarray(h).tolist())
-            for o, f, fw, h in zip(
-                res.output_ids, res.finish_reasons, res.target_forwards, res.accept_hist
+            (o, f, fw, np.asarray(h).tolist(), v)
+            for o, f, fw, h, v in zip(
+                res.output_ids,
+                res.finish_reasons,
+                res.target_forwards,
+                res.accept_hist,
+                res.verified_tokens,
             )
         ]
         return rows, res.wall_time_s
@@ -282,7 +286,7 @@ def run_questions(
             history[i].append({"role": "user", "content": batch[i].turns[t]})
         ids = [encode_chat(tok, history[i]) for i in active]
         rows, wall = models.generate(m, ids, sampling, seed, max_new)
-        for i, pids, (out, finish, fw, hist) in zip(active, ids, rows):
+        for i, pids, (out, finish, fw, hist, verified) in zip(active, ids, rows):
             text = tok.decode(out, skip_special_tokens=True)
             history[i].append({"role": "assistant", "content": text})
             turns[i].append(
@@ -294,6 +298,7 @@ def run_questions(
                     "target_forwards": fw,
                     "finish_reason": finish,
                     "accept_hist": hist,
+                    "verified_tokens": verified,  # tree tokens verified over its rounds
                     "wall_time_s": wall / len(active),  # this row's share of the batch
                     "batch_wall_time_s": wall,
                 }
@@ -312,6 +317,11 @@ def run_questions(
             "wall_time_s": sum(x["wall_time_s"] for x in ts),
             "output_ids": [x["output_ids"] for x in ts],
             "accept_hist": np.sum(hists, axis=0).tolist() if hists else None,
+            "verified_tokens": (
+                sum(x["verified_tokens"] for x in ts)
+                if all(x.get("verified_tokens") is not None for x in ts)
+                else None
+            ),
             "turns": ts,
         }
         rec["tau"] = metrics.tau([rec])
@@ -462,9 +472,18 @@ def report_markdown(summary: dict, opts: EvalOptions, n_questions: int, n_seeds:
         ]
         ex = "–" if s["exactness"] is None else f"{s['exactness']:.2f}"
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {ex} |")
-    lines += ["", "## Throughput (tokens/s, overall)", "", "| Method | tokens/s |", "| --- | --- |"]
+    lines += [
+        "",
+        "## Throughput (tokens/s, overall) and tree tokens verified per round",
+        "",
+        "| Method | tokens/s | verified / round |",
+        "| --- | --- | --- |",
+    ]
     for m in methods:
-        lines.append(f"| {m} | {_fmt(summary['by_method'][m]['overall']['throughput'], 1)} |")
+        o = summary["by_method"][m]["overall"]
+        ver = o.get("verified_per_round")
+        ver = "–" if ver is None or not math.isfinite(ver) else f"{ver:.2f}"
+        lines.append(f"| {m} | {_fmt(o['throughput'], 1)} | {ver} |")
     acc = {m: summary["by_method"][m]["overall"]["acceptance_by_depth"] for m in methods}
     acc = {m: a for m, a in acc.items() if a}
     if acc:
