@@ -254,7 +254,11 @@ def _decode(args) -> int:
                 extra = " alpha by depth " + " ".join(
                     f"{a:.2f}" for a in rec["acceptance_by_depth"]
                 )
-            if "verified_per_round" in rec and _tree(args).verify_threshold > 0:
+            if (
+                "verified_per_round" in rec
+                and args.method == "eagle3"
+                and _tree(args).verify_threshold > 0
+            ):
                 extra += f", {rec['verified_per_round']:.2f} tokens verified per round"
             print(
                 f"### [{p.id}] {p.text[:80]}\n{text}\n"

@@ -88,16 +88,14 @@ def _oracle_drafter(noise_every):
     return drafter
 
 
-def test_long_acceptances_keep_the_cache_exact(setup):
-    """With a near-oracle draft most rounds accept the whole chain: cache compaction, positions and
-    bookkeeping are exercised at full length, and the output must still equal plain decoding."""
-    params, cfg, *_ = setup
-    prompts = _prompts(cfg.vocab_size, [5, 11], seed=11)
-    ref = plain.generate(params, cfg, prompts, 48, eos_ids=())
-    table = np.zeros((2, 64), np.int32)
+def _oracle_run(params, cfg, prompts, new, tree, noise_every, wrap=lambda d: d):
+    """Plain decoding of `prompts`, then speculative decoding with the near-oracle chain (its
+    drafter passed through `wrap`): -> (plain result, speculative result)."""
+    ref = plain.generate(params, cfg, prompts, new, eos_ids=())
+    table = np.zeros((len(prompts), new + 16), np.int32)
     for i, r in enumerate(ref.output_ids):
         table[i, : len(r)] = r
-    drafter = _oracle_drafter(noise_every=3)
+    drafter = wrap(_oracle_drafter(noise_every))
     out = spec.generate(
         params,
         cfg,
@@ -105,11 +103,20 @@ def test_long_acceptances_keep_the_cache_exact(setup):
         None,
         None,
         prompts,
-        48,
-        spec.TreeConfig(1, 5, 6),
+        new,
+        tree,
         eos_ids=(),
         method=drafter,
     )
+    return ref, out
+
+
+def test_long_acceptances_keep_the_cache_exact(setup):
+    """With a near-oracle draft most rounds accept the whole chain: cache compaction, positions and
+    bookkeeping are exercised at full length, and the output must still equal plain decoding."""
+    params, cfg, *_ = setup
+    prompts = _prompts(cfg.vocab_size, [5, 11], seed=11)
+    ref, out = _oracle_run(params, cfg, prompts, 48, spec.TreeConfig(1, 5, 6), noise_every=3)
     assert out.output_ids == ref.output_ids
     assert out.accept_hist[:, 5].sum() > 0 and out.accept_hist[:, 2].sum() > 0
     tau = [48 / f for f in out.target_forwards]
@@ -141,33 +148,21 @@ def test_adaptive_verification_is_exact_and_verifies_fewer_tokens(setup, tree):
 def test_adaptive_verification_prunes_accepted_paths_exactly(setup):
     """A near-oracle chain whose later tokens score low every other round: those rounds verify a
     shorter chain (accepting at most its length), the others the whole one; still exact."""
-
     params, cfg, *_ = setup
-    prompts = _prompts(cfg.vocab_size, [5, 11], seed=11)
-    ref = plain.generate(params, cfg, prompts, 48, eos_ids=())
-    table = np.zeros((2, 64), np.int32)
-    for i, r in enumerate(ref.output_ids):
-        table[i, : len(r)] = r
-    oracle = _oracle_drafter(noise_every=1000)
 
-    def drafter(dparams, embed, vocab, state, dcfg, shape, tree):
-        trees, dcache = oracle(dparams, embed, vocab, state, dcfg, shape, tree)
-        odd = (jnp.sum(state.accept_hist, axis=1) % 2 == 1)[:, None]
-        low = jnp.where(odd & (trees.depth > 2), -5.0, 0.0)  # p = e^-5 below depth 2
-        return trees._replace(score=low), dcache
+    def low_scores_every_other_round(oracle):
+        def drafter(dparams, embed, vocab, state, dcfg, shape, tree):
+            trees, dcache = oracle(dparams, embed, vocab, state, dcfg, shape, tree)
+            odd = (jnp.sum(state.accept_hist, axis=1) % 2 == 1)[:, None]
+            low = jnp.where(odd & (trees.depth > 2), -5.0, 0.0)  # p = e^-5 below depth 2
+            return trees._replace(score=low), dcache
+
+        return drafter
 
     tree = spec.TreeConfig(1, 5, 6, verify_threshold=0.5)  # sizes 1, 2, 4, 6
-    out = spec.generate(
-        params,
-        cfg,
-        {"ref": jnp.asarray(table)},
-        None,
-        None,
-        prompts,
-        48,
-        tree,
-        eos_ids=(),
-        method=drafter,
+    prompts = _prompts(cfg.vocab_size, [5, 11], seed=11)
+    ref, out = _oracle_run(
+        params, cfg, prompts, 48, tree, noise_every=1000, wrap=low_scores_every_other_round
     )
     assert out.output_ids == ref.output_ids
     hist = out.accept_hist.sum(0)
@@ -175,6 +170,31 @@ def test_adaptive_verification_prunes_accepted_paths_exactly(setup):
     assert hist[5] > 0 and hist[3] > 0 and hist[4] == 0
     rounds = sum(f - 1 for f in out.target_forwards)
     assert sum(out.verified_tokens) < rounds * 6
+
+
+def test_sliding_window_target_is_exact(hf_checkpoint):
+    """A Mistral-style window (12 tokens) shorter than the context: verification masks what plain
+    decoding masks, at every tree node, so a near-oracle chain still reproduces plain decoding."""
+    _, path = hf_checkpoint("mistral")
+    params, cfg = load_hf(path)
+    assert cfg.sliding_window == 12
+    prompts = _prompts(cfg.vocab_size, [20, 9], seed=4)
+    ref, out = _oracle_run(params, cfg, prompts, 30, spec.TreeConfig(1, 4, 5), noise_every=3)
+    assert out.output_ids == ref.output_ids
+    assert out.accept_hist[:, 3:].sum() > 0  # long paths were accepted past the window
+
+
+def test_trees_deeper_than_their_node_count_keep_room_for_the_path(setup):
+    """The accepted path is written as depth + 1 entries: a round reserves max(total, depth + 1)
+    slots, so a 4-node tree of depth 6 never writes over the prompt near the end of the cache."""
+    params, cfg, dparams, dcfg, vocab = setup
+    tree = spec.TreeConfig(2, 6, 4)
+    assert tree.round_slots == 7
+    for n, new in ((5, 40), (57, 3)):
+        prompts = _prompts(cfg.vocab_size, [n], seed=n)
+        ref = plain.generate(params, cfg, prompts, new, eos_ids=())
+        out = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, new, tree, eos_ids=())
+        assert out.output_ids == ref.output_ids
 
 
 def test_tree_logits_equal_path_forward(setup):

@@ -61,6 +61,12 @@ class TreeConfig:
         return self.total_tokens - 1
 
     @property
+    def round_slots(self) -> int:
+        """Cache slots a round may write past the committed length: the verified tree's nodes and
+        the accepted path (depth + 1 entries, padded), whichever is longer."""
+        return max(self.total_tokens, self.depth + 1)
+
+    @property
     def verify_sizes(self) -> tuple[int, ...]:
         """Tree sizes (root included) a round may verify: one compiled target forward each."""
         if self.verify_threshold <= 0:
@@ -107,7 +113,8 @@ class SpecState(NamedTuple):
     pending_kv: dict[str, Any]
     pending_at: jax.Array  # [B]
     dcache: dict[str, Any]
-    length: jax.Array  # [B] tokens committed to the target cache; the root sits at this position
+    # [B] tokens committed (the last path's K/V possibly still pending); the root sits at `length`
+    length: jax.Array
     root: jax.Array  # [B] newest token (already emitted), in neither cache
     enc_tok: jax.Array  # [B, E] tokens at positions length - enc_n + 1 .. length (root last)
     enc_feat: jax.Array  # [B, E, F] target aux features at positions length - enc_n .. length - 1
@@ -319,7 +326,7 @@ def eagle3_drafter(
                 h, tk = jnp.zeros(h.shape, h.dtype), jnp.zeros(tk.shape, tk.dtype)
                 return dc, h, jnp.full(sc.shape, NEG_SCORE, sc.dtype), tk
 
-            run = jnp.any(exp_score >= log_thr)
+            run = jnp.any((exp_score >= log_thr) & (state.finish == 0)[:, None])
             dcache, hidden, cs, ct = jax.lax.cond(run, expand, skip, dcache)
         # hidden [B, k, H]; cs, ct [B, k, k]: children's log-probs and target ids
         cum = (exp_score[:, :, None] + cs).reshape(b, k * k)
@@ -395,12 +402,15 @@ def verify(
     written."""
     r = state.length
     n1 = trees.tokens.shape[1]
-    before = jnp.arange(shape.slots)[None, :] < r[:, None]  # [B, S]
-    mask = jnp.broadcast_to(before[:, None, :], (r.shape[0], n1, shape.slots))
+    slots = jnp.arange(shape.slots)[None, None, :]
+    positions = r[:, None] + trees.depth  # [B, N+1]; committed tokens sit at slot = position
+    mask = jnp.broadcast_to(slots < r[:, None, None], (r.shape[0], n1, shape.slots))
+    if tcfg.sliding_window is not None:  # as in plain decoding: the last `window` positions
+        mask = mask & (slots > positions[:, :, None] - tcfg.sliding_window)
     return tgt.forward(
         tparams,
         trees.tokens,
-        r[:, None] + trees.depth,
+        positions,
         mask,
         tcfg,
         state.tcache,
@@ -482,7 +492,7 @@ def _round(
     stop_eos = has_eos & (count <= room)
     count = jnp.minimum(count, room)
     length = r + a + 1
-    no_room = length + tree.total_tokens + 1 > shape.slots  # the next round would not fit
+    no_room = length + tree.round_slots + 1 > shape.slots  # the next round would not fit
     finish = jnp.where(stop_eos, 1, jnp.where(count >= room, 2, jnp.where(no_room, 3, 0)))
     # writes past `count` are overwritten next round or lie beyond the row's final length
     tokens = state.tokens.at[rows[:, None], state.num_new[:, None] + j].set(emit)
@@ -598,9 +608,7 @@ def generate(
     """Speculative decoding of token-id prompts: greedy output equals plain decoding token for token,
     sampled output has the target's distribution. `method` "pld" and "vanilla" need no draft."""
     dparams, dcfg, vocab, tree = _method_setup(method, dparams, dcfg, vocab, tree)
-    req = prepare(
-        tcfg, prompts, max_new_tokens, eos_ids, max_context, pad_id, tree.total_tokens + 1
-    )
+    req = prepare(tcfg, prompts, max_new_tokens, eos_ids, max_context, pad_id, tree.round_slots + 1)
     embed = tparams["embed"] if embed is None else embed
     key = jax.random.PRNGKey(seed)
     args = (tcfg, dcfg, req.shape, tree, sampling, req.eos)
@@ -650,7 +658,7 @@ def stream(
 ):
     """Yields each round's newly accepted tokens (a list) for one prompt, for interactive chat."""
     dparams, dcfg, vocab, tree = _method_setup(method, dparams, dcfg, vocab, tree)
-    req = prepare(tcfg, [prompt], max_new_tokens, eos_ids, max_context, 0, tree.total_tokens + 1)
+    req = prepare(tcfg, [prompt], max_new_tokens, eos_ids, max_context, 0, tree.round_slots + 1)
     embed = tparams["embed"] if embed is None else embed
     args = (tcfg, dcfg, req.shape, tree, sampling, req.eos)
     state = prefill(

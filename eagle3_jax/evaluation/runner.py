@@ -114,6 +114,8 @@ def parse_methods(
         if kind == "pld":
             if name:
                 raise Eagle3Error(f"method {it!r}: pld takes no draft")
+            if len(tree) > 3:
+                raise Eagle3Error(f"method {it!r}: a verify threshold needs a draft (eagle3)")
             specs.append(MethodSpec(head, "pld", (1, tree[1], tree[1] + 1)))  # a chain
             continue
         if not drafts:
