@@ -109,11 +109,7 @@ def _run_batch(args, target, draft, ids, sampling, max_context, warmup):
             pad_id=pad,
             warmup=warmup,
         )
-        rows = [
-            {"output_ids": o, "finish_reason": f, "target_forwards": len(o), "accept_hist": None}
-            for o, f in zip(res.output_ids, res.finish_reasons)
-        ]
-        return rows, res.wall_time_s
+        return res.rows(), res.wall_time_s
     dparams, dcfg, vocab, embed = draft
     res = spec.generate(
         target.params,
@@ -132,23 +128,7 @@ def _run_batch(args, target, draft, ids, sampling, max_context, warmup):
         warmup=warmup,
         method=args.method,
     )
-    rows = [
-        {
-            "output_ids": o,
-            "finish_reason": f,
-            "target_forwards": fw,
-            "accept_hist": h.tolist(),
-            "verified_tokens": v,
-        }
-        for o, f, fw, h, v in zip(
-            res.output_ids,
-            res.finish_reasons,
-            res.target_forwards,
-            res.accept_hist,
-            res.verified_tokens,
-        )
-    ]
-    return rows, res.wall_time_s
+    return res.rows(), res.wall_time_s
 
 
 def _as_plain(args):

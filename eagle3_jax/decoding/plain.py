@@ -238,6 +238,19 @@ class Result(NamedTuple):
     target_forwards: int
     wall_time_s: float
 
+    def rows(self) -> list[dict]:
+        """Per row, the fields speculative.SpecResult.rows gives (one target pass per token)."""
+        return [
+            {
+                "output_ids": o,
+                "finish_reason": f,
+                "target_forwards": len(o),
+                "accept_hist": None,
+                "verified_tokens": None,
+            }
+            for o, f in zip(self.output_ids, self.finish_reasons)
+        ]
+
 
 def _collect(state: DecodeState) -> tuple[list[list[int]], list[str]]:
     tokens, n, finish = jax.device_get((state.tokens, state.num_new, state.finish))

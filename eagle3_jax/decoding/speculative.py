@@ -35,7 +35,7 @@ from eagle3_jax.decoding.tree import chain_tree, prune_tree, select_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
-from eagle3_jax.models.layers import causal_mask
+from eagle3_jax.models.layers import causal_mask, write_rows
 from eagle3_jax.vocab import DraftVocab
 
 NEG_SCORE = -1e30  # the score of a node a skipped draft level did not draft: never verified
@@ -441,7 +441,7 @@ def _round(
     drafter = DRAFTERS[method] if isinstance(method, str) else method  # tests may pass a callable
     # last round's accepted K/V first: from here on this round only reads the target cache
     tcache = _map_cache(
-        lambda c, new: tgt._write_rows(c, new, state.pending_at), state.tcache, state.pending_kv
+        lambda c, new: write_rows(c, new, state.pending_at), state.tcache, state.pending_kv
     )
     state = state._replace(tcache=tcache)
     trees, dcache = drafter(dparams, embed, vocab, state, dcfg, shape, tree)
@@ -450,7 +450,7 @@ def _round(
     n1 = trees.tokens.shape[1]
 
     def check(size, trees=trees):
-        """Steps 3-4 on the tree's best `size` nodes: verify, accept, compact the accepted K/V."""
+        """Steps 3-4 on the tree's best `size` nodes: verify, accept, gather the path's K/V."""
         if size < n1:
             trees = jax.vmap(prune_tree, in_axes=(0, None))(trees, size)
         tout = verify(tparams, trees, state, tcfg, dcfg, shape)
@@ -473,7 +473,7 @@ def _round(
     sizes = tree.verify_sizes if n1 == tree.total_tokens else (n1,)
     if len(sizes) == 1:
         a, path_tok, bonus, path_kv, enc_feat = check(n1)
-        verified = jnp.int32(n1)  # verified below: tokens the target ran this round
+        verified = jnp.int32(n1)  # tree tokens the target ran this round
     else:
         # the smallest compiled size holding every node at or above the threshold, in every row
         passing = trees.score[:, 1:] >= float(np.log(tree.verify_threshold))
@@ -561,6 +561,27 @@ class SpecResult(NamedTuple):
     accept_hist: np.ndarray  # [B, depth + 1] rounds by accepted draft tokens
     wall_time_s: float
     verified_tokens: list[int] | None = None  # per row: tree tokens verified over all rounds
+
+    def rows(self) -> list[dict]:
+        """Per row: output_ids, finish_reason, target_forwards, accept_hist (a list),
+        verified_tokens."""
+        verified = self.verified_tokens or [None] * len(self.output_ids)
+        return [
+            {
+                "output_ids": o,
+                "finish_reason": f,
+                "target_forwards": fw,
+                "accept_hist": np.asarray(h).tolist(),
+                "verified_tokens": v,
+            }
+            for o, f, fw, h, v in zip(
+                self.output_ids,
+                self.finish_reasons,
+                self.target_forwards,
+                self.accept_hist,
+                verified,
+            )
+        ]
 
 
 def method_tree(method: str, tree: TreeConfig, draft_vocab_size: int | None) -> TreeConfig:

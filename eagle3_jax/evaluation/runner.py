@@ -217,7 +217,7 @@ class Models:
         return cls(target, {n: load_head(p, target, dtype) for n, p in drafts.items()})
 
     def generate(self, m: MethodSpec, ids, sampling, seed: int, max_new: int):
-        """One batch -> (rows of output_ids / finish_reason / target_forwards / accept_hist, wall);
+        """One batch -> (per-row dicts of the result's `rows()`, wall time);
         each call first runs a warm-up generation (compilation), excluded from the time."""
         from eagle3_jax.decoding import plain
         from eagle3_jax.decoding import speculative as spec
@@ -228,8 +228,7 @@ class Models:
             res = plain.generate(
                 t.params, t.cfg, ids, max_new, sampling, seed, pad_id=pad, warmup=True
             )
-            rows = [(o, f, len(o), None, None) for o, f in zip(res.output_ids, res.finish_reasons)]
-            return rows, res.wall_time_s
+            return res.rows(), res.wall_time_s
         dparams, dcfg, vocab, embed = self.drafts[m.draft] if m.draft else (None,) * 4
         res = spec.generate(
             t.params,
@@ -247,17 +246,7 @@ class Models:
             warmup=True,
             method=m.kind,
         )
-        rows = [
-            (o, f, fw, np.asarray(h).tolist(), v)
-            for o, f, fw, h, v in zip(
-                res.output_ids,
-                res.finish_reasons,
-                res.target_forwards,
-                res.accept_hist,
-                res.verified_tokens,
-            )
-        ]
-        return rows, res.wall_time_s
+        return res.rows(), res.wall_time_s
 
 
 def load_head(path, target, dtype=None) -> tuple:
@@ -288,7 +277,8 @@ def run_questions(
             history[i].append({"role": "user", "content": batch[i].turns[t]})
         ids = [encode_chat(tok, history[i]) for i in active]
         rows, wall = models.generate(m, ids, sampling, seed, max_new)
-        for i, pids, (out, finish, fw, hist, verified) in zip(active, ids, rows):
+        for i, pids, row in zip(active, ids, rows):
+            out = row["output_ids"]
             text = tok.decode(out, skip_special_tokens=True)
             history[i].append({"role": "assistant", "content": text})
             turns[i].append(
@@ -297,10 +287,10 @@ def run_questions(
                     "output_ids": out,
                     "text": text,
                     "new_tokens": len(out),
-                    "target_forwards": fw,
-                    "finish_reason": finish,
-                    "accept_hist": hist,
-                    "verified_tokens": verified,  # tree tokens verified over its rounds
+                    "target_forwards": row["target_forwards"],
+                    "finish_reason": row["finish_reason"],
+                    "accept_hist": row["accept_hist"],
+                    "verified_tokens": row["verified_tokens"],  # tree tokens over its rounds
                     "wall_time_s": wall / len(active),  # this row's share of the batch
                     "batch_wall_time_s": wall,
                 }

@@ -26,7 +26,7 @@ from eagle3_jax.config import RopeConfig, TargetConfig, rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models.layers import (
     apply_rope,
-    attention,
+    cached_attention,
     dense,
     rms_norm,
     rope_cos_sin,
@@ -324,13 +324,6 @@ def cache_sharding(cfg: DraftConfig, mesh, rules=None) -> dict[str, Any]:
     return {"k": s, "v": s}
 
 
-def _write_rows(cache_BSGK: jax.Array, new_BTGK: jax.Array, start_B: jax.Array) -> jax.Array:
-    """Writes each row's T new entries at its own slot offset."""
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(
-        cache_BSGK, new_BTGK.astype(cache_BSGK.dtype), start_B
-    )
-
-
 # ----------------------------------------------------------------------------- forward
 
 
@@ -398,13 +391,7 @@ def midlayer(
     Returns the pre-norm output [B, T, D] and the updated (k, v) cache when one is given.
     """
     q, k, v = project_qkv(p, emb_BTD, h_BTD, cos, sin, cfg)
-    if kv is not None:
-        k_all, v_all = _write_rows(kv[0], k, write_B), _write_rows(kv[1], v, write_B)
-        kv = (k_all, v_all)
-    else:
-        k_all, v_all = k, v
-    with jax.named_scope("attention"):
-        o = attention(q, k_all, v_all, mask)
+    o, kv = cached_attention(q, k, v, kv, write_B, mask)
     return finish_layer(p, h_BTD, o, cfg), kv
 
 

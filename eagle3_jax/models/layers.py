@@ -81,6 +81,37 @@ def attention(
     return out.reshape(b, t, h, k)
 
 
+def write_rows(cache_BSGK: jax.Array, new_BTGK: jax.Array, start_B: jax.Array) -> jax.Array:
+    """Writes each row's T new entries at its own slot offset of a [B, S, G, K] cache."""
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(
+        cache_BSGK, new_BTGK.astype(cache_BSGK.dtype), start_B
+    )
+
+
+def cached_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    write_B: jax.Array | None,
+    mask: jax.Array,
+    mask_new: jax.Array | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """Attention of a layer's new q/k/v [B, T, ...] with its K/V cache, -> (out, kv):
+    no cache: over the T new tokens; kv is None;
+    a cache, no mask_new: the new K/V written at write_B first, then attended; kv the new cache;
+    a cache and mask_new: the cache only read, the new K/V joined in one softmax; kv the new
+      entries (k, v), for the caller to write where it wants."""
+    if kv is not None and mask_new is not None:
+        with jax.named_scope("attention"):
+            return attention(q, kv[0], kv[1], mask, k, v, mask_new), (k, v)
+    if kv is not None:
+        kv = (write_rows(kv[0], k, write_B), write_rows(kv[1], v, write_B))
+        k, v = kv
+    with jax.named_scope("attention"):
+        return attention(q, k, v, mask), kv
+
+
 # XLA:CPU computes a product of a few rows with its GEMM, which handles them poorly on some CPUs: a
 # few rows cost far more than one though the weights are read once either way. One vector-matrix
 # product per row (a lax.map, so one compiled body whatever the count) can do better for 2-8 rows:

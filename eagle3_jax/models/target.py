@@ -24,7 +24,7 @@ import numpy as np
 from eagle3_jax.config import TargetConfig, rope_inv_freq
 from eagle3_jax.models.layers import (
     apply_rope,
-    attention,
+    cached_attention,
     dense,
     rms_norm,
     rope_cos_sin,
@@ -157,13 +157,6 @@ def make_cache(
     }
 
 
-def _write_rows(cache_BSGK: jax.Array, new_BTGK: jax.Array, start_B: jax.Array) -> jax.Array:
-    """Writes each row's T new entries at its own slot offset."""
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(
-        cache_BSGK, new_BTGK.astype(cache_BSGK.dtype), start_B
-    )
-
-
 # ----------------------------------------------------------------------------- forward
 
 
@@ -200,18 +193,7 @@ def _layer(
     if cfg.qk_norm == "head":
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if kv is not None and mask_new is not None:  # read the cache, return the new entries
-        with jax.named_scope("attention"):
-            att = attention(q, kv[0], kv[1], mask, k, v, mask_new)
-        kv = (k, v)
-    else:
-        if kv is not None:
-            k_all, v_all = _write_rows(kv[0], k, write_B), _write_rows(kv[1], v, write_B)
-            kv = (k_all, v_all)
-        else:
-            k_all, v_all = k, v
-        with jax.named_scope("attention"):
-            att = attention(q, k_all, v_all, mask)
+    att, kv = cached_attention(q, k, v, kv, write_B, mask, mask_new)
     o = dense(att.reshape(b, t, -1), p["wo"])
     if pre:
         h_BTD = h_BTD + o
