@@ -282,10 +282,10 @@ def test_draft_cache_equals_a_fresh_encode_of_the_sequence(setup):
         target_features=True,
     )
     np.testing.assert_allclose(
-        state.dcache["k"][0, :done], ref.cache["k"][0, :done], rtol=1e-4, atol=1e-4
-    )
+        state.dcache["k"][0, ..., :done], ref.cache["k"][0, ..., :done], rtol=1e-4, atol=1e-4
+    )  # K [B, G, K, S], V [B, G, S, K]
     np.testing.assert_allclose(
-        state.dcache["v"][0, :done], ref.cache["v"][0, :done], rtol=1e-4, atol=1e-4
+        state.dcache["v"][0, :, :done], ref.cache["v"][0, :, :done], rtol=1e-4, atol=1e-4
     )
 
 

@@ -141,10 +141,13 @@ def test_reading_the_cache_equals_writing_it(stacked, hf_checkpoint):
     )
     np.testing.assert_allclose(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got.aux, ref.aux, rtol=1e-5, atol=1e-5)
-    for name in ("k", "v"):  # a list of [B, S, G, K] per layer, or [L, B, S, G, K] stacked
-        for layer in range(cfg.num_layers):
-            want = ref.cache[name][layer][:, prompt : prompt + t]
-            np.testing.assert_allclose(got.cache[name][layer], want, rtol=1e-5, atol=1e-5)
+    # the new entries come back as [B, T, G, K]; the cache holds K [B, G, K, S], V [B, G, S, K]
+    # per layer (a list, or stacked [L, ...])
+    for layer in range(cfg.num_layers):
+        want_k = ref.cache["k"][layer][..., prompt : prompt + t].transpose(0, 3, 1, 2)
+        want_v = ref.cache["v"][layer][:, :, prompt : prompt + t].transpose(0, 2, 1, 3)
+        np.testing.assert_allclose(got.cache["k"][layer], want_k, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got.cache["v"][layer], want_v, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 4), (1, 9), (3, 5)])

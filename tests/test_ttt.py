@@ -16,7 +16,7 @@ from eagle3_jax import vocab as vocab_lib
 from eagle3_jax.config import rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as dr
-from eagle3_jax.models.layers import apply_rope, attention, rope_cos_sin
+from eagle3_jax.models.layers import apply_rope, attention, rope_cos_sin, to_cache_layout
 from eagle3_jax.models.target import ParamSpec
 from eagle3_jax.training import ttt
 
@@ -151,8 +151,7 @@ def test_diagonal_attention_equals_dense_specforge_mask():
         want = np.asarray(
             dense_attn(
                 q,
-                jnp.concatenate(ks[: i + 1], 1),
-                jnp.concatenate(vs[: i + 1], 1),
+                *to_cache_layout(jnp.concatenate(ks[: i + 1], 1), jnp.concatenate(vs[: i + 1], 1)),
                 jnp.asarray(mask),
             )
         )
@@ -344,7 +343,7 @@ def _reference_dense_attention(params):
     """The last TTT step the SpecForge way (for the shape detector): steps*T keys, dense mask."""
     q = jnp.zeros((B, T, NH, HD))
     k = jnp.zeros((B, STEPS * T, NKV, HD)) + params["fc"][0, 0]
-    return attention(q, k, k, jnp.ones((B, T, STEPS * T), bool))
+    return attention(q, *to_cache_layout(k, k), jnp.ones((B, T, STEPS * T), bool))
 
 
 def test_refuses_bad_batches():

@@ -35,7 +35,7 @@ from eagle3_jax.decoding.tree import chain_tree, prune_tree, select_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
-from eagle3_jax.models.layers import causal_mask, write_rows
+from eagle3_jax.models.layers import causal_mask, write_kv
 from eagle3_jax.vocab import DraftVocab
 
 NEG_SCORE = -1e30  # the score of a node a skipped draft level did not draft: never verified
@@ -139,6 +139,19 @@ def _map_cache(fn, *caches: dict[str, Any]) -> dict[str, Any]:
     return {n: jax.vmap(fn)(*(x[n] for x in caches)) for n in ("k", "v")}
 
 
+def _write_pending(tcache: dict[str, Any], pending: dict[str, Any], at_B: jax.Array):
+    """Writes last round's accepted K/V ([B, depth + 1, G, K] per layer) at slots at_B onwards."""
+
+    def write(k, v, pk, pv):
+        return write_kv((k, v), pk, pv, at_B)
+
+    if isinstance(tcache["k"], list):
+        kv = [write(*c) for c in zip(tcache["k"], tcache["v"], pending["k"], pending["v"])]
+        return {"k": [k for k, _ in kv], "v": [v for _, v in kv]}
+    k, v = jax.vmap(write)(tcache["k"], tcache["v"], pending["k"], pending["v"])
+    return {"k": k, "v": v}
+
+
 def _eos_mask(tok, eos_ids):
     if not eos_ids:
         return jnp.zeros(tok.shape, bool)
@@ -224,7 +237,9 @@ def prefill(
     finish = jnp.where(_eos_mask(root, eos_ids), 1, jnp.where(num_new >= limit_B, 2, 0)).astype(
         jnp.int32
     )
-    pending = _map_cache(lambda c: jnp.zeros((b, e) + c.shape[2:], c.dtype), out.cache)
+    pending = _map_cache(
+        lambda c: jnp.zeros((b, e, tcfg.num_kv_heads, tcfg.head_dim), c.dtype), out.cache
+    )
     return SpecState(
         out.cache,
         pending,
@@ -440,10 +455,7 @@ def _round(
     running = state.finish == 0
     drafter = DRAFTERS[method] if isinstance(method, str) else method  # tests may pass a callable
     # last round's accepted K/V first: from here on this round only reads the target cache
-    tcache = _map_cache(
-        lambda c, new: write_rows(c, new, state.pending_at), state.tcache, state.pending_kv
-    )
-    state = state._replace(tcache=tcache)
+    state = state._replace(tcache=_write_pending(state.tcache, state.pending_kv, state.pending_at))
     trees, dcache = drafter(dparams, embed, vocab, state, dcfg, shape, tree)
     key, sub = jax.random.split(state.key)
     r = state.length
@@ -502,7 +514,7 @@ def _round(
     upd = lambda new, old: jnp.where(running.reshape((b,) + (1,) * (new.ndim - 1)), new, old)  # noqa
     hist = state.accept_hist.at[rows, a].add(running.astype(jnp.int32))
     return SpecState(
-        tcache,
+        state.tcache,
         # the path goes to slots r .. r + depth next round (slots past r + a get padding, beyond
         # the new length: masked, then overwritten)
         path_kv,

@@ -28,6 +28,7 @@ from eagle3_jax.models.layers import (
     apply_rope,
     cached_attention,
     dense,
+    kv_shapes,
     rms_norm,
     rope_cos_sin,
     swiglu,
@@ -305,9 +306,10 @@ def num_params(params: Params) -> int:
 
 
 def make_cache(cfg: DraftConfig, batch: int, slots: int, dtype=jnp.float32) -> dict[str, jax.Array]:
-    """The draft's own static-shape KV cache {"k", "v"}: [B, S, G, K] each, allocated separately."""
-    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    """The draft's own static-shape KV cache {"k": [B, G, K, S], "v": [B, G, S, K]} (the layout of
+    `layers.kv_shapes`), allocated separately."""
+    ks, vs = kv_shapes(batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(ks, dtype), "v": jnp.zeros(vs, dtype)}
 
 
 def cache_sharding(cfg: DraftConfig, mesh, rules=None) -> dict[str, Any]:
@@ -317,8 +319,8 @@ def cache_sharding(cfg: DraftConfig, mesh, rules=None) -> dict[str, Any]:
     rules = rules or Rules()
     s = named(
         mesh,
-        ("batch", None, "kv_heads", None),
-        (mesh.shape["data"], 1, cfg.num_kv_heads, cfg.head_dim),
+        ("batch", "kv_heads", None, None),
+        (mesh.shape["data"], cfg.num_kv_heads, 1, 1),
         rules,
     )
     return {"k": s, "v": s}

@@ -26,6 +26,7 @@ from eagle3_jax.models.layers import (
     apply_rope,
     cached_attention,
     dense,
+    kv_shapes,
     rms_norm,
     rope_cos_sin,
     swiglu,
@@ -144,16 +145,17 @@ def unstack_layers(params: Params) -> Params:
 def make_cache(
     cfg: TargetConfig, batch: int, slots: int, dtype=jnp.float32, stacked: bool = False
 ) -> dict[str, Any]:
-    """Static-shape KV cache. k and v are allocated separately so both can be donated."""
-    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    """Static-shape KV cache, per layer K [B, G, K, S] and V [B, G, S, K] (`layers.kv_shapes`),
+    allocated separately so both can be donated."""
+    ks, vs = kv_shapes(batch, slots, cfg.num_kv_heads, cfg.head_dim)
     if stacked:
         return {
-            "k": jnp.zeros((cfg.num_layers,) + shape, dtype),
-            "v": jnp.zeros((cfg.num_layers,) + shape, dtype),
+            "k": jnp.zeros((cfg.num_layers,) + ks, dtype),
+            "v": jnp.zeros((cfg.num_layers,) + vs, dtype),
         }
     return {
-        "k": [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
-        "v": [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+        "k": [jnp.zeros(ks, dtype) for _ in range(cfg.num_layers)],
+        "v": [jnp.zeros(vs, dtype) for _ in range(cfg.num_layers)],
     }
 
 
@@ -347,12 +349,13 @@ def param_shardings(cfg: TargetConfig, mesh, rules=None, stacked: bool = False) 
 
 
 def cache_sharding(cfg: TargetConfig, mesh, rules=None, stacked: bool = False):
-    """KV cache [.., B, S, G, K]: batch over data, kv heads over model where they divide."""
+    """KV cache (K [.., B, G, K, S], V [.., B, G, S, K]): batch over data, kv heads over model where
+    they divide."""
     from eagle3_jax.sharding import Rules, named
 
     rules = rules or Rules()
-    axes = ("batch", None, "kv_heads", None)
-    shape = (mesh.shape["data"], 1, cfg.num_kv_heads, cfg.head_dim)
+    axes = ("batch", "kv_heads", None, None)
+    shape = (mesh.shape["data"], cfg.num_kv_heads, 1, 1)
     if stacked:
         s = named(mesh, (None,) + axes, (cfg.num_layers,) + shape, rules)
         return {"k": s, "v": s}
