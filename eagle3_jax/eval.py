@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--questions",
         type=int,
         default=None,
-        help="first N questions of each category (MT-bench: N per subcategory)",
+        help="first N questions of EACH category (MT-bench: 8 categories, so N=1 runs 8 "
+        "questions); the total is printed at the start",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per turn")

@@ -85,6 +85,7 @@ def test_method_specs_take_an_optional_verify_threshold():
         ("eagle3:2,3,4,0.3", (2, 3, 4, 0.3)),
         ("pld", (1, 4, 5)),
     ]
+    assert parse_methods("eagle3:2,3,4,.3", {"h": "/x"}, baseline=False)[0].tree == (2, 3, 4, 0.3)
     for bad in ("eagle3:2,3,4,1.5", "eagle3:2,3", "eagle3:2,3,4,x"):
         with pytest.raises(Eagle3Error, match="method|threshold"):
             parse_methods(bad, {"h": "/x"})

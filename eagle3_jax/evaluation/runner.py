@@ -98,8 +98,8 @@ def parse_methods(
     `eagle3` with several drafts runs each draft."""
     if text is None:
         text = "vanilla,pld" + (",eagle3" if drafts else "")
-    # commas separate methods, except inside a tree shape ("eagle3:4,4,16,pld")
-    joined = [x.strip() for x in re.split(r",(?!\s*\d)", text) if x.strip()]
+    # commas separate methods, except inside a tree shape ("eagle3:4,4,16,.3,pld")
+    joined = [x.strip() for x in re.split(r",(?!\s*\.?\d)", text) if x.strip()]
     if not baseline and "vanilla" in joined:
         raise Eagle3Error("--no-baseline skips vanilla: drop it from --methods")
     specs = [MethodSpec("vanilla", "vanilla", (1, 1, 1))] if baseline else []
@@ -357,6 +357,13 @@ def run_eval(opts: EvalOptions) -> dict:
         for q in questions
         if any((q.id, m.label, s) not in done for m in methods)
     ]
+    cats = len({q.category for q in questions})
+    print(
+        f"eval: {opts.bench}, {len(questions)} questions ({cats} categories"
+        + (f", the first {opts.questions} of each" if opts.questions else "")
+        + f"), {len(methods)} methods, {len(seeds)} seed(s); {len(pending)} questions to run",
+        file=sys.stderr,
+    )
     if pending:
         models = Models.load(opts, drafts)
         _run_pending(models, methods, pending, sampling, opts, rec_path, records, done)
