@@ -59,6 +59,22 @@ def named(mesh: Mesh, axes, shape, rules: Rules = Rules()) -> NamedSharding:
     return NamedSharding(mesh, spec_for(tuple(axes), tuple(shape), mesh, rules))
 
 
+def mesh_of(tree: Any) -> Mesh | None:
+    """The (data, model) mesh a tree of arrays is laid out on (its first leaf's); None on one
+    device, for host arrays or tracers, and for a mesh of other axis names (which `Rules` cannot
+    map onto)."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if (
+            isinstance(sharding, NamedSharding)
+            and sharding.mesh.size > 1
+            and {"data", "model"} <= set(sharding.mesh.axis_names)
+        ):
+            return sharding.mesh
+        return None
+    return None
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -23,6 +23,7 @@ from eagle3_jax.decoding.sampling import Sampling, sample
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
+from eagle3_jax.sharding import mesh_of
 
 PROMPT_BUCKET = 64
 SLOT_BUCKET = 256
@@ -134,7 +135,7 @@ def _finish_code(tok, num_new, limit, cursor, eos_ids, shape: Shape):
     ).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "shape", "sampling", "eos_ids"))
+@functools.partial(jax.jit, static_argnames=("cfg", "shape", "sampling", "eos_ids", "mesh"))
 def prefill(
     params,
     prompt_BT,
@@ -145,13 +146,20 @@ def prefill(
     shape: Shape,
     sampling: Sampling,
     eos_ids: tuple[int, ...],
+    mesh=None,
 ) -> DecodeState:
-    """Fills the cache with the (right-padded) prompts and samples each row's first new token."""
+    """Fills the cache with the (right-padded) prompts and samples each row's first new token.
+    With a mesh (the parameters' own, `sharding.mesh_of`) the cache is laid out on it explicitly:
+    batch over data, kv heads over model (`target.cache_sharding`; left to the compiler it came out
+    replicated, a whole cache per device); the decode loop keeps it."""
     b, t = prompt_BT.shape
     dtype = jax.tree.leaves(params)[0].dtype
-    cache = tgt.make_cache(
-        cfg, b, shape.slots, dtype, stacked=not isinstance(params["layers"], list)
-    )
+    stacked = not isinstance(params["layers"], list)
+    cache = tgt.make_cache(cfg, b, shape.slots, dtype, stacked=stacked)
+    if mesh is not None:
+        cache = jax.lax.with_sharding_constraint(
+            cache, tgt.cache_sharding(cfg, mesh, b, stacked=stacked)
+        )
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     out = tgt.forward(
@@ -282,10 +290,10 @@ def generate(
     key = jax.random.PRNGKey(seed)
     if warmup:
         ones = np.ones_like(req.limit)
-        state = prefill(params, req.tokens, req.lengths, ones, key, *args)
+        state = prefill(params, req.tokens, req.lengths, ones, key, *args, mesh=mesh_of(params))
         jax.block_until_ready(decode_loop(params, state, *args))
     t0 = time.perf_counter()
-    state = prefill(params, req.tokens, req.lengths, req.limit, key, *args)
+    state = prefill(params, req.tokens, req.lengths, req.limit, key, *args, mesh=mesh_of(params))
     state = decode_loop(params, state, *args)
     out, reasons = _collect(state)
     wall = time.perf_counter() - t0
@@ -305,7 +313,8 @@ def stream(
     """Yields one row's tokens as they are produced (for interactive chat)."""
     req = prepare(cfg, [prompt], max_new_tokens, eos_ids, max_context)
     args = (cfg, req.shape, sampling, req.eos)
-    state = prefill(params, req.tokens, req.lengths, req.limit, jax.random.PRNGKey(seed), *args)
+    key = jax.random.PRNGKey(seed)
+    state = prefill(params, req.tokens, req.lengths, req.limit, key, *args, mesh=mesh_of(params))
     while True:
         yield int(state.last[0])
         if int(state.finish[0]) != 0:

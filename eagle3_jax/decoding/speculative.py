@@ -36,6 +36,7 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask, write_kv
+from eagle3_jax.sharding import mesh_of
 from eagle3_jax.vocab import DraftVocab
 
 NEG_SCORE = -1e30  # the score of a node a skipped draft level did not draft: never verified
@@ -159,7 +160,7 @@ def _eos_mask(tok, eos_ids):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids")
+    jax.jit, static_argnames=("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids", "mesh")
 )
 def prefill(
     tparams,
@@ -176,15 +177,23 @@ def prefill(
     tree: TreeConfig,
     sampling: Sampling,
     eos_ids: tuple[int, ...],
+    mesh=None,
 ) -> SpecState:
-    """Target prefill (root token + aux features) and the draft's encode of the prompt."""
+    """Target prefill (root token + aux features) and the draft's encode of the prompt. With a
+    mesh (the target parameters', `sharding.mesh_of`) the target cache is laid out on it
+    explicitly: batch over data, kv heads over model (`target.cache_sharding`; left to the compiler
+    it came out replicated, a whole cache per device); the decode loop keeps it there. The draft's
+    small cache follows the draft parameters' layout."""
     b, t = prompt_BT.shape
     dtype = jax.tree.leaves(tparams)[0].dtype
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    tcache = tgt.make_cache(
-        tcfg, b, shape.slots, dtype, stacked=not isinstance(tparams["layers"], list)
-    )
+    stacked = not isinstance(tparams["layers"], list)
+    tcache = tgt.make_cache(tcfg, b, shape.slots, dtype, stacked=stacked)
+    if mesh is not None:
+        tcache = jax.lax.with_sharding_constraint(
+            tcache, tgt.cache_sharding(tcfg, mesh, b, stacked=stacked)
+        )
     aux_ids = () if dcfg is None else dcfg.aux_layer_ids
     out = tgt.forward(
         tparams,
@@ -647,10 +656,10 @@ def generate(
     args = (tcfg, dcfg, req.shape, tree, sampling, req.eos)
     inputs = (tparams, dparams, embed, vocab, req.tokens, req.lengths)
     if warmup:
-        st = prefill(*inputs, np.ones_like(req.limit), key, *args)
+        st = prefill(*inputs, np.ones_like(req.limit), key, *args, mesh=mesh_of(tparams))
         jax.block_until_ready(decode_loop(tparams, dparams, embed, vocab, st, *args, method))
     t0 = time.perf_counter()
-    state = prefill(*inputs, req.limit, key, *args)
+    state = prefill(*inputs, req.limit, key, *args, mesh=mesh_of(tparams))
     state = decode_loop(tparams, dparams, embed, vocab, state, *args, method)
     tokens, n, finish, fw, hist, ver = jax.device_get(
         (
@@ -704,6 +713,7 @@ def stream(
         req.limit,
         jax.random.PRNGKey(seed),
         *args,
+        mesh=mesh_of(tparams),
     )
     shown = 0
     while True:

@@ -312,15 +312,15 @@ def make_cache(cfg: DraftConfig, batch: int, slots: int, dtype=jnp.float32) -> d
     return {"k": jnp.zeros(ks, dtype), "v": jnp.zeros(vs, dtype)}
 
 
-def cache_sharding(cfg: DraftConfig, mesh, rules=None) -> dict[str, Any]:
-    """Batch over data, kv heads over model where they divide."""
+def cache_sharding(cfg: DraftConfig, mesh, batch: int, rules=None) -> dict[str, Any]:
+    """Batch over data, kv heads over model, each where it divides (else replicated)."""
     from eagle3_jax.sharding import Rules, named
 
     rules = rules or Rules()
     s = named(
         mesh,
         ("batch", "kv_heads", None, None),
-        (mesh.shape["data"], cfg.num_kv_heads, 1, 1),
+        (batch, cfg.num_kv_heads, 1, 1),
         rules,
     )
     return {"k": s, "v": s}

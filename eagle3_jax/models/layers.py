@@ -100,12 +100,14 @@ def attention(
         )
         own = jnp.where(mask_new_BTT[:, None, None, :, :], own * scale, NEG_INF)
         scores = jnp.concatenate([scores, own], axis=-1)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BGSK.dtype)
+    probs = jax.nn.softmax(scores, axis=-1)
     p = probs[..., :s].reshape(b, g, r * t, s)
-    if t == 1:
-        out = jnp.sum(p[..., None] * v_BGSK[:, :, None], axis=-2)
+    if t == 1:  # products and sum in fp32 (a bf16 cache too), as the matrix product accumulates
+        out = jnp.sum(p[..., None] * v_BGSK[:, :, None].astype(jnp.float32), axis=-2)
+        out = out.astype(v_BGSK.dtype)
     else:
-        out = jnp.einsum("bgms,bgsk->bgmk", p, v_BGSK)
+        out = jnp.einsum("bgms,bgsk->bgmk", p.astype(v_BGSK.dtype), v_BGSK)
+    probs = probs.astype(v_BGSK.dtype)
     out = out.reshape(b, g, r, t, k)
     if k_new is not None:
         out = out + jnp.einsum("bgrtu,bugk->bgrtk", probs[..., s:], v_new.astype(v_BGSK.dtype))

@@ -348,14 +348,14 @@ def param_shardings(cfg: TargetConfig, mesh, rules=None, stacked: bool = False) 
     return out
 
 
-def cache_sharding(cfg: TargetConfig, mesh, rules=None, stacked: bool = False):
-    """KV cache (K [.., B, G, K, S], V [.., B, G, S, K]): batch over data, kv heads over model where
-    they divide."""
+def cache_sharding(cfg: TargetConfig, mesh, batch: int, rules=None, stacked: bool = False):
+    """KV cache shardings (K [.., B, G, K, S], V [.., B, G, S, K]): batch over data, kv heads over
+    model, each where it divides (else replicated)."""
     from eagle3_jax.sharding import Rules, named
 
     rules = rules or Rules()
     axes = ("batch", "kv_heads", None, None)
-    shape = (mesh.shape["data"], cfg.num_kv_heads, 1, 1)
+    shape = (batch, cfg.num_kv_heads, 1, 1)
     if stacked:
         s = named(mesh, (None,) + axes, (cfg.num_layers,) + shape, rules)
         return {"k": s, "v": s}
