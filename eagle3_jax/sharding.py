@@ -63,16 +63,11 @@ def mesh_of(tree: Any) -> Mesh | None:
     """The (data, model) mesh a tree of arrays is laid out on (its first leaf's); None on one
     device, for host arrays or tracers, and for a mesh of other axis names (which `Rules` cannot
     map onto)."""
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if (
-            isinstance(sharding, NamedSharding)
-            and sharding.mesh.size > 1
-            and {"data", "model"} <= set(sharding.mesh.axis_names)
-        ):
-            return sharding.mesh
+    leaves = jax.tree.leaves(tree)
+    sharding = getattr(leaves[0], "sharding", None) if leaves else None
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
         return None
-    return None
+    return sharding.mesh if {"data", "model"} <= set(sharding.mesh.axis_names) else None
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -149,17 +149,12 @@ def prefill(
     mesh=None,
 ) -> DecodeState:
     """Fills the cache with the (right-padded) prompts and samples each row's first new token.
-    With a mesh (the parameters' own, `sharding.mesh_of`) the cache is laid out on it explicitly:
-    batch over data, kv heads over model (`target.cache_sharding`; left to the compiler it came out
-    replicated, a whole cache per device); the decode loop keeps it."""
+    With a mesh (the parameters' own, `sharding.mesh_of`) the cache is laid out on it
+    (`target.make_cache`); the decode loop keeps it there."""
     b, t = prompt_BT.shape
     dtype = jax.tree.leaves(params)[0].dtype
     stacked = not isinstance(params["layers"], list)
-    cache = tgt.make_cache(cfg, b, shape.slots, dtype, stacked=stacked)
-    if mesh is not None:
-        cache = jax.lax.with_sharding_constraint(
-            cache, tgt.cache_sharding(cfg, mesh, b, stacked=stacked)
-        )
+    cache = tgt.make_cache(cfg, b, shape.slots, dtype, stacked=stacked, mesh=mesh)
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     out = tgt.forward(
@@ -288,12 +283,13 @@ def generate(
     req = prepare(cfg, prompts, max_new_tokens, eos_ids, max_context, pad_id, buckets=buckets)
     args = (cfg, req.shape, sampling, req.eos)
     key = jax.random.PRNGKey(seed)
+    mesh = mesh_of(params)
     if warmup:
         ones = np.ones_like(req.limit)
-        state = prefill(params, req.tokens, req.lengths, ones, key, *args, mesh=mesh_of(params))
+        state = prefill(params, req.tokens, req.lengths, ones, key, *args, mesh=mesh)
         jax.block_until_ready(decode_loop(params, state, *args))
     t0 = time.perf_counter()
-    state = prefill(params, req.tokens, req.lengths, req.limit, key, *args, mesh=mesh_of(params))
+    state = prefill(params, req.tokens, req.lengths, req.limit, key, *args, mesh=mesh)
     state = decode_loop(params, state, *args)
     out, reasons = _collect(state)
     wall = time.perf_counter() - t0

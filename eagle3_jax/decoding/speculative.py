@@ -181,19 +181,14 @@ def prefill(
 ) -> SpecState:
     """Target prefill (root token + aux features) and the draft's encode of the prompt. With a
     mesh (the target parameters', `sharding.mesh_of`) the target cache is laid out on it
-    explicitly: batch over data, kv heads over model (`target.cache_sharding`; left to the compiler
-    it came out replicated, a whole cache per device); the decode loop keeps it there. The draft's
-    small cache follows the draft parameters' layout."""
+    (`target.make_cache`); the decode loop keeps it there. The draft's small cache follows the
+    draft parameters' layout."""
     b, t = prompt_BT.shape
     dtype = jax.tree.leaves(tparams)[0].dtype
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     stacked = not isinstance(tparams["layers"], list)
-    tcache = tgt.make_cache(tcfg, b, shape.slots, dtype, stacked=stacked)
-    if mesh is not None:
-        tcache = jax.lax.with_sharding_constraint(
-            tcache, tgt.cache_sharding(tcfg, mesh, b, stacked=stacked)
-        )
+    tcache = tgt.make_cache(tcfg, b, shape.slots, dtype, stacked=stacked, mesh=mesh)
     aux_ids = () if dcfg is None else dcfg.aux_layer_ids
     out = tgt.forward(
         tparams,
@@ -655,11 +650,12 @@ def generate(
     key = jax.random.PRNGKey(seed)
     args = (tcfg, dcfg, req.shape, tree, sampling, req.eos)
     inputs = (tparams, dparams, embed, vocab, req.tokens, req.lengths)
+    mesh = mesh_of(tparams)
     if warmup:
-        st = prefill(*inputs, np.ones_like(req.limit), key, *args, mesh=mesh_of(tparams))
+        st = prefill(*inputs, np.ones_like(req.limit), key, *args, mesh=mesh)
         jax.block_until_ready(decode_loop(tparams, dparams, embed, vocab, st, *args, method))
     t0 = time.perf_counter()
-    state = prefill(*inputs, req.limit, key, *args, mesh=mesh_of(tparams))
+    state = prefill(*inputs, req.limit, key, *args, mesh=mesh)
     state = decode_loop(tparams, dparams, embed, vocab, state, *args, method)
     tokens, n, finish, fw, hist, ver = jax.device_get(
         (

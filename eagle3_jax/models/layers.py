@@ -107,10 +107,10 @@ def attention(
         out = out.astype(v_BGSK.dtype)
     else:
         out = jnp.einsum("bgms,bgsk->bgmk", p.astype(v_BGSK.dtype), v_BGSK)
-    probs = probs.astype(v_BGSK.dtype)
     out = out.reshape(b, g, r, t, k)
     if k_new is not None:
-        out = out + jnp.einsum("bgrtu,bugk->bgrtk", probs[..., s:], v_new.astype(v_BGSK.dtype))
+        dt = v_BGSK.dtype
+        out = out + jnp.einsum("bgrtu,bugk->bgrtk", probs[..., s:].astype(dt), v_new.astype(dt))
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
 
 

@@ -143,20 +143,33 @@ def unstack_layers(params: Params) -> Params:
 
 
 def make_cache(
-    cfg: TargetConfig, batch: int, slots: int, dtype=jnp.float32, stacked: bool = False
+    cfg: TargetConfig,
+    batch: int,
+    slots: int,
+    dtype=jnp.float32,
+    stacked: bool = False,
+    mesh=None,
 ) -> dict[str, Any]:
     """Static-shape KV cache, per layer K [B, G, K, S] and V [B, G, S, K] (`layers.kv_shapes`),
-    allocated separately so both can be donated."""
+    allocated separately so both can be donated. With a mesh it is laid out there explicitly
+    (`cache_sharding`: batch over data, kv heads over model): allocated inside a jit from zeros
+    and left to sharding propagation, it came out replicated, a whole cache per device."""
     ks, vs = kv_shapes(batch, slots, cfg.num_kv_heads, cfg.head_dim)
     if stacked:
-        return {
+        cache = {
             "k": jnp.zeros((cfg.num_layers,) + ks, dtype),
             "v": jnp.zeros((cfg.num_layers,) + vs, dtype),
         }
-    return {
-        "k": [jnp.zeros(ks, dtype) for _ in range(cfg.num_layers)],
-        "v": [jnp.zeros(vs, dtype) for _ in range(cfg.num_layers)],
-    }
+    else:
+        cache = {
+            "k": [jnp.zeros(ks, dtype) for _ in range(cfg.num_layers)],
+            "v": [jnp.zeros(vs, dtype) for _ in range(cfg.num_layers)],
+        }
+    if mesh is None:
+        return cache
+    return jax.lax.with_sharding_constraint(
+        cache, cache_sharding(cfg, mesh, batch, stacked=stacked)
+    )
 
 
 # ----------------------------------------------------------------------------- forward
