@@ -166,6 +166,21 @@ def test_end_to_end_resume_and_refusal(setup, tmp_path, capsys):
     assert [r["method"] for r in recs[:3]] == ["vanilla", "pld:1,3,4", "eagle3:2,3,6"]
     res = json.loads((full / "results.json").read_text())
     assert len(res["records"]) == 9 and res["config"]["max_new_tokens"] == 12
+    # the decoded conversations, as training.validate scores a head on them
+    from transformers import AutoTokenizer
+
+    from eagle3_jax.training.validate import conversations_from_eval
+
+    tok = AutoTokenizer.from_pretrained(setup[0])
+    convs = conversations_from_eval(full / "results.json", tok)
+    vanilla = [r for r in res["records"] if r["method"] == "vanilla"]
+    assert len(convs) == len(vanilla) == 3
+    for conv, r in zip(convs, vanilla):
+        q = next(q for q in QUESTIONS if str(q["question_id"]) == str(r["question_id"]))
+        assert [m["content"] for m in conv[0::2]] == q["turns"]
+        assert [m["content"] for m in conv[1::2]] == [
+            tok.decode(o, skip_special_tokens=True) for o in r["output_ids"]
+        ]
     summ = res["summary"]
     assert summ["tasks"] == ["mt_bench", "qa"]
     for m in summ["methods"]:

@@ -79,6 +79,38 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
     params, dcfg, vocab, _ = load_draft(summary["head"])
     assert dcfg.draft_vocab_size == 97 and vocab.is_identity
 
+    # held-out scoring (training.validate) of the exported head: on its own training text it
+    # scores what the training log ends at, and its sums do not depend on how rows are batched
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.data.conversations import read_conversations
+    from eagle3_jax.data.dataset import build_dataset
+    from eagle3_jax.evaluation.runner import load_head
+    from eagle3_jax.training import validate
+
+    out = tmp_path / "scores.json"
+    held = _conversations(tmp_path / "held.json", n=5, seed=7)
+    argv = ["--draft", summary["head"], "--target", str(sharp_target_dir), "--ttt-steps", "2"]
+    argv += ["--data", f"train={tc.data}", "--data", str(held), "--json", str(out), "--no-progress"]
+    assert validate.main(argv) == 0
+    sets = json.loads(out.read_text())["sets"]
+    assert set(sets) == {"train", "held"} and sets["train"]["records"] == 12
+    train_acc = sets["train"]["acc"]
+    assert train_acc[0] > 0.9 and abs(train_acc[0] - accs[-1]) < 0.1, (train_acc, accs)
+    chain = sets["train"]["chain"]
+    assert chain[0] == pytest.approx(train_acc[0]) and 0.5 < chain[1] <= chain[0]
+    assert sets["train"]["chain_tau"] == pytest.approx([1 + chain[0], 1 + chain[0] + chain[1]])
+    target = load_target(str(sharp_target_dir))
+    dparams, dcfg, vocab, _ = load_head(summary["head"], target)
+    ds = build_dataset(target.tokenizer, read_conversations(tc.data)[0], 64, progress=False)
+    one, five = (
+        validate.score_head(target, dparams, dcfg, vocab, ds, steps=2, batch_size=n, progress=False)
+        for n in (1, 5)
+    )
+    for name in ("acc", "chain", "xent"):
+        np.testing.assert_allclose(getattr(five, name), getattr(one, name), rtol=1e-5)
+    assert one.supervised == sets["train"]["supervised"]
+    assert validate.main(["--draft", summary["head"], "--data", str(tmp_path / "nope.json")]) == 2
+
 
 def test_init_head_continues_a_head_with_its_vocabulary(tiny_target_dir, tmp_path):
     from eagle3_jax.checkpoints.eagle_format import load_draft
@@ -144,6 +176,10 @@ def test_init_trunk_takes_fc_layer_and_norm_and_leaves_the_output_layer(tiny_tar
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
+    # held-out validation every 3 steps, on 4 new conversations and a copy of a training one
+    held = json.loads(_conversations(tmp_path / "held.json", n=4, seed=5).read_text())
+    copy = {**json.loads((_conversations(tmp_path / "data.json")).read_text())[0], "id": "dup"}
+    (tmp_path / "held.json").write_text(json.dumps(held + [copy]))
     full = _cfg(
         tiny_target_dir,
         tmp_path,
@@ -151,14 +187,27 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
         "--config.save_every=4",
         "--config.export_every=5",
         "--config.log_every=1",
+        f"--config.val_data={tmp_path / 'held.json'}",
+        "--config.val_every=3",
         f"--config.out_dir={tmp_path / 'a'}",
     )
     train(full, progress=False)
+    vals = [json.loads(x) for x in (tmp_path / "a/validation.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in vals] == [3, 6, 9, 10]
+    assert all(v["val_records"] == 4 for v in vals)  # the training record's copy is left out
+    assert all(0 <= v["val_acc_0"] <= 1 and v["val_chain_tau"] >= 1 for v in vals)
+    assert vals[0]["val_xent_0"] != vals[-1]["val_xent_0"]  # it scores the head of that step
     part = dataclasses.replace(full, out_dir=str(tmp_path / "b"))
     # an interruption after the step-4 checkpoint: run to step 6, then drop the checkpoints past 4
     train(dataclasses.replace(part, max_steps=10), progress=False, stop_after=6)
     train(part, resume=True, progress=False)
     np.testing.assert_allclose(_losses(tmp_path / "b"), _losses(tmp_path / "a"), rtol=1e-5)
+    # the resumed run's validation file reads as the uninterrupted one (step 6 of the killed run,
+    # past the step-4 checkpoint, is dropped and validated again)
+    resumed = [json.loads(x) for x in (tmp_path / "b/validation.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in resumed] == [3, 6, 9, 10]
+    for got, want in zip(resumed, vals):
+        np.testing.assert_allclose(got["val_xent_0"], want["val_xent_0"], rtol=1e-5)
     # tokens seen carry over the resume; the step-5 head was exported with them
     tokens = [_metrics(tmp_path / r, "tokens") for r in "ab"]
     assert tokens[0] == tokens[1] and all(np.diff(tokens[0]) > 0)

@@ -176,7 +176,9 @@ def _reference(params, embed, batch, t2d, steps, decay, fw):
     cache = dr.make_cache(CFG, B, s)
     feat = batch["aux"]
     pos = np.broadcast_to(np.arange(T), (B, T))
-    total, plosses, accs, vlosses, xents = 0.0, [], [], [], []
+    total, plosses, accs, vlosses, xents, chains = 0.0, [], [], [], [], []
+    alive = np.ones((B, T))  # chains from t whose drafts so far all matched the target
+    denom0 = None
     for i in range(steps):
         mask = np.zeros((B, T, s), bool)
         mask[:, :, : (i + 1) * T] = _dense_mask(valid, i)
@@ -203,6 +205,9 @@ def _reference(params, embed, batch, t2d, steps, decay, fw):
         pm = lm * valid * nxt * t2d[tgt.argmax(-1)]
         ploss = -(pm[..., None] * tp * logp).sum(-1).mean()
         acc = ((logits.argmax(-1) == tp.argmax(-1)) * pm).sum() / ((lm * valid * nxt).sum() + 1e-6)
+        alive = alive * (logits.argmax(-1) == tp.argmax(-1)) * pm
+        denom0 = (lm * valid * nxt).sum() if denom0 is None else denom0
+        chains.append(alive.sum() / (denom0 + 1e-6))
         fm = lm * valid * nxt * has_next
         d = np.asarray(out.hidden, np.float64) - th
         sl1 = np.where(np.abs(d) < 1, 0.5 * d * d, np.abs(d) - 0.5)
@@ -213,7 +218,14 @@ def _reference(params, embed, batch, t2d, steps, decay, fw):
         accs.append(acc)
         vlosses.append(vloss)
         ids, tgt, lm, th, has_next, nxt = (_shift(x) for x in (ids, tgt, lm, th, has_next, nxt))
-    return total, np.array(plosses), np.array(accs), np.array(vlosses), np.array(xents)
+    return (
+        total,
+        np.array(plosses),
+        np.array(accs),
+        np.array(vlosses),
+        np.array(xents),
+        np.array(chains),
+    )
 
 
 def test_loss_and_metrics_equal_dense_per_step_reference():
@@ -221,8 +233,12 @@ def test_loss_and_metrics_equal_dense_per_step_reference():
     loss, m = ttt_loss(
         params, embed, batch, CFG, voc.t2d, steps=STEPS, decay=0.8, feature_loss_weight=0.5
     )
-    want, pl, acc, vl, xent = _reference(params, embed, batch, voc.t2d, STEPS, 0.8, 0.5)
+    want, pl, acc, vl, xent, chain = _reference(params, embed, batch, voc.t2d, STEPS, 0.8, 0.5)
     np.testing.assert_allclose(m["ploss"], pl, **TOL)
+    # chain_i: positions whose drafts 0..i all matched, over those supervised at step 0
+    np.testing.assert_allclose(m["chain"], chain, **TOL)
+    np.testing.assert_allclose(m["chain"][0], m["acc"][0], **TOL)
+    assert np.all(np.diff(np.asarray(m["chain"])) <= 0) and float(m["chain"][0]) > 0
     np.testing.assert_allclose(m["xent"], xent, **TOL)  # per supervised position
     np.testing.assert_allclose(m["vloss"], vl, **TOL)
     np.testing.assert_allclose(m["acc"], acc, **TOL)
@@ -255,7 +271,7 @@ def test_extra_right_padding_leaves_loss_and_metrics_unchanged():
     loss, m = ttt.ttt_loss(params, embed, batch, CFG, voc.t2d, mean_len=T + k, **kw)
     loss_p, m_p = ttt.ttt_loss(params, embed, padded, CFG, voc.t2d, **kw)
     np.testing.assert_allclose(loss_p, loss, **TOL)
-    for name in ("ploss", "acc", "vloss", "denom", "correct"):
+    for name in ("ploss", "acc", "vloss", "denom", "correct", "chain"):
         np.testing.assert_allclose(m_p[name], m[name], **TOL)
 
 
@@ -270,7 +286,7 @@ def test_one_step_is_plain_training_and_gradients_flow():
     params, embed, voc, batch = _setup()
     loss1, m1 = ttt_loss(params, embed, batch, CFG, voc.t2d, steps=1)
     g, m5 = _grads(False)
-    want1, _, _, _, _ = _reference(params, embed, batch, voc.t2d, 1, 0.8, 0.0)
+    want1, *_ = _reference(params, embed, batch, voc.t2d, 1, 0.8, 0.0)
     np.testing.assert_allclose(loss1, want1, **TOL)
     np.testing.assert_allclose(loss1, m5["ploss"][0], **TOL)
     np.testing.assert_allclose(m1["acc"][0], m5["acc"][0], **TOL)

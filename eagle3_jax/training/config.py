@@ -82,6 +82,11 @@ class TrainConfig:
     export_every: int = 0  # > 0: also export the head to out_dir/heads/step_N every N steps
     log_every: int = 10
     export_dtype: str = "bfloat16"
+    # held-out validation (training.validate): the head's TTT metrics on conversations it does not
+    # train on, written to out_dir/validation.jsonl (val_acc_i, val_chain_i, val_chain_tau)
+    val_data: str = ""  # ShareGPT / role-content file(s), comma-separated; "" = no validation
+    val_every: int = 0  # steps between validations; 0 = at the last step only
+    val_conversations: int = 200  # at most this many of val_data, drawn at random; 0 = all
 
     def record(self, drop: tuple[str, ...] = ()) -> dict:
         """The fields as JSON reads them back (tuples as lists), without those in `drop`."""
@@ -95,6 +100,8 @@ class TrainConfig:
             ("save_every", "a checkpoint at the last step only"),
             ("export_every", "no intermediate exports"),
             ("max_steps", "epochs x steps per epoch"),
+            ("val_every", "validation at the last step only"),
+            ("val_conversations", "every val_data conversation"),
             ("epochs", "max_steps alone"),
         ):
             if getattr(self, name) < 0:

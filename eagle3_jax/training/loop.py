@@ -64,7 +64,16 @@ class MetricsWriter:
 
 
 # fields that may change between a run and its resume (train_config.json leaves them out)
-RESUMABLE = ("max_steps", "save_every", "log_every", "keep_checkpoints", "export_every")
+RESUMABLE = (
+    "max_steps",
+    "save_every",
+    "log_every",
+    "keep_checkpoints",
+    "export_every",
+    "val_data",
+    "val_every",
+    "val_conversations",
+)
 
 
 def prepare_data(tc: TrainConfig, target, out: Path):
@@ -101,6 +110,76 @@ def prepare_data(tc: TrainConfig, target, out: Path):
         print(f"dropped {ds.skipped} conversations without assistant tokens", file=sys.stderr)
     dsm.save(ds, ds_path)
     return ds
+
+
+def prepare_validation(tc: TrainConfig, target, ds, out: Path):
+    """val_data -> a tokenised held-out set (cached as out_dir/val_dataset.npz), without any
+    conversation whose tokens equal a training record's; None without val_data."""
+    from eagle3_jax.data import dataset as dsm
+    from eagle3_jax.data.conversations import read_conversations
+
+    if not tc.val_data:
+        return None
+    if jax.process_count() > 1:
+        raise Eagle3Error("val_data: held-out validation runs on one host for now; unset it")
+    path = out / "val_dataset.npz"
+    if path.exists():
+        return dsm.load(path)
+    convs, _ = read_conversations(tc.val_data)
+    if tc.val_conversations and tc.val_conversations < len(convs):
+        pick = np.random.default_rng([tc.seed, 1]).choice(
+            len(convs), tc.val_conversations, replace=False
+        )
+        convs = [convs[i] for i in sorted(pick)]
+    val = dsm.build_dataset(target.tokenizer, convs, tc.max_len, progress=False)
+    seen = {ds.input_ids[i, : ds.lengths[i]].tobytes() for i in range(ds.num_records)}
+    keep = [
+        i
+        for i in range(val.num_records)
+        if val.input_ids[i, : val.lengths[i]].tobytes() not in seen
+    ]
+    if len(keep) < val.num_records:
+        print(
+            f"val_data: dropped {val.num_records - len(keep)} conversations that are also "
+            "training records",
+            file=sys.stderr,
+        )
+    if not keep:
+        raise Eagle3Error(f"val_data {tc.val_data}: every conversation is also a training record")
+    val = dsm.TokenizedDataset(
+        val.input_ids[keep], val.loss_mask[keep], val.lengths[keep], val.pad_id, val.skipped
+    )
+    dsm.save(val, path)
+    return val
+
+
+def validate_now(tc: TrainConfig, target, state, dcfg, vocab, val, step: int, path: Path) -> dict:
+    """The held-out metrics at this step, appended to validation.jsonl (process 0 writes)."""
+    from eagle3_jax.training.validate import chain_tau, score_head
+
+    t0 = time.perf_counter()
+    sc = score_head(
+        target,
+        state.params,
+        dcfg,
+        vocab,
+        val,
+        steps=tc.ttt_steps,
+        batch_size=tc.batch_size,
+        length_bucket=tc.length_bucket or 64,
+        compute_dtype=tc.compute_dtype,
+        progress=False,
+    )
+    rec = {"step": step, "val_records": sc.records, "val_supervised": sc.supervised}
+    for name in ("acc", "chain", "xent"):
+        for i, v in enumerate(getattr(sc, name)):
+            rec[f"val_{name}_{i}"] = v
+    rec["val_chain_tau"] = chain_tau(sc.chain, min(3, tc.ttt_steps))  # a depth-3 chain's
+    rec["val_seconds"] = time.perf_counter() - t0
+    if jax.process_index() == 0:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    return rec
 
 
 def prepare_vocab(tc: TrainConfig, ds, vocab_size: int, out: Path):
@@ -252,6 +331,7 @@ def train(
     target = load_target(tc.target, dtype=DTYPES[tc.param_dtype], mesh=mesh)
     tcfg = target.cfg
     ds = prepare_data(tc, target, out)
+    val = prepare_validation(tc, target, ds, out)
     if tc.init_head and not (out / "vocab.npz").exists():
         keep_vocab_of(tc.init_head, tcfg, out)  # a continued head keeps its draft vocabulary
     vocab = prepare_vocab(tc, ds, tcfg.vocab_size, out)
@@ -323,6 +403,10 @@ def train(
         None if mesh is None else jax.tree.map(lambda x: x.sharding, target.params),
     )
     writer = MetricsWriter(out / "metrics.jsonl", start)
+    val_path = out / "validation.jsonl"
+    if val is not None and jax.process_index() == 0:  # a resumed run's file reads as one curve
+        lines = val_path.read_text().splitlines() if val_path.exists() and start else []
+        val_path.write_text("".join(x + "\n" for x in lines if json.loads(x)["step"] <= start))
     meta = {
         "vocab_size": tcfg.vocab_size,
         "draft_vocab_size": vocab.draft_size,
@@ -379,7 +463,7 @@ def train(
                 "tokens": tokens_seen,
                 "tokens_per_s": tokens_since / (now - t_last),
             }
-            for name in ("acc", "xent", "ploss", "sloss", "sacc"):
+            for name in ("acc", "chain", "xent", "ploss", "sloss", "sacc"):
                 if name not in m:
                     continue
                 for i, v in enumerate(np.asarray(m[name]).reshape(-1)):
@@ -392,6 +476,12 @@ def train(
         bar.update(1)
         if (tc.save_every and step % tc.save_every == 0) or step == total:
             ckpt.save(step, state, {**meta, "data_step": step, "tokens_seen": tokens_seen})
+        if val is not None and ((tc.val_every and step % tc.val_every == 0) or step == total):
+            v = validate_now(tc, target, state, dcfg, vocab, val, step, val_path)
+            if writer.enabled:
+                writer.tb.scalars(step, {k: x for k, x in v.items() if k.startswith("val_")})
+            accs = " ".join(f"{v[f'val_acc_{i}']:.2f}" for i in range(tc.ttt_steps))
+            bar.write(f"step {step}: held-out acc {accs}, chain tau {v['val_chain_tau']:.2f}")
         if tc.export_every and step % tc.export_every == 0 and step != total:
             export_head(
                 out / "heads" / f"step_{step:06d}", state, dcfg, vocab, tc, step, tokens_seen

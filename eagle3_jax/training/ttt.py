@@ -223,7 +223,9 @@ def ttt_loss(
         + speculator_loss_weight * sloss_i).
       metrics: fp32 arrays [steps]: "ploss", "acc", "correct" (acc numerator), "denom" (sum of
         loss_mask_i, the acc denominator without its 1e-6, for exact averaging across batches),
-        and "vloss" when feature_loss_weight > 0.
+        "chain" (the share of positions supervised at step 0 whose steps 0..i all drafted the
+        target's token: what a chain decoded from there accepts, see `chain_tau`) with its
+        numerator "chain_correct", and "vloss" when feature_loss_weight > 0.
     """
     _check(batch, dcfg, vocab_t2d, steps, feature_loss_weight)
     f32 = jnp.float32
@@ -279,13 +281,19 @@ def ttt_loss(
     h0_BTD = fuse(dparams, batch["aux"])
     kv_dtype = jnp.result_type(h0_BTD.dtype, lp["wk"].dtype)
     buf_shape = (steps, b, t, dcfg.num_kv_heads, dcfg.head_dim)
-    carry0 = (h0_BTD, jnp.zeros(buf_shape, kv_dtype), jnp.zeros(buf_shape, kv_dtype))
+    # streak_BT: 1 where every step so far drafted the target's token (a chain from t still alive)
+    carry0 = (
+        h0_BTD,
+        jnp.zeros(buf_shape, kv_dtype),
+        jnp.zeros(buf_shape, kv_dtype),
+        jnp.ones((b, t), f32),
+    )
 
     def at(x_ext, i):
         return jax.lax.dynamic_slice_in_dim(x_ext, i, t, axis=1)
 
     def body(carry, i):
-        h_BTD, k_JBTGK, v_JBTGK = carry
+        h_BTD, k_JBTGK, v_JBTGK, streak_BT = carry
         emb_BTD = embed_VD[at(ids_ext, i)].astype(h_BTD.dtype)
         cos, sin = rope_cos_sin(positions_BT + i, inv_freq)
         q, k, v = project_qkv(lp, emb_BTD, h_BTD, cos, sin, dcfg)
@@ -306,10 +314,15 @@ def ttt_loss(
             hit = (jnp.argmax(logits_BTC, axis=-1) == at(tp_top_ext, i)).astype(f32)
             correct = jax.lax.stop_gradient(jnp.sum(hit * pm_BT))
             denom = jnp.sum(lm_BT)
+            # the draft's inputs at step i are the true tokens, which a decoded chain only sees
+            # while every earlier draft was right: so a chain from t accepts step i exactly when
+            # steps 0..i all hit (the TTT attention is the decoding one; see the docstring)
+            streak_BT = jax.lax.stop_gradient(streak_BT * hit * pm_BT)
             out = {
                 "ploss": ploss,
                 "correct": correct,
                 "denom": denom,
+                "chain_correct": jnp.sum(streak_BT),
                 "pcount": jax.lax.stop_gradient(jnp.sum(pm_BT)),
             }
             if feature_loss:
@@ -325,7 +338,7 @@ def ttt_loss(
                 out["sloss"] = -jnp.sum(pm_BT[..., None] * at(tp_ext, i) * slogp) / (b * mean_len)
                 shit = (jnp.argmax(s_BTV, axis=-1) == at(tp_top_ext, i)).astype(f32)
                 out["scorrect"] = jax.lax.stop_gradient(jnp.sum(shit * pm_BT))
-        return (h_new, k_JBTGK, v_JBTGK), out
+        return (h_new, k_JBTGK, v_JBTGK, streak_BT), out
 
     if remat:
         body = jax.checkpoint(body)
@@ -340,6 +353,9 @@ def ttt_loss(
     loss = jnp.sum(weights * step_loss)
     metrics = dict(per_step)
     metrics["acc"] = per_step["correct"] / (per_step["denom"] + ACC_EPS)
+    # chain_i: of the chains that could start (positions supervised at step 0), the share whose
+    # first i + 1 drafts all match the target; 1 + sum(chain[:d]) estimates a depth-d chain's tau
+    metrics["chain"] = per_step["chain_correct"] / (per_step["denom"][0] + ACC_EPS)
     metrics["ploss"] = jax.lax.stop_gradient(per_step["ploss"])
     # cross-entropy per supervised position: ploss is scaled by B * mean_len so that padding
     # leaves it unchanged, hence it grows with a batch's supervised tokens; xent does not

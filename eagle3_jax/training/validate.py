@@ -1,0 +1,273 @@
+"""How well a head drafts text it was not trained on, from its TTT metrics alone.
+
+  python -m eagle3_jax.training.validate --draft HEAD --data [NAME=]FILE [--data ...] \
+      [--target PATH] [--max-len 512] [--sample N] [--batch-size 4] [--json OUT]
+
+Each data file (ShareGPT / role-content conversations, as training reads them) is tokenised with
+the target's chat template and run through the training step's loss without an update: the
+target's features, then the head unrolled for `--ttt-steps` steps on its own hidden states. For
+every set it reports, per TTT step i:
+
+* acc_i: the share of supervised positions where step i drafts the target's greedy token (the
+  training log's acc_i);
+* chain_i: the share of positions where steps 0..i ALL draft the target's token. A step's inputs
+  are the true tokens, which a decoded chain sees exactly while its drafts were right, and the
+  TTT attention is the decoding one, so chain_i is the share of positions from which a greedy
+  chain of depth > i would accept i+1 tokens, and 1 + sum(chain[:d]) estimates a depth-d
+  chain's tau on that text (as if a round started at every position, where decoding starts
+  one after each bonus token);
+* xent_i: the cross-entropy against the target's distribution per supervised position.
+
+Comparing sets separates what training data cannot tell apart: a head's own training text
+against held-out text of the same kind (how much it has memorised) against the evaluation's
+text (how far that kind is from what it is measured on), and, against the tau that decoding
+measures on the same text, whether decoding drafts as training scored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.errors import Eagle3Error
+
+
+def chain_tau(chain, depth: int) -> float:
+    """Estimated tau of a depth-`depth` chain from the chain_i shares (see the module docstring)."""
+    chain = np.asarray(chain, np.float64)
+    if not 1 <= depth <= chain.size:
+        raise Eagle3Error(f"depth {depth} outside 1..{chain.size} (the TTT steps scored)")
+    return 1.0 + float(chain[:depth].sum())
+
+
+@dataclasses.dataclass
+class Scores:
+    records: int  # conversations scored
+    tokens: int  # tokens read (prompts and answers, no padding)
+    supervised: int  # positions supervised at step 0 (answer tokens with a next token)
+    acc: list[float]
+    chain: list[float]
+    xent: list[float]
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["chain_tau"] = [chain_tau(self.chain, k) for k in range(1, len(self.chain) + 1)]
+        return d
+
+
+@functools.cache
+def _jitted_loss(tcfg, dcfg, tc):
+    """One jitted loss per configuration: validating every N steps compiles once per shape."""
+    from eagle3_jax.training.step import loss_fn
+
+    return jax.jit(functools.partial(loss_fn, tcfg=tcfg, dcfg=dcfg, tc=tc))
+
+
+def score_batches(loss, dparams, tparams, arrays_iter, t2d) -> dict[str, np.ndarray]:
+    """Sums the raw TTT counts over batches: exact averages whatever the batch shapes."""
+    tot: dict[str, np.ndarray] = {}
+    for arrays in arrays_iter:
+        _, m = loss(dparams, tparams, arrays, t2d)
+        m = jax.device_get(m)
+        b, t = arrays["input_ids"].shape
+        part = {
+            "correct": m["correct"],
+            "denom": m["denom"],
+            "chain_correct": m["chain_correct"],
+            "pcount": m["pcount"],
+            # ploss is scaled by B * mean_len (loss_fn passes max_len as mean_len)
+            "xent_sum": m["xent"] * m["pcount"],
+        }
+        for k, v in part.items():
+            tot[k] = tot.get(k, 0) + np.asarray(v, np.float64)
+    return tot
+
+
+def score_head(
+    target,
+    dparams,
+    dcfg,
+    vocab,
+    ds,
+    *,
+    steps: int = 7,
+    batch_size: int = 4,
+    length_bucket: int = 64,
+    compute_dtype: str = "float32",
+    progress: bool = True,
+) -> Scores:
+    """TTT metrics of a head on a tokenised dataset (every record once, shortest first)."""
+    from tqdm.auto import tqdm
+
+    from eagle3_jax.data.dataset import bucket_length
+    from eagle3_jax.training.config import TrainConfig
+
+    if batch_size < 1:
+        raise Eagle3Error(f"batch size {batch_size} < 1")
+    if steps < 1:
+        raise Eagle3Error(f"ttt steps {steps} < 1")
+    tc = TrainConfig(ttt_steps=steps, max_len=ds.max_len, compute_dtype=compute_dtype)
+    loss = _jitted_loss(target.cfg, dcfg, tc)
+    order = np.argsort(ds.lengths, kind="stable")  # similar lengths together: little padding
+
+    def arrays_iter():
+        bar = tqdm(total=len(order), desc="scoring", unit="conv", disable=not progress)
+        for lo in range(0, len(order), batch_size):
+            rows = order[lo : lo + batch_size]
+            t = bucket_length(ds.lengths[rows].max(), length_bucket, ds.max_len)
+            ids = np.full((batch_size, t), ds.pad_id, np.int32)  # one batch shape per length
+            mask = np.zeros((batch_size, t), np.float32)
+            att = np.zeros((batch_size, t), np.int32)
+            ids[: rows.size] = ds.input_ids[rows, :t]
+            mask[: rows.size] = ds.loss_mask[rows, :t]
+            att[: rows.size] = np.arange(t)[None, :] < ds.lengths[rows, None]
+            yield {"input_ids": ids, "loss_mask": mask, "attention_mask": att}
+            bar.update(rows.size)
+        bar.close()
+
+    tot = score_batches(loss, dparams, target.params, arrays_iter(), jnp.asarray(vocab.t2d))
+    denom = tot["denom"]
+    return Scores(
+        records=int(ds.num_records),
+        tokens=int(ds.lengths.sum()),
+        supervised=int(denom[0]),
+        acc=(tot["correct"] / np.maximum(denom, 1)).tolist(),
+        chain=(tot["chain_correct"] / max(denom[0], 1)).tolist(),
+        xent=(tot["xent_sum"] / np.maximum(tot["pcount"], 1)).tolist(),
+    )
+
+
+def conversations_from_eval(path: str | Path, tokenizer, method: str = "vanilla") -> list:
+    """The conversations an evaluation run decoded (`eagle3_jax.eval`'s results.json): every
+    question's user turns with `method`'s answers (greedy exact methods all give the target's),
+    each answer as the next turn saw it (its text, special tokens dropped)."""
+    from eagle3_jax.evaluation.questions import BENCHES, load_questions
+
+    res = json.loads(Path(path).read_text())
+    if not isinstance(res, dict) or "records" not in res or "config" not in res:
+        raise Eagle3Error(f"{path} is not an evaluation results.json (no config and records)")
+    bench = res["config"]["bench"]
+    # a question file that is gone (a subset written for one run): the shipped benchmarks' ids
+    names = [bench] if bench in BENCHES or Path(bench).is_file() else list(BENCHES)
+    questions = {}
+    for name in names:  # an id two benchmarks share: the first one's (Spec-Bench's)
+        for q in load_questions(name):
+            questions.setdefault(q.id, q)
+    convs = []
+    for rec in res["records"]:
+        if rec["method"] != method or str(rec.get("seed", "0")) != "0":
+            continue
+        q = questions.get(str(rec["question_id"]))
+        if q is None:
+            raise Eagle3Error(f"{path}: question {rec['question_id']} is not in the benchmark")
+        outs = rec["output_ids"]
+        outs = json.loads(outs) if isinstance(outs, str) else outs
+        msgs = []
+        for text, ids in zip(q.turns, outs):
+            msgs += [
+                {"role": "user", "content": text},
+                {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)},
+            ]
+        convs.append(msgs)
+    if not convs:
+        raise Eagle3Error(f"{path} holds no records of method {method!r}")
+    return convs
+
+
+def split_set(spec: str) -> tuple[str, str]:
+    """'NAME=FILE' or 'FILE' -> (name, path), the file checked (before any model is loaded)."""
+    name, _, path = spec.rpartition("=")
+    for part in path.split(","):
+        if not Path(part).is_file():
+            raise Eagle3Error(f"data file {part} does not exist")
+    return name or Path(path.split(",")[0]).name.split(".")[0], path
+
+
+def load_set(spec: str, tokenizer, max_len: int, sample: int, seed: int):
+    """'NAME=FILE' or 'FILE' -> (name, tokenised dataset); `sample` > 0 keeps that many
+    conversations drawn at random (seeded), else all. FILE is training data (ShareGPT /
+    role-content conversations) or an evaluation's results.json (its questions and answers)."""
+    from eagle3_jax.data.conversations import read_conversations
+    from eagle3_jax.data.dataset import build_dataset
+
+    name, path = split_set(spec)
+    if path.endswith("results.json"):
+        convs = conversations_from_eval(path, tokenizer)
+    else:
+        convs, _ = read_conversations(path)
+    if sample and sample < len(convs):
+        pick = np.random.default_rng(seed).choice(len(convs), sample, replace=False)
+        convs = [convs[i] for i in sorted(pick)]
+    return name, build_dataset(tokenizer, convs, max_len, progress=False)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    ap.add_argument("--draft", required=True, help="head directory (official EAGLE-3 format)")
+    ap.add_argument("--data", action="append", required=True, help="[NAME=]FILE, repeatable")
+    ap.add_argument("--target", default=None, help="checkpoint (default: the embedded SmolLM2)")
+    ap.add_argument("--max-len", type=int, default=512, help="tokens per conversation, cut after")
+    ap.add_argument(
+        "--sample", type=int, default=0, help="conversations per set, at random (0: all)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--json", default=None, help="write the scores here")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        names = [split_set(s)[0] for s in args.data]
+        if len(set(names)) < len(names):
+            raise Eagle3Error(f"two --data sets share a name ({', '.join(names)}): name them")
+        from eagle3_jax.checkpoints import load_target
+        from eagle3_jax.evaluation.runner import load_head
+
+        target = load_target(args.target, dtype=jnp.float32)
+        dparams, dcfg, vocab, _ = load_head(args.draft, target, jnp.float32)
+        sets = [
+            load_set(s, target.tokenizer, args.max_len, args.sample, args.seed) for s in args.data
+        ]
+        result = {"draft": str(args.draft), "max_len": args.max_len, "sets": {}}
+        for name, ds in sets:
+            t0 = time.perf_counter()
+            sc = score_head(
+                target, dparams, dcfg, vocab, ds, steps=args.ttt_steps,
+                batch_size=args.batch_size, progress=not args.no_progress,
+            )  # fmt: skip
+            result["sets"][name] = {**sc.as_dict(), "seconds": time.perf_counter() - t0}
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    steps = args.ttt_steps
+    head = " | ".join(f"acc_{i}" for i in range(steps))
+    print(f"| set | records | supervised | {head} | chain tau d3 | chain tau d{steps} |")
+    print("|---" * (steps + 5) + "|")
+    for name, s in result["sets"].items():
+        accs = " | ".join(f"{a:.3f}" for a in s["acc"])
+        print(
+            f"| {name} | {s['records']} | {s['supervised']} | {accs} | "
+            f"{s['chain_tau'][min(2, steps - 1)]:.2f} | {s['chain_tau'][-1]:.2f} |"
+        )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
