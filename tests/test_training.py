@@ -70,6 +70,8 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
         "--config.save_every=80",
         "--config.ttt_steps=2",
         "--config.draft_vocab_size=97",
+        "--config.regenerate=true",
+        "--config.regen_max_new_tokens=24",
     )
     summary = train(tc, progress=False)
     accs = [
@@ -90,7 +92,8 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
     out = tmp_path / "scores.json"
     held = _conversations(tmp_path / "held.json", n=5, seed=7)
     argv = ["--draft", summary["head"], "--target", str(sharp_target_dir), "--ttt-steps", "2"]
-    argv += ["--data", f"train={tc.data}", "--data", str(held), "--json", str(out), "--no-progress"]
+    regen = Path(tc.out_dir) / "regenerated.jsonl"  # what it trained on: the target's answers
+    argv += ["--data", f"train={regen}", "--data", str(held), "--json", str(out), "--no-progress"]
     assert validate.main(argv) == 0
     sets = json.loads(out.read_text())["sets"]
     assert set(sets) == {"train", "held"} and sets["train"]["records"] == 12
@@ -101,7 +104,7 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
     assert sets["train"]["chain_tau"] == pytest.approx([1 + chain[0], 1 + chain[0] + chain[1]])
     target = load_target(str(sharp_target_dir))
     dparams, dcfg, vocab, _ = load_head(summary["head"], target)
-    ds = build_dataset(target.tokenizer, read_conversations(tc.data)[0], 64, progress=False)
+    ds = build_dataset(target.tokenizer, read_conversations(regen)[0], 64, progress=False)
     one, five = (
         validate.score_head(target, dparams, dcfg, vocab, ds, steps=2, batch_size=n, progress=False)
         for n in (1, 5)
@@ -110,6 +113,41 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
         np.testing.assert_allclose(getattr(five, name), getattr(one, name), rtol=1e-5)
     assert one.supervised == sets["train"]["supervised"]
     assert validate.main(["--draft", summary["head"], "--data", str(tmp_path / "nope.json")]) == 2
+
+    # replayed from the TTT streaks over the target's own greedy text, chain decoding's rounds
+    # are exactly those speculative decoding takes: same tokens, same rounds, row by row
+    from eagle3_jax.data.dataset import TokenizedDataset
+    from eagle3_jax.decoding import speculative as spec
+
+    # the prompts it was trained on (the head knows their answers: long acceptances)
+    prompts = [json.loads(x)["prompt_ids"] for x in regen.read_text().splitlines()[:4]]
+    for depth in (1, 2):
+        tree = spec.TreeConfig(top_k=1, depth=depth, total_tokens=depth + 1)
+        out = spec.generate(
+            target.params, target.cfg, dparams, dcfg, vocab, prompts, 24, tree, eos_ids=()
+        )
+        rows = [p + o for p, o in zip(prompts, out.output_ids)]
+        ids = np.zeros((len(rows), 40), np.int32)
+        mask = np.zeros((len(rows), 40), np.int8)
+        for i, (p, r) in enumerate(zip(prompts, rows)):
+            ids[i, : len(r)], mask[i, len(p) : len(r)] = r, 1
+        lengths = np.array([len(r) for r in rows], np.int32)
+        ds = TokenizedDataset(ids, mask, lengths, 0, 0)
+        loss = validate._jitted_loss(target.cfg, dcfg, dataclasses.replace(tc, max_len=40))
+        arrays = {
+            "input_ids": ids,
+            "loss_mask": mask.astype(np.float32),
+            "attention_mask": (np.arange(40)[None] < lengths[:, None]).astype(np.int32),
+        }
+        streak = np.asarray(loss(dparams, target.params, arrays, vocab.t2d)[1]["streak"])
+        got = [validate.replay_chain(st, m, depth) for st, m in zip(streak, mask)]
+        want = [(n - 1, f - 1) for n, f in zip(map(len, out.output_ids), out.target_forwards)]
+        assert got == want, (got, want)
+        assert np.asarray(out.accept_hist)[:, depth].sum() > 20  # whole chains were accepted
+        sc = validate.score_head(target, dparams, dcfg, vocab, ds, steps=2, progress=False)
+        assert sc.replay_tau[depth - 1] == pytest.approx(
+            sum(t for t, _ in want) / sum(r for _, r in want)
+        )
 
 
 def test_init_head_continues_a_head_with_its_vocabulary(tiny_target_dir, tmp_path):

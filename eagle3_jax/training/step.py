@@ -83,8 +83,10 @@ def loss_fn(
     tcfg: TargetConfig,
     dcfg: drf.DraftConfig,
     tc: TrainConfig,
+    per_position: bool = False,
 ):
-    """TTT loss of a batch; `batch` has input_ids, loss_mask, attention_mask and, offline, aux/hidden."""
+    """TTT loss of a batch; `batch` has input_ids, loss_mask, attention_mask and, offline, aux/hidden.
+    per_position adds the [B, T] "streak" metric (ttt_loss)."""
     compute = DTYPES[tc.compute_dtype]
     if "aux" in batch:
         aux, hidden = batch["aux"], batch["hidden"]
@@ -118,6 +120,7 @@ def loss_fn(
         remat=tc.remat,
         mean_len=tc.max_len,
         speculator_loss_weight=tc.speculator_loss_weight if dcfg.speculator_rank else 0.0,
+        per_position=per_position,
     )
 
 

@@ -186,11 +186,12 @@ def ttt_loss(
     remat: bool = False,
     mean_len: int | None = None,
     speculator_loss_weight: float = 0.0,
+    per_position: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The decayed sum of the per-step TTT losses and per-step metrics.
 
     Static under jit: dcfg, steps, feature_loss_weight (it decides whether the feature loss is
-    built), remat; decay may be static or traced.
+    built), remat, per_position; decay may be static or traced.
 
     Args:
       dparams: draft params (`models.draft.init_params` layout), fp32 or bf16.
@@ -225,7 +226,11 @@ def ttt_loss(
         loss_mask_i, the acc denominator without its 1e-6, for exact averaging across batches),
         "chain" (the share of positions supervised at step 0 whose steps 0..i all drafted the
         target's token: what a chain decoded from there accepts, see `chain_tau`) with its
-        numerator "chain_correct", and "vloss" when feature_loss_weight > 0.
+        numerator "chain_correct", and "vloss" when feature_loss_weight > 0. With
+        per_position, also "streak" [B, T]: how many steps in a row from step 0 drafted the
+        target's greedy token at each position, whatever the loss mask (a teacher token must
+        exist): the tokens a greedy chain from there accepts (training.validate replays
+        decoding's rounds with it).
     """
     _check(batch, dcfg, vocab_t2d, steps, feature_loss_weight)
     f32 = jnp.float32
@@ -287,13 +292,15 @@ def ttt_loss(
         jnp.zeros(buf_shape, kv_dtype),
         jnp.zeros(buf_shape, kv_dtype),
         jnp.ones((b, t), f32),
+        jnp.ones((b, t), f32),  # the same streak without the loss mask (per_position)
+        jnp.zeros((b, t), f32),  # its length so far
     )
 
     def at(x_ext, i):
         return jax.lax.dynamic_slice_in_dim(x_ext, i, t, axis=1)
 
     def body(carry, i):
-        h_BTD, k_JBTGK, v_JBTGK, streak_BT = carry
+        h_BTD, k_JBTGK, v_JBTGK, streak_BT, run_BT, len_BT = carry
         emb_BTD = embed_VD[at(ids_ext, i)].astype(h_BTD.dtype)
         cos, sin = rope_cos_sin(positions_BT + i, inv_freq)
         q, k, v = project_qkv(lp, emb_BTD, h_BTD, cos, sin, dcfg)
@@ -318,6 +325,9 @@ def ttt_loss(
             # while every earlier draft was right: so a chain from t accepts step i exactly when
             # steps 0..i all hit (the TTT attention is the decoding one; see the docstring)
             streak_BT = jax.lax.stop_gradient(streak_BT * hit * pm_BT)
+            ok_BT = at(in_draft_ext, i).astype(f32) * at(valid_next_ext, i) * start_ok_BT
+            run_BT = jax.lax.stop_gradient(run_BT * hit * ok_BT)
+            len_BT = len_BT + run_BT
             out = {
                 "ploss": ploss,
                 "correct": correct,
@@ -338,11 +348,11 @@ def ttt_loss(
                 out["sloss"] = -jnp.sum(pm_BT[..., None] * at(tp_ext, i) * slogp) / (b * mean_len)
                 shit = (jnp.argmax(s_BTV, axis=-1) == at(tp_top_ext, i)).astype(f32)
                 out["scorrect"] = jax.lax.stop_gradient(jnp.sum(shit * pm_BT))
-        return (h_new, k_JBTGK, v_JBTGK, streak_BT), out
+        return (h_new, k_JBTGK, v_JBTGK, streak_BT, run_BT, len_BT), out
 
     if remat:
         body = jax.checkpoint(body)
-    _, per_step = jax.lax.scan(body, carry0, jnp.arange(steps, dtype=jnp.int32))
+    last, per_step = jax.lax.scan(body, carry0, jnp.arange(steps, dtype=jnp.int32))
 
     weights = jnp.power(jnp.asarray(decay, f32), jnp.arange(steps, dtype=f32))
     step_loss = per_step["ploss"]
@@ -356,6 +366,8 @@ def ttt_loss(
     # chain_i: of the chains that could start (positions supervised at step 0), the share whose
     # first i + 1 drafts all match the target; 1 + sum(chain[:d]) estimates a depth-d chain's tau
     metrics["chain"] = per_step["chain_correct"] / (per_step["denom"][0] + ACC_EPS)
+    if per_position:
+        metrics["streak"] = last[-1]
     metrics["ploss"] = jax.lax.stop_gradient(per_step["ploss"])
     # cross-entropy per supervised position: ploss is scaled by B * mean_len so that padding
     # leaves it unchanged, hence it grows with a batch's supervised tokens; xent does not

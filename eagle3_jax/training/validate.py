@@ -16,7 +16,11 @@ every set it reports, per TTT step i:
   chain of depth > i would accept i+1 tokens, and 1 + sum(chain[:d]) estimates a depth-d
   chain's tau on that text (as if a round started at every position, where decoding starts
   one after each bonus token);
-* xent_i: the cross-entropy against the target's distribution per supervised position.
+* xent_i: the cross-entropy against the target's distribution per supervised position;
+* replay_tau (depth 1..steps): greedy chain decoding replayed over each answer from the
+  per-position streaks, round by round as decoding roots them (the prefill gives an answer's first
+  token; each round accepts the streak at its root, at most the depth, plus the bonus). On an
+  answer the target wrote greedily this is the tau a chain decodes it with, without decoding.
 
 Comparing sets separates what training data cannot tell apart: a head's own training text
 against held-out text of the same kind (how much it has memorised) against the evaluation's
@@ -57,6 +61,10 @@ class Scores:
     acc: list[float]
     chain: list[float]
     xent: list[float]
+    # tau of greedy chain decoding of depth 1..steps over these answers, replayed from the
+    # per-position streaks (replay_chain): decoding's own rounds, where chain_tau counts a chain
+    # from every position
+    replay_tau: list[float] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -64,22 +72,52 @@ class Scores:
         return d
 
 
+def answer_spans(loss_mask_T) -> list[tuple[int, int]]:
+    """[start, end) of each run of supervised tokens (an answer) that has a prompt before it."""
+    m = np.asarray(loss_mask_T).astype(np.int8)
+    edges = np.diff(np.concatenate([[0], m, [0]]))
+    spans = zip(np.nonzero(edges == 1)[0], np.nonzero(edges == -1)[0])
+    return [(int(a), int(b)) for a, b in spans if a > 0]
+
+
+def replay_chain(streak_T, loss_mask_T, depth: int) -> tuple[int, int]:
+    """(tokens, rounds) of greedy depth-`depth` chain decoding over one row's answers, replayed
+    from the per-position streaks (ttt_loss per_position): the prefill emits an answer's first
+    token; a round rooted at position r drafts from the feature at r - 1, accepts
+    min(streak[r - 1], depth) tokens (no more than the answer holds) and adds the bonus. Counted
+    as `speculative.tau` counts: the prefill's token and pass left out."""
+    tokens = rounds = 0
+    for a, b in answer_spans(loss_mask_T):
+        tokens += b - a - 1
+        r = a
+        while r < b - 1:
+            r += min(int(streak_T[r - 1]), depth, b - 1 - r) + 1
+            rounds += 1
+    return tokens, rounds
+
+
 @functools.cache
 def _jitted_loss(tcfg, dcfg, tc):
     """One jitted loss per configuration: validating every N steps compiles once per shape."""
     from eagle3_jax.training.step import loss_fn
 
-    return jax.jit(functools.partial(loss_fn, tcfg=tcfg, dcfg=dcfg, tc=tc))
+    return jax.jit(functools.partial(loss_fn, tcfg=tcfg, dcfg=dcfg, tc=tc, per_position=True))
 
 
-def score_batches(loss, dparams, tparams, arrays_iter, t2d) -> dict[str, np.ndarray]:
-    """Sums the raw TTT counts over batches: exact averages whatever the batch shapes."""
+def score_batches(loss, dparams, tparams, arrays_iter, t2d, steps: int) -> dict[str, np.ndarray]:
+    """Sums the raw TTT counts over batches (exact averages whatever the batch shapes), and the
+    tokens and rounds of chain decoding replayed at every depth 1..steps."""
     tot: dict[str, np.ndarray] = {}
     for arrays in arrays_iter:
         _, m = loss(dparams, tparams, arrays, t2d)
         m = jax.device_get(m)
-        b, t = arrays["input_ids"].shape
+        replay = np.zeros((2, steps))
+        for streak, mask in zip(np.asarray(m["streak"]), arrays["loss_mask"]):
+            for d in range(1, steps + 1):
+                replay[:, d - 1] += replay_chain(streak, mask, d)
         part = {
+            "replay_tokens": replay[0],
+            "replay_rounds": replay[1],
             "correct": m["correct"],
             "denom": m["denom"],
             "chain_correct": m["chain_correct"],
@@ -134,7 +172,7 @@ def score_head(
             bar.update(rows.size)
         bar.close()
 
-    tot = score_batches(loss, dparams, target.params, arrays_iter(), jnp.asarray(vocab.t2d))
+    tot = score_batches(loss, dparams, target.params, arrays_iter(), jnp.asarray(vocab.t2d), steps)
     denom = tot["denom"]
     return Scores(
         records=int(ds.num_records),
@@ -143,6 +181,7 @@ def score_head(
         acc=(tot["correct"] / np.maximum(denom, 1)).tolist(),
         chain=(tot["chain_correct"] / max(denom[0], 1)).tolist(),
         xent=(tot["xent_sum"] / np.maximum(tot["pcount"], 1)).tolist(),
+        replay_tau=(tot["replay_tokens"] / np.maximum(tot["replay_rounds"], 1)).tolist(),
     )
 
 
@@ -254,13 +293,18 @@ def main(argv=None) -> int:
         return 2
     steps = args.ttt_steps
     head = " | ".join(f"acc_{i}" for i in range(steps))
-    print(f"| set | records | supervised | {head} | chain tau d3 | chain tau d{steps} |")
-    print("|---" * (steps + 5) + "|")
+    d3 = min(3, steps)
+    print(
+        f"| set | records | supervised | {head} | chain tau d{d3} | replayed tau d{d3} | "
+        f"replayed tau d{steps} |"
+    )
+    print("|---" * (steps + 6) + "|")
     for name, s in result["sets"].items():
         accs = " | ".join(f"{a:.3f}" for a in s["acc"])
         print(
             f"| {name} | {s['records']} | {s['supervised']} | {accs} | "
-            f"{s['chain_tau'][min(2, steps - 1)]:.2f} | {s['chain_tau'][-1]:.2f} |"
+            f"{s['chain_tau'][d3 - 1]:.2f} | {s['replay_tau'][d3 - 1]:.2f} | "
+            f"{s['replay_tau'][-1]:.2f} |"
         )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
