@@ -29,16 +29,19 @@ def maybe_init_distributed() -> None:
 
 class MetricsWriter:
     """JSONL metrics plus TensorBoard event files (process 0 only). On resume, JSONL entries past the
-    restored step are dropped so the file reads as one uninterrupted curve."""
+    restored step are dropped so the file reads as one uninterrupted curve. `tb`: another
+    writer's TensorBoard file to add to (that writer closes it)."""
 
-    def __init__(self, path: Path, resume_step: int):
+    def __init__(self, path: Path, resume_step: int, tb=None):
         from eagle3_jax.training.tensorboard import SummaryWriter
 
         self.path = path
         self.enabled = jax.process_index() == 0
+        self.owns_tb = tb is None
+        self.tb = None
         if not self.enabled:
             return
-        self.tb = SummaryWriter(path.parent / "tensorboard")
+        self.tb = SummaryWriter(path.parent / "tensorboard") if tb is None else tb
         kept = []
         if path.exists() and resume_step > 0:
             for line in path.read_text().split("\n"):
@@ -59,7 +62,7 @@ class MetricsWriter:
             )
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self.owns_tb:
             self.tb.close()
 
 
@@ -117,6 +120,7 @@ def prepare_validation(tc: TrainConfig, target, ds, out: Path):
     conversation whose tokens equal a training record's; None without val_data."""
     from eagle3_jax.data import dataset as dsm
     from eagle3_jax.data.conversations import read_conversations
+    from eagle3_jax.training.validate import sample
 
     if not tc.val_data:
         return None
@@ -126,11 +130,7 @@ def prepare_validation(tc: TrainConfig, target, ds, out: Path):
     if path.exists():
         return dsm.load(path)
     convs, _ = read_conversations(tc.val_data)
-    if tc.val_conversations and tc.val_conversations < len(convs):
-        pick = np.random.default_rng([tc.seed, 1]).choice(
-            len(convs), tc.val_conversations, replace=False
-        )
-        convs = [convs[i] for i in sorted(pick)]
+    convs = sample(convs, tc.val_conversations, [tc.seed, 1])
     val = dsm.build_dataset(target.tokenizer, convs, tc.max_len, progress=False)
     seen = {ds.input_ids[i, : ds.lengths[i]].tobytes() for i in range(ds.num_records)}
     keep = [
@@ -153,8 +153,8 @@ def prepare_validation(tc: TrainConfig, target, ds, out: Path):
     return val
 
 
-def validate_now(tc: TrainConfig, target, state, dcfg, vocab, val, step: int, path: Path) -> dict:
-    """The held-out metrics at this step, appended to validation.jsonl (process 0 writes)."""
+def validate_now(tc: TrainConfig, target, state, dcfg, vocab, val, step: int) -> dict:
+    """The held-out metrics of the head at this step (a validation.jsonl record)."""
     from eagle3_jax.training.validate import chain_tau, score_head
 
     t0 = time.perf_counter()
@@ -176,9 +176,6 @@ def validate_now(tc: TrainConfig, target, state, dcfg, vocab, val, step: int, pa
             rec[f"val_{name}_{i}"] = v
     rec["val_chain_tau"] = chain_tau(sc.chain, min(3, tc.ttt_steps))  # a depth-3 chain's
     rec["val_seconds"] = time.perf_counter() - t0
-    if jax.process_index() == 0:
-        with open(path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
     return rec
 
 
@@ -403,10 +400,7 @@ def train(
         None if mesh is None else jax.tree.map(lambda x: x.sharding, target.params),
     )
     writer = MetricsWriter(out / "metrics.jsonl", start)
-    val_path = out / "validation.jsonl"
-    if val is not None and jax.process_index() == 0:  # a resumed run's file reads as one curve
-        lines = val_path.read_text().splitlines() if val_path.exists() and start else []
-        val_path.write_text("".join(x + "\n" for x in lines if json.loads(x)["step"] <= start))
+    val_writer = None if val is None else MetricsWriter(out / "validation.jsonl", start, writer.tb)
     meta = {
         "vocab_size": tcfg.vocab_size,
         "draft_vocab_size": vocab.draft_size,
@@ -477,9 +471,8 @@ def train(
         if (tc.save_every and step % tc.save_every == 0) or step == total:
             ckpt.save(step, state, {**meta, "data_step": step, "tokens_seen": tokens_seen})
         if val is not None and ((tc.val_every and step % tc.val_every == 0) or step == total):
-            v = validate_now(tc, target, state, dcfg, vocab, val, step, val_path)
-            if writer.enabled:
-                writer.tb.scalars(step, {k: x for k, x in v.items() if k.startswith("val_")})
+            v = validate_now(tc, target, state, dcfg, vocab, val, step)
+            val_writer.write(v)
             accs = " ".join(f"{v[f'val_acc_{i}']:.2f}" for i in range(tc.ttt_steps))
             bar.write(f"step {step}: held-out acc {accs}, chain tau {v['val_chain_tau']:.2f}")
         if tc.export_every and step % tc.export_every == 0 and step != total:

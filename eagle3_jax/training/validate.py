@@ -146,8 +146,9 @@ def score_head(
     """TTT metrics of a head on a tokenised dataset (every record once, shortest first)."""
     from tqdm.auto import tqdm
 
-    from eagle3_jax.data.dataset import bucket_length
+    from eagle3_jax.data.dataset import Batch, bucket_length
     from eagle3_jax.training.config import TrainConfig
+    from eagle3_jax.training.loop import batch_arrays
 
     if batch_size < 1:
         raise Eagle3Error(f"batch size {batch_size} < 1")
@@ -163,12 +164,12 @@ def score_head(
             rows = order[lo : lo + batch_size]
             t = bucket_length(ds.lengths[rows].max(), length_bucket, ds.max_len)
             ids = np.full((batch_size, t), ds.pad_id, np.int32)  # one batch shape per length
-            mask = np.zeros((batch_size, t), np.float32)
-            att = np.zeros((batch_size, t), np.int32)
+            mask = np.zeros((batch_size, t), np.int8)
+            lengths = np.zeros((batch_size,), np.int32)  # rows past the data: all padding
             ids[: rows.size] = ds.input_ids[rows, :t]
             mask[: rows.size] = ds.loss_mask[rows, :t]
-            att[: rows.size] = np.arange(t)[None, :] < ds.lengths[rows, None]
-            yield {"input_ids": ids, "loss_mask": mask, "attention_mask": att}
+            lengths[: rows.size] = ds.lengths[rows]
+            yield batch_arrays(Batch(0, 0, ids, mask, lengths, rows))
             bar.update(rows.size)
         bar.close()
 
@@ -208,10 +209,8 @@ def conversations_from_eval(path: str | Path, tokenizer, method: str = "vanilla"
         q = questions.get(str(rec["question_id"]))
         if q is None:
             raise Eagle3Error(f"{path}: question {rec['question_id']} is not in the benchmark")
-        outs = rec["output_ids"]
-        outs = json.loads(outs) if isinstance(outs, str) else outs
         msgs = []
-        for text, ids in zip(q.turns, outs):
+        for text, ids in zip(q.turns, rec["output_ids"]):
             msgs += [
                 {"role": "user", "content": text},
                 {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)},
@@ -220,6 +219,15 @@ def conversations_from_eval(path: str | Path, tokenizer, method: str = "vanilla"
     if not convs:
         raise Eagle3Error(f"{path} holds no records of method {method!r}")
     return convs
+
+
+def sample(items: list, n: int, seed) -> list:
+    """`n` of the items drawn at random (seeded), in their order; all of them when n is 0 or more
+    than there are."""
+    if not n or n >= len(items):
+        return items
+    pick = np.random.default_rng(seed).choice(len(items), n, replace=False)
+    return [items[i] for i in sorted(pick)]
 
 
 def split_set(spec: str) -> tuple[str, str]:
@@ -231,8 +239,8 @@ def split_set(spec: str) -> tuple[str, str]:
     return name or Path(path.split(",")[0]).name.split(".")[0], path
 
 
-def load_set(spec: str, tokenizer, max_len: int, sample: int, seed: int):
-    """'NAME=FILE' or 'FILE' -> (name, tokenised dataset); `sample` > 0 keeps that many
+def load_set(spec: str, tokenizer, max_len: int, n: int, seed: int):
+    """'NAME=FILE' or 'FILE' -> (name, tokenised dataset); `n` > 0 keeps that many
     conversations drawn at random (seeded), else all. FILE is training data (ShareGPT /
     role-content conversations) or an evaluation's results.json (its questions and answers)."""
     from eagle3_jax.data.conversations import read_conversations
@@ -243,10 +251,7 @@ def load_set(spec: str, tokenizer, max_len: int, sample: int, seed: int):
         convs = conversations_from_eval(path, tokenizer)
     else:
         convs, _ = read_conversations(path)
-    if sample and sample < len(convs):
-        pick = np.random.default_rng(seed).choice(len(convs), sample, replace=False)
-        convs = [convs[i] for i in sorted(pick)]
-    return name, build_dataset(tokenizer, convs, max_len, progress=False)
+    return name, build_dataset(tokenizer, sample(convs, n, seed), max_len, progress=False)
 
 
 def main(argv=None) -> int:
