@@ -32,6 +32,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--no-progress", action="store_true")
     args, overrides = p.parse_known_args(argv)
+    from eagle3_jax import compile_cache
+
+    compile_cache.enable()
     try:
         from eagle3_jax.training.config import load_config
         from eagle3_jax.training.loop import precompute_features, train

@@ -37,10 +37,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    from eagle3_jax import compile_cache
     from eagle3_jax.ablation import load_ablation, run_ablation
     from eagle3_jax.training.config import apply_overrides
 
     args, rest = parse_args(argv)
+    compile_cache.enable()
     try:
         ac = load_ablation(args.config)
         ac = dataclasses.replace(ac, base=apply_overrides(ac.base, rest))

@@ -37,6 +37,9 @@ def _batches(items, n):
 
 
 def decode_main(args) -> int:
+    from eagle3_jax import compile_cache
+
+    compile_cache.enable()
     try:
         return _decode(args)
     except Eagle3Error as e:

@@ -78,9 +78,11 @@ def drafts_of(args) -> tuple[str, ...]:
 
 
 def main(argv=None) -> int:
+    from eagle3_jax import compile_cache
     from eagle3_jax.evaluation.runner import EvalOptions, run_eval
 
     args = parse_args(argv)
+    compile_cache.enable()
     opts = EvalOptions(
         out=Path(args.out),
         target=args.target,

@@ -6,6 +6,8 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# the command-line tools keep compiled programs on disk (compile_cache); the tests stay hermetic
+os.environ.setdefault("EAGLE3_JAX_COMPILATION_CACHE", "0")
 
 import pytest  # noqa: E402
 

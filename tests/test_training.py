@@ -97,6 +97,7 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
     assert validate.main(argv) == 0
     sets = json.loads(out.read_text())["sets"]
     assert set(sets) == {"train", "held"} and sets["train"]["records"] == 12
+    assert sets["train"]["skipped"] == 0  # every answer starts within --max-len
     train_acc = sets["train"]["acc"]
     assert train_acc[0] > 0.9 and abs(train_acc[0] - accs[-1]) < 0.1, (train_acc, accs)
     chain = sets["train"]["chain"]
@@ -234,6 +235,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
     assert [v["step"] for v in vals] == [3, 6, 9, 10]
     assert all(v["val_records"] == 4 for v in vals)  # the training record's copy is left out
     assert all(0 <= v["val_acc_0"] <= 1 and v["val_chain_tau"] >= 1 for v in vals)
+    assert all(1 <= v["val_replay_tau"] <= 4 for v in vals)  # a depth-3 chain: 3 + the bonus
     assert vals[0]["val_xent_0"] != vals[-1]["val_xent_0"]  # it scores the head of that step
     part = dataclasses.replace(full, out_dir=str(tmp_path / "b"))
     # an interruption after the step-4 checkpoint: run to step 6, then drop the checkpoints past 4

@@ -352,6 +352,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    from eagle3_jax import compile_cache
+
+    compile_cache.enable()
     try:
         from eagle3_jax.checkpoints import load_target
         from eagle3_jax.data.conversations import first_user_turns, read_conversations

@@ -83,7 +83,8 @@ class TrainConfig:
     log_every: int = 10
     export_dtype: str = "bfloat16"
     # held-out validation (training.validate): the head's TTT metrics on conversations it does not
-    # train on, written to out_dir/validation.jsonl (val_acc_i, val_chain_i, val_chain_tau)
+    # train on, written to out_dir/validation.jsonl (val_acc_i, val_chain_i, val_chain_tau,
+    # val_replay_tau)
     val_data: str = ""  # ShareGPT / role-content file(s), comma-separated; "" = no validation
     val_every: int = 0  # steps between validations; 0 = at the last step only
     val_conversations: int = 200  # at most this many of val_data, drawn at random; 0 = all

@@ -174,7 +174,11 @@ def validate_now(tc: TrainConfig, target, state, dcfg, vocab, val, step: int) ->
     for name in ("acc", "chain", "xent"):
         for i, v in enumerate(getattr(sc, name)):
             rec[f"val_{name}_{i}"] = v
-    rec["val_chain_tau"] = chain_tau(sc.chain, min(3, tc.ttt_steps))  # a depth-3 chain's
+    d3 = min(3, tc.ttt_steps)
+    rec["val_chain_tau"] = chain_tau(sc.chain, d3)  # a depth-3 chain's, rooted everywhere
+    # a depth-3 chain's rounds replayed: exactly decoding's tau where val_data is the target's
+    # own greedy text (regenerated answers)
+    rec["val_replay_tau"] = sc.replay_tau[d3 - 1]
     rec["val_seconds"] = time.perf_counter() - t0
     return rec
 
@@ -474,7 +478,9 @@ def train(
             v = validate_now(tc, target, state, dcfg, vocab, val, step)
             val_writer.write(v)
             accs = " ".join(f"{v[f'val_acc_{i}']:.2f}" for i in range(tc.ttt_steps))
-            bar.write(f"step {step}: held-out acc {accs}, chain tau {v['val_chain_tau']:.2f}")
+            bar.write(
+                f"step {step}: held-out acc {accs}, chain tau {v['val_replay_tau']:.2f} (replayed)"
+            )
         if tc.export_every and step % tc.export_every == 0 and step != total:
             export_head(
                 out / "heads" / f"step_{step:06d}", state, dcfg, vocab, tc, step, tokens_seen

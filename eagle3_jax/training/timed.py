@@ -8,8 +8,10 @@ remaining budget / seconds per step x safety), so its learning-rate schedule dec
 the budget instead of being cut off mid-way. The chosen max_steps is written to
 `<out_dir>/timed.json`: rerunning train.py with `--config.max_steps=N` reproduces the run on any
 machine. The calibration run's dataset.npz and vocab.npz are reused (the data is prepared once),
-and with a persistent compilation cache (JAX_COMPILATION_CACHE_DIR) the real run does not compile
-again. Other `--config.FIELD=VALUE` overrides apply to both runs.
+but the real run compiles its train step again: the learning-rate schedule, fitted to the new
+max_steps, is part of the program (the persistent compilation cache, `eagle3_jax.compile_cache`,
+serves what does not change, such as the validation's loss). Other `--config.FIELD=VALUE`
+overrides apply to both runs.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--exports", type=int, default=0, help="intermediate head exports (evenly)")
     p.add_argument("--no-progress", action="store_true")
     args, overrides = p.parse_known_args(argv)
+    from eagle3_jax import compile_cache
+
+    compile_cache.enable()
     t0 = time.monotonic()
     try:
         from eagle3_jax.data import dataset as dsm

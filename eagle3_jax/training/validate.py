@@ -56,6 +56,7 @@ def chain_tau(chain, depth: int) -> float:
 @dataclasses.dataclass
 class Scores:
     records: int  # conversations scored
+    skipped: int  # conversations left out: no answer token within max_len (a prompt cut off)
     tokens: int  # tokens read (prompts and answers, no padding)
     supervised: int  # positions supervised at step 0 (answer tokens with a next token)
     acc: list[float]
@@ -177,6 +178,7 @@ def score_head(
     denom = tot["denom"]
     return Scores(
         records=int(ds.num_records),
+        skipped=int(ds.skipped),
         tokens=int(ds.lengths.sum()),
         supervised=int(denom[0]),
         acc=(tot["correct"] / np.maximum(denom, 1)).tolist(),
@@ -273,6 +275,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the scores here")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    from eagle3_jax import compile_cache
+
+    compile_cache.enable()
     try:
         names = [split_set(s)[0] for s in args.data]
         if len(set(names)) < len(names):
@@ -300,14 +305,14 @@ def main(argv=None) -> int:
     head = " | ".join(f"acc_{i}" for i in range(steps))
     d3 = min(3, steps)
     print(
-        f"| set | records | supervised | {head} | chain tau d{d3} | replayed tau d{d3} | "
+        f"| set | records (skipped) | supervised | {head} | chain tau d{d3} | replayed tau d{d3} | "
         f"replayed tau d{steps} |"
     )
     print("|---" * (steps + 6) + "|")
     for name, s in result["sets"].items():
         accs = " | ".join(f"{a:.3f}" for a in s["acc"])
         print(
-            f"| {name} | {s['records']} | {s['supervised']} | {accs} | "
+            f"| {name} | {s['records']} ({s['skipped']}) | {s['supervised']} | {accs} | "
             f"{s['chain_tau'][d3 - 1]:.2f} | {s['replay_tau'][d3 - 1]:.2f} | "
             f"{s['replay_tau'][-1]:.2f} |"
         )

@@ -1,0 +1,65 @@
+"""A persistent XLA compilation cache for the command-line tools.
+
+Every `decode.py`, `make demo`, evaluation, validation or training run compiles the same programs
+again (the target's prefill and decode steps, a round of speculative decoding, the train step):
+tens of seconds on a laptop CPU before the first token. JAX can keep compiled programs on disk;
+the tools switch that on (`enable`), so a second run with the same shapes starts at once.
+
+* Where: `<EAGLE3_JAX_CACHE or ~/.cache/eagle3_jax>/xla/<machine key>`. XLA compiles CPU code for
+  the host's instruction set, so the key names the CPU model, its feature flags and the jax
+  version: a home directory shared by different machines never loads code built for another CPU.
+* `JAX_COMPILATION_CACHE_DIR` (JAX's own setting) wins when set; `EAGLE3_JAX_COMPILATION_CACHE=0`
+  switches the cache off. Library calls (and the tests) are untouched: only the entry points call
+  `enable`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+ENV = "EAGLE3_JAX_COMPILATION_CACHE"
+MAX_BYTES = 2 * 2**30  # a few hundred kB a program: room for every tool's shapes
+
+
+def machine_key() -> str:
+    """A short name for this host's compiler target: CPU model, CPU flags, jax version."""
+    import jax
+
+    model = flags = ""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            if name == "model name" and not model:
+                model = value.strip()
+            elif name in ("flags", "features") and not flags:
+                flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine()
+    digest = hashlib.sha256(f"{model}|{flags}|jax {jax.__version__}".encode()).hexdigest()
+    return f"{platform.machine()}-{digest[:16]}"
+
+
+def enable() -> Path | None:
+    """Turns on JAX's persistent compilation cache for this process (see the module docstring).
+    Returns the directory in use, or None when switched off. Call before the first compilation."""
+    import jax
+
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # JAX reads it itself
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    from eagle3_jax.checkpoints import cache_dir
+
+    path = cache_dir() / "xla" / machine_key()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # a read-only home: compile as before
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)  # least recently used go first
+    return path

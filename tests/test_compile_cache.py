@@ -1,0 +1,61 @@
+"""The command-line tools' persistent compilation cache: a second process loads what the first
+compiled, keyed by machine; off when asked, and JAX's own setting wins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from eagle3_jax import compile_cache
+
+PROBE = """
+import jax, jax.numpy as jnp
+from eagle3_jax import compile_cache
+events = []
+jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
+path = compile_cache.enable()
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+y = jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.arange(64.0).reshape(8, 8) / 64)
+hits = sum(e.endswith("compilation_cache/cache_hits") for e in events)
+misses = sum(e.endswith("compilation_cache/cache_misses") for e in events)
+print(path, repr(float(y.sum())), hits, misses)
+"""
+
+
+def _probe(home: Path) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(EAGLE3_JAX_CACHE=str(home), EAGLE3_JAX_COMPILATION_CACHE="1")
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    return out.stdout.split()
+
+
+def test_second_process_loads_the_first_ones_programs(tmp_path):
+    path, y1, hits1, misses1 = _probe(tmp_path)
+    assert Path(path) == tmp_path / "xla" / compile_cache.machine_key()
+    assert int(hits1) == 0 and int(misses1) > 0
+    assert any(p.name.endswith("-cache") for p in Path(path).iterdir())
+    path2, y2, hits2, misses2 = _probe(tmp_path)
+    assert path2 == path and y2 == y1
+    assert int(hits2) > 0 and int(misses2) == 0  # every program came from disk
+
+
+def test_off_and_jax_setting_win(monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE3_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv(compile_cache.ENV, "0")
+    assert compile_cache.enable() is None
+    assert not (tmp_path / "xla").exists()
+    monkeypatch.setenv(compile_cache.ENV, "1")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache.enable() == tmp_path / "mine"
+    assert not (tmp_path / "xla").exists()
+
+
+def test_machine_key_names_the_architecture():
+    key = compile_cache.machine_key()
+    assert key == compile_cache.machine_key()
+    arch, _, digest = key.partition("-")
+    assert arch and len(digest) == 16
