@@ -4,6 +4,9 @@ Flow: read_conversations (ShareGPT / role-content) -> first_user_turns -> regene
 answers, resumable JSONL) -> read_conversations again -> build_dataset (chat template +
 assistant-only loss mask, fixed [N, L] arrays) -> save / load (.npz) -> token_counts (draft
 vocabulary) and batches (seeded, resumable, per-host slices).
+
+`eagle3_jax.data.regenerate` (a command, `python -m eagle3_jax.data.regenerate`) is not imported
+here: a module run with -m that its package had already imported runs twice over (runpy warns).
 """
 
 from eagle3_jax.data.conversations import Conversation, first_user_turns, read_conversations
@@ -18,12 +21,10 @@ from eagle3_jax.data.dataset import (
 from eagle3_jax.data.dataset import load as load_dataset
 from eagle3_jax.data.dataset import save as save_dataset
 from eagle3_jax.data.masks import UnrenderableConversation, tokenize_conversation
-from eagle3_jax.data.regenerate import RegenStats, regenerate
 
 __all__ = [
     "Batch",
     "Conversation",
-    "RegenStats",
     "TokenizedDataset",
     "UnrenderableConversation",
     "batches",
@@ -31,7 +32,6 @@ __all__ = [
     "first_user_turns",
     "load_dataset",
     "read_conversations",
-    "regenerate",
     "save_dataset",
     "steps_per_epoch",
     "token_counts",
