@@ -15,11 +15,12 @@ Recipe: a lower peak rate than the shipped run (2e-4 against 1e-3: the head is t
 only adds data), batch 4 (on 2 cores a step of 4 x ~300 tokens takes ~15 s with the target's
 features online; more updates per minute than batch 16), length buckets of 128 (every record is
 at most 397 tokens; median 298), 360 steps: 1,440 conversations, about a sixth of the new data
-(one pass would take ~7 hours here; scripts/device_job.py does the whole thing on a lent GPU).
+(one pass would take ~8 hours here; scripts/device_job.py does the whole thing on a lent GPU).
 A head exported every 90 steps gives the curve of tau against new tokens read.
 
 Result (BENCHMARKS.md, "What new data buys"): 371,932 tokens read; held-out acc_0 0.650 -> 0.661,
-MT-bench answers 0.546 -> 0.553, MT-bench replayed chain d3 tau 1.89 at every export. Not shipped.
+MT-bench answers 0.546 -> 0.553, MT-bench replayed chain d3 tau 1.87-1.89 across the exports (1.89
+shipped, 1.89 final). Not shipped.
 """
 
 import dataclasses

@@ -3,14 +3,15 @@
 Every `decode.py`, `make demo`, evaluation, validation or training run compiles the same programs
 again (the target's prefill and decode steps, a round of speculative decoding, the train step):
 tens of seconds on a laptop CPU before the first token. JAX can keep compiled programs on disk;
-the tools switch that on (`enable`), so a second run with the same shapes starts at once.
+the tools switch that on (`enable`), so a second run with the same shapes skips compiling.
 
 * Where: `<EAGLE3_JAX_CACHE or ~/.cache/eagle3_jax>/xla/<machine key>`. XLA compiles CPU code for
-  the host's instruction set, so the key names the CPU model, its feature flags and the jax
-  version: a home directory shared by different machines never loads code built for another CPU.
-* `JAX_COMPILATION_CACHE_DIR` (JAX's own setting) wins when set; `EAGLE3_JAX_COMPILATION_CACHE=0`
-  switches the cache off. Library calls (and the tests) are untouched: only the entry points call
-  `enable`.
+  the host's instruction set, so the key names the CPU model, its feature flags (Linux; elsewhere
+  the processor name only) and the jax version: a home directory shared by different machines
+  never loads code built for another CPU.
+* `EAGLE3_JAX_COMPILATION_CACHE=0` leaves the cache off; `JAX_COMPILATION_CACHE_DIR` (JAX's own
+  setting, which JAX reads itself) is left alone when set, and then it is JAX's cache. Library
+  calls (and the tests) are untouched: only the entry points call `enable`.
 """
 
 from __future__ import annotations
@@ -24,21 +25,27 @@ ENV = "EAGLE3_JAX_COMPILATION_CACHE"
 MAX_BYTES = 2 * 2**30  # a few hundred kB a program: room for every tool's shapes
 
 
-def machine_key() -> str:
-    """A short name for this host's compiler target: CPU model, CPU flags, jax version."""
+def _cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""  # not Linux: the processor name alone
+
+
+def machine_key(cpuinfo: str | None = None) -> str:
+    """A short name for this host's compiler target: CPU model and flags (from /proc/cpuinfo, or
+    `cpuinfo`; the processor name where there is none) and the jax version."""
     import jax
 
     model = flags = ""
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
-            name, _, value = line.partition(":")
-            name = name.strip().lower()
-            if name == "model name" and not model:
-                model = value.strip()
-            elif name in ("flags", "features") and not flags:
-                flags = " ".join(sorted(value.split()))
-    except OSError:
-        pass
+    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip().lower()
+        if name == "model name" and not model:
+            model = value.strip()
+        elif name in ("flags", "features") and not flags:
+            flags = " ".join(sorted(value.split()))
     model = model or platform.processor() or platform.machine()
     digest = hashlib.sha256(f"{model}|{flags}|jax {jax.__version__}".encode()).hexdigest()
     return f"{platform.machine()}-{digest[:16]}"
@@ -60,6 +67,8 @@ def enable() -> Path | None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None  # a read-only home: compile as before
+    if not os.access(path, os.W_OK):
+        return None  # JAX would warn at every compilation
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)  # least recently used go first
     return path

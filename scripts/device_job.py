@@ -415,7 +415,10 @@ def pack_results(out: Path, log: Log) -> int:
         with tarfile.open(tar, "w") as t:
             t.add(TRAIN_OUT / "head", arcname="head")
         files += split_file(tar, out, int(PART_MIB * MIB), tar.name)
-    small = [TRAIN_OUT / n for n in ("metrics.jsonl", "timed.json", "train_config.json")]
+    small = [
+        TRAIN_OUT / n
+        for n in ("metrics.jsonl", "validation.jsonl", "timed.json", "train_config.json")
+    ]
     cal = TRAIN_OUT.with_name(TRAIN_OUT.name + "_calibration") / "metrics.jsonl"
     results = out / "results.tar.gz"
     with tarfile.open(results, "w:gz") as t:

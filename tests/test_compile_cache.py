@@ -54,8 +54,18 @@ def test_off_and_jax_setting_win(monkeypatch, tmp_path):
     assert not (tmp_path / "xla").exists()
 
 
-def test_machine_key_names_the_architecture():
+def test_machine_key_follows_the_cpu_model_and_flags():
     key = compile_cache.machine_key()
     assert key == compile_cache.machine_key()
     arch, _, digest = key.partition("-")
     assert arch and len(digest) == 16
+    info = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: sse2 avx2 fma\n"
+    same = info.replace("sse2 avx2 fma", "fma sse2 avx2") + "processor\t: 1\n"
+    assert compile_cache.machine_key(info) == compile_cache.machine_key(same)
+    assert compile_cache.machine_key(info) == compile_cache.machine_key(info + "bogomips\t: 1\n")
+    assert compile_cache.machine_key(info) != compile_cache.machine_key(
+        info.replace("avx2", "avx2 avx512f")
+    )
+    assert compile_cache.machine_key(info) != compile_cache.machine_key(
+        info.replace("Some CPU", "Other CPU")
+    )

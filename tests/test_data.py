@@ -467,7 +467,7 @@ def test_regenerate_turns_answers_every_turn_in_its_own_context(tiny_target, tmp
     back = {c.id: c for c in read_conversations(out)[0]}
     assert [m["role"] for m in back["b"].messages] == ["user", "assistant"] * 3
     # a token budget per batch (rows x (prompt + new) <= 40) splits batches, not answers
-    regen_mod = sys.modules["eagle3_jax.data.regenerate"]  # the package re-exports the function
+    regen_mod = sys.modules["eagle3_jax.data.regenerate"]  # the module, whatever a name shadows
 
     calls = []
 

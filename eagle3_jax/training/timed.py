@@ -5,7 +5,9 @@
 A short calibration run (its own out_dir, `<out_dir>_calibration`) measures the seconds per step
 after compilation; the real run then gets max_steps = min(epochs x steps per epoch,
 remaining budget / seconds per step x safety), so its learning-rate schedule decays to zero inside
-the budget instead of being cut off mid-way. The chosen max_steps is written to
+the budget instead of being cut off mid-way. The calibration does not validate (its head is thrown
+away); the real run's validations (`val_data`) fall within the safety margin, not the plan. The
+chosen max_steps is written to
 `<out_dir>/timed.json`: rerunning train.py with `--config.max_steps=N` reproduces the run on any
 machine. The calibration run's dataset.npz and vocab.npz are reused (the data is prepared once),
 but the real run compiles its train step again: the learning-rate schedule, fitted to the new
@@ -97,6 +99,7 @@ def main(argv=None) -> int:
             save_every=0,
             export_every=0,
             log_every=log_every,
+            val_data="",  # its head is thrown away: validating it would only spend the budget
         )
         t_cal = time.monotonic()
         train(cal_tc, progress=not args.no_progress)

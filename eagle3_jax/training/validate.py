@@ -56,7 +56,7 @@ def chain_tau(chain, depth: int) -> float:
 @dataclasses.dataclass
 class Scores:
     records: int  # conversations scored
-    skipped: int  # conversations left out: no answer token within max_len (a prompt cut off)
+    skipped: int  # conversations left out: no answer token within max_len, or unrenderable
     tokens: int  # tokens read (prompts and answers, no padding)
     supervised: int  # positions supervised at step 0 (answer tokens with a next token)
     acc: list[float]
