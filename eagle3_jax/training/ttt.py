@@ -292,15 +292,14 @@ def ttt_loss(
         jnp.zeros(buf_shape, kv_dtype),
         jnp.zeros(buf_shape, kv_dtype),
         jnp.ones((b, t), f32),
-        jnp.ones((b, t), f32),  # the same streak without the loss mask (per_position)
-        jnp.zeros((b, t), f32),  # its length so far
+        jnp.ones((b, t), f32),  # the same streak without the loss mask (per_position only)
     )
 
     def at(x_ext, i):
         return jax.lax.dynamic_slice_in_dim(x_ext, i, t, axis=1)
 
     def body(carry, i):
-        h_BTD, k_JBTGK, v_JBTGK, streak_BT, run_BT, len_BT = carry
+        h_BTD, k_JBTGK, v_JBTGK, streak_BT, run_BT = carry
         emb_BTD = embed_VD[at(ids_ext, i)].astype(h_BTD.dtype)
         cos, sin = rope_cos_sin(positions_BT + i, inv_freq)
         q, k, v = project_qkv(lp, emb_BTD, h_BTD, cos, sin, dcfg)
@@ -325,9 +324,6 @@ def ttt_loss(
             # while every earlier draft was right: so a chain from t accepts step i exactly when
             # steps 0..i all hit (the TTT attention is the decoding one; see the docstring)
             streak_BT = jax.lax.stop_gradient(streak_BT * hit * pm_BT)
-            ok_BT = at(in_draft_ext, i).astype(f32) * at(valid_next_ext, i) * start_ok_BT
-            run_BT = jax.lax.stop_gradient(run_BT * hit * ok_BT)
-            len_BT = len_BT + run_BT
             out = {
                 "ploss": ploss,
                 "correct": correct,
@@ -335,6 +331,10 @@ def ttt_loss(
                 "chain_correct": jnp.sum(streak_BT),
                 "pcount": jax.lax.stop_gradient(jnp.sum(pm_BT)),
             }
+            if per_position:  # validation only: the training step carries it unchanged
+                ok_BT = at(in_draft_ext, i).astype(f32) * at(valid_next_ext, i) * start_ok_BT
+                run_BT = jax.lax.stop_gradient(run_BT * hit * ok_BT)
+                out["run"] = run_BT
             if feature_loss:
                 fm_BT = lm_BT * at(has_next_ext, i)
                 diff = h_new.astype(f32) - at(th_ext, i)
@@ -348,11 +348,11 @@ def ttt_loss(
                 out["sloss"] = -jnp.sum(pm_BT[..., None] * at(tp_ext, i) * slogp) / (b * mean_len)
                 shit = (jnp.argmax(s_BTV, axis=-1) == at(tp_top_ext, i)).astype(f32)
                 out["scorrect"] = jax.lax.stop_gradient(jnp.sum(shit * pm_BT))
-        return (h_new, k_JBTGK, v_JBTGK, streak_BT, run_BT, len_BT), out
+        return (h_new, k_JBTGK, v_JBTGK, streak_BT, run_BT), out
 
     if remat:
         body = jax.checkpoint(body)
-    last, per_step = jax.lax.scan(body, carry0, jnp.arange(steps, dtype=jnp.int32))
+    _, per_step = jax.lax.scan(body, carry0, jnp.arange(steps, dtype=jnp.int32))
 
     weights = jnp.power(jnp.asarray(decay, f32), jnp.arange(steps, dtype=f32))
     step_loss = per_step["ploss"]
@@ -362,12 +362,12 @@ def ttt_loss(
         step_loss = step_loss + speculator_loss_weight * per_step["sloss"]
     loss = jnp.sum(weights * step_loss)
     metrics = dict(per_step)
+    if per_position:  # a streak's length: the steps in a row, from step 0, its chain was alive
+        metrics["streak"] = metrics.pop("run").sum(axis=0)
     metrics["acc"] = per_step["correct"] / (per_step["denom"] + ACC_EPS)
     # chain_i: of the chains that could start (positions supervised at step 0), the share whose
     # first i + 1 drafts all match the target; 1 + sum(chain[:d]) estimates a depth-d chain's tau
     metrics["chain"] = per_step["chain_correct"] / (per_step["denom"][0] + ACC_EPS)
-    if per_position:
-        metrics["streak"] = last[-1]
     metrics["ploss"] = jax.lax.stop_gradient(per_step["ploss"])
     # cross-entropy per supervised position: ploss is scaled by B * mean_len so that padding
     # leaves it unchanged, hence it grows with a batch's supervised tokens; xent does not
