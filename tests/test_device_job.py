@@ -52,6 +52,14 @@ def test_run_refuses_until_every_part_is_there(dj, tmp_path, monkeypatch, capsys
     assert "missing parts [0]" in log
     # the logs are packed even when the job stops early
     assert (tmp_path / "out" / "results.tar.gz").exists()
+    # so does the tree bench, and its log still comes back
+    monkeypatch.setattr(dj, "BENCH_OUT", tmp_path / "runs" / "turns" / "gpu_trees")
+    bench = argparse.Namespace(out=str(tmp_path / "out"), target=None, no_install=True, minutes=1.0)
+    assert dj.bench(bench) == 1
+    import tarfile
+
+    with tarfile.open(tmp_path / "out" / "bench.tar.gz") as t:
+        assert t.getnames() == ["device_log.txt"]
 
 
 def test_results_come_back_in_parts_and_unpack_restores_them(dj, tmp_path, monkeypatch):

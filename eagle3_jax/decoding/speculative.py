@@ -106,6 +106,44 @@ class TreeConfig:
         return self
 
 
+# The tree decode.py and the evaluation harness use when none is given, by backend.
+# CPU: the best shape measured on a 2-core CPU with the shipped SmolLM2 head (BENCHMARKS.md): 4
+# nodes, the 2 best tokens at each depth, 3 deep (as many tokens to verify as a depth-3 chain, more
+# accepted), verifying only nodes of cumulative draft probability >= 0.3 (MT-bench, 8 questions,
+# two runs: 0.2 -> 1.15/1.12x, 0.3 -> 1.17/1.13x, off -> 1.08/1.09x plain decoding).
+# Accelerators, where verifying more tokens is nearly free: the shape EAGLE-3 and SpecVocab report
+# tau with (top-k 10, 60 tokens, EAGLE depth 7 = ours 8); with the shipped head it accepts 2.79
+# tokens per round on MT-bench against 1.93 for the CPU shape (measured on the CPU, BENCHMARKS.md).
+CPU_TREE = TreeConfig(top_k=2, depth=3, total_tokens=4, verify_threshold=0.3)
+ACCELERATOR_TREE = TreeConfig(top_k=10, depth=8, total_tokens=60)
+
+
+def default_tree(
+    backend: str | None = None,
+    top_k: int | None = None,
+    depth: int | None = None,
+    total_tokens: int | None = None,
+    verify_threshold: float | None = None,
+) -> TreeConfig:
+    """The backend's default tree (`jax.default_backend()` unless given), with any given field in
+    place of the default's. An unspecified total is capped at what the given top_k and depth can
+    hold, so `top_k=1` is a chain (of the given or the default depth)."""
+    if backend is None:
+        backend = jax.default_backend()
+    base = CPU_TREE if backend == "cpu" else ACCELERATOR_TREE
+    tree = TreeConfig(
+        top_k=base.top_k if top_k is None else top_k,
+        depth=base.depth if depth is None else depth,
+        total_tokens=base.total_tokens if total_tokens is None else total_tokens,
+        verify_threshold=base.verify_threshold if verify_threshold is None else verify_threshold,
+    )
+    if total_tokens is None and tree.top_k == 1:
+        tree = dataclasses.replace(tree, total_tokens=tree.depth + 1)  # a chain
+    elif total_tokens is None and tree.top_k >= 1 and tree.depth >= 1:
+        tree = dataclasses.replace(tree, total_tokens=min(tree.total_tokens, tree.pool_size + 1))
+    return tree
+
+
 class SpecState(NamedTuple):
     tcache: dict[str, Any]
     # last round's accepted path K/V ([B, depth + 1, G, K] per layer) and the slot it goes to:

@@ -24,7 +24,6 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import metrics
 from eagle3_jax.evaluation.questions import BENCHES, Question, load_questions, task_order
 
-DEFAULT_TREE = (4, 4, 16)  # top_k, depth, total_tokens: the decode.py defaults
 TIMING_KEYS = ("wall_time_s", "tokens_per_s", "batch_wall_time_s")
 
 
@@ -34,7 +33,7 @@ class MethodSpec:
 
     label: str
     kind: str  # vanilla | pld | eagle3
-    tree: tuple = DEFAULT_TREE  # top_k, depth, total_tokens[, verify_threshold]
+    tree: tuple = (1, 1, 1)  # top_k, depth, total_tokens[, verify_threshold]
     draft: str | None = None  # a draft name (eagle3 only)
 
 
@@ -90,6 +89,15 @@ def _parse_tree(text: str, where: str) -> tuple:
     return shape
 
 
+def default_tree_shape() -> tuple:
+    """A bare `eagle3` (or `pld`): decode.py's default tree on this backend, as a shape tuple."""
+    from eagle3_jax.decoding.speculative import default_tree
+
+    t = default_tree()
+    shape = (t.top_k, t.depth, t.total_tokens)
+    return shape + ((t.verify_threshold,) if t.verify_threshold > 0 else ())
+
+
 def parse_methods(
     text: str | None, drafts: dict[str, str], baseline: bool = True
 ) -> list[MethodSpec]:
@@ -110,8 +118,9 @@ def parse_methods(
             raise Eagle3Error(f"unknown method {it!r}: use vanilla, pld[:k,d,t], eagle3[:k,d,t]")
         if kind == "vanilla":
             continue
-        tree = _parse_tree(shape, it) if colon else DEFAULT_TREE
+        tree = _parse_tree(shape, it) if colon else default_tree_shape()
         if kind == "pld":
+            tree = tree if colon else tree[:3]  # a bare pld: the default depth, no threshold
             if name:
                 raise Eagle3Error(f"method {it!r}: pld takes no draft")
             if len(tree) > 3:
