@@ -44,5 +44,5 @@ def get_config() -> AblationConfig:
         bench="spec_bench",
         questions=10,
         max_new_tokens=512,
-        tree=(10, 7, 60),
+        tree=(10, 8, 60),  # EAGLE-3's reporting tree (its depth 7 counts steps after the first)
     )

@@ -88,6 +88,24 @@ def _tree(args):
     )
 
 
+def _check_tree(args) -> None:
+    """The tree's shape, checked; an error says which flags were left to the backend's default."""
+    from eagle3_jax.decoding.speculative import default_tree
+
+    try:
+        _tree(args).validate(10**9)
+    except Eagle3Error as e:
+        unset = [f"--{f.replace('_', '-')}" for f in ("top_k", "depth", "total_tokens")]
+        unset = [f for f in unset if getattr(args, f[2:].replace("-", "_"), None) is None]
+        if not unset:
+            raise
+        d = default_tree()
+        raise Eagle3Error(
+            f"{e}; unset, {' '.join(unset)} took this backend's default tree (--top-k {d.top_k} "
+            f"--depth {d.depth} --total-tokens {d.total_tokens}): give them too"
+        ) from None
+
+
 def _run_batch(args, target, draft, ids, sampling, max_context, warmup):
     """One batch through the chosen method -> (per-row dicts, wall time)."""
     from eagle3_jax.decoding import plain
@@ -149,7 +167,7 @@ def _decode(args) -> int:
         raise Eagle3Error("--compare-plain compares eagle3/pld with plain decoding, not in --chat")
     sampling = Sampling(args.temperature, args.sample_top_k, args.top_p)
     if args.method != "vanilla":
-        _tree(args).validate(10**9)  # shape errors before the (slow) load; Vd is checked later
+        _check_tree(args)  # shape errors before the (slow) load; Vd is checked later
     if args.prompt_file:
         prompts = read_prompt_file(args.prompt_file)
     elif args.prompt:

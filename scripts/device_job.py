@@ -17,9 +17,10 @@ On the device, with the `run` tool, back to back (the calls `pack` prints):
   carry [".device/p3", ".device/whl"]    python3 scripts/device_job.py run --minutes M --out $OUT
   (M: at most 9, and at most the device time left less ~1.5 minutes: a command the tool cuts
   off at its limit returns nothing it had not yet packed)
-  then, if ~4 minutes are left, in the same lease (timeout_s 300):
+  then, if ~4 minutes are left, in the same lease (timeout_s 300; fetch run's files first where
+  they are not fetched for you: the tool returns only the latest command's):
   python3 scripts/device_job.py bench --minutes 3.5 --out $OUT   (the shipped head's trees timed)
-Here again, on the files that came back:
+Here again, on the files that came back (bench's into a folder of their own: --dest):
   python scripts/device_job.py unpack FILES_AT        # -> runs/device_result/
 
 `run`: joins the GGUF; answers every user turn of the conversations in context (those whose
@@ -396,11 +397,16 @@ def bench(args) -> int:
     """The shipped head's tree shapes timed on the accelerator (MT-bench, one question per
     category): what decode.py's accelerator default (10,8,60) buys over the CPU's small tree
     there. Run after `run` in the same lease (the GGUF is joined by then) or after the `check`
-    calls; the records are written as each finishes, so a cut-off run still returns them."""
+    calls; the records are written as each finishes, so a run its own deadline stops still
+    returns them (one the device tool kills returns nothing: keep --minutes under its limit).
+    Returns 1 when the evaluation failed or was cut off."""
+    if args.minutes * 60 > COMMAND_LIMIT_S - 30:
+        raise SystemExit(f"--minutes {args.minutes}: give at most 9.5 (the tool's limit is 600 s)")
     out = Path(args.out or (ROOT / "runs" / "turns" / "out"))
     out.mkdir(parents=True, exist_ok=True)
     log = Log(TURNS.parent / "device_log.txt")
     log(f"bench start: {_accelerator()}")
+    rc = 1
     try:
         env = _env(args)
         if not args.target and not _gguf_ready(log):
@@ -408,7 +414,7 @@ def bench(args) -> int:
         draft = (["--draft", args.draft] if args.draft else []) + (
             ["--target", args.target] if args.target else []
         )
-        _phase(
+        rc = _phase(
             log,
             "bench",
             [sys.executable, "-m", "eagle3_jax.eval", "--bench", "mt_bench",
@@ -423,7 +429,7 @@ def bench(args) -> int:
                 if p.is_file():
                     t.add(p, arcname=p.name)
         log(f"packed {out / 'bench.tar.gz'}")
-    return 0
+    return 0 if rc == 0 else 1
 
 
 def _accelerator() -> str:
@@ -565,7 +571,9 @@ def main(argv=None) -> int:
     b.add_argument("--draft", default=None, help="default: the shipped head")
     b.add_argument("--methods", default=BENCH_METHODS)
     b.add_argument("--questions", type=int, default=1, help="per MT-bench category")
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument(
+        "--max-new-tokens", type=int, default=64, help="per turn (64: compiles leave time)"
+    )
     b.add_argument("--no-install", action="store_true")
     u = sub.add_parser("unpack", help="here: the files that came back -> runs/turns/")
     u.add_argument("files_at")

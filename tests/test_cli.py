@@ -157,6 +157,10 @@ def test_errors_are_one_line(tiny_target_dir, tmp_path, capsys):
         (["--target", str(tiny_target_dir), "--prompt", "w5 " * 300], "exceeds the context"),
         (["--target", str(tiny_target_dir), "--prompt", "  "], "is empty"),
         (["--target", str(tiny_target_dir), "--method", "pld", "--depth", "0"], "depth 0 < 1"),
+        (  # a total the default top-k and depth cannot hold names the defaults it met
+            ["--target", str(tiny_target_dir), "--method", "pld", "--total-tokens", "60"],
+            "--top-k --depth took this backend's default tree (--top-k 2 --depth 3",
+        ),
         (["--target", str(tiny_target_dir), "--compare-plain"], "--compare-plain"),
         (
             ["--target", str(tiny_target_dir), "--method", "eagle3", "--draft", str(tmp_path)],

@@ -113,8 +113,9 @@ class TreeConfig:
 # two runs: 0.2 -> 1.15/1.12x, 0.3 -> 1.17/1.13x, off -> 1.08/1.09x plain decoding).
 # Accelerators, where verifying more tokens is nearly free: the shape EAGLE-3 and SpecVocab report
 # tau with (top-k 10, 60 tokens, EAGLE depth 7 = ours 8); with the shipped head it accepts 2.95
-# tokens per round on MT-bench's 80 questions against 1.96 for the CPU shape (measured on the CPU,
-# BENCHMARKS.md); its speed on a GPU is not measured yet (scripts/device_job.py bench).
+# tokens per round on MT-bench's 80 questions against 1.96 for the CPU shape with every node
+# verified (measured on the CPU, BENCHMARKS.md); its speed on a GPU is not measured yet
+# (scripts/device_job.py bench).
 CPU_TREE = TreeConfig(top_k=2, depth=3, total_tokens=4, verify_threshold=0.3)
 ACCELERATOR_TREE = TreeConfig(top_k=10, depth=8, total_tokens=60)
 

@@ -172,9 +172,15 @@ def check_config(out: Path, config: dict) -> None:
             raise Eagle3Error(f"{path} is not valid JSON: {e}; use another --out") from e
         if old != config:
             diff = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
+            hint = (
+                " (a bare eagle3 or pld takes decode.py's default tree of this backend, "
+                "which differs between CPUs and accelerators and was 4,4,16 before 2026-12)"
+                if "methods" in diff
+                else ""
+            )
             raise Eagle3Error(
-                f"{out} holds results of another configuration (differs in {', '.join(diff)}): "
-                "use another --out, or the same flags to resume"
+                f"{out} holds results of another configuration (differs in {', '.join(diff)})"
+                f"{hint}: use another --out, or the same flags to resume"
             )
         return
     if (out / "records.jsonl").exists():
