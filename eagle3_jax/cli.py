@@ -95,8 +95,8 @@ def _check_tree(args) -> None:
     try:
         _tree(args).validate(10**9)
     except Eagle3Error as e:
-        unset = [f"--{f.replace('_', '-')}" for f in ("top_k", "depth", "total_tokens")]
-        unset = [f for f in unset if getattr(args, f[2:].replace("-", "_"), None) is None]
+        fields = ("top_k", "depth", "total_tokens")
+        unset = [f"--{f.replace('_', '-')}" for f in fields if getattr(args, f, None) is None]
         if not unset:
             raise
         d = default_tree()

@@ -331,12 +331,16 @@ def _gguf_ready(log: Log) -> bool:
     return True
 
 
-def run(args) -> int:
-    if args.minutes * 60 > COMMAND_LIMIT_S - 30:
+def _check_budget(minutes: float) -> None:
+    if minutes * 60 > COMMAND_LIMIT_S - 30:
         raise SystemExit(
-            f"--minutes {args.minutes}: the device tool stops a command at "
+            f"--minutes {minutes}: the device tool stops a command at "
             f"{COMMAND_LIMIT_S} s and returns nothing it had not packed; give at most 9.5"
         )
+
+
+def run(args) -> int:
+    _check_budget(args.minutes)
     out = Path(args.out or (ROOT / "runs" / "turns" / "out"))
     out.mkdir(parents=True, exist_ok=True)
     log = Log(TURNS.parent / "device_log.txt")
@@ -400,8 +404,7 @@ def bench(args) -> int:
     calls; the records are written as each finishes, so a run its own deadline stops still
     returns them (one the device tool kills returns nothing: keep --minutes under its limit).
     Returns 1 when the evaluation failed or was cut off."""
-    if args.minutes * 60 > COMMAND_LIMIT_S - 30:
-        raise SystemExit(f"--minutes {args.minutes}: give at most 9.5 (the tool's limit is 600 s)")
+    _check_budget(args.minutes)
     out = Path(args.out or (ROOT / "runs" / "turns" / "out"))
     out.mkdir(parents=True, exist_ok=True)
     log = Log(TURNS.parent / "device_log.txt")

@@ -119,11 +119,10 @@ def parse_methods(
         if kind == "vanilla":
             continue
         tree = _parse_tree(shape, it) if colon else default_tree_shape()
-        if kind == "pld":
-            tree = tree if colon else tree[:3]  # a bare pld: the default depth, no threshold
+        if kind == "pld":  # a chain of the shape's depth (a bare pld's threshold does not apply)
             if name:
                 raise Eagle3Error(f"method {it!r}: pld takes no draft")
-            if len(tree) > 3:
+            if colon and len(tree) > 3:
                 raise Eagle3Error(f"method {it!r}: a verify threshold needs a draft (eagle3)")
             specs.append(MethodSpec(head, "pld", (1, tree[1], tree[1] + 1)))  # a chain
             continue
