@@ -1,7 +1,8 @@
-"""Training-free draft-vocabulary methods: token counts, FR-Spec and VocabTrim heads.
+"""Training-free draft-vocabulary methods: token counts, FR-Spec, VocabTrim and extended heads.
 
   python -m eagle3_jax.vocab_tools count --corpus FILE [--corpus FILE ...] [--roles all] --out C.npy
   python -m eagle3_jax.vocab_tools trim --draft HEAD --counts C.npy --size 8192 --out NEW_HEAD
+  python -m eagle3_jax.vocab_tools extend --draft HEAD --counts C.npy --size 16384 --out NEW_HEAD
 
 `count` tokenises a corpus with the target's tokenizer and counts every token id ([V] int64 .npy).
 A corpus is a ShareGPT / role-content conversation file (.json/.jsonl, optionally .gz; `--roles`
@@ -18,6 +19,19 @@ Both force the target's end-of-sequence ids into the set (FR-Spec does; a draft 
 propose EOS cannot finish a turn early). The result is a plain EAGLE-3 head in the official
 format (Vd = size, d2t/t2d), usable by decode.py and the harness like any other; it is lossless
 because the target still verifies over its full vocabulary.
+
+`extend` grows a trained reduced-vocabulary head the other way, without training: its draft
+vocabulary becomes its own ids plus the most frequent others of the counts (EOS forced in), up to
+`size`. The head's trained lm_head rows stay as they are; each new id's row is the target's output
+embedding row of that id mapped by the linear map that best takes the target's rows to the head's
+trained rows (ridge least squares over the head's own vocabulary; fit on 80 % of the rows first
+to report how well the map predicts rows it did not see). The map, not the target's rows as they
+are: training moves a head's rows away from the target's (the shipped SmolLM2 head keeps a mean
+cosine of 0.80 with them) and pushes rare tokens down, so raw target rows, even rescaled, outscore
+the trained ones and the head drafts them everywhere (acc_0 0.67 -> 0.15 on held-out text); the
+map predicts a trained row with 32 % residual (a scale alone: 60 %). Only heads whose lm_head
+started as, and so stays comparable to, the target's output embedding make sense here
+(`head_init="target"`, the SmolLM2 head's recipe).
 """
 
 from __future__ import annotations
@@ -75,8 +89,8 @@ def top_ids(counts_V: np.ndarray, size: int, forced: tuple[int, ...] = ()) -> np
     if len(forced) > size:
         raise Eagle3Error(f"size {size} is smaller than the {len(forced)} forced ids")
     order = np.argsort(-counts, kind="stable")
-    rest = [int(i) for i in order if int(i) not in set(forced)][: size - len(forced)]
-    return np.sort(np.asarray(forced + rest, np.int64))
+    rest = order[~np.isin(order, forced)][: size - len(forced)]
+    return np.sort(np.concatenate([np.asarray(forced, np.int64), rest.astype(np.int64)]))
 
 
 def trim_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray):
@@ -112,6 +126,67 @@ def trim_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray):
     return new_params, new_cfg, vocab_lib.from_target_ids(ids, cfg.vocab_size)
 
 
+def extend_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray, ridge: float = 1e-3):
+    """(params, cfg, vocab, fit) of the head grown to the target ids `ids` (ascending, a strict
+    superset of its draft vocabulary; see the module docstring). `fit` reports the map's residual
+    (|L - T M| / |L|) on the 20 % of the head's rows held out of a first fit, and on all of them.
+    `ridge` is relative: lambda = ridge * mean squared row norm of the target rows used.
+    """
+    import dataclasses
+
+    from eagle3_jax import vocab as vocab_lib
+    from eagle3_jax.models import draft as drf
+
+    if cfg.speculator_rank or cfg.lm_head_source != "own":
+        raise Eagle3Error(
+            "extend grows a head's own lm_head: this head reads the target's output embedding "
+            "(SpecVocab or a target lm_head) and already drafts over the whole vocabulary"
+        )
+    if tcfg.hidden_size != cfg.hidden_size:
+        raise Eagle3Error(
+            f"cannot map the target's output rows into the head: hidden sizes differ "
+            f"({cfg.hidden_size} vs {tcfg.hidden_size})"
+        )
+    old = vocab_lib.target_ids(vocab)
+    ids = np.asarray(ids, np.int64)
+    missing = np.setdiff1d(old, ids)
+    if missing.size:
+        raise Eagle3Error(
+            f"the new vocabulary leaves out {missing.size} of the head's {old.size} ids: extend "
+            "keeps every trained row (use trim to drop ids from a full-vocabulary head)"
+        )
+    if ids.size <= old.size:
+        raise Eagle3Error(
+            f"size {ids.size} does not grow the head's draft vocabulary (Vd {old.size})"
+        )
+    out_VD = np.asarray(drf.target_output_embedding(target_params, tcfg), np.float64)
+    lm_CD = np.asarray(params["lm_head"], np.float64).T  # [Vd, D]: row c = id old[c]
+    t_CD = out_VD[old]
+
+    def fit(rows):
+        a = t_CD[rows]
+        gram = a.T @ a
+        lam = ridge * float(np.trace(gram)) / a.shape[1]
+        return np.linalg.solve(gram + lam * np.eye(a.shape[1]), a.T @ lm_CD[rows])
+
+    def residual(m, rows):
+        return float(np.linalg.norm(lm_CD[rows] - t_CD[rows] @ m) / np.linalg.norm(lm_CD[rows]))
+
+    perm = np.random.default_rng(0).permutation(old.size)
+    held, kept = perm[: old.size // 5], perm[old.size // 5 :]
+    fit_stats = {"held_out_residual": residual(fit(kept), held) if held.size else float("nan")}
+    m_DD = fit(perm)
+    fit_stats["residual"] = residual(m_DD, perm)
+    new = np.setdiff1d(ids, old)
+    rows = np.empty((ids.size, cfg.hidden_size), np.float64)
+    rows[np.searchsorted(ids, old)] = lm_CD
+    rows[np.searchsorted(ids, new)] = out_VD[new] @ m_DD
+    new_cfg = dataclasses.replace(cfg, draft_vocab_size=int(ids.size))
+    new_params = dict(params)
+    new_params["lm_head"] = np.asarray(rows.T, np.float32)
+    return new_params, new_cfg, vocab_lib.from_target_ids(ids, cfg.vocab_size), fit_stats
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m eagle3_jax.vocab_tools",
@@ -132,6 +207,14 @@ def main(argv=None) -> int:
     t.add_argument("--no-force-eos", action="store_true", help="do not force EOS ids in")
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     t.add_argument("--out", required=True, help="new head directory")
+    e = sub.add_parser("extend", help="a larger draft vocabulary for a trained reduced head")
+    e.add_argument("--target", default=None)
+    e.add_argument("--draft", required=True, help="reduced-vocabulary head directory")
+    e.add_argument("--counts", required=True, help=".npy from `count`")
+    e.add_argument("--size", type=int, required=True, help="Vd of the new head")
+    e.add_argument("--ridge", type=float, default=1e-3, help="relative ridge of the row map")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    e.add_argument("--out", required=True, help="new head directory")
     args = p.parse_args(argv)
     try:
         from eagle3_jax.checkpoints import load_target
@@ -159,6 +242,26 @@ def main(argv=None) -> int:
                 f"is {v}: count with the same target's tokenizer"
             )
         params, cfg, vocab, embed = load_draft(args.draft, target.cfg)
+        if args.cmd == "extend":
+            from eagle3_jax.vocab import target_ids
+
+            old = tuple(int(i) for i in target_ids(vocab))
+            if args.size <= len(old):
+                raise Eagle3Error(
+                    f"--size {args.size} does not grow the head's draft vocabulary (Vd {len(old)})"
+                )
+            ids = top_ids(counts, args.size, old + tuple(target.cfg.eos_token_ids))
+            new_p, new_cfg, new_vocab, fit = extend_head(
+                params, cfg, vocab, target.params, target.cfg, ids, args.ridge
+            )
+            save_draft(args.out, new_p, new_cfg, new_vocab, dtype=args.dtype, embed=embed)
+            cover = [float(counts[i].sum() / max(counts.sum(), 1)) for i in (list(old), ids)]
+            print(
+                f"extended: wrote {args.out} (Vd {len(old)} -> {ids.size}; counted tokens "
+                f"covered {cover[0]:.1%} -> {cover[1]:.1%}; row map residual "
+                f"{fit['held_out_residual']:.3f} on held-out rows, {fit['residual']:.3f} fitted)"
+            )
+            return 0
         forced = () if args.no_force_eos else tuple(target.cfg.eos_token_ids)
         ids = top_ids(counts, args.size, forced)
         new_p, new_cfg, new_vocab = trim_head(params, cfg, vocab, target.params, target.cfg, ids)

@@ -14,7 +14,7 @@ from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation.runner import load_head
 from eagle3_jax.models import draft as drf
-from eagle3_jax.vocab_tools import main, top_ids, trim_head
+from eagle3_jax.vocab_tools import extend_head, main, top_ids, trim_head
 
 
 def test_top_ids_ties_forced_and_sorted():
@@ -151,3 +151,64 @@ def test_speculator_recall_benchmark(target, tiny_target_dir, tmp_path):
     with pytest.raises(Eagle3Error, match="no speculator"):
         mod.main(["--target", str(tiny_target_dir), "--data", str(data), "--records", "0:3",
                   "--draft", str(_heads(target, tmp_path)["tied"])])  # fmt: skip
+
+
+def _reduced_head(target, ids, seed=6):
+    """A reduced head (own lm_head over `ids`) whose rows are the target's output rows through a
+    known linear map: what extend must recover for the ids it adds."""
+    cfg = drf.DraftConfig.from_target(target.cfg, draft_vocab_size=len(ids))
+    params = drf.init_params(cfg, jax.random.PRNGKey(seed), scale=0.2)
+    out = np.asarray(drf.target_output_embedding(target.params, target.cfg))
+    m = np.eye(cfg.hidden_size) * 0.7 + 0.05 * np.random.default_rng(seed).normal(
+        size=(cfg.hidden_size, cfg.hidden_size)
+    )
+    params["lm_head"] = np.asarray((out[ids] @ m).T, np.float32)
+    return params, cfg, vocab_lib.from_target_ids(ids, cfg.vocab_size), out, m
+
+
+def test_extend_keeps_trained_rows_and_maps_the_targets_for_new_ids(target):
+    ids = np.arange(3, 93)  # 90 of the 97 ids
+    params, cfg, vocab, out, m = _reduced_head(target, ids)
+    grown = np.arange(0, 97)
+    p2, c2, v2, fit = extend_head(params, cfg, vocab, target.params, target.cfg, grown, 1e-9)
+    assert c2.draft_vocab_size == 97 and vocab_lib.target_ids(v2).tolist() == grown.tolist()
+    lm = np.asarray(p2["lm_head"]).T
+    np.testing.assert_array_equal(lm[ids], np.asarray(params["lm_head"]).T)  # trained rows kept
+    new = np.setdiff1d(grown, ids)
+    np.testing.assert_allclose(lm[new], out[new] @ m, rtol=1e-4, atol=1e-4)  # the map recovered
+    assert fit["held_out_residual"] < 1e-4 and fit["residual"] < 1e-4
+    with pytest.raises(Eagle3Error, match="leaves out 3"):
+        extend_head(params, cfg, vocab, target.params, target.cfg, np.arange(6, 97))
+    with pytest.raises(Eagle3Error, match="does not grow"):
+        extend_head(params, cfg, vocab, target.params, target.cfg, ids)
+    full = drf.DraftConfig.from_target(target.cfg, lm_head_source="target")
+    with pytest.raises(Eagle3Error, match="already drafts over the whole vocabulary"):
+        extend_head(params, full, vocab, target.params, target.cfg, grown)
+
+
+def test_extend_end_to_end_is_lossless(target, tiny_target_dir, tmp_path):
+    corpus = _corpus(tmp_path / "c.jsonl", "w7", ["w50 w51 w50", "w52 w50"])
+    counts_path = tmp_path / "counts.npy"
+    assert main(["count", "--target", str(tiny_target_dir), "--corpus", str(corpus),
+                 "--out", str(counts_path)]) == 0  # fmt: skip
+    tok = target.tokenizer
+    added = [tok.convert_tokens_to_ids(w) for w in ("w50", "w51", "w52")]
+    ids = np.setdiff1d(np.arange(3, 97), added + list(target.cfg.eos_token_ids))
+    params, cfg, vocab, _, _ = _reduced_head(target, ids)
+    save_draft(tmp_path / "small", params, cfg, vocab, "float32")
+    size = ids.size + 3 + len(set(target.cfg.eos_token_ids) - set(ids.tolist()))
+    argv = ["extend", "--target", str(tiny_target_dir), "--draft", str(tmp_path / "small"),
+            "--counts", str(counts_path), "--size", str(size), "--out", str(tmp_path / "big"),
+            "--dtype", "float32"]  # fmt: skip
+    assert main(argv) == 0
+    p, c, v, _ = load_draft(tmp_path / "big", target.cfg)
+    chosen = set(vocab_lib.target_ids(v).tolist())
+    assert c.draft_vocab_size == size and set(ids.tolist()) | set(added) <= chosen
+    assert set(target.cfg.eos_token_ids) <= chosen  # EOS forced in
+    prompts = [[50, 51, 50, 52], [40, 41, 12]]
+    ref = plain.generate(target.params, target.cfg, prompts, 20, eos_ids=())
+    out = spec.generate(target.params, target.cfg, p, c, v, prompts, 20,
+                        spec.TreeConfig(2, 3, 6), eos_ids=())  # fmt: skip
+    assert out.output_ids == ref.output_ids
+    argv[argv.index("--size") + 1] = str(ids.size)
+    assert main(argv) == 2  # does not grow: a clear error, exit 2

@@ -237,7 +237,7 @@ def init_output_from_target(
             f"({cfg.hidden_size} vs {tcfg.hidden_size})"
         )
     ids = jnp.asarray(target_ids(vocab))
-    out_VD = target_params["embed"] if tcfg.tie_word_embeddings else target_params["lm_head"].T
+    out_VD = target_output_embedding(target_params, tcfg)
     lm_DC = jnp.take(out_VD, ids, axis=0).T
     new = dict(params)
     new["lm_head"] = lm_DC.astype(params["lm_head"].dtype)
@@ -253,7 +253,7 @@ def init_speculator_svd(params: Params, target_params: Params, tcfg, cfg: DraftC
     """
     if not cfg.speculator_rank:
         raise Eagle3Error("init_speculator_svd: this head has no speculator (speculator_rank 0)")
-    out_VD = target_params["embed"] if tcfg.tie_word_embeddings else target_params["lm_head"].T
+    out_VD = target_output_embedding(target_params, tcfg)
     w = np.asarray(out_VD, np.float64)
     # SVD of the small Gram side: out^T out = V S^2 V^T ([D, D]), then U S = out V
     evals, evecs = np.linalg.eigh(w.T @ w)
@@ -415,6 +415,11 @@ def _out_embed(params: Params) -> jax.Array:
     return params["out_embed"]
 
 
+def target_output_embedding(target_params: Params, tcfg) -> jax.Array:
+    """The target's output embedding [V, D]: its input embedding when tied, else lm_head^T."""
+    return target_params["embed"] if tcfg.tie_word_embeddings else target_params["lm_head"].T
+
+
 def attach_target_head(params: Params, cfg: DraftConfig, target_params: Params, tcfg) -> Params:
     """params plus "out_embed" [V, D] = the target's output embedding, for heads that read it.
 
@@ -424,7 +429,7 @@ def attach_target_head(params: Params, cfg: DraftConfig, target_params: Params, 
     """
     if not cfg.uses_target_head:
         return params
-    out = target_params["embed"] if tcfg.tie_word_embeddings else target_params["lm_head"].T
+    out = target_output_embedding(target_params, tcfg)
     if tuple(out.shape) != (cfg.vocab_size, cfg.hidden_size):
         raise Eagle3Error(
             f"the target's output embedding is {tuple(out.shape)}, the head needs "
