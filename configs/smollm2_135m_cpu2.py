@@ -24,11 +24,13 @@ shipped, 1.89 final). Not shipped.
 """
 
 import dataclasses
+import json
 from pathlib import Path
 
 from eagle3_jax.training.config import TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+HEAD = ROOT / "eagle3_jax" / "heads" / "smollm2_135m_instruct"  # continued: its Vd and mapping
 
 
 def get_config() -> TrainConfig:
@@ -36,7 +38,8 @@ def get_config() -> TrainConfig:
     return dataclasses.replace(
         shipped,
         data=str(ROOT / "data" / "smollm2_135m_regenerated_cpu2.jsonl.gz"),
-        init_head=str(ROOT / "eagle3_jax" / "heads" / "smollm2_135m_instruct"),
+        init_head=str(HEAD),
+        draft_vocab_size=json.loads((HEAD / "config.json").read_text())["draft_vocab_size"],
         lr=2e-4,
         warmup_ratio=0.02,
         epochs=0,

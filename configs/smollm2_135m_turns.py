@@ -34,11 +34,13 @@ recipe's 8,192 tokens a step.
 """
 
 import dataclasses
+import json
 from pathlib import Path
 
 from eagle3_jax.training.config import TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+HEAD = ROOT / "eagle3_jax" / "heads" / "smollm2_135m_instruct"  # continued: its Vd and mapping
 TURNS = ROOT / "runs" / "turns" / "regenerated_turns.jsonl"
 SHIPPED = ROOT / "configs" / "smollm2_135m_gpu.py"  # its data: the first-turn files
 CPU2 = ROOT / "data" / "smollm2_135m_regenerated_cpu2.jsonl.gz"  # 8,114 more, answered on a CPU
@@ -53,7 +55,8 @@ def get_config() -> TrainConfig:
         repeated_ids="first",
         max_len=1024,
         length_bucket=512,
-        init_head=str(ROOT / "eagle3_jax" / "heads" / "smollm2_135m_instruct"),
+        init_head=str(HEAD),
+        draft_vocab_size=json.loads((HEAD / "config.json").read_text())["draft_vocab_size"],
         lr=5e-4,
         epochs=8,  # a cap: timed.py plans max_steps from the measured step time
         batch_size=8,

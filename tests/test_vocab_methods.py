@@ -212,3 +212,30 @@ def test_extend_end_to_end_is_lossless(target, tiny_target_dir, tmp_path):
     assert out.output_ids == ref.output_ids
     argv[argv.index("--size") + 1] = str(ids.size)
     assert main(argv) == 2  # does not grow: a clear error, exit 2
+
+
+def test_vocab_coverage_benchmark(tmp_path):
+    """benchmarks/vocab_coverage.py reads answers from a harness results.json (one method's
+    records) and from a data file's output_ids (flat or per turn), and counts membership."""
+    import importlib.util
+    from pathlib import Path
+
+    spec_ = importlib.util.spec_from_file_location(
+        "vocab_coverage", Path(__file__).resolve().parents[1] / "benchmarks/vocab_coverage.py"
+    )
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    results = {"records": [
+        {"method": "vanilla", "output_ids": [[5, 6], [7]]},
+        {"method": "eagle3", "output_ids": [[5, 6], [7]]},  # the same text: not counted twice
+        {"method": "vanilla", "output_ids": [[8]]},
+    ]}  # fmt: skip
+    (tmp_path / "r.json").write_text(json.dumps(results))
+    assert mod.answer_tokens(tmp_path / "r.json").tolist() == [5, 6, 7, 8]
+    lines = [{"id": "a", "output_ids": [9, 5]}, {"id": "b", "output_ids": [[6], [6, 4]]}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    toks = mod.answer_tokens(tmp_path / "d.jsonl")
+    assert toks.tolist() == [9, 5, 6, 6, 4]
+    assert mod.coverage(toks, np.array([5, 6]), 10) == 3 / 5
+    with pytest.raises(Eagle3Error, match="does not exist"):
+        mod.answer_tokens(tmp_path / "missing.json")
