@@ -39,7 +39,8 @@ def _flat(ids) -> list[int]:
 
 def answer_tokens(path: str | Path) -> np.ndarray:
     """Every answer token id of an evaluation results.json (one method's records: the outputs
-    of all methods are the same greedy text) or of a JSON Lines data file with `output_ids`."""
+    of all methods are the same greedy text) or of a JSON Lines data file with `output_ids`
+    (first turns) or `turn_output_ids` (`regenerate --all-turns`)."""
     path = Path(path)
     if not path.is_file():
         raise Eagle3Error(f"text file {path} does not exist")
@@ -51,8 +52,12 @@ def answer_tokens(path: str | Path) -> np.ndarray:
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt", encoding="utf-8") as f:
             lines = f.read().split("\n")
-        rows = [json.loads(line).get("output_ids") for line in lines if line.strip()]
-    return np.asarray([t for r in rows for t in _flat(r)], np.int64)
+        recs = [json.loads(line) for line in lines if line.strip()]
+        rows = [r.get("output_ids", r.get("turn_output_ids")) for r in recs]
+    toks = np.asarray([t for r in rows for t in _flat(r)], np.int64)
+    if not toks.size:
+        raise Eagle3Error(f"{path} holds no answer token ids (output_ids / turn_output_ids)")
+    return toks
 
 
 def coverage(tokens: np.ndarray, ids: np.ndarray, vocab_size: int) -> float:

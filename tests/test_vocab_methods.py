@@ -232,10 +232,14 @@ def test_vocab_coverage_benchmark(tmp_path):
     ]}  # fmt: skip
     (tmp_path / "r.json").write_text(json.dumps(results))
     assert mod.answer_tokens(tmp_path / "r.json").tolist() == [5, 6, 7, 8]
-    lines = [{"id": "a", "output_ids": [9, 5]}, {"id": "b", "output_ids": [[6], [6, 4]]}]
+    lines = [{"id": "a", "output_ids": [9, 5]}, {"id": "b", "output_ids": [[6], [6, 4]]},
+             {"id": "c", "turn_output_ids": [[3], [2]]}]  # fmt: skip
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     toks = mod.answer_tokens(tmp_path / "d.jsonl")
-    assert toks.tolist() == [9, 5, 6, 6, 4]
-    assert mod.coverage(toks, np.array([5, 6]), 10) == 3 / 5
+    assert toks.tolist() == [9, 5, 6, 6, 4, 3, 2]
+    assert mod.coverage(toks, np.array([5, 6]), 10) == 3 / 7
+    (tmp_path / "e.jsonl").write_text(json.dumps({"id": "x", "conversations": []}) + "\n")
+    with pytest.raises(Eagle3Error, match="no answer token ids"):
+        mod.answer_tokens(tmp_path / "e.jsonl")
     with pytest.raises(Eagle3Error, match="does not exist"):
         mod.answer_tokens(tmp_path / "missing.json")
