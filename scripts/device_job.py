@@ -63,14 +63,12 @@ TURNS = ROOT / "runs" / "turns" / "regenerated_turns.jsonl"
 HELD_OUT = ROOT / "data" / "smollm2_135m_regenerated_heldout.jsonl.gz"
 CONFIG = ROOT / "configs" / "smollm2_135m_turns.py"
 TRAIN_OUT = ROOT / "runs" / "turns" / "train"
-# token counts of the first-turn answers (`pack`, carried with the wheel): the draft vocabulary
-# the head is grown to before training (`vocab_tools extend`), and where that head is written
+# token counts of the training config's first-turn answers (`pack`, carried with the wheel):
+# the draft vocabulary the head is grown to before training (`vocab_tools extend`), and where
+# that head is written
 COUNTS = DEVICE / "whl" / "counts.npy"
 EXTENDED_HEAD = ROOT / "runs" / "turns" / "extended_head"
 SHIPPED_HEAD = ROOT / "eagle3_jax" / "heads" / "smollm2_135m_instruct"
-FIRST_TURNS = [
-    ROOT / "data" / f"smollm2_135m_regenerated{s}.jsonl.gz" for s in ("", "_more", "_gpu", "_cpu2")
-]
 MIB = 1 << 20
 PART_MIB = 15  # what the device tool gives back per file is 16 MiB
 
@@ -171,9 +169,13 @@ def pack(args) -> int:
          "-d", str(DEVICE / "whl"), f"gguf=={version('gguf')}"],
         check=True,
     )  # fmt: skip
+    from eagle3_jax.training.config import load_config
+
+    # the config's data less the answers this job writes: the first-turn files it trains on
+    first_turns = [f for f in load_config(CONFIG).data.split(",") if Path(f) != TURNS]
     subprocess.run(
         [sys.executable, "-m", "eagle3_jax.vocab_tools", "count",
-         *[a for f in FIRST_TURNS for a in ("--corpus", str(f))], "--out", str(COUNTS)],
+         *[a for f in first_turns for a in ("--corpus", f)], "--out", str(COUNTS)],
         check=True,
     )  # fmt: skip
     if not args.shipped_conversations:
