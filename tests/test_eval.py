@@ -83,10 +83,16 @@ def test_method_specs_take_an_optional_verify_threshold():
         ("vanilla", (1, 1, 1)),
         ("eagle3:2,3,4", (2, 3, 4)),
         ("eagle3:2,3,4,0.3", (2, 3, 4, 0.3)),
-        ("pld", (1, 3, 4)),  # a bare pld: a chain as deep as the CPU's default tree
+        ("pld:1,3,4", (1, 3, 4)),  # a bare pld: a chain as deep as the CPU's default tree
     ]
-    # a bare eagle3 is decode.py's default tree on this backend (tests run on the CPU)
-    assert parse_methods("eagle3", {"h": "/x"}, baseline=False)[0].tree == (2, 3, 4, 0.3)
+    # a bare eagle3 is decode.py's default tree on this backend (tests run on the CPU), and its
+    # label says which: a CPU run and an accelerator run never share a label for two trees
+    (bare,) = parse_methods("eagle3", {"h": "/x"}, baseline=False)
+    assert (bare.label, bare.tree) == ("eagle3:2,3,4,0.3", (2, 3, 4, 0.3))
+    two = parse_methods("eagle3", {"a": "/x", "b": "/y"}, baseline=False)
+    assert [s.label for s in two] == ["eagle3:2,3,4,0.3@a", "eagle3:2,3,4,0.3@b"]
+    with pytest.raises(Eagle3Error, match="repeat"):  # the same method written twice
+        parse_methods("eagle3,eagle3:2,3,4,0.3", {"h": "/x"})
     assert parse_methods("eagle3:2,3,4,.3", {"h": "/x"}, baseline=False)[0].tree == (2, 3, 4, 0.3)
     for bad in ("eagle3:2,3,4,1.5", "eagle3:2,3", "eagle3:2,3,4,x"):
         with pytest.raises(Eagle3Error, match="method|threshold"):

@@ -98,12 +98,19 @@ def default_tree_shape() -> tuple:
     return shape + ((t.verify_threshold,) if t.verify_threshold > 0 else ())
 
 
+def shape_text(tree: tuple) -> str:
+    """(2, 3, 4, 0.3) -> "2,3,4,0.3": a tree shape as --methods writes it."""
+    return ",".join(str(x) if isinstance(x, int) else f"{x:g}" for x in tree)
+
+
 def parse_methods(
     text: str | None, drafts: dict[str, str], baseline: bool = True
 ) -> list[MethodSpec]:
     """A comma list of `vanilla`, `pld[:k,d,t]`, `eagle3[:k,d,t][@draft]` -> specs, vanilla first
     (run unless baseline is False: speedup and exactness are measured against it). A bare
-    `eagle3` with several drafts runs each draft."""
+    `eagle3` with several drafts runs each draft. A bare `eagle3` or `pld` is labelled with the
+    shape it resolves to on this backend (`eagle3:2,3,4,0.3` on a CPU), so records and reports
+    of a CPU and an accelerator run never share a label for different trees."""
     if text is None:
         text = "vanilla,pld" + (",eagle3" if drafts else "")
     # commas separate methods, except inside a tree shape ("eagle3:4,4,16,.3,pld")
@@ -124,13 +131,16 @@ def parse_methods(
                 raise Eagle3Error(f"method {it!r}: pld takes no draft")
             if colon and len(tree) > 3:
                 raise Eagle3Error(f"method {it!r}: a verify threshold needs a draft (eagle3)")
-            specs.append(MethodSpec(head, "pld", (1, tree[1], tree[1] + 1)))  # a chain
+            chain = (1, tree[1], tree[1] + 1)
+            specs.append(MethodSpec(head if colon else f"pld:{shape_text(chain)}", "pld", chain))
             continue
         if not drafts:
             raise Eagle3Error(f"method {it!r} needs --draft PATH (an EAGLE-3 head)")
         if name and name not in drafts:
             raise Eagle3Error(f"method {it!r}: no draft named {name!r} (have {', '.join(drafts)})")
         names = [name] if name else list(drafts)
+        if not colon:
+            head = f"eagle3:{shape_text(tree)}"
         for n in names:
             label = head if len(drafts) == 1 else f"{head}@{n}"
             specs.append(MethodSpec(label, "eagle3", tree, n))
@@ -173,7 +183,8 @@ def check_config(out: Path, config: dict) -> None:
             diff = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
             hint = (
                 " (a bare eagle3 or pld takes decode.py's default tree of this backend, "
-                "which differs between CPUs and accelerators and was 4,4,16 before 2026-12)"
+                "which differs between CPUs and accelerators and was 4,4,16 before 2026-12; "
+                "since 2026-12-01 it is labelled with that shape, e.g. eagle3:2,3,4,0.3)"
                 if "methods" in diff
                 else ""
             )
