@@ -1,0 +1,42 @@
+"""Train the new rows of the shipped SmolLM2 head grown to 16,384 draft ids, on this CPU.
+
+`vocab_tools extend` grows the shipped head (Vd 8,192) to 16,384 ids without training: the new
+rows are the target's output-embedding rows through a ridge-fitted map (BENCHMARKS.md, "A larger
+draft vocabulary"). This config continues that head with configs/smollm2_135m_cpu2.py's recipe
+(the same new first turns, data/smollm2_135m_regenerated_cpu2.jsonl.gz, lr 2e-4, batch 4), for
+300 steps, so the new rows train on answers that use them; the two runs differ only in the head
+they start from (and 60 fewer steps here).
+
+  python -m eagle3_jax.vocab_tools count --corpus data/smollm2_135m_regenerated.jsonl.gz \
+      --corpus data/smollm2_135m_regenerated_more.jsonl.gz \
+      --corpus data/smollm2_135m_regenerated_gpu.jsonl.gz \
+      --corpus data/smollm2_135m_regenerated_cpu2.jsonl.gz --out runs/vocab16k/counts.npy
+  python -m eagle3_jax.vocab_tools extend --draft eagle3_jax/heads/smollm2_135m_instruct \
+      --counts runs/vocab16k/counts.npy --size 16384 --out runs/vocab16k/head
+  python train.py --config=configs/smollm2_135m_vd16k_cpu.py             # ~75 min on 2 cores
+  python train.py --config=configs/smollm2_135m_vd16k_cpu.py --resume    # after an interruption
+
+Result (BENCHMARKS.md, "The new rows trained on this CPU"): 311,837 tokens read in 68 minutes;
+all 80 MT-bench questions at EAGLE-3's reporting tree (10,8,60) tau 3.000 (2.9998) against 2.972
+untrained and 2.946 for the shipped head; all outputs exact.
+"""
+
+import dataclasses
+from pathlib import Path
+
+from eagle3_jax.training.config import TrainConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def get_config() -> TrainConfig:
+    cpu2 = load_config(ROOT / "configs" / "smollm2_135m_cpu2.py")
+    return dataclasses.replace(
+        cpu2,
+        init_head="runs/vocab16k/head",  # written by the extend command above (--size 16384)
+        draft_vocab_size=16384,
+        max_steps=300,
+        out_dir="runs/cpu3_16k",
+        export_every=100,
+        val_every=0,
+    )
