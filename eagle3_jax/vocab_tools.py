@@ -161,9 +161,13 @@ def extend_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray, ridge:
         raise Eagle3Error(
             f"size {ids.size} does not grow the head's draft vocabulary (Vd {old.size})"
         )
-    out_VD = drf.target_output_embedding(target_params, tcfg)  # rows taken before float64
+    out_VD = drf.target_output_embedding(target_params, tcfg)
+
+    def target_rows(ids_N):  # [N, D] float64: the rows are taken before the conversion
+        return np.asarray(jnp.take(out_VD, jnp.asarray(ids_N), axis=0), np.float64)
+
     lm_CD = np.asarray(params["lm_head"], np.float64).T  # [Vd, D]: row c = id old[c]
-    t_CD = np.asarray(jnp.take(out_VD, jnp.asarray(old), axis=0), np.float64)
+    t_CD = target_rows(old)
 
     def fit(rows):
         a = t_CD[rows]
@@ -182,9 +186,7 @@ def extend_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray, ridge:
     new = np.setdiff1d(ids, old)
     rows = np.empty((ids.size, cfg.hidden_size), np.float64)
     rows[np.searchsorted(ids, old)] = lm_CD
-    rows[np.searchsorted(ids, new)] = (
-        np.asarray(jnp.take(out_VD, jnp.asarray(new), axis=0), np.float64) @ m_DD
-    )
+    rows[np.searchsorted(ids, new)] = target_rows(new) @ m_DD
     new_cfg = dataclasses.replace(cfg, draft_vocab_size=int(ids.size))
     new_params = dict(params)
     new_params["lm_head"] = np.asarray(rows.T, np.float32)
