@@ -2,6 +2,7 @@
 
   python -m eagle3_jax.vocab_tools count --corpus FILE [--corpus FILE ...] [--roles all] --out C.npy
   python -m eagle3_jax.vocab_tools trim --draft HEAD --counts C.npy --size 8192 --out NEW_HEAD
+  python -m eagle3_jax.vocab_tools trim --draft HEAD --like OTHER_HEAD --out NEW_HEAD
   python -m eagle3_jax.vocab_tools extend --draft HEAD --counts C.npy --size 16384 --out NEW_HEAD
 
 `count` tokenises a corpus with the target's tokenizer and counts every token id ([V] int64 .npy).
@@ -16,7 +17,10 @@ document per line).
   * VocabTrim (arXiv 2506.22694): the source head has its own full-vocabulary lm_head; the new
     head keeps its columns of the `size` most frequent ids (best counted on target-GENERATED text).
 Both force the target's end-of-sequence ids into the set (FR-Spec does; a draft that cannot
-propose EOS cannot finish a turn early). The result is a plain EAGLE-3 head in the official
+propose EOS cannot finish a turn early). A reduced head trims too, to a subset of its own ids (the
+most frequent of them by the counts, or with `--like` exactly the ids of another head: trimming an
+extended head `--like` the head it was grown from gives that head's vocabulary back, its rows as
+the extended head's training left them). The result is a plain EAGLE-3 head in the official
 format (Vd = size, d2t/t2d), usable by decode.py and the harness like any other; it is lossless
 because the target still verifies over its full vocabulary.
 
@@ -94,7 +98,8 @@ def top_ids(counts_V: np.ndarray, size: int, forced: tuple[int, ...] = ()) -> np
 
 
 def trim_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray):
-    """(params, cfg, vocab) of the reduced head over target ids `ids` (ascending)."""
+    """(params, cfg, vocab) of the reduced head over target ids `ids` (ascending): a subset of
+    the source head's draft ids (all V for a full-vocabulary head)."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -107,17 +112,20 @@ def trim_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray):
             "a SpecVocab head chooses its candidates per row: trimming it would discard the "
             "speculator; trim a full-vocabulary head instead"
         )
-    if not vocab.is_identity:
-        raise Eagle3Error(
-            f"the source head already has a reduced vocabulary (Vd {cfg.draft_vocab_size}): "
-            "trim a full-vocabulary head (lm_head over all V tokens, or the target's)"
-        )
     ids = np.asarray(ids, np.int64)
     if cfg.lm_head_source == "target":  # FR-Spec: rows of the target's output embedding
         out = drf.attach_target_head(params, cfg, target_params, tcfg)["out_embed"]
         lm = jnp.take(out, jnp.asarray(ids), axis=0).T
-    else:  # VocabTrim: the head's own columns
-        lm = jnp.take(params["lm_head"], jnp.asarray(ids), axis=1)
+    else:  # VocabTrim: the head's own columns (of a reduced head: those of the kept ids)
+        have = vocab_lib.target_ids(vocab)
+        missing = np.setdiff1d(ids, have)
+        if missing.size:
+            raise Eagle3Error(
+                f"{missing.size} of the {ids.size} ids to keep are not in the head's draft "
+                f"vocabulary (Vd {have.size}): trim keeps a subset of a head's ids (extend "
+                "grows a reduced head)"
+            )
+        lm = jnp.take(params["lm_head"], jnp.asarray(np.searchsorted(have, ids)), axis=1)
     new_cfg = dataclasses.replace(
         cfg, draft_vocab_size=int(ids.size), lm_head_source="own", speculator_rank=0
     )
@@ -207,9 +215,10 @@ def main(argv=None) -> int:
     c.add_argument("--out", required=True, help="counts .npy")
     t = sub.add_parser("trim", help="FR-Spec / VocabTrim: a reduced head from a full one")
     t.add_argument("--target", default=None)
-    t.add_argument("--draft", required=True, help="full-vocabulary head directory")
-    t.add_argument("--counts", required=True, help=".npy from `count`")
-    t.add_argument("--size", type=int, required=True, help="Vd of the new head")
+    t.add_argument("--draft", required=True, help="head directory (full or reduced vocabulary)")
+    t.add_argument("--counts", help=".npy from `count` (with --size)")
+    t.add_argument("--size", type=int, help="Vd of the new head: the most frequent of its ids")
+    t.add_argument("--like", help="keep exactly the draft ids of this head instead")
     t.add_argument("--no-force-eos", action="store_true", help="do not force EOS ids in")
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     t.add_argument("--out", required=True, help="new head directory")
@@ -240,17 +249,29 @@ def main(argv=None) -> int:
             print(json.dumps(meta))
             return 0
         from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
+        from eagle3_jax.vocab import target_ids
 
+        params, cfg, vocab, embed = load_draft(args.draft, target.cfg)
+        if args.cmd == "trim" and args.like:
+            if args.counts or args.size:
+                raise Eagle3Error("trim takes --like HEAD or --counts C.npy --size N, not both")
+            ids = target_ids(load_draft(args.like, target.cfg)[2])
+            new_p, new_cfg, new_vocab = trim_head(
+                params, cfg, vocab, target.params, target.cfg, ids
+            )
+            save_draft(args.out, new_p, new_cfg, new_vocab, dtype=args.dtype, embed=embed)
+            print(f"VocabTrim: wrote {args.out} (Vd {cfg.draft_vocab_size} -> {ids.size}, the "
+                  f"ids of {args.like})")  # fmt: skip
+            return 0
+        if not (args.counts and args.size):
+            raise Eagle3Error(f"{args.cmd} needs --counts C.npy and --size N")
         counts = np.load(args.counts)
         if counts.shape != (v,):
             raise Eagle3Error(
                 f"counts {args.counts} have shape {counts.shape}, the target's vocabulary "
                 f"is {v}: count with the same target's tokenizer"
             )
-        params, cfg, vocab, embed = load_draft(args.draft, target.cfg)
         if args.cmd == "extend":
-            from eagle3_jax.vocab import target_ids
-
             old = tuple(int(i) for i in target_ids(vocab))
             if args.size <= len(old):
                 raise Eagle3Error(
@@ -269,6 +290,17 @@ def main(argv=None) -> int:
             )
             return 0
         forced = () if args.no_force_eos else tuple(target.cfg.eos_token_ids)
+        if not vocab.is_identity:  # a reduced head: the most frequent of its own ids
+            have = target_ids(vocab)
+            if args.size > have.size:
+                raise Eagle3Error(
+                    f"--size {args.size} exceeds the head's draft vocabulary (Vd {have.size}): "
+                    "trim keeps a subset of its ids (extend grows a reduced head)"
+                )
+            kept = np.full(v, -1, np.int64)  # below every count: never chosen over a head id
+            kept[have] = counts[have]
+            counts = kept
+            forced = tuple(i for i in forced if i in set(have.tolist()))
         ids = top_ids(counts, args.size, forced)
         new_p, new_cfg, new_vocab = trim_head(params, cfg, vocab, target.params, target.cfg, ids)
         save_draft(args.out, new_p, new_cfg, new_vocab, dtype=args.dtype, embed=embed)

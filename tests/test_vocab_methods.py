@@ -105,8 +105,14 @@ def test_trimmed_logits_are_the_full_heads_on_the_subset(target, tmp_path, sourc
     sub = full[..., ids]
     want = ids[np.argsort(-sub, axis=-1, kind="stable")[..., :3]]
     assert (np.asarray(tok) == want).all()
-    with pytest.raises(Eagle3Error, match="already has a reduced vocabulary"):
-        trim_head(p2, c2, v2, target.params, target.cfg, ids[:3])
+    # a reduced head trims to a subset of its ids: the same head as trimming the source directly
+    sub_ids = ids[[0, 2, 5]]
+    p3, c3, v3 = trim_head(p2, c2, v2, target.params, target.cfg, sub_ids)
+    p4, c4, v4 = trim_head(params, cfg, vocab, target.params, target.cfg, sub_ids)
+    assert c3 == c4 and (vocab_lib.target_ids(v3) == sub_ids).all()
+    np.testing.assert_array_equal(p3["lm_head"], p4["lm_head"])
+    with pytest.raises(Eagle3Error, match="1 of the 3 ids to keep are not in the head's draft"):
+        trim_head(p2, c2, v2, target.params, target.cfg, np.array([3, 4, 5]))
 
 
 def test_speculator_recall_benchmark(target, tiny_target_dir, tmp_path):
@@ -212,6 +218,21 @@ def test_extend_end_to_end_is_lossless(target, tiny_target_dir, tmp_path):
     assert out.output_ids == ref.output_ids
     argv[argv.index("--size") + 1] = str(ids.size)
     assert main(argv) == 2  # does not grow: a clear error, exit 2
+    # trim undoes extend: --like the small head gives back exactly its ids and rows
+    base = ["trim", "--target", str(tiny_target_dir), "--draft", str(tmp_path / "big"),
+            "--dtype", "float32"]  # fmt: skip
+    assert main(base + ["--like", str(tmp_path / "small"), "--out", str(tmp_path / "back")]) == 0
+    p2, c2, v2, _ = load_draft(tmp_path / "back", target.cfg)
+    assert c2.draft_vocab_size == cfg.draft_vocab_size
+    assert (vocab_lib.target_ids(v2) == vocab_lib.target_ids(vocab)).all()
+    np.testing.assert_array_equal(p2["lm_head"], params["lm_head"])
+    # by counts, a reduced head keeps the most frequent of its own ids (EOS forced in)
+    argv = base + ["--counts", str(counts_path), "--size", "5", "--out", str(tmp_path / "top")]
+    assert main(argv) == 0
+    kept = set(vocab_lib.target_ids(load_draft(tmp_path / "top", target.cfg)[2]).tolist())
+    assert set(added) | set(target.cfg.eos_token_ids) <= kept and kept <= chosen
+    assert main(argv[:-4] + ["--size", str(size + 1), "--out", str(tmp_path / "x")]) == 2
+    assert main(argv + ["--like", str(tmp_path / "small")]) == 2  # one way of choosing, not both
 
 
 def test_vocab_coverage_benchmark(tmp_path):
