@@ -35,11 +35,12 @@ CONFIGS = "eagle3:1,3,4,eagle3:2,3,4,eagle3:2,4,8,eagle3:2,3,4,0.3,eagle3:2,4,8,
 def parse(text: str) -> list[tuple[str, str, spec.TreeConfig]]:
     from eagle3_jax.evaluation.runner import parse_methods
 
-    out = []
-    for m in parse_methods(text, {"head": str(HEAD)}, baseline=False):
-        tree = spec.TreeConfig(1, 1, 2) if m.kind == "vanilla" else spec.TreeConfig(*m.tree)
-        out.append((m.label, m.kind, tree))
-    return out
+    # the root-only round always runs first (main): a `vanilla` in the list adds nothing
+    return [
+        (m.label, m.kind, spec.TreeConfig(*m.tree))
+        for m in parse_methods(text, {"head": str(HEAD)})
+        if m.kind != "vanilla"
+    ]
 
 
 def main() -> None:
@@ -54,9 +55,7 @@ def main() -> None:
     dparams, dcfg, vocab, embed = load_head(HEAD, target)
     rng = np.random.default_rng(0)
     prompt = [list(map(int, rng.integers(100, 20000, args.context)))]
-    configs = [("vanilla", "vanilla", spec.TreeConfig(1, 1, 2))] + [
-        c for c in parse(args.configs) if c[0] != "vanilla"
-    ]
+    configs = [("vanilla", "vanilla", spec.TreeConfig(1, 1, 2))] + parse(args.configs)
     times: dict[str, list] = {"plain": []}
     for rep in range(args.reps + 1):  # rep 0 compiles
         res = plain.generate(target.params, target.cfg, prompt, args.new, eos_ids=())
