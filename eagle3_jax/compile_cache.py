@@ -12,6 +12,9 @@ the tools switch that on (`enable`), so a second run with the same shapes skips 
 * `EAGLE3_JAX_COMPILATION_CACHE=0` leaves the cache off; `JAX_COMPILATION_CACHE_DIR` (JAX's own
   setting, which JAX reads itself) is left alone when set, and then it is JAX's cache. Library
   calls (and the tests) are untouched: only the entry points call `enable`.
+
+`release_if_crowded` keeps a long-lived process (the evaluation harness calls it before every
+generation) under Linux's limit on memory mappings, which compiled XLA:CPU programs use up.
 """
 
 from __future__ import annotations
@@ -72,3 +75,51 @@ def enable() -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)  # least recently used go first
     return path
+
+
+# Compiled programs held in memory, not on disk: XLA:CPU maps every compiled kernel's code into
+# the process separately (measured with the SmolLM2 target: ~1,900 memory mappings for one
+# speculative program, i.e. a prefill and a round loop for one prompt-length bucket), and Linux
+# caps a process's mappings (vm.max_map_count, 65,530 by default). A process that keeps ~30 such
+# programs (an evaluation of several methods over many prompt lengths, an ablation grid) reaches
+# the cap and the next compilation aborts the process ("LLVM compilation error: Cannot allocate
+# memory"), though the machine has memory to spare.
+MAP_FRACTION = 0.6
+
+
+def _map_counts() -> tuple[int, int] | None:
+    """(memory mappings of this process, the kernel's limit), or None where /proc has no answer."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            used = f.read().count(b"\n")
+        with open("/proc/sys/vm/max_map_count", encoding="ascii") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return used, limit
+
+
+def release_if_crowded(fraction: float = MAP_FRACTION) -> bool:
+    """Drops JAX's in-memory compiled programs (`jax.clear_caches`) when this process's memory
+    mappings exceed `fraction` of the kernel's limit (see MAP_FRACTION's comment), so long-lived
+    tools compile on instead of aborting; a program needed again is compiled again (loaded from
+    the persistent cache where `enable` switched it on). Call it between units of work, never
+    inside a timed region. Returns True when it cleared; a no-op (False) off Linux."""
+    counts = _map_counts()
+    if counts is None or counts[0] <= fraction * counts[1]:
+        return False
+    import gc
+    import sys
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    after = _map_counts()
+    left = f"{after[0]:,}" if after else "?"
+    print(
+        f"compile_cache: {counts[0]:,} memory mappings of {counts[1]:,} allowed: dropped the "
+        f"compiled programs held in memory ({left} mappings left)",
+        file=sys.stderr,
+    )
+    return True

@@ -69,3 +69,30 @@ def test_machine_key_follows_the_cpu_model_and_flags():
     assert compile_cache.machine_key(info) != compile_cache.machine_key(
         info.replace("Some CPU", "Other CPU")
     )
+
+
+def test_release_if_crowded_drops_compiled_programs_near_the_map_limit(monkeypatch, capsys):
+    """Under the limit nothing happens; past `fraction` of it the programs held in memory go (a
+    jitted function's cache empties, and on Linux the process's mappings shrink), and a message
+    says so; with no /proc (not Linux) it is a no-op."""
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: jnp.sin(x) * 2)
+    f(jnp.ones(3))
+    assert f._cache_size() == 1
+    assert not compile_cache.release_if_crowded(1.0)  # never past the whole limit
+    assert f._cache_size() == 1
+    real = compile_cache._map_counts()
+    if real is not None:  # Linux: the real counts, a fraction every process exceeds
+        assert compile_cache.release_if_crowded(0.0)
+        assert f._cache_size() == 0
+        assert "memory mappings of" in capsys.readouterr().err
+        f(jnp.ones(3))  # compiles again
+    monkeypatch.setattr(compile_cache, "_map_counts", lambda: (700, 1000))
+    assert compile_cache.release_if_crowded() and f._cache_size() == 0
+    f(jnp.ones(3))
+    monkeypatch.setattr(compile_cache, "_map_counts", lambda: (500, 1000))
+    assert not compile_cache.release_if_crowded() and f._cache_size() == 1
+    monkeypatch.setattr(compile_cache, "_map_counts", lambda: None)
+    assert not compile_cache.release_if_crowded(0.0)

@@ -244,9 +244,11 @@ class Models:
     def generate(self, m: MethodSpec, ids, sampling, seed: int, max_new: int):
         """One batch -> (per-row dicts of the result's `rows()`, wall time);
         each call first runs a warm-up generation (compilation), excluded from the time."""
+        from eagle3_jax.compile_cache import release_if_crowded
         from eagle3_jax.decoding import plain
         from eagle3_jax.decoding import speculative as spec
 
+        release_if_crowded()  # many methods x prompt lengths: keep under the kernel's map limit
         t = self.target
         pad = t.cfg.pad_token_id or 0
         if m.kind == "vanilla":
