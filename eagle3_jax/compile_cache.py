@@ -85,6 +85,7 @@ def enable() -> Path | None:
 # the cap and the next compilation aborts the process ("LLVM compilation error: Cannot allocate
 # memory"), though the machine has memory to spare.
 MAP_FRACTION = 0.6
+_floor = 0  # mappings left after the last clearing: what clearing cannot give back
 
 
 def _map_counts() -> tuple[int, int] | None:
@@ -104,9 +105,15 @@ def release_if_crowded(fraction: float = MAP_FRACTION) -> bool:
     mappings exceed `fraction` of the kernel's limit (see MAP_FRACTION's comment), so long-lived
     tools compile on instead of aborting; a program needed again is compiled again (loaded from
     the persistent cache where `enable` switched it on). Call it between units of work, never
-    inside a timed region. Returns True when it cleared; a no-op (False) off Linux."""
+    inside a timed region. Returns True when it cleared; a no-op (False) off Linux. Mappings that
+    clearing left (held by something else) do not count towards the next clearing, which waits
+    for another tenth of the limit on top of them."""
+    global _floor
     counts = _map_counts()
-    if counts is None or counts[0] <= fraction * counts[1]:
+    if counts is None:
+        return False
+    used, limit = counts
+    if used <= fraction * limit or (_floor and used <= _floor + limit // 10):
         return False
     import gc
     import sys
@@ -116,9 +123,10 @@ def release_if_crowded(fraction: float = MAP_FRACTION) -> bool:
     jax.clear_caches()
     gc.collect()
     after = _map_counts()
+    _floor = after[0] if after else 0
     left = f"{after[0]:,}" if after else "?"
     print(
-        f"compile_cache: {counts[0]:,} memory mappings of {counts[1]:,} allowed: dropped the "
+        f"compile_cache: {used:,} memory mappings of {limit:,} allowed: dropped the "
         f"compiled programs held in memory ({left} mappings left)",
         file=sys.stderr,
     )

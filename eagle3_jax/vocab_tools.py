@@ -17,10 +17,11 @@ document per line).
   * VocabTrim (arXiv 2506.22694): the source head has its own full-vocabulary lm_head; the new
     head keeps its columns of the `size` most frequent ids (best counted on target-GENERATED text).
 Both force the target's end-of-sequence ids into the set (FR-Spec does; a draft that cannot
-propose EOS cannot finish a turn early). A reduced head trims too, to a subset of its own ids (the
-most frequent of them by the counts, or with `--like` exactly the ids of another head: trimming an
-extended head `--like` the head it was grown from gives that head's vocabulary back, its rows as
-the extended head's training left them). The result is a plain EAGLE-3 head in the official
+propose EOS cannot finish a turn early). A reduced head trims too, to a subset of its own ids:
+the most frequent of them by the counts (its EOS ids forced in where it has them), or with
+`--like` exactly the ids of another head (trimming an extended head `--like` the head it was
+grown from gives that head's vocabulary back, its rows as the extended head's training left
+them). The result is a plain EAGLE-3 head in the official
 format (Vd = size, d2t/t2d), usable by decode.py and the harness like any other; it is lossless
 because the target still verifies over its full vocabulary.
 
@@ -97,6 +98,11 @@ def top_ids(counts_V: np.ndarray, size: int, forced: tuple[int, ...] = ()) -> np
     return np.sort(np.concatenate([np.asarray(forced, np.int64), rest.astype(np.int64)]))
 
 
+def method_of(cfg) -> str:
+    """The name of what trim does to this head: FR-Spec on the target's rows, else VocabTrim."""
+    return "FR-Spec" if cfg.lm_head_source == "target" else "VocabTrim"
+
+
 def trim_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray):
     """(params, cfg, vocab) of the reduced head over target ids `ids` (ascending): a subset of
     the source head's draft ids (all V for a full-vocabulary head)."""
@@ -110,7 +116,7 @@ def trim_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray):
     if cfg.speculator_rank:
         raise Eagle3Error(
             "a SpecVocab head chooses its candidates per row: trimming it would discard the "
-            "speculator; trim a full-vocabulary head instead"
+            "speculator; trim a head with its own or the target's lm_head instead"
         )
     ids = np.asarray(ids, np.int64)
     if cfg.lm_head_source == "target":  # FR-Spec: rows of the target's output embedding
@@ -213,7 +219,7 @@ def main(argv=None) -> int:
     c.add_argument("--corpus", action="append", required=True)
     c.add_argument("--roles", default="assistant", choices=ROLES)
     c.add_argument("--out", required=True, help="counts .npy")
-    t = sub.add_parser("trim", help="FR-Spec / VocabTrim: a reduced head from a full one")
+    t = sub.add_parser("trim", help="FR-Spec / VocabTrim: a head over a subset of its ids")
     t.add_argument("--target", default=None)
     t.add_argument("--draft", required=True, help="head directory (full or reduced vocabulary)")
     t.add_argument("--counts", help=".npy from `count` (with --size)")
@@ -260,10 +266,10 @@ def main(argv=None) -> int:
                 params, cfg, vocab, target.params, target.cfg, ids
             )
             save_draft(args.out, new_p, new_cfg, new_vocab, dtype=args.dtype, embed=embed)
-            print(f"VocabTrim: wrote {args.out} (Vd {cfg.draft_vocab_size} -> {ids.size}, the "
-                  f"ids of {args.like})")  # fmt: skip
+            print(f"{method_of(cfg)}: wrote {args.out} (Vd {cfg.draft_vocab_size} -> {ids.size}, "
+                  f"the ids of {args.like})")  # fmt: skip
             return 0
-        if not (args.counts and args.size):
+        if args.counts is None or args.size is None:
             raise Eagle3Error(f"{args.cmd} needs --counts C.npy and --size N")
         counts = np.load(args.counts)
         if counts.shape != (v,):
@@ -290,6 +296,7 @@ def main(argv=None) -> int:
             )
             return 0
         forced = () if args.no_force_eos else tuple(target.cfg.eos_token_ids)
+        rank = counts
         if not vocab.is_identity:  # a reduced head: the most frequent of its own ids
             have = target_ids(vocab)
             if args.size > have.size:
@@ -297,16 +304,18 @@ def main(argv=None) -> int:
                     f"--size {args.size} exceeds the head's draft vocabulary (Vd {have.size}): "
                     "trim keeps a subset of its ids (extend grows a reduced head)"
                 )
-            kept = np.full(v, -1, np.int64)  # below every count: never chosen over a head id
-            kept[have] = counts[have]
-            counts = kept
-            forced = tuple(i for i in forced if i in set(have.tolist()))
-        ids = top_ids(counts, args.size, forced)
+            rank = np.full(v, -1, np.int64)  # below every count: never chosen over a head id
+            rank[have] = counts[have]
+            absent = sorted(set(forced) - set(have.tolist()))
+            if absent:  # no row to keep: the source head cannot draft them either
+                print(f"note: EOS id(s) {absent} are not in the head's draft vocabulary: left "
+                      "out", file=sys.stderr)  # fmt: skip
+            forced = tuple(i for i in forced if i not in absent)
+        ids = top_ids(rank, args.size, forced)
         new_p, new_cfg, new_vocab = trim_head(params, cfg, vocab, target.params, target.cfg, ids)
         save_draft(args.out, new_p, new_cfg, new_vocab, dtype=args.dtype, embed=embed)
         cover = float(counts[ids].sum() / max(counts.sum(), 1))
-        method = "FR-Spec" if cfg.lm_head_source == "target" else "VocabTrim"
-        print(f"{method}: wrote {args.out} (Vd {ids.size}, {cover:.1%} of counted tokens)")
+        print(f"{method_of(cfg)}: wrote {args.out} (Vd {ids.size}, {cover:.1%} of counted tokens)")
         return 0
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)

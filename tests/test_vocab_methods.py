@@ -192,7 +192,7 @@ def test_extend_keeps_trained_rows_and_maps_the_targets_for_new_ids(target):
         extend_head(params, full, vocab, target.params, target.cfg, grown)
 
 
-def test_extend_end_to_end_is_lossless(target, tiny_target_dir, tmp_path):
+def test_extend_end_to_end_is_lossless(target, tiny_target_dir, tmp_path, capsys):
     corpus = _corpus(tmp_path / "c.jsonl", "w7", ["w50 w51 w50", "w52 w50"])
     counts_path = tmp_path / "counts.npy"
     assert main(["count", "--target", str(tiny_target_dir), "--corpus", str(corpus),
@@ -231,8 +231,11 @@ def test_extend_end_to_end_is_lossless(target, tiny_target_dir, tmp_path):
     assert main(argv) == 0
     kept = set(vocab_lib.target_ids(load_draft(tmp_path / "top", target.cfg)[2]).tolist())
     assert set(added) | set(target.cfg.eos_token_ids) <= kept and kept <= chosen
+    capsys.readouterr()
     assert main(argv[:-4] + ["--size", str(size + 1), "--out", str(tmp_path / "x")]) == 2
+    assert "exceeds the head's draft vocabulary" in capsys.readouterr().err
     assert main(argv + ["--like", str(tmp_path / "small")]) == 2  # one way of choosing, not both
+    assert "not both" in capsys.readouterr().err
 
 
 def test_vocab_coverage_benchmark(tmp_path):
