@@ -98,11 +98,6 @@ def top_ids(counts_V: np.ndarray, size: int, forced: tuple[int, ...] = ()) -> np
     return np.sort(np.concatenate([np.asarray(forced, np.int64), rest.astype(np.int64)]))
 
 
-def method_of(cfg) -> str:
-    """The name of what trim does to this head: FR-Spec on the target's rows, else VocabTrim."""
-    return "FR-Spec" if cfg.lm_head_source == "target" else "VocabTrim"
-
-
 def trim_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray):
     """(params, cfg, vocab) of the reduced head over target ids `ids` (ascending): a subset of
     the source head's draft ids (all V for a full-vocabulary head)."""
@@ -258,17 +253,23 @@ def main(argv=None) -> int:
         from eagle3_jax.vocab import target_ids
 
         params, cfg, vocab, embed = load_draft(args.draft, target.cfg)
-        if args.cmd == "trim" and args.like:
-            if args.counts or args.size:
-                raise Eagle3Error("trim takes --like HEAD or --counts C.npy --size N, not both")
-            ids = target_ids(load_draft(args.like, target.cfg)[2])
+
+        def write_trimmed(ids, what: str) -> int:
             new_p, new_cfg, new_vocab = trim_head(
                 params, cfg, vocab, target.params, target.cfg, ids
             )
             save_draft(args.out, new_p, new_cfg, new_vocab, dtype=args.dtype, embed=embed)
-            print(f"{method_of(cfg)}: wrote {args.out} (Vd {cfg.draft_vocab_size} -> {ids.size}, "
-                  f"the ids of {args.like})")  # fmt: skip
+            method = "FR-Spec" if cfg.lm_head_source == "target" else "VocabTrim"
+            print(f"{method}: wrote {args.out} ({what})")
             return 0
+
+        if args.cmd == "trim" and args.like:
+            if args.counts or args.size:
+                raise Eagle3Error("trim takes --like HEAD or --counts C.npy --size N, not both")
+            ids = target_ids(load_draft(args.like, target.cfg)[2])
+            return write_trimmed(
+                ids, f"Vd {cfg.draft_vocab_size} -> {ids.size}, the ids of {args.like}"
+            )
         if args.counts is None or args.size is None:
             raise Eagle3Error(f"{args.cmd} needs --counts C.npy and --size N")
         counts = np.load(args.counts)
@@ -312,11 +313,8 @@ def main(argv=None) -> int:
                       "out", file=sys.stderr)  # fmt: skip
             forced = tuple(i for i in forced if i not in absent)
         ids = top_ids(rank, args.size, forced)
-        new_p, new_cfg, new_vocab = trim_head(params, cfg, vocab, target.params, target.cfg, ids)
-        save_draft(args.out, new_p, new_cfg, new_vocab, dtype=args.dtype, embed=embed)
         cover = float(counts[ids].sum() / max(counts.sum(), 1))
-        print(f"{method_of(cfg)}: wrote {args.out} (Vd {ids.size}, {cover:.1%} of counted tokens)")
-        return 0
+        return write_trimmed(ids, f"Vd {ids.size}, {cover:.1%} of counted tokens")
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
