@@ -2,7 +2,7 @@
 """How much of a target's text a draft vocabulary can propose at all.
 
   .venv/bin/python benchmarks/vocab_coverage.py --counts C.npy \
-      --text mt_bench=benchmarks/results/reporting_tree_mt_bench_80/results.json \
+      --text mt_bench=benchmarks/results/reporting_tree_mt_bench_80/results.json.gz \
       --text heldout=data/smollm2_135m_regenerated_heldout.jsonl.gz [--draft NAME=HEAD ...]
   (a --text may list several files: NAME=FILE,FILE)
 
@@ -38,14 +38,16 @@ def _flat(ids) -> list[int]:
 
 
 def answer_tokens(path: str | Path) -> np.ndarray:
-    """Every answer token id of an evaluation results.json (one method's records: the outputs
+    """Every answer token id of an evaluation results.json[.gz] (one method's records: the outputs
     of all methods are the same greedy text) or of a JSON Lines data file with `output_ids`
     (first turns) or `turn_output_ids` (`regenerate --all-turns`)."""
     path = Path(path)
     if not path.is_file():
         raise Eagle3Error(f"text file {path} does not exist")
-    if path.suffix == ".json":
-        records = json.loads(path.read_text())["records"]
+    if path.name.endswith((".json", ".json.gz")):  # an evaluation run's results (.jsonl: data)
+        from eagle3_jax.evaluation.runner import read_results
+
+        records = read_results(path)["records"]
         first = records[0]["method"] if records else None
         rows = [r["output_ids"] for r in records if r["method"] == first]
     else:

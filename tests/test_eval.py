@@ -1,5 +1,6 @@
 """python -m eagle3_jax.eval: metric arithmetic, an end-to-end tiny run, resuming, refusals."""
 
+import gzip
 import json
 import math
 
@@ -181,6 +182,9 @@ def test_end_to_end_resume_and_refusal(setup, tmp_path, capsys):
 
     tok = AutoTokenizer.from_pretrained(setup[0])
     convs = conversations_from_eval(full / "results.json", tok)
+    zipped = tmp_path / "results.json.gz"  # how benchmarks/results commits a run's results
+    zipped.write_bytes(gzip.compress((full / "results.json").read_bytes()))
+    assert conversations_from_eval(zipped, tok) == convs
     vanilla = [r for r in res["records"] if r["method"] == "vanilla"]
     assert len(convs) == len(vanilla) == 3
     for conv, r in zip(convs, vanilla):

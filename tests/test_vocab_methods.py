@@ -1,5 +1,6 @@
 """Draft-vocabulary methods: token counts, FR-Spec and VocabTrim heads (training-free), lossless."""
 
+import gzip
 import json
 
 import jax
@@ -249,13 +250,16 @@ def test_vocab_coverage_benchmark(tmp_path):
     )
     mod = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(mod)
-    results = {"records": [
+    results = {"config": {}, "records": [
         {"method": "vanilla", "output_ids": [[5, 6], [7]]},
         {"method": "eagle3", "output_ids": [[5, 6], [7]]},  # the same text: not counted twice
         {"method": "vanilla", "output_ids": [[8]]},
     ]}  # fmt: skip
     (tmp_path / "r.json").write_text(json.dumps(results))
     assert mod.answer_tokens(tmp_path / "r.json").tolist() == [5, 6, 7, 8]
+    with gzip.open(tmp_path / "results.json.gz", "wt") as f:  # as benchmarks/results commits them
+        json.dump(results, f)
+    assert mod.answer_tokens(tmp_path / "results.json.gz").tolist() == [5, 6, 7, 8]
     lines = [{"id": "a", "output_ids": [9, 5]}, {"id": "b", "output_ids": [[6], [6, 4]]},
              {"id": "c", "turn_output_ids": [[3], [2]]}]  # fmt: skip
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")

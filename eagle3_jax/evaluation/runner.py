@@ -11,6 +11,7 @@ Layout of OUT:
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 import re
@@ -434,6 +435,20 @@ def strict_json(x):
     if isinstance(x, list | tuple):
         return [strict_json(v) for v in x]
     return x
+
+
+def read_results(path: str | Path) -> dict:
+    """An evaluation run's results.json, or the same gzipped (results.json.gz: how the runs under
+    benchmarks/results are committed, a tenth of the size)."""
+    path = Path(path)
+    if not path.is_file():
+        raise Eagle3Error(f"evaluation results {path} do not exist")
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        res = json.load(f)
+    if not isinstance(res, dict) or "records" not in res or "config" not in res:
+        raise Eagle3Error(f"{path} is not an evaluation results.json (no config and records)")
+    return res
 
 
 def write_outputs(out: Path, records, questions, methods, seeds, opts) -> dict:

@@ -189,14 +189,13 @@ def score_head(
 
 
 def conversations_from_eval(path: str | Path, tokenizer, method: str = "vanilla") -> list:
-    """The conversations an evaluation run decoded (`eagle3_jax.eval`'s results.json): every
+    """The conversations an evaluation run decoded (`eagle3_jax.eval`'s results.json, or .gz): every
     question's user turns with `method`'s answers (greedy exact methods all give the target's),
     each answer as the next turn saw it (its text, special tokens dropped)."""
     from eagle3_jax.evaluation.questions import BENCHES, load_questions
+    from eagle3_jax.evaluation.runner import read_results
 
-    res = json.loads(Path(path).read_text())
-    if not isinstance(res, dict) or "records" not in res or "config" not in res:
-        raise Eagle3Error(f"{path} is not an evaluation results.json (no config and records)")
+    res = read_results(path)
     bench = res["config"]["bench"]
     # a question file that is gone (a subset written for one run): the shipped benchmarks' ids
     names = [bench] if bench in BENCHES or Path(bench).is_file() else list(BENCHES)
@@ -244,12 +243,12 @@ def split_set(spec: str) -> tuple[str, str]:
 def load_set(spec: str, tokenizer, max_len: int, n: int, seed: int):
     """'NAME=FILE' or 'FILE' -> (name, tokenised dataset); `n` > 0 keeps that many
     conversations drawn at random (seeded), else all. FILE is training data (ShareGPT /
-    role-content conversations) or an evaluation's results.json (its questions and answers)."""
+    role-content conversations) or an evaluation's results.json[.gz] (its questions and answers)."""
     from eagle3_jax.data.conversations import read_conversations
     from eagle3_jax.data.dataset import build_dataset
 
     name, path = split_set(spec)
-    if path.endswith("results.json"):
+    if path.endswith(("results.json", "results.json.gz")):
         convs = conversations_from_eval(path, tokenizer)
     else:
         convs, _ = read_conversations(path)
