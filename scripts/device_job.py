@@ -3,9 +3,10 @@
 The `device` tool (../.library/device) sends the working tree, at most 64 MiB with what `carry`
 names, to a machine that reaches nothing else: no PyPI, so neither the default target's wheel nor
 the `gguf` package nor the ShareGPT wheel. The GGUF (98 MB) travels in parts, one call each, every
-part small enough to go beside the tracked tree (~32 MiB with the shipped head), the conversations
-in a call of their own; the machine keeps ignored files between calls while it is warm (30 s
-idle), and `run` joins the parts and checks their sha256.
+part as large as what the working tree leaves a call (`part_size`; the tree is 34.1 MiB with the
+shipped head, so four parts), the conversations in a call of their own; the machine keeps
+ignored files between calls while it is warm (30 s idle), and `run` joins the parts and checks
+their sha256.
 
 Here, once (writes .device/, ignored by git):
   python scripts/device_job.py pack
@@ -243,6 +244,8 @@ def part_size(tree: int, whl: int, conv: int, part_mib: float | None = None) -> 
         )
     fits = room - whl
     if part_mib is not None:
+        if part_mib < 1:
+            raise SystemExit(f"--part-mib {part_mib}: a part needs at least 1 MiB")
         if part_mib * MIB > fits:
             raise SystemExit(
                 f"--part-mib {part_mib}: a part, the wheels ({whl / MIB:.1f} MiB) and the working "

@@ -111,6 +111,9 @@ def test_parts_are_sized_to_fit_a_call_with_the_working_tree(dj):
     assert dj.part_size(34 * mib, 2 * mib, 5 * mib, part_mib=20) == 20 * mib
     with pytest.raises(SystemExit, match=r"--part-mib 30: .* at most 27\.0"):
         dj.part_size(34 * mib, 2 * mib, 5 * mib, part_mib=30)
+    for bad in (0, -1, 0.5):  # no parts, or one part of the whole file
+        with pytest.raises(SystemExit, match="at least 1 MiB"):
+            dj.part_size(34 * mib, 2 * mib, 5 * mib, part_mib=bad)
     with pytest.raises(SystemExit, match=r"working tree \(60\.0 MiB\) leaves 1\.0 MiB"):
         dj.part_size(60 * mib, 2 * mib, 0)
     with pytest.raises(SystemExit, match=r"first call's carry"):
