@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax.compile_cache import cpu_model
 from eagle3_jax.models.layers import NEG_INF, cached_attention, kv_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +115,7 @@ def main() -> None:
             print(f"{slots:>6} {t:>4} {old:>9.2f} {new:>10.2f} {old / new:>5.2f}x", flush=True)
     meta = {
         "machine": platform.machine(),
-        "processor": platform.processor(),
+        "processor": cpu_model(),
         "jax": jax.__version__,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

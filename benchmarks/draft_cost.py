@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.checkpoints import load_target
+from eagle3_jax.compile_cache import cpu_model
 from eagle3_jax.evaluation.runner import load_head, parse_drafts
 from eagle3_jax.models import draft as drf
 
@@ -108,7 +108,7 @@ def main() -> None:
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "jax": jax.__version__}
+    meta = {"machine": cpu_model(), "jax": jax.__version__}
     meta.update(context=args.context, reps=args.reps, rows=rows_list)
     out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
     print(f"wrote {out}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import jax
 
 from eagle3_jax.checkpoints import default_gguf_path, load_target
+from eagle3_jax.compile_cache import cpu_model
 from eagle3_jax.decoding import plain
 from eagle3_jax.models import target as tgt
 from eagle3_jax.prompts import encode_chat
@@ -122,7 +122,7 @@ def main() -> None:
         "target": str(target.path),
         "jax": jax.__version__,
         "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "rows": rows,
     }

@@ -21,7 +21,6 @@ import glob
 import gzip
 import json
 import os
-import platform
 import re
 import sys
 import tempfile
@@ -34,6 +33,7 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402  (after XLA_FLAGS)
 
 from eagle3_jax.checkpoints import load_target  # noqa: E402
+from eagle3_jax.compile_cache import cpu_model  # noqa: E402
 from eagle3_jax.decoding import plain  # noqa: E402
 from eagle3_jax.decoding import speculative as spec  # noqa: E402
 from eagle3_jax.evaluation.questions import load_questions  # noqa: E402
@@ -131,7 +131,7 @@ def main() -> None:
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "jax": jax.__version__}
+    meta = {"machine": cpu_model(), "jax": jax.__version__}
     meta.update(question=args.question, new=args.new, tree=args.tree)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")

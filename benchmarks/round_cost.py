@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from eagle3_jax.checkpoints import load_target
+from eagle3_jax.compile_cache import cpu_model
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.evaluation.runner import load_head
@@ -97,7 +97,7 @@ def main() -> None:
             f"{r['plain_steps']:>11.2f} {r['speedup']:>7.2f}x"
         )
     meta = {
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_model(),
         "jax": jax.__version__,
         "row_products_max": layers.row_products_max(),
         "context": args.context,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.checkpoints import load_target
+from eagle3_jax.compile_cache import cpu_model
 from eagle3_jax.models import layers
 from eagle3_jax.models import target as tgt
 
@@ -108,7 +108,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_model(),
         "cpus": jax.local_device_count(),
         "jax": jax.__version__,
         "context": args.context,

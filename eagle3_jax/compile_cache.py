@@ -36,11 +36,9 @@ def _cpuinfo() -> str:
         return ""  # not Linux: the processor name alone
 
 
-def machine_key(cpuinfo: str | None = None) -> str:
-    """A short name for this host's compiler target: CPU model and flags (from /proc/cpuinfo, or
-    `cpuinfo`; the processor name where there is none) and the jax version."""
-    import jax
-
+def _cpu_fields(cpuinfo: str | None) -> tuple[str, str]:
+    """(model name, sorted feature flags) of the first processor in /proc/cpuinfo (or `cpuinfo`);
+    the model falls back to the processor name, then the architecture, where there is none."""
     model = flags = ""
     for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
         name, _, value = line.partition(":")
@@ -49,7 +47,21 @@ def machine_key(cpuinfo: str | None = None) -> str:
             model = value.strip()
         elif name in ("flags", "features") and not flags:
             flags = " ".join(sorted(value.split()))
-    model = model or platform.processor() or platform.machine()
+    return model or platform.processor() or platform.machine(), flags
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """This host's CPU model ("AMD EPYC", "Intel(R) Xeon(R) ..."), for benchmark records and the
+    per-machine choices that depend on it (models.layers' row-product probe)."""
+    return _cpu_fields(cpuinfo)[0]
+
+
+def machine_key(cpuinfo: str | None = None) -> str:
+    """A short name for this host's compiler target: CPU model and flags (from /proc/cpuinfo, or
+    `cpuinfo`; the processor name where there is none) and the jax version."""
+    import jax
+
+    model, flags = _cpu_fields(cpuinfo)
     digest = hashlib.sha256(f"{model}|{flags}|jax {jax.__version__}".encode()).hexdigest()
     return f"{platform.machine()}-{digest[:16]}"
 

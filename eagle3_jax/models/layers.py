@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import threading
 import time
@@ -173,16 +172,6 @@ if _env not in ("", "auto") and not _env.isdigit():
 ROW_PRODUCTS_MAX: int | None = None if _env in ("", "auto") else int(_env)  # None: not probed yet
 
 
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def time_row_products(rows: int = 4, layers: int = 6, reps: int = 25) -> dict[str, float]:
     """Median ms of `layers` SmolLM2-135M-shaped layers' projections (q, k, v, o, gate, up, down:
     576 wide, 1536 MLP, 192 K/V) over `rows` rows, as row products and as plain products, timed
@@ -228,7 +217,9 @@ def choose_row_products() -> int:
     from eagle3_jax.checkpoints import cache_dir  # late: checkpoints imports the models
 
     path = cache_dir() / "row_products.json"
-    key = f"{_cpu_name()} | {os.cpu_count()} cpus | jax {jax.__version__}"
+    from eagle3_jax.compile_cache import cpu_model
+
+    key = f"{cpu_model()} | {os.cpu_count()} cpus | jax {jax.__version__}"
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
