@@ -260,6 +260,9 @@ def test_vocab_coverage_benchmark(tmp_path):
     with gzip.open(tmp_path / "results.json.gz", "wt") as f:  # as benchmarks/results commits them
         json.dump(results, f)
     assert mod.answer_tokens(tmp_path / "results.json.gz").tolist() == [5, 6, 7, 8]
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")  # a damaged file: one clear line
+    with pytest.raises(Eagle3Error, match="cannot read evaluation results .*bad.json.gz"):
+        mod.answer_tokens(tmp_path / "bad.json.gz")
     lines = [{"id": "a", "output_ids": [9, 5]}, {"id": "b", "output_ids": [[6], [6, 4]]},
              {"id": "c", "turn_output_ids": [[3], [2]]}]  # fmt: skip
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")

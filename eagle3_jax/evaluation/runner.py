@@ -444,8 +444,11 @@ def read_results(path: str | Path) -> dict:
     if not path.is_file():
         raise Eagle3Error(f"evaluation results {path} do not exist")
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        res = json.load(f)
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            res = json.load(f)
+    except (OSError, EOFError, UnicodeDecodeError, ValueError) as e:  # BadGzipFile is an OSError
+        raise Eagle3Error(f"cannot read evaluation results {path}: {e}") from e
     if not isinstance(res, dict) or "records" not in res or "config" not in res:
         raise Eagle3Error(f"{path} is not an evaluation results.json (no config and records)")
     return res

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax.compile_cache import cpu_model
+
 NEG_INF = -1e30  # finite: a fully masked row (padding) yields a uniform, not NaN, softmax
 
 
@@ -217,8 +219,6 @@ def choose_row_products() -> int:
     from eagle3_jax.checkpoints import cache_dir  # late: checkpoints imports the models
 
     path = cache_dir() / "row_products.json"
-    from eagle3_jax.compile_cache import cpu_model
-
     key = f"{cpu_model()} | {os.cpu_count()} cpus | jax {jax.__version__}"
     try:
         known = json.loads(path.read_text())
