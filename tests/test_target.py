@@ -150,6 +150,55 @@ def test_reading_the_cache_equals_writing_it(stacked, hf_checkpoint):
         np.testing.assert_allclose(got.cache["v"][layer], want_v, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_logits_are_fp32(hf_checkpoint):
+    """bf16 parameters give fp32 logits: bf16 ones tie (0.125 apart at a logit of 16-32), and a
+    greedy choice then flips on the order of a sum."""
+    for tie in (True, False):
+        _, path = hf_checkpoint("llama", tie=tie)
+        params, cfg = load_hf(path, dtype=jnp.bfloat16)
+        logits = tgt.full_forward(params, jnp.asarray(_tokens(1, 5, cfg.vocab_size)), cfg).logits
+        assert logits.dtype == jnp.float32
+
+
+def _bf16_rounded_once(x):
+    """fp64 -> the nearest bf16 (round to nearest even, as XLA's convert), back as fp64."""
+    import ml_dtypes
+
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+@pytest.mark.parametrize("queries", [1, 4])
+def test_bf16_attention_is_fp32_rounded_once(queries):
+    """With a bf16 cache, attention is the fp32 computation of its bf16 inputs rounded to bf16
+    once, for one query (a decode step) and for several (a tree verification, a prefill) alike.
+    Rounding the probabilities to bf16 before p.V, as the several-query product did, changed ~40 %
+    of the outputs by a bf16 step against the one-query path, and a verification's logits then
+    differed from plain decoding's by ~0.3 in SmolLM2 instead of ~1e-5."""
+    from eagle3_jax.models.layers import attention
+
+    rng = np.random.default_rng(0)
+    b, g, r, k, s, valid = 1, 3, 3, 64, 256, 200
+    bf16 = jnp.bfloat16
+    keys = jnp.asarray(rng.standard_normal((b, g, k, s)), bf16)
+    values = jnp.asarray(rng.standard_normal((b, g, s, k)), bf16)
+    q = jnp.asarray(rng.standard_normal((b, queries, g * r, k)), bf16)
+    mask = jnp.broadcast_to(jnp.arange(s)[None, None] < valid, (b, queries, s))
+    got = np.asarray(jax.jit(attention)(q, keys, values, mask).astype(jnp.float32), np.float64)
+    # the reference in fp64 from the same bf16 inputs: [B, T, G, R, K]
+    qf = np.asarray(q.astype(jnp.float32), np.float64).reshape(b, queries, g, r, k)
+    kf = np.asarray(keys.astype(jnp.float32), np.float64)[..., :valid]
+    vf = np.asarray(values.astype(jnp.float32), np.float64)[:, :, :valid]
+    scores = np.einsum("btgrk,bgks->btgrs", qf, kf) / np.sqrt(k)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = _bf16_rounded_once(np.einsum("btgrs,bgsk->btgrk", p, vf)).reshape(got.shape)
+    step = np.abs(want) * 2.0**-7  # one bf16 step at that magnitude (8 significant bits)
+    off = got != want
+    assert np.all(np.abs(got - want) <= step + 1e-30)  # never more than one step
+    # off by a step only where fp32 and fp64 round to different sides (a tie): a handful
+    assert off.mean() < 0.01, f"{off.mean():.1%} of the outputs off by a bf16 step"
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 4), (1, 9), (3, 5)])
 def test_row_products_equal_the_matrix_product(shape):
     from eagle3_jax.models import layers

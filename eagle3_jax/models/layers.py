@@ -102,17 +102,22 @@ def attention(
         own = jnp.where(mask_new_BTT[:, None, None, :, :], own * scale, NEG_INF)
         scores = jnp.concatenate([scores, own], axis=-1)
     probs = jax.nn.softmax(scores, axis=-1)
+    # p.V with the probabilities in fp32 and an fp32 sum whatever the cache's dtype, one rounding
+    # to it at the end: one query and many (a tree verification) then differ only in the order of
+    # the sum. Rounding the probabilities to a bf16 cache's dtype first, as a plain bf16 product
+    # would, made a verification's logits differ from a decode step's by far more than that, and
+    # greedy speculative decoding in bf16 part from plain decoding within a few tokens.
     p = probs[..., :s].reshape(b, g, r * t, s)
-    if t == 1:  # products and sum in fp32 (a bf16 cache too), as the matrix product accumulates
+    if t == 1:  # a multiply-and-sum XLA fuses into one loop (see the scores)
         out = jnp.sum(p[..., None] * v_BGSK[:, :, None].astype(jnp.float32), axis=-2)
-        out = out.astype(v_BGSK.dtype)
     else:
-        out = jnp.einsum("bgms,bgsk->bgmk", p.astype(v_BGSK.dtype), v_BGSK)
+        out = jnp.einsum("bgms,bgsk->bgmk", p, v_BGSK, preferred_element_type=jnp.float32)
     out = out.reshape(b, g, r, t, k)
     if k_new is not None:
-        dt = v_BGSK.dtype
-        out = out + jnp.einsum("bgrtu,bugk->bgrtk", probs[..., s:].astype(dt), v_new.astype(dt))
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
+        out = out + jnp.einsum(
+            "bgrtu,bugk->bgrtk", probs[..., s:], v_new, preferred_element_type=jnp.float32
+        )
+    return out.astype(v_BGSK.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
 
 
 def write_kv(

@@ -284,17 +284,23 @@ def forward(
 
 
 def lm_head(params: Params, hidden: jax.Array, cfg: TargetConfig) -> jax.Array:
-    """Logits [..., V] from final normed hidden states (tied embeddings read the embedding)."""
+    """Logits [..., V], fp32 whatever the parameters' dtype, from final normed hidden states (tied
+    embeddings read the embedding). bf16 logits tie often (one bf16 step at a logit of 16-32 is
+    0.125) and a one-step change flips a greedy choice; fp32 ones make greedy decoding, and a
+    speculative round's acceptance, far less sensitive to the order of the products' sums."""
     if cfg.tie_word_embeddings:
         # [V, D] . [..., D] with the embedding as the LEFT operand, then V moved last: the same
         # products, but XLA:CPU's GEMM streams the 113 MB (SmolLM2) matrix far better this way
         # round when a few rows are scored at once (a tree verification: 8 ms instead of 13 ms for
         # 2-4 rows on the 2-core CPU; one row costs the same)
         logits = jax.lax.dot_general(
-            params["embed"], hidden, (((1,), (hidden.ndim - 1,)), ((), ()))
+            params["embed"],
+            hidden,
+            (((1,), (hidden.ndim - 1,)), ((), ())),
+            preferred_element_type=jnp.float32,
         )
         return jnp.moveaxis(logits, 0, -1)
-    return hidden @ params["lm_head"]
+    return jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def _scan_layers(layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids, mask_new=None):
