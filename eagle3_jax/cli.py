@@ -265,6 +265,8 @@ def _decode(args) -> int:
                 same = "identical" if rec["identical_to_plain"] else "DIFFERENT"
                 if sampling.temperature > 0:
                     same += " (sampling: outputs differ by design)"
+                elif not rec["identical_to_plain"]:
+                    same += _why_different(plain_rows[i]["output_ids"], out, target)
                 print(
                     f"--- plain: {rec['plain_tokens_per_s']:.1f} tokens/s in the same run -> "
                     f"speedup {rec['speedup']:.2f}x, outputs {same}"
@@ -275,6 +277,25 @@ def _decode(args) -> int:
         Path(args.json).write_text("[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n")
         print(f"wrote {len(records)} records to {args.json}", file=sys.stderr)
     return 0
+
+
+def _why_different(plain_out: list[int], out: list[int], target) -> str:
+    """Where greedy outputs part, and why that can happen below fp32."""
+    import jax
+    import jax.numpy as jnp
+
+    at = next((j for j, (a, b) in enumerate(zip(plain_out, out)) if a != b), None)
+    at = min(len(plain_out), len(out)) if at is None else at
+    dtype = jax.tree.leaves(target.params)[0].dtype
+    why = f" from token {at}"
+    if dtype != jnp.float32:
+        why += (
+            f" ({dtype.name} parameters: a verification sums over several tokens in another "
+            "order than a decode step over one, and each rounding to "
+            f"{dtype.name} can turn that into a logit difference that flips a near-tie; exact in "
+            "float32: --dtype float32; BENCHMARKS.md, 'Exactness in bfloat16')"
+        )
+    return why
 
 
 def _chat(args, target, draft, encode, sampling, max_context) -> int:

@@ -192,3 +192,20 @@ def test_chat_streams_and_keeps_history(tiny_target_dir, head_dir, monkeypatch, 
     )
     err = capsys.readouterr().err
     assert err.count("tokens/s, tau") == 2
+
+
+def test_a_difference_names_its_token_and_the_dtype():
+    """--compare-plain's DIFFERENT says from which token, and below fp32 why greedy outputs can
+    part (a verification's sums run in another order than a decode step's)."""
+    import types
+
+    import jax.numpy as jnp
+
+    from eagle3_jax.cli import _why_different
+
+    bf16 = types.SimpleNamespace(params={"embed": jnp.zeros((2, 2), jnp.bfloat16)})
+    f32 = types.SimpleNamespace(params={"embed": jnp.zeros((2, 2), jnp.float32)})
+    msg = _why_different([5, 6, 7], [5, 6, 8, 9], bf16)
+    assert msg.startswith(" from token 2 (bfloat16 parameters") and "--dtype float32" in msg
+    assert _why_different([5, 6, 7], [5, 6, 8], f32) == " from token 2"
+    assert _why_different([5, 6], [5, 6, 7], f32) == " from token 2"  # one stopped earlier
