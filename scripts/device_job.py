@@ -508,8 +508,10 @@ def bench(args) -> int:
         env = _env(args)
         if not args.target and not _gguf_ready(log):
             return 1
-        draft = (["--draft", args.draft] if args.draft else []) + (
-            ["--target", args.target] if args.target else []
+        draft = (
+            (["--draft", args.draft] if args.draft else [])
+            + (["--target", args.target] if args.target else [])
+            + (["--dtype", args.dtype] if getattr(args, "dtype", None) else [])
         )
         rc = _phase(
             log,
@@ -676,6 +678,12 @@ def main(argv=None) -> int:
     b.add_argument("--questions", type=int, default=1, help="per MT-bench category")
     b.add_argument(
         "--max-new-tokens", type=int, default=64, help="per turn (64: compiles leave time)"
+    )
+    b.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="default: the backend's (bfloat16 on a GPU); float32 checks exactness",
     )
     b.add_argument("--no-install", action="store_true")
     u = sub.add_parser("unpack", help="here: the files that came back -> runs/turns/")
