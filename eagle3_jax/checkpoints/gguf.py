@@ -1,4 +1,11 @@
-"""GGUF files (llama.cpp): dequantised with the `gguf` package, tokenizer via transformers; no torch."""
+"""GGUF files (llama.cpp): dequantised with the `gguf` package, tokenizer via transformers; no torch.
+
+transformers' own GGUF reader (`transformers.integrations.gguf.reader`, which `from_pretrained(...,
+gguf_file=)` goes through) imports PyTorch since transformers 5, and the base install has none: a
+fresh `make demo` failed converting the embedded default. The metadata is read here with the
+`gguf` package, and only transformers' tokenizer builder (`gguf_tokenizer_mapping`, no torch) is
+used, with the same inputs its reader would give it.
+"""
 
 from __future__ import annotations
 
@@ -42,17 +49,24 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _open(path: Path):
+    """(gguf.GGUFReader, metadata {key: value}) of a GGUF file; a bad file is one Eagle3Error."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    except Exception as e:  # the gguf package raises assorted errors on a bad file
+        raise Eagle3Error(f"cannot read GGUF file {path}: {e}") from e
+    return reader, meta
+
+
 def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     """Returns (HF-style config dict, HF-named float32 tensors) of a llama-family GGUF file."""
     import gguf
-    from transformers.integrations.gguf.reader import read_gguf_metadata
 
     path = Path(path)
-    try:
-        meta, _ = read_gguf_metadata(str(path), ())
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises assorted errors on a bad file
-        raise Eagle3Error(f"cannot read GGUF file {path}: {e}") from e
+    reader, meta = _open(path)
     arch = meta["general.architecture"]
     if arch not in _ARCH:
         raise Eagle3Error(
@@ -70,7 +84,7 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
         int(g("attention.head_count_kv") or g("attention.head_count")),
     )
     hidden = int(g("embedding_length"))
-    vocab = int(g("vocab_size") or meta.get("tokenizer.ggml.tokens"))
+    vocab = int(g("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     hf = {
         "architectures": [_ARCH[arch]],
@@ -107,8 +121,44 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     return hf, tensors
 
 
+# the tokenizer's special tokens: PreTrainedTokenizerFast argument <- tokenizer.ggml.<key> (an id)
+_SPECIAL_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
 def load_gguf_tokenizer(path: str | Path):
+    """The tokenizer a GGUF file describes, as transformers builds it from the file
+    (`from_pretrained(dir, gguf_file=name)`), without transformers' torch-importing reader."""
     from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
 
     path = Path(path)
-    return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    _, meta = _open(path)
+    if "tokenizer.ggml.tokens" not in meta:
+        raise Eagle3Error(f"GGUF file {path} holds no tokenizer (no tokenizer.ggml.tokens)")
+    # llama.cpp's keys renamed to the builder's: tokenizer fields and tokenizer_config fields
+    groups = {
+        group: {n: meta[f"tokenizer.{k}"] for k, n in renames.items() if f"tokenizer.{k}" in meta}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    spec, config = groups["tokenizer"], groups["tokenizer_config"]
+    kind = spec.get("tokenizer_type")
+    if kind == "llama":  # sentencepiece files without the flag: llama.cpp adds BOS
+        config.setdefault("add_bos_token", True)
+    elif kind == "gemma4":  # its chat template writes <bos> itself
+        config["add_bos_token"] = False
+    for name, key in _SPECIAL_IDS.items():
+        i = meta.get(f"tokenizer.ggml.{key}")
+        config[name] = spec["tokens"][int(i)] if i is not None else None
+    try:
+        backend, extra = convert_gguf_tokenizer(meta.get("general.architecture"), spec)
+    except ValueError as e:  # an unsupported tokenizer.ggml.model
+        raise Eagle3Error(f"cannot build the tokenizer of GGUF file {path}: {e}") from e
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
