@@ -42,7 +42,7 @@ from eagle3_jax.evaluation.questions import load_questions
 from eagle3_jax.evaluation.runner import load_head
 from eagle3_jax.heads import default_head
 from eagle3_jax.models import target as tgt
-from eagle3_jax.models.layers import causal_mask
+from eagle3_jax.models.layers import causal_mask, row_products_max
 from eagle3_jax.prompts import encode_chat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,24 +61,28 @@ def verify_against_steps(target, n: int = 4) -> dict:
     every = tuple(range(layers + 1))
     zero = jnp.zeros((1,), jnp.int32)
     pos = jnp.arange(t, dtype=jnp.int32)[None]
-    cache = tgt.forward(
-        params, jnp.asarray([prompt]), pos, causal_mask(zero, t, slots), cfg,
+    # jitted as the engine runs them (op by op, XLA would fuse nothing and sum differently)
+    step = jax.jit(lambda p, *a: tgt.forward(p, *a[:3], cfg, *a[3:], aux_ids=every))
+    verify = jax.jit(
+        lambda p, tok, pos, mask, cache, w, new: tgt.forward(
+            p, tok, pos, mask, cfg, cache, w, aux_ids=every, mask_new=new
+        )
+    )
+    cache = jax.jit(lambda p, *a: tgt.forward(p, *a[:3], cfg, *a[3:]).cache)(
+        params, jnp.asarray([prompt]), pos, causal_mask(zero, t, slots),
         tgt.make_cache(cfg, 1, slots, dtype), zero,
-    ).cache  # fmt: skip
+    )  # fmt: skip
     steps_h, steps_l, c = [], [], cache
     for i, tok in enumerate(new):
         cur = jnp.asarray([t + i], jnp.int32)
-        o = tgt.forward(
-            params, jnp.asarray([[tok]]), cur[:, None], causal_mask(cur, 1, slots), cfg, c, cur,
-            aux_ids=every,
-        )  # fmt: skip
+        o = step(params, jnp.asarray([[tok]]), cur[:, None], causal_mask(cur, 1, slots), c, cur)
         c = o.cache
         steps_h.append(np.asarray(o.aux[0, 0].astype(jnp.float32)))
         steps_l.append(np.asarray(o.logits[0, 0].astype(jnp.float32)))
     read = jnp.broadcast_to(jnp.arange(slots)[None, None] < t, (1, n, slots))
-    o = tgt.forward(
-        params, jnp.asarray([new]), (t + jnp.arange(n, dtype=jnp.int32))[None], read, cfg, cache,
-        jnp.asarray([t]), aux_ids=every, mask_new=jnp.tril(jnp.ones((n, n), bool))[None],
+    o = verify(
+        params, jnp.asarray([new]), (t + jnp.arange(n, dtype=jnp.int32))[None], read, cache,
+        jnp.asarray([t]), jnp.tril(jnp.ones((n, n), bool))[None],
     )  # fmt: skip
     ver_h = np.asarray(o.aux[0].astype(jnp.float32))
     ver_l = np.asarray(o.logits[0].astype(jnp.float32))
@@ -191,6 +195,7 @@ def main() -> int:
         "machine": cpu_model(), "backend": jax.default_backend(), "jax": jax.__version__,
         "questions": [q.id for q in qs], "new_tokens": args.new,
         "tree": [tree.top_k, tree.depth, tree.total_tokens, tree.verify_threshold],
+        "row_products_max": row_products_max(),  # 0: few-row products as plain matrix products
     }  # fmt: skip
     out.write_text(
         json.dumps({"meta": meta, "verify": verify, "rows": rows, "answers": answers}) + "\n"

@@ -287,7 +287,7 @@ def _why_different(plain_out: list[int], out: list[int], target) -> str:
     at = next((j for j, (a, b) in enumerate(zip(plain_out, out)) if a != b), None)
     at = min(len(plain_out), len(out)) if at is None else at
     dtype = jax.tree.leaves(target.params)[0].dtype
-    why = f" from token {at}"
+    why = f" from new token {at} (0-based)"
     if dtype != jnp.float32:
         why += (
             f" ({dtype.name} parameters: a verification sums over several tokens in another "

@@ -508,7 +508,7 @@ def bench(args) -> int:
         env = _env(args)
         if not args.target and not _gguf_ready(log):
             return 1
-        draft = (
+        extra = (
             (["--draft", args.draft] if args.draft else [])
             + (["--target", args.target] if args.target else [])
             + (["--dtype", args.dtype] if getattr(args, "dtype", None) else [])
@@ -518,7 +518,7 @@ def bench(args) -> int:
             "bench",
             [sys.executable, "-m", "eagle3_jax.eval", "--bench", "mt_bench",
              "--questions", str(args.questions), "--max-new-tokens", str(args.max_new_tokens),
-             "--methods", args.methods, "--out", str(BENCH_OUT), "--no-progress", *draft],
+             "--methods", args.methods, "--out", str(BENCH_OUT), "--no-progress", *extra],
             env,
             log.left(args.minutes) - 20,
         )  # fmt: skip

@@ -206,6 +206,11 @@ def test_a_difference_names_its_token_and_the_dtype():
     bf16 = types.SimpleNamespace(params={"embed": jnp.zeros((2, 2), jnp.bfloat16)})
     f32 = types.SimpleNamespace(params={"embed": jnp.zeros((2, 2), jnp.float32)})
     msg = _why_different([5, 6, 7], [5, 6, 8, 9], bf16)
-    assert msg.startswith(" from token 2 (bfloat16 parameters") and "--dtype float32" in msg
-    assert _why_different([5, 6, 7], [5, 6, 8], f32) == " from token 2"
-    assert _why_different([5, 6], [5, 6, 7], f32) == " from token 2"  # one stopped earlier
+    assert (
+        msg.startswith(" from new token 2 (0-based) (bfloat16 parameters")
+        and "--dtype float32" in msg
+    )
+    assert _why_different([5, 6, 7], [5, 6, 8], f32) == " from new token 2 (0-based)"
+    assert (
+        _why_different([5, 6], [5, 6, 7], f32) == " from new token 2 (0-based)"
+    )  # one stopped earlier

@@ -156,8 +156,12 @@ def test_bf16_logits_are_fp32(hf_checkpoint):
     for tie in (True, False):
         _, path = hf_checkpoint("llama", tie=tie)
         params, cfg = load_hf(path, dtype=jnp.bfloat16)
-        logits = tgt.full_forward(params, jnp.asarray(_tokens(1, 5, cfg.vocab_size)), cfg).logits
-        assert logits.dtype == jnp.float32
+        out = tgt.full_forward(params, jnp.asarray(_tokens(1, 5, cfg.vocab_size)), cfg)
+        assert out.logits.dtype == jnp.float32
+        # the fp32 product of the bf16 inputs, not a bf16 result widened afterwards
+        w = params["embed"].T if tie else params["lm_head"]
+        want = np.asarray(out.hidden, np.float32) @ np.asarray(w, np.float32)
+        np.testing.assert_allclose(np.asarray(out.logits), want, rtol=1e-5, atol=1e-5)
 
 
 def _bf16_rounded_once(x):
@@ -167,36 +171,61 @@ def _bf16_rounded_once(x):
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
-@pytest.mark.parametrize("queries", [1, 4])
-def test_bf16_attention_is_fp32_rounded_once(queries):
-    """With a bf16 cache, attention is the fp32 computation of its bf16 inputs rounded to bf16
-    once, for one query (a decode step) and for several (a tree verification, a prefill) alike.
-    Rounding the probabilities to bf16 before p.V, as the several-query product did, changed ~40 %
-    of the outputs by a bf16 step against the one-query path, and a verification's logits then
-    differed from plain decoding's by ~0.3 in SmolLM2 instead of ~1e-5."""
+@pytest.mark.parametrize("new_entries", [False, True], ids=["cache", "cache+new"])
+def test_bf16_attention_one_query_and_many_compute_alike(new_entries):
+    """With a bf16 cache, attention is the fp32 computation of its bf16 inputs, the probabilities
+    rounded to bf16 for p.V and the output rounded once, for one query (a decode step) and for
+    several (a verification, with its new entries beside the cache or not). The one-query path
+    used to keep the probabilities in fp32 while the several-query one rounded them, so ~40 % of
+    the outputs differed by a bf16 step and a verification's logits differed from a decode step's
+    by ~0.6 in SmolLM2."""
+    import ml_dtypes
+
     from eagle3_jax.models.layers import attention
 
     rng = np.random.default_rng(0)
-    b, g, r, k, s, valid = 1, 3, 3, 64, 256, 200
+    b, g, r, k, s, valid, t = 1, 3, 3, 64, 256, 200, 4
     bf16 = jnp.bfloat16
     keys = jnp.asarray(rng.standard_normal((b, g, k, s)), bf16)
     values = jnp.asarray(rng.standard_normal((b, g, s, k)), bf16)
-    q = jnp.asarray(rng.standard_normal((b, queries, g * r, k)), bf16)
-    mask = jnp.broadcast_to(jnp.arange(s)[None, None] < valid, (b, queries, s))
-    got = np.asarray(jax.jit(attention)(q, keys, values, mask).astype(jnp.float32), np.float64)
-    # the reference in fp64 from the same bf16 inputs: [B, T, G, R, K]
-    qf = np.asarray(q.astype(jnp.float32), np.float64).reshape(b, queries, g, r, k)
-    kf = np.asarray(keys.astype(jnp.float32), np.float64)[..., :valid]
-    vf = np.asarray(values.astype(jnp.float32), np.float64)[:, :, :valid]
-    scores = np.einsum("btgrk,bgks->btgrs", qf, kf) / np.sqrt(k)
+    q = jnp.asarray(rng.standard_normal((b, t, g * r, k)), bf16)
+    mask = jnp.broadcast_to(jnp.arange(s)[None, None] < valid, (b, t, s))
+    extra = ()
+    if new_entries:  # the verified tokens' own K/V, attended causally beside the cache
+        k_new = jnp.asarray(rng.standard_normal((b, t, g, k)), bf16)
+        v_new = jnp.asarray(rng.standard_normal((b, t, g, k)), bf16)
+        extra = (k_new, v_new, jnp.tril(jnp.ones((t, t), bool))[None])
+    got = np.asarray(jax.jit(attention)(q, keys, values, mask, *extra).astype(jnp.float32))
+
+    def as64(x):
+        return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+    # the reference in fp64 from the same bf16 inputs, per query row: [B, T, G, R, K]
+    qf = as64(q).reshape(b, t, g, r, k)
+    kf, vf = as64(keys)[..., :valid], as64(values)[:, :, :valid]
+    scores = np.einsum("btgrk,bgks->btgrs", qf, kf)
+    vals = np.broadcast_to(vf[:, None], (b, t, g, valid, k))
+    if new_entries:
+        own = np.einsum("btgrk,bugk->btgru", qf, as64(k_new))
+        own = np.where(np.tril(np.ones((t, t), bool))[None, :, None, None], own, -np.inf)
+        scores = np.concatenate([scores, own], -1)
+        vn = np.broadcast_to(as64(v_new).transpose(0, 2, 1, 3)[:, None], (b, t, g, t, k))
+        vals = np.concatenate([vals, vn], -2)
+    scores = scores / np.sqrt(k)
     p = np.exp(scores - scores.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    want = _bf16_rounded_once(np.einsum("btgrs,bgsk->btgrk", p, vf)).reshape(got.shape)
+    p = p / p.sum(-1, keepdims=True)
+    p = p.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)  # rounded for p.V
+    want = np.einsum("btgrs,btgsk->btgrk", p, vals).reshape(got.shape)
+    want = want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
     step = np.abs(want) * 2.0**-7  # one bf16 step at that magnitude (8 significant bits)
     off = got != want
     assert np.all(np.abs(got - want) <= step + 1e-30)  # never more than one step
-    # off by a step only where fp32 and fp64 round to different sides (a tie): a handful
+    # off by a step only where an fp32 sum and the fp64 one round to different sides
     assert off.mean() < 0.01, f"{off.mean():.1%} of the outputs off by a bf16 step"
+    if not new_entries:  # each row alone (a decode step's one query) gives the same bits
+        for i in range(t):
+            one = jax.jit(attention)(q[:, i : i + 1], keys, values, mask[:, i : i + 1])
+            np.testing.assert_array_equal(np.asarray(one.astype(jnp.float32))[:, 0], got[:, i])
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 4), (1, 9), (3, 5)])

@@ -85,39 +85,51 @@ def attention(
     r = h // g
     s = k_BGKS.shape[-1]
     scale = 1.0 / np.sqrt(k)
+    f32, dt = jnp.float32, v_BGSK.dtype
+    # One query (a decode step) and several (a verification, a prefill) compute the same products
+    # and differ only in the order of fp32 sums, so that a verification's logits equal a decode
+    # step's as nearly as the dtype allows (greedy speculative decoding = plain decoding). So: the
+    # probabilities are rounded to the cache's dtype in both (bf16 p.V as flash attention does; the
+    # several-query path used to, the one-query path not: ~40 % of bf16 outputs then differed by
+    # a bf16 step), every sum is fp32 with one rounding at the end, and fp32 products run at full
+    # precision (a GPU's default would round fp32 operands to TF32 in the matrix products only).
+    hi = jax.lax.Precision.HIGHEST if dt == f32 else None
     # queries as [B, G, R*T, K]: one (R*T x K) @ (K x S) product per kv head
     q = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, k)
     if t == 1:
         # one query: a multiply-and-sum XLA fuses into one loop, where a product routine of 3-row
         # matrices costs twice as much on the CPU
-        scores = jnp.sum(q[..., None].astype(jnp.float32) * k_BGKS[:, :, None], axis=-2)
+        scores = jnp.sum(q[..., None].astype(f32) * k_BGKS[:, :, None].astype(f32), axis=-2)
     else:
-        scores = jnp.einsum("bgmk,bgks->bgms", q, k_BGKS, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("bgmk,bgks->bgms", q, k_BGKS, preferred_element_type=f32, precision=hi)
     scores = scores.reshape(b, g, r, t, s)
     scores = jnp.where(mask_BTS[:, None, None, :, :], scores * scale, NEG_INF)
     if k_new is not None:
         own = jnp.einsum(
-            "bgrtk,bugk->bgrtu", q.reshape(b, g, r, t, k), k_new, preferred_element_type=jnp.float32
+            "bgrtk,bugk->bgrtu",
+            q.reshape(b, g, r, t, k),
+            k_new,
+            preferred_element_type=f32,
+            precision=hi,
         )
         own = jnp.where(mask_new_BTT[:, None, None, :, :], own * scale, NEG_INF)
         scores = jnp.concatenate([scores, own], axis=-1)
-    probs = jax.nn.softmax(scores, axis=-1)
-    # p.V with the probabilities in fp32 and an fp32 sum whatever the cache's dtype, one rounding
-    # to it at the end: one query and many (a tree verification) then differ only in the order of
-    # the sum. Rounding the probabilities to a bf16 cache's dtype first, as a plain bf16 product
-    # would, made a verification's logits differ from a decode step's by far more than that, and
-    # greedy speculative decoding in bf16 part from plain decoding within a few tokens.
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     p = probs[..., :s].reshape(b, g, r * t, s)
-    if t == 1:  # a multiply-and-sum XLA fuses into one loop (see the scores)
-        out = jnp.sum(p[..., None] * v_BGSK[:, :, None].astype(jnp.float32), axis=-2)
+    if t == 1:
+        out = jnp.sum(p[..., None].astype(f32) * v_BGSK[:, :, None].astype(f32), axis=-2)
     else:
-        out = jnp.einsum("bgms,bgsk->bgmk", p, v_BGSK, preferred_element_type=jnp.float32)
+        out = jnp.einsum("bgms,bgsk->bgmk", p, v_BGSK, preferred_element_type=f32, precision=hi)
     out = out.reshape(b, g, r, t, k)
     if k_new is not None:
         out = out + jnp.einsum(
-            "bgrtu,bugk->bgrtk", probs[..., s:], v_new, preferred_element_type=jnp.float32
+            "bgrtu,bugk->bgrtk",
+            probs[..., s:],
+            v_new.astype(dt),
+            preferred_element_type=f32,
+            precision=hi,
         )
-    return out.astype(v_BGSK.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
+    return out.astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
 
 
 def write_kv(
