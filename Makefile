@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11):
 #   make demo   EAGLE-3 speculative decoding on the embedded default with its shipped head, compared
 #               with plain decoding in the same run (answer, tau, tokens/s, speedup)
-#   make test   the default test suite, 10-14 min on 2 cores (.ci/run calls it, then make test-slow)
+#   make test   the default test suite, 10-18 min on 2 cores (.ci/run calls it, then make test-slow,
+#               then make demo with the base install alone and an empty cache)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -39,4 +40,4 @@ lint: $(VENV)/.test
 	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check eagle3_jax tests decode.py train.py benchmarks configs scripts
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-base .pytest_cache

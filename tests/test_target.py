@@ -164,21 +164,12 @@ def test_bf16_logits_are_fp32(hf_checkpoint):
         np.testing.assert_allclose(np.asarray(out.logits), want, rtol=1e-5, atol=1e-5)
 
 
-def _bf16_rounded_once(x):
-    """fp64 -> the nearest bf16 (round to nearest even, as XLA's convert), back as fp64."""
-    import ml_dtypes
-
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
-
-
 @pytest.mark.parametrize("new_entries", [False, True], ids=["cache", "cache+new"])
 def test_bf16_attention_one_query_and_many_compute_alike(new_entries):
-    """With a bf16 cache, attention is the fp32 computation of its bf16 inputs, the probabilities
-    rounded to bf16 for p.V and the output rounded once, for one query (a decode step) and for
-    several (a verification, with its new entries beside the cache or not). The one-query path
-    used to keep the probabilities in fp32 while the several-query one rounded them, so ~40 % of
-    the outputs differed by a bf16 step and a verification's logits differed from a decode step's
-    by ~0.6 in SmolLM2."""
+    """With a bf16 cache, attention is the fp32 computation of its bf16 inputs rounded once, for
+    one query (a decode step) and for several (a verification, with its new entries beside the
+    cache or not). The one-query path used to keep the probabilities in fp32 while the
+    several-query one rounded them to bf16, so ~40 % of the outputs differed by a bf16 step."""
     import ml_dtypes
 
     from eagle3_jax.models.layers import attention
@@ -214,12 +205,12 @@ def test_bf16_attention_one_query_and_many_compute_alike(new_entries):
     scores = scores / np.sqrt(k)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     p = p / p.sum(-1, keepdims=True)
-    p = p.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)  # rounded for p.V
     want = np.einsum("btgrs,btgsk->btgrk", p, vals).reshape(got.shape)
     want = want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
     step = np.abs(want) * 2.0**-7  # one bf16 step at that magnitude (8 significant bits)
     off = got != want
-    assert np.all(np.abs(got - want) <= step + 1e-30)  # never more than one step
+    # never more than one step (or fp32's error on terms of size ~1, where a sum cancels)
+    assert np.all(np.abs(got - want) <= step + 1e-6)
     # off by a step only where an fp32 sum and the fp64 one round to different sides
     assert off.mean() < 0.01, f"{off.mean():.1%} of the outputs off by a bf16 step"
     if not new_entries:  # each row alone (a decode step's one query) gives the same bits

@@ -67,7 +67,7 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
 
     path = Path(path)
     reader, meta = _open(path)
-    arch = meta["general.architecture"]
+    arch = meta.get("general.architecture")
     if arch not in _ARCH:
         raise Eagle3Error(
             f"GGUF architecture {arch!r} is not supported: use one of {sorted(_ARCH)}"
@@ -85,6 +85,8 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     )
     hidden = int(g("embedding_length"))
     vocab = int(g("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())))
+    if not vocab:
+        raise Eagle3Error(f"GGUF file {path} states no vocabulary size and holds no tokenizer")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     hf = {
         "architectures": [_ARCH[arch]],

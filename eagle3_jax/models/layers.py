@@ -62,6 +62,12 @@ def to_cache_layout(k_BTGK: jax.Array, v_BTGK: jax.Array) -> tuple[jax.Array, ja
     return k_BTGK.transpose(0, 2, 3, 1), v_BTGK.transpose(0, 2, 1, 3)
 
 
+# The most queries per attention call computed for exactness (fp32 probabilities in p.V): decode
+# steps and tree verifications (EAGLE-3's reporting tree verifies 60 tokens); prefills and training
+# features above it use a bf16 p.V product in bf16.
+EXACT_QUERIES = 64
+
+
 def attention(
     q_BTHK: jax.Array,
     k_BGKS: jax.Array,
@@ -86,14 +92,19 @@ def attention(
     s = k_BGKS.shape[-1]
     scale = 1.0 / np.sqrt(k)
     f32, dt = jnp.float32, v_BGSK.dtype
-    # One query (a decode step) and several (a verification, a prefill) compute the same products
+    # A decode step (one query) and a verification (up to EXACT_QUERIES) compute the same products
     # and differ only in the order of fp32 sums, so that a verification's logits equal a decode
-    # step's as nearly as the dtype allows (greedy speculative decoding = plain decoding). So: the
-    # probabilities are rounded to the cache's dtype in both (bf16 p.V as flash attention does; the
-    # several-query path used to, the one-query path not: ~40 % of bf16 outputs then differed by
-    # a bf16 step), every sum is fp32 with one rounding at the end, and fp32 products run at full
-    # precision (a GPU's default would round fp32 operands to TF32 in the matrix products only).
-    hi = jax.lax.Precision.HIGHEST if dt == f32 else None
+    # step's as nearly as the dtype allows (greedy speculative decoding = plain decoding): the
+    # probabilities stay fp32 for p.V (every rounding of a value two paths sum in different orders
+    # can turn a last-bit difference into a bf16 step: rounding them to bf16 in both paths made
+    # bf16 greedy answers part sooner, BENCHMARKS.md "Exactness in bfloat16"), every sum is fp32
+    # with one rounding at the end, and fp32 operands run at full precision (a GPU's default
+    # would round them to TF32 in the matrix products but not in the one-query multiply-and-sum).
+    # Longer calls (prefill, training features) are compared with nothing: there p.V is a bf16
+    # product, as flash attention does, at the accelerators' bf16 rate.
+    exact = t <= EXACT_QUERIES
+    hi = jax.lax.Precision.HIGHEST
+    qk_hi = hi if jnp.result_type(q_BTHK, k_BGKS) == f32 else None
     # queries as [B, G, R*T, K]: one (R*T x K) @ (K x S) product per kv head
     q = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, k)
     if t == 1:
@@ -101,33 +112,43 @@ def attention(
         # matrices costs twice as much on the CPU
         scores = jnp.sum(q[..., None].astype(f32) * k_BGKS[:, :, None].astype(f32), axis=-2)
     else:
-        scores = jnp.einsum("bgmk,bgks->bgms", q, k_BGKS, preferred_element_type=f32, precision=hi)
+        scores = jnp.einsum(
+            "bgmk,bgks->bgms", q, k_BGKS, preferred_element_type=f32, precision=qk_hi
+        )
     scores = scores.reshape(b, g, r, t, s)
     scores = jnp.where(mask_BTS[:, None, None, :, :], scores * scale, NEG_INF)
-    if k_new is not None:
+    if k_new is not None:  # rounded to the cache's dtype, as a decode step writes it
         own = jnp.einsum(
             "bgrtk,bugk->bgrtu",
             q.reshape(b, g, r, t, k),
-            k_new,
+            k_new.astype(k_BGKS.dtype),
             preferred_element_type=f32,
-            precision=hi,
+            precision=qk_hi,
         )
         own = jnp.where(mask_new_BTT[:, None, None, :, :], own * scale, NEG_INF)
         scores = jnp.concatenate([scores, own], axis=-1)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    probs = jax.nn.softmax(scores, axis=-1)
+    pv_dtype, pv_hi = (f32, hi) if exact else (dt, None if dt != f32 else hi)
+    probs = probs.astype(pv_dtype)
     p = probs[..., :s].reshape(b, g, r * t, s)
     if t == 1:
-        out = jnp.sum(p[..., None].astype(f32) * v_BGSK[:, :, None].astype(f32), axis=-2)
+        out = jnp.sum(p[..., None] * v_BGSK[:, :, None].astype(f32), axis=-2)
     else:
-        out = jnp.einsum("bgms,bgsk->bgmk", p, v_BGSK, preferred_element_type=f32, precision=hi)
+        out = jnp.einsum(
+            "bgms,bgsk->bgmk",
+            p,
+            v_BGSK.astype(pv_dtype),
+            preferred_element_type=f32,
+            precision=pv_hi,
+        )
     out = out.reshape(b, g, r, t, k)
     if k_new is not None:
         out = out + jnp.einsum(
             "bgrtu,bugk->bgrtk",
             probs[..., s:],
-            v_new.astype(dt),
+            v_new.astype(dt).astype(pv_dtype),
             preferred_element_type=f32,
-            precision=hi,
+            precision=pv_hi,
         )
     return out.astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
 
