@@ -162,7 +162,9 @@ def test_gguf_converts_without_torch_as_transformers_reads_it(tmp_path):
         f"convert_gguf(Path({str(gguf_path)!r}), Path({str(out)!r}))\n"
         "assert sys.modules['torch'] is None\n"
     )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-2000:]
 
     target = load_target(out)
