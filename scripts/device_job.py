@@ -296,7 +296,9 @@ def check(args) -> int:
         env = _install_wheels()
         probe = (
             "import gguf, jax, optax, orbax.checkpoint, transformers, safetensors, tqdm; "
-            "from transformers.integrations.gguf.reader import read_gguf_metadata; "
+            "import jinja2, eagle3_jax.checkpoints.gguf; "
+            "from transformers.integrations.gguf.gguf_tokenizer_mapping import "
+            "convert_gguf_tokenizer; "
             "import eagle3_jax.training.timed, eagle3_jax.data.regenerate; "
             "print('imports ok: jax', jax.__version__, 'transformers', transformers.__version__, "
             "'gguf', gguf.__file__)"

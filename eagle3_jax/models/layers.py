@@ -64,7 +64,7 @@ def to_cache_layout(k_BTGK: jax.Array, v_BTGK: jax.Array) -> tuple[jax.Array, ja
 
 # The most queries per attention call computed for exactness (fp32 probabilities in p.V): decode
 # steps and tree verifications (EAGLE-3's reporting tree verifies 60 tokens); prefills and training
-# features above it use a bf16 p.V product in bf16.
+# features above it use a p.V product in the cache's dtype at the default precision.
 EXACT_QUERIES = 64
 
 
@@ -100,11 +100,12 @@ def attention(
     # bf16 greedy answers part sooner, BENCHMARKS.md "Exactness in bfloat16"), every sum is fp32
     # with one rounding at the end, and fp32 operands run at full precision (a GPU's default
     # would round them to TF32 in the matrix products but not in the one-query multiply-and-sum).
-    # Longer calls (prefill, training features) are compared with nothing: there p.V is a bf16
-    # product, as flash attention does, at the accelerators' bf16 rate.
+    # Longer calls (prefill, training features) are compared with nothing: there p.V is a product
+    # in the cache's dtype (bf16 as flash attention does) at the backend's default precision.
     exact = t <= EXACT_QUERIES
-    hi = jax.lax.Precision.HIGHEST
-    qk_hi = hi if jnp.result_type(q_BTHK, k_BGKS) == f32 else None
+    pv_dtype = f32 if exact else dt
+    pv_hi = jax.lax.Precision.HIGHEST if exact else None  # pv_dtype is fp32 there
+    qk_hi = pv_hi if jnp.result_type(q_BTHK, k_BGKS) == f32 else None
     # queries as [B, G, R*T, K]: one (R*T x K) @ (K x S) product per kv head
     q = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, k)
     if t == 1:
@@ -127,9 +128,7 @@ def attention(
         )
         own = jnp.where(mask_new_BTT[:, None, None, :, :], own * scale, NEG_INF)
         scores = jnp.concatenate([scores, own], axis=-1)
-    probs = jax.nn.softmax(scores, axis=-1)
-    pv_dtype, pv_hi = (f32, hi) if exact else (dt, None if dt != f32 else hi)
-    probs = probs.astype(pv_dtype)
+    probs = jax.nn.softmax(scores, axis=-1).astype(pv_dtype)
     p = probs[..., :s].reshape(b, g, r * t, s)
     if t == 1:
         out = jnp.sum(p[..., None] * v_BGSK[:, :, None].astype(f32), axis=-2)
