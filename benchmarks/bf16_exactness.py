@@ -38,6 +38,7 @@ from eagle3_jax.compile_cache import cpu_model
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.evaluation.metrics import common_prefix
 from eagle3_jax.evaluation.questions import load_questions
 from eagle3_jax.evaluation.runner import load_head
 from eagle3_jax.heads import default_head
@@ -98,10 +99,6 @@ def verify_against_steps(target, n: int = 4) -> dict:
         "first_differing_hidden_state": first,
         "logits_dtype": str(o.logits.dtype),
     }
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def main() -> int:

@@ -284,8 +284,9 @@ def _why_different(plain_out: list[int], out: list[int], target) -> str:
     import jax
     import jax.numpy as jnp
 
-    at = next((j for j, (a, b) in enumerate(zip(plain_out, out)) if a != b), None)
-    at = min(len(plain_out), len(out)) if at is None else at
+    from eagle3_jax.evaluation.metrics import common_prefix
+
+    at = common_prefix(plain_out, out)
     dtype = jax.tree.leaves(target.params)[0].dtype
     why = f" from new token {at} (0-based)"
     if dtype != jnp.float32:

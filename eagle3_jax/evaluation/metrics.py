@@ -90,6 +90,11 @@ def acceptance_by_depth(records: Iterable[dict]) -> list[float] | None:
     return None if h is None else acceptance_rates(h)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two outputs share (the index of the first that differs)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def exactness(method_records: Iterable[dict], vanilla_records: Iterable[dict]) -> float:
     """Fraction of (question, seed) pairs whose output (every turn) equals vanilla's."""
     base = {(r["question_id"], r["seed"]): r["output_ids"] for r in vanilla_records}
