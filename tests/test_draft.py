@@ -523,6 +523,32 @@ def test_target_lm_head_reads_the_target_output_embedding():
         dr.head_logits(bare, h, dcfg)
 
 
+@pytest.mark.parametrize("source", ["own", "target"])
+def test_bf16_head_logits_are_fp32(source):
+    """bf16 parameters give fp32 draft logits, the fp32 product of the bf16 inputs (as the
+    target's): the draft's top-k and the tree's cumulative scores rank by them, and bf16 logits
+    tie often (a one-step rounding at a logit of 16-32 is 0.125)."""
+    from eagle3_jax.models.layers import rms_norm
+
+    if source == "own":
+        dcfg = dr.DraftConfig.from_target(TARGET, draft_vocab_size=VD)
+        params = dr.init_params(dcfg, jax.random.PRNGKey(1), scale=0.3)
+    else:
+        _, _, dcfg, params = _target_head_setup()
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    h = jax.random.normal(jax.random.PRNGKey(2), (2, 3, HT), jnp.bfloat16)
+    got = dr.head_logits(params, h, dcfg)
+    assert got.dtype == jnp.float32
+    normed = np.asarray(rms_norm(h, params["final_norm"], dcfg.rms_norm_eps), np.float32)
+    w = params["lm_head"] if source == "own" else params["out_embed"].T
+    want = normed @ np.asarray(w, np.float32)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    # one row (the decode-time path) and the draft's top-k read the same fp32 logits
+    np.testing.assert_allclose(
+        np.asarray(dr.head_logits(params, h[:1, :1], dcfg)), want[:1, :1], rtol=1e-5, atol=1e-5
+    )
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_speculator_svd_init_is_the_best_rank_r_approximation_of_the_target_logits(tied):
     """(h A) B after the SVD init equals h times the truncated-SVD output embedding (numpy's), and

@@ -398,12 +398,20 @@ def midlayer(
 
 
 def head_logits(params: Params, hidden_BTD: jax.Array, cfg: DraftConfig) -> jax.Array:
-    """Draft logits [..., Vd] from the pre-norm midlayer output: the head's own lm_head, or (for
-    lm_head_source="target") the attached target output embedding over the full vocabulary."""
+    """Draft logits [..., Vd], fp32 whatever the parameters' dtype, from the pre-norm midlayer
+    output: the head's own lm_head, or (for lm_head_source="target") the attached target output
+    embedding over the full vocabulary. fp32, as the target's (models.target.lm_head): bf16 logits
+    tie often, and the draft's top-k and cumulative scores (the tree, adaptive verification) rank
+    by them."""
     normed = rms_norm(hidden_BTD, params["final_norm"], cfg.rms_norm_eps)
     if cfg.lm_head_source == "own":
-        return dense(normed, params["lm_head"])
-    return jnp.einsum("...d,vd->...v", normed, _out_embed(params).astype(normed.dtype))
+        return dense(normed, params["lm_head"], jnp.float32)
+    return jnp.einsum(
+        "...d,vd->...v",
+        normed,
+        _out_embed(params).astype(normed.dtype),
+        preferred_element_type=jnp.float32,
+    )
 
 
 def _out_embed(params: Params) -> jax.Array:
@@ -457,13 +465,13 @@ def draft_topk(
     logits exist.
     """
     if not cfg.speculator_rank:
-        lp = jax.nn.log_softmax(head_logits(params, hidden_XD, cfg).astype(jnp.float32), axis=-1)
+        lp = jax.nn.log_softmax(head_logits(params, hidden_XD, cfg), axis=-1)
         score, ids = jax.lax.top_k(lp, k)
         return score, draft_to_target_ids(ids, vocab)
     normed = rms_norm(hidden_XD, params["final_norm"], cfg.rms_norm_eps)
     _, cand = jax.lax.top_k(speculator_logits(params, normed), cfg.spec_candidates)  # [..., K]
     rows = jnp.take(_out_embed(params), cand, axis=0).astype(normed.dtype)  # [..., K, D]
-    exact = jnp.einsum("...d,...kd->...k", normed, rows).astype(jnp.float32)
+    exact = jnp.einsum("...d,...kd->...k", normed, rows, preferred_element_type=jnp.float32)
     score, j = jax.lax.top_k(jax.nn.log_softmax(exact, axis=-1), k)
     return score, jnp.take_along_axis(cand, j, axis=-1).astype(jnp.int32)
 

@@ -6,6 +6,7 @@ dtype) so that parity tests hold at 1e-4 or tighter.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -309,22 +310,24 @@ def row_products_max() -> int:
     return ROW_PRODUCTS_MAX
 
 
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x[..., K] @ w[K, N], as one vector-matrix product per row for a few rows on the CPU where
-    that is faster (see row_products_max)."""
+    that is faster (see row_products_max). `out_dtype` (e.g. fp32 for logits from bf16 weights)
+    is the products' result type, accumulated and returned without a rounding to the inputs' dtype."""
+    mm = functools.partial(jnp.matmul, preferred_element_type=out_dtype)
     rows = int(np.prod(x.shape[:-1]))
     if jax.default_backend() != "cpu":
-        return x @ w
+        return mm(x, w)
     if rows == 1:  # a vector-matrix product either way
-        return (x.reshape(-1) @ w).reshape(*x.shape[:-1], w.shape[-1])
+        return mm(x.reshape(-1), w).reshape(*x.shape[:-1], w.shape[-1])
     # probe only where its answer matters (2..ROW_PRODUCTS_ON rows); a set limit is used as is
     limit = ROW_PRODUCTS_MAX
     if limit is None:
         limit = row_products_max() if rows <= ROW_PRODUCTS_ON else 0
     if rows > limit:
-        return x @ w
+        return mm(x, w)
     flat = x.reshape(rows, x.shape[-1])
-    return jax.lax.map(lambda r: r @ w, flat).reshape(*x.shape[:-1], w.shape[-1])
+    return jax.lax.map(lambda r: mm(r, w), flat).reshape(*x.shape[:-1], w.shape[-1])
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
