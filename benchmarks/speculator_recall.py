@@ -84,7 +84,9 @@ def main(argv=None) -> int:
         out = drf.forward(params, embed, ids_1T[:, 1:], aux_1TF[:, :-1], pos, mask, dcfg,
                           compute_logits=False, target_features=True)  # fmt: skip
         n = rms_norm(out.hidden[0], params["final_norm"], dcfg.rms_norm_eps)
-        exact = n @ drf._out_embed(params).astype(n.dtype).T  # [t, V]
+        exact = jnp.matmul(
+            n, drf._out_embed(params).astype(n.dtype).T, preferred_element_type=jnp.float32
+        )  # [t, V]
         spec = drf.speculator_logits(params, n)
         return exact, spec
 

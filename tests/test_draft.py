@@ -523,29 +523,45 @@ def test_target_lm_head_reads_the_target_output_embedding():
         dr.head_logits(bare, h, dcfg)
 
 
-@pytest.mark.parametrize("source", ["own", "target"])
-def test_bf16_head_logits_are_fp32(source):
+@pytest.mark.parametrize("row_products", [0, 8], ids=["plain-products", "row-products"])
+@pytest.mark.parametrize("source", ["own", "target", "specvocab"])
+def test_bf16_head_logits_are_fp32(source, row_products, monkeypatch):
     """bf16 parameters give fp32 draft logits, the fp32 product of the bf16 inputs (as the
-    target's): the draft's top-k and the tree's cumulative scores rank by them, and bf16 logits
-    tie often (a one-step rounding at a logit of 16-32 is 0.125)."""
+    target's), through either CPU product (a few rows as one product or one per row): the draft's
+    top-k and the tree's cumulative scores rank by them, and bf16 logits tie often (a one-step
+    rounding at a logit of 16-32 is 0.125). SpecVocab's exact logits over its candidates too.
+    `out_dtype=None` (training's choice) keeps the parameters' dtype."""
+    from eagle3_jax.models import layers
     from eagle3_jax.models.layers import rms_norm
 
+    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", row_products)
     if source == "own":
         dcfg = dr.DraftConfig.from_target(TARGET, draft_vocab_size=VD)
         params = dr.init_params(dcfg, jax.random.PRNGKey(1), scale=0.3)
-    else:
-        _, _, dcfg, params = _target_head_setup()
-    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    h = jax.random.normal(jax.random.PRNGKey(2), (2, 3, HT), jnp.bfloat16)
-    got = dr.head_logits(params, h, dcfg)
-    assert got.dtype == jnp.float32
-    normed = np.asarray(rms_norm(h, params["final_norm"], dcfg.rms_norm_eps), np.float32)
+        voc = vocab_lib.build_from_counts(np.random.default_rng(0).integers(0, 50, V), VD)
+    else:  # every token a SpecVocab candidate: its exact logits are the full head's
+        _, _, dcfg, params = _target_head_setup(
+            rank=HT // 8 if source == "specvocab" else 0, candidates=V
+        )
+        voc = vocab_lib.identity(V)
+    bf16 = jnp.bfloat16
+    params = jax.tree.map(lambda x: x.astype(bf16), params)
+    h = jax.random.normal(jax.random.PRNGKey(2), (2, 3, HT), bf16)
+    normed = np.asarray(rms_norm(h, params["final_norm"], dcfg.rms_norm_eps), np.float64)
     w = params["lm_head"] if source == "own" else params["out_embed"].T
-    want = normed @ np.asarray(w, np.float32)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    # one row (the decode-time path) and the draft's top-k read the same fp32 logits
+    want = normed @ np.asarray(w, np.float64)  # [2, 3, Vd]: the exact product of bf16 inputs
+    if source != "specvocab":
+        got = dr.head_logits(params, h, dcfg)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+        one = dr.head_logits(params, h[:1, :1], dcfg)  # one row: the vector product
+        np.testing.assert_allclose(np.asarray(one), want[:1, :1], rtol=1e-5, atol=1e-5)
+        assert dr.head_logits(params, h, dcfg, out_dtype=None).dtype == bf16
+    score, _ = dr.draft_topk(params, h, dcfg, voc, 4)
+    lp = want - want.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
     np.testing.assert_allclose(
-        np.asarray(dr.head_logits(params, h[:1, :1], dcfg)), want[:1, :1], rtol=1e-5, atol=1e-5
+        np.asarray(score), -np.sort(-lp, axis=-1)[..., :4], rtol=1e-5, atol=1e-5
     )
 
 

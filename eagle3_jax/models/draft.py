@@ -397,20 +397,25 @@ def midlayer(
     return finish_layer(p, h_BTD, o, cfg), kv
 
 
-def head_logits(params: Params, hidden_BTD: jax.Array, cfg: DraftConfig) -> jax.Array:
-    """Draft logits [..., Vd], fp32 whatever the parameters' dtype, from the pre-norm midlayer
-    output: the head's own lm_head, or (for lm_head_source="target") the attached target output
-    embedding over the full vocabulary. fp32, as the target's (models.target.lm_head): bf16 logits
-    tie often, and the draft's top-k and cumulative scores (the tree, adaptive verification) rank
-    by them."""
+def head_logits(
+    params: Params, hidden_BTD: jax.Array, cfg: DraftConfig, out_dtype=jnp.float32
+) -> jax.Array:
+    """Draft logits [..., Vd] from the pre-norm midlayer output: the head's own lm_head, or (for
+    lm_head_source="target") the attached target output embedding over the full vocabulary.
+
+    fp32 by default whatever the parameters' dtype, as the target's (models.target.lm_head): bf16
+    logits tie often, and the draft's top-k and cumulative scores (the tree, adaptive
+    verification) rank by them. `out_dtype=None` gives the product in the parameters' dtype:
+    training's choice, whose backward products then stay in that dtype too (an fp32 result would
+    carry an fp32 gradient into both of them)."""
     normed = rms_norm(hidden_BTD, params["final_norm"], cfg.rms_norm_eps)
     if cfg.lm_head_source == "own":
-        return dense(normed, params["lm_head"], jnp.float32)
+        return dense(normed, params["lm_head"], out_dtype)
     return jnp.einsum(
         "...d,vd->...v",
         normed,
         _out_embed(params).astype(normed.dtype),
-        preferred_element_type=jnp.float32,
+        preferred_element_type=out_dtype,
     )
 
 

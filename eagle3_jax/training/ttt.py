@@ -310,7 +310,8 @@ def ttt_loss(
         h_new = finish_layer(lp, h_BTD, o, dcfg).astype(h_BTD.dtype)
 
         with jax.named_scope("ttt_step_loss"):
-            logits_BTC = head_logits(dparams, h_new, dcfg)  # fp32
+            # the product in the parameters' dtype, so that its backward products stay there
+            logits_BTC = head_logits(dparams, h_new, dcfg, out_dtype=None).astype(f32)
             logp = jax.nn.log_softmax(logits_BTC, axis=-1)
             pm_BT = at(pm_ext, i) * start_ok_BT
             lm_BT = at(lm_ext, i) * start_ok_BT
