@@ -87,7 +87,7 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
 
 def convert_gguf(gguf_path: Path, out: Path | None = None) -> Path:
     """Dequantises a GGUF file once into our format; later loads read the converted copy."""
-    from eagle3_jax.checkpoints.gguf import load_gguf_tokenizer, read_gguf
+    from eagle3_jax.checkpoints.gguf import read_gguf
     from eagle3_jax.checkpoints.hf import hf_to_params
     from eagle3_jax.checkpoints.native import is_native, save_native
 
@@ -95,10 +95,10 @@ def convert_gguf(gguf_path: Path, out: Path | None = None) -> Path:
     if is_native(out):
         return out
     print(f"eagle3_jax: converting {gguf_path.name} (once; cached in {out}) ...", file=sys.stderr)
-    hf, tensors = read_gguf(gguf_path)
+    hf, tensors, tokenizer = read_gguf(gguf_path)
     cfg = target_config_from_hf(hf)
     params = hf_to_params(tensors, cfg, np.float32)
-    save_native(out, params, cfg, load_gguf_tokenizer(gguf_path), source=str(gguf_path))
+    save_native(out, params, cfg, tokenizer, source=str(gguf_path))
     return out
 
 

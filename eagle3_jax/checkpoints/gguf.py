@@ -61,12 +61,19 @@ def _open(path: Path):
     return reader, meta
 
 
-def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """Returns (HF-style config dict, HF-named float32 tensors) of a llama-family GGUF file."""
-    import gguf
-
+def read_gguf(path: str | Path):
+    """(HF-style config dict, HF-named float32 tensors, tokenizer) of a llama-family GGUF file,
+    parsed once (~3 s for SmolLM2's 49,152-token vocabulary). The tokenizer is the one
+    transformers builds from the file (`from_pretrained(dir, gguf_file=name)`), without
+    transformers' torch-importing GGUF reader."""
     path = Path(path)
     reader, meta = _open(path)
+    return (*_config_and_tensors(path, reader, meta), _tokenizer(path, meta))
+
+
+def _config_and_tensors(path: Path, reader, meta: dict) -> tuple[dict, dict[str, np.ndarray]]:
+    import gguf
+
     arch = meta.get("general.architecture")
     if arch not in _ARCH:
         raise Eagle3Error(
@@ -132,17 +139,13 @@ _SPECIAL_IDS = {
 }
 
 
-def load_gguf_tokenizer(path: str | Path):
-    """The tokenizer a GGUF file describes, as transformers builds it from the file
-    (`from_pretrained(dir, gguf_file=name)`), without transformers' torch-importing reader."""
+def _tokenizer(path: Path, meta: dict):
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,
     )
 
-    path = Path(path)
-    _, meta = _open(path)
     if "tokenizer.ggml.tokens" not in meta:
         raise Eagle3Error(f"GGUF file {path} holds no tokenizer (no tokenizer.ggml.tokens)")
     # llama.cpp's keys renamed to the builder's: tokenizer fields and tokenizer_config fields
