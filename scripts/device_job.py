@@ -513,7 +513,7 @@ def bench(args) -> int:
         extra = (
             (["--draft", args.draft] if args.draft else [])
             + (["--target", args.target] if args.target else [])
-            + (["--dtype", args.dtype] if getattr(args, "dtype", None) else [])
+            + (["--dtype", args.dtype] if args.dtype else [])
         )
         rc = _phase(
             log,
