@@ -42,6 +42,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "default on the embedded target: the head shipped in eagle3_jax/heads",
     )
     p.add_argument(
+        "--draft-vocab",
+        default="auto",
+        metavar="auto|full|N",
+        help="draft ids the head proposes from: full (all), N (the first N its vocab_order.json "
+        "lists: a smaller output layer, cheaper rounds on a CPU) or auto (default: on the CPU "
+        "the size its vocab_order.json names, if any, else all; the shipped head: 8,192 of "
+        "16,384 on the CPU)",
+    )
+    p.add_argument(
         "--compare-plain",
         action="store_true",
         help="also decode each batch plainly and report the speedup and whether outputs match",

@@ -64,9 +64,11 @@ def load_draft_for(args, target):
             "--method eagle3 needs --draft PATH (an EAGLE-3 head: config.json + "
             "model.safetensors), or use --method vanilla / pld"
         )
+    from eagle3_jax.checkpoints.eagle_format import parse_draft_vocab
     from eagle3_jax.evaluation.runner import load_head
 
-    params, cfg, vocab, embed = load_head(args.draft, target, default_dtype(args.dtype))
+    request = parse_draft_vocab(getattr(args, "draft_vocab", None) or "auto")
+    params, cfg, vocab, embed = load_head(args.draft, target, default_dtype(args.dtype), request)
     if getattr(args, "spec_candidates", None):
         if not cfg.speculator_rank:
             raise Eagle3Error("--spec-candidates applies to SpecVocab heads only")
@@ -185,9 +187,11 @@ def _decode(args) -> int:
     draft = load_draft_for(args, target)
     tok = target.tokenizer
     max_context = args.max_context or target.cfg.max_position_embeddings
+    what = ""
+    if draft[0] is not None:
+        what = f" + draft {args.draft} (Vd {draft[1].draft_vocab_size})"
     print(
-        f"loaded {target.path} ({target.cfg.family}, {target.cfg.num_layers} layers)"
-        f"{' + draft ' + str(args.draft) if draft[0] is not None else ''} "
+        f"loaded {target.path} ({target.cfg.family}, {target.cfg.num_layers} layers){what} "
         f"in {time.perf_counter() - t0:.1f}s",
         file=sys.stderr,
     )

@@ -39,6 +39,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "default on the embedded target: the head shipped in eagle3_jax/heads)",
     )
     p.add_argument(
+        "--draft-vocab",
+        action="append",
+        default=[],
+        metavar="[NAME=]auto|full|N",
+        help="how many of a draft's ids to keep (repeatable; NAME= for one draft): auto "
+        "(default, as decode.py: on the CPU the size its vocab_order.json names, if any), "
+        "full, or the first N of its vocab_order.json",
+    )
+    p.add_argument(
         "--methods",
         default=None,
         help="comma list of vanilla, pld[:k,d,t], eagle3[:k,d,t][@NAME] "
@@ -98,6 +107,7 @@ def main(argv=None) -> int:
         dtype=args.dtype,
         progress=not args.no_progress,
         baseline=not args.no_baseline,
+        draft_vocab=tuple(args.draft_vocab),
     )
     try:
         run_eval(opts)

@@ -4,6 +4,8 @@
   python -m eagle3_jax.vocab_tools trim --draft HEAD --counts C.npy --size 8192 --out NEW_HEAD
   python -m eagle3_jax.vocab_tools trim --draft HEAD --like OTHER_HEAD --out NEW_HEAD
   python -m eagle3_jax.vocab_tools extend --draft HEAD --counts C.npy --size 16384 --out NEW_HEAD
+  python -m eagle3_jax.vocab_tools order --draft HEAD --counts C.npy [--first OLD_HEAD] [--cpu-size N]
+  python -m eagle3_jax.vocab_tools trim --draft HEAD --size N --out NEW_HEAD   # by HEAD's order
 
 `count` tokenises a corpus with the target's tokenizer and counts every token id ([V] int64 .npy).
 A corpus is a ShareGPT / role-content conversation file (.json/.jsonl, optionally .gz; `--roles`
@@ -24,6 +26,14 @@ grown from gives that head's vocabulary back, its rows as the extended head's tr
 them). The result is a plain EAGLE-3 head in the official
 format (Vd = size, d2t/t2d), usable by decode.py and the harness like any other; it is lossless
 because the target still verifies over its full vocabulary.
+
+`order` writes the head's `vocab_order.json` (beside the official files; official loaders ignore
+it): its draft ids in the order to keep them when it is cut to fewer, by descending count, the
+ids of `--first` (the head it was grown from) ahead of the rest, so that a head grown by
+`extend` cuts back to exactly the head it came from. With it a head is cut when it is loaded
+(`decode.py --draft-vocab N`, the harness's `--draft-vocab`, or `trim --size N` without counts
+to write the cut copy), and `--cpu-size N` makes N `decode.py`'s default on the CPU, where the
+output layer's rows cost most (the shipped SmolLM2 head: 8,192 of its 16,384 ids).
 
 `extend` grows a trained reduced-vocabulary head the other way, without training: its draft
 vocabulary becomes its own ids plus the most frequent others of the counts (EOS forced in), up to
@@ -96,6 +106,22 @@ def top_ids(counts_V: np.ndarray, size: int, forced: tuple[int, ...] = ()) -> np
     order = np.argsort(-counts, kind="stable")
     rest = order[~np.isin(order, forced)][: size - len(forced)]
     return np.sort(np.concatenate([np.asarray(forced, np.int64), rest.astype(np.int64)]))
+
+
+def order_ids(
+    have: np.ndarray, counts_V: np.ndarray, first: np.ndarray | None = None
+) -> np.ndarray:
+    """The head's draft ids `have` (target ids) by descending count, ties to the lower id; the ids
+    of `first` (a subset of `have`) ahead of all others."""
+    have = np.asarray(have, np.int64)
+    ahead = np.zeros(have.shape, bool) if first is None else np.isin(have, first)
+    if first is not None and ahead.sum() != np.unique(first).size:
+        raise Eagle3Error(
+            f"--first: {np.unique(first).size - ahead.sum()} of its {np.unique(first).size} ids "
+            "are not the head's: it is not the head this one was grown from"
+        )
+    # lexsort: the last key is the primary one
+    return have[np.lexsort((have, -np.asarray(counts_V)[have], ~ahead))]
 
 
 def trim_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray):
@@ -218,11 +244,22 @@ def main(argv=None) -> int:
     t.add_argument("--target", default=None)
     t.add_argument("--draft", required=True, help="head directory (full or reduced vocabulary)")
     t.add_argument("--counts", help=".npy from `count` (with --size)")
-    t.add_argument("--size", type=int, help="Vd of the new head: the most frequent of its ids")
+    t.add_argument(
+        "--size",
+        type=int,
+        help="Vd of the new head: the most frequent of its ids (without --counts: the first of "
+        "its vocab_order.json)",
+    )
     t.add_argument("--like", help="keep exactly the draft ids of this head instead")
     t.add_argument("--no-force-eos", action="store_true", help="do not force EOS ids in")
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     t.add_argument("--out", required=True, help="new head directory")
+    o = sub.add_parser("order", help="write HEAD/vocab_order.json: which ids a cut keeps")
+    o.add_argument("--target", default=None)
+    o.add_argument("--draft", required=True, help="head directory (reduced vocabulary)")
+    o.add_argument("--counts", required=True, help=".npy from `count`")
+    o.add_argument("--first", help="the head this one was grown from: its ids come first")
+    o.add_argument("--cpu-size", type=int, help="decode.py's default cut on the CPU")
     e = sub.add_parser("extend", help="a larger draft vocabulary for a trained reduced head")
     e.add_argument("--target", default=None)
     e.add_argument("--draft", required=True, help="reduced-vocabulary head directory")
@@ -263,6 +300,21 @@ def main(argv=None) -> int:
             print(f"{method}: wrote {args.out} ({what})")
             return 0
 
+        if args.cmd == "order":
+            from eagle3_jax.checkpoints.eagle_format import write_vocab_order
+
+            counts = _load_counts(args.counts, v)
+            have = target_ids(vocab)
+            first = None if not args.first else target_ids(load_draft(args.first, target.cfg)[2])
+            if args.cpu_size is not None and not 1 <= args.cpu_size <= have.size:
+                raise Eagle3Error(f"--cpu-size {args.cpu_size}: give 1..{have.size}, the head's Vd")
+            order = order_ids(have, counts, first)
+            about = f"draft ids by descending count in {args.counts}" + (
+                f", the {first.size} of {args.first} first" if first is not None else ""
+            )
+            write_vocab_order(args.draft, order, args.cpu_size, about)
+            print(f"wrote {args.draft}/vocab_order.json ({about}; cpu_size {args.cpu_size})")
+            return 0
         if args.cmd == "trim" and args.like:
             if args.counts or args.size:
                 raise Eagle3Error("trim takes --like HEAD or --counts C.npy --size N, not both")
@@ -270,14 +322,16 @@ def main(argv=None) -> int:
             return write_trimmed(
                 ids, f"Vd {cfg.draft_vocab_size} -> {ids.size}, the ids of {args.like}"
             )
+        if args.cmd == "trim" and args.counts is None and args.size is not None:
+            from eagle3_jax.checkpoints.eagle_format import cut_size
+
+            n, order = cut_size(args.size, args.draft, vocab, "any")
+            if n is None:
+                raise Eagle3Error(f"--size {args.size} is the head's Vd: nothing to trim")
+            return write_trimmed(np.sort(order[:n]), f"Vd {n}, the first of its vocab_order.json")
         if args.counts is None or args.size is None:
             raise Eagle3Error(f"{args.cmd} needs --counts C.npy and --size N")
-        counts = np.load(args.counts)
-        if counts.shape != (v,):
-            raise Eagle3Error(
-                f"counts {args.counts} have shape {counts.shape}, the target's vocabulary "
-                f"is {v}: count with the same target's tokenizer"
-            )
+        counts = _load_counts(args.counts, v)
         if args.cmd == "extend":
             old = tuple(int(i) for i in target_ids(vocab))
             if args.size <= len(old):
@@ -318,6 +372,16 @@ def main(argv=None) -> int:
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _load_counts(path: str, v: int) -> np.ndarray:
+    counts = np.load(path)
+    if counts.shape != (v,):
+        raise Eagle3Error(
+            f"counts {path} have shape {counts.shape}, the target's vocabulary "
+            f"is {v}: count with the same target's tokenizer"
+        )
+    return counts
 
 
 if __name__ == "__main__":

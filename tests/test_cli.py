@@ -150,8 +150,11 @@ def test_tree_defaults_follow_the_backend():
     assert _tree(args) == TreeConfig(top_k=1, depth=5, total_tokens=6)
 
 
-def test_errors_are_one_line(tiny_target_dir, tmp_path, capsys):
+def test_errors_are_one_line(tiny_target_dir, head_dir, tmp_path, capsys):
+    eagle = ["--target", str(tiny_target_dir), "--draft", str(head_dir)]
     cases = [
+        (eagle + ["--draft-vocab", "3"], "has no vocab_order.json"),
+        (eagle + ["--draft-vocab", "some"], "give auto, full or a positive number"),
         (["--target", str(tmp_path / "missing")], "does not exist"),
         (["--target", str(tiny_target_dir), "--method", "eagle3"], "needs --draft"),
         (["--target", str(tiny_target_dir), "--prompt", "w5 " * 300], "exceeds the context"),

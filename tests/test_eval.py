@@ -288,3 +288,42 @@ def test_the_embedded_target_is_evaluated_with_its_shipped_head():
     assert drafts_of(parse_args([])) == (str(default_head()),)
     assert drafts_of(parse_args(["--draft", "h"])) == ("h",)
     assert drafts_of(parse_args(["--target", "t"])) == ()  # another target: no default head
+
+
+def test_draft_vocab_cuts_a_head_with_an_order_and_is_part_of_the_configuration(
+    setup, tmp_path, capsys
+):
+    """A head whose vocab_order.json names a CPU size runs cut on the CPU by default (as in
+    decode.py), recorded in config.json and the report; --draft-vocab full runs it whole, and is
+    another configuration for the same OUT."""
+    import shutil
+
+    import numpy as np
+
+    from eagle3_jax.checkpoints.eagle_format import write_vocab_order
+
+    target, head, qfile = setup
+    ordered = tmp_path / "ordered"
+    shutil.copytree(head, ordered)
+    v = json.loads((head / "config.json").read_text())["vocab_size"]
+    write_vocab_order(ordered, np.arange(v)[::-1], cpu_size=12)
+    run = lambda out, *extra: main(
+        ["--target", str(target), "--draft", f"o={ordered}", "--methods", "eagle3:2,3,6",
+         "--bench", str(qfile), "--max-new-tokens", "12", "--out", str(out), "--no-progress",
+         *extra]
+    )  # fmt: skip
+    cpu = jax.default_backend() == "cpu"
+    assert run(tmp_path / "auto") == 0
+    res = json.loads((tmp_path / "auto/results.json").read_text())
+    assert res["config"].get("draft_vocab") == ({"o": 12} if cpu else None)
+    assert res["summary"]["by_method"]["eagle3:2,3,6"]["exactness"] == 1.0
+    if cpu:
+        assert "Draft `o` cut to its first 12 ids" in (tmp_path / "auto/report.md").read_text()
+    assert run(tmp_path / "auto", "--draft-vocab", "o=full") == (2 if cpu else 0)
+    assert run(tmp_path / "five", "--draft-vocab", "5") == 0
+    assert json.loads((tmp_path / "five/config.json").read_text())["draft_vocab"] == {"o": 5}
+    capsys.readouterr()
+    assert run(tmp_path / "x", "--draft-vocab", "p=5") == 2
+    assert "no draft named 'p'" in capsys.readouterr().err
+    assert run(tmp_path / "y", "--draft-vocab", "0") == 2
+    assert "positive number" in capsys.readouterr().err

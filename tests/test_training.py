@@ -152,12 +152,15 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
 
 
 def test_init_head_continues_a_head_with_its_vocabulary(tiny_target_dir, tmp_path):
-    from eagle3_jax.checkpoints.eagle_format import load_draft
+    from eagle3_jax import vocab as vocab_lib
+    from eagle3_jax.checkpoints.eagle_format import load_draft, read_vocab_order, write_vocab_order
 
     first = _cfg(
         tiny_target_dir, tmp_path, "--config.max_steps=3", f"--config.out_dir={tmp_path / 'a'}"
     )
     head = train(first, progress=False)["head"]
+    order = vocab_lib.target_ids(load_draft(head)[2])[::-1]
+    write_vocab_order(head, order, cpu_size=2)  # the continued head keeps its ids' order
     # lr 0 for one step: the continued run exports exactly the head it started from
     # (save_every 0: one checkpoint, at the last step)
     cont = dataclasses.replace(
@@ -173,6 +176,7 @@ def test_init_head_continues_a_head_with_its_vocabulary(tiny_target_dir, tmp_pat
     (p0, c0, v0, _), (p1, c1, v1, _) = load_draft(head), load_draft(again)
     assert c0 == c1 and np.array_equal(v0.d2t, v1.d2t)
     jax.tree.map(np.testing.assert_array_equal, p1, p0)
+    assert read_vocab_order(again, v1)["order"].tolist() == order.tolist()
     other = dataclasses.replace(cont, out_dir=str(tmp_path / "c"), ttt_steps=2, aux_layer_ids=(1,))
     with pytest.raises(Eagle3Error, match="aux_layer_ids"):
         train(other, progress=False)

@@ -274,3 +274,69 @@ def test_vocab_coverage_benchmark(tmp_path):
         mod.answer_tokens(tmp_path / "e.jsonl")
     with pytest.raises(Eagle3Error, match="does not exist"):
         mod.answer_tokens(tmp_path / "missing.json")
+
+
+def test_vocab_order_cuts_a_head_at_load_to_the_head_it_was_grown_from(
+    target, tiny_target_dir, tmp_path, capsys
+):
+    """`order --first` puts the ids of the head a larger one was grown from first; cut to that
+    many at load (decode.py's --draft-vocab, "auto" on the CPU with --cpu-size), the larger head
+    is exactly the head `trim --like` writes, and `trim --size` without counts writes it too."""
+    from eagle3_jax.checkpoints.eagle_format import cut_size, read_vocab_order, write_vocab_order
+
+    v = target.cfg.vocab_size
+    counts = np.random.default_rng(0).integers(0, 50, v)
+    np.save(tmp_path / "c.npy", counts)
+    full = _heads(target, tmp_path)["full"]
+    params, cfg, vocab, _ = load_head(full, target)
+    big_ids = np.sort(np.random.default_rng(1).choice(v, 14, replace=False))
+    # the "grown from" head: the 6 of big's ids the counts rank LAST (so --first must win)
+    small_ids = np.sort(big_ids[np.argsort(counts[big_ids], kind="stable")[:6]])
+    for name, ids in (("big", big_ids), ("small", small_ids)):
+        p, c, vv = trim_head(params, cfg, vocab, target.params, target.cfg, ids)
+        save_draft(tmp_path / name, p, c, vv, "float32")
+    big, small = tmp_path / "big", tmp_path / "small"
+    base = ["--target", str(tiny_target_dir)]
+    assert main(["order", *base, "--draft", str(big), "--counts", str(tmp_path / "c.npy"),
+                 "--first", str(small), "--cpu-size", "6"]) == 0  # fmt: skip
+    meta = read_vocab_order(big, load_draft(big)[2])
+    assert set(meta["order"][:6].tolist()) == set(small_ids.tolist()) and meta["cpu_size"] == 6
+    rest = meta["order"][6:]
+    assert set(rest.tolist()) == set(big_ids.tolist()) - set(small_ids.tolist())
+    assert (np.diff(counts[rest]) <= 0).all()  # then by descending count
+    assert [counts[i] for i in meta["order"][:6]] == sorted(counts[small_ids], reverse=True)
+
+    cut = load_head(big, target, draft_vocab=6)
+    like = load_head(small, target)
+    assert cut[1] == like[1] and (cut[2].d2t == like[2].d2t).all()
+    jax.tree.map(np.testing.assert_array_equal, cut[0], like[0])
+    auto = load_head(big, target, draft_vocab="auto")  # the CPU backend: the head's cpu_size
+    assert auto[1].draft_vocab_size == (6 if jax.default_backend() == "cpu" else 14)
+    assert load_head(big, target)[1].draft_vocab_size == 14  # the library default: every id
+    assert cut_size("auto", big, load_draft(big)[2], "gpu") == (None, None)
+    # the cut head is lossless like any other
+    prompts = [[5, 9, 11, 5, 9], [40, 41, 12]]
+    ref = plain.generate(target.params, target.cfg, prompts, 16, eos_ids=())
+    out = spec.generate(target.params, target.cfg, *cut[:3], prompts, 16,
+                        spec.TreeConfig(2, 3, 6), eos_ids=())  # fmt: skip
+    assert out.output_ids == ref.output_ids
+    # trim --size N by the order, no counts: the same file as trimming --like the small head
+    for flag, val, out_dir in (("--size", "6", "a"), ("--like", str(small), "b")):
+        assert main(["trim", *base, "--draft", str(big), flag, val, "--dtype", "float32",
+                     "--out", str(tmp_path / out_dir)]) == 0  # fmt: skip
+    a, b = (tmp_path / d / "model.safetensors" for d in "ab")
+    assert a.read_bytes() == b.read_bytes()
+
+    # refusals: a size past Vd, a head without an order, an order of another head's ids
+    capsys.readouterr()
+    with pytest.raises(Eagle3Error, match=r"1\.\.14"):
+        load_head(big, target, draft_vocab=15)
+    with pytest.raises(Eagle3Error, match="has no vocab_order.json"):
+        load_head(small, target, draft_vocab=3)
+    assert load_head(small, target, draft_vocab="auto")[1].draft_vocab_size == 6  # none: all
+    write_vocab_order(small, big_ids, 3)
+    with pytest.raises(Eagle3Error, match="belongs to another head"):
+        load_head(small, target, draft_vocab="auto")
+    assert main(["order", *base, "--draft", str(big), "--counts", str(tmp_path / "c.npy"),
+                 "--first", str(full)]) == 2  # fmt: skip
+    assert "not the head's" in capsys.readouterr().err

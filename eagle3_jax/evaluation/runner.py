@@ -55,6 +55,7 @@ class EvalOptions:
     dtype: str | None = None
     progress: bool = True
     baseline: bool = True  # run vanilla too (speedup, exactness); False: tau only
+    draft_vocab: tuple[str, ...] = ()  # --draft-vocab [NAME=]auto|full|N; unnamed: every draft
 
 
 def parse_drafts(specs: Sequence[str]) -> dict[str, str]:
@@ -70,6 +71,23 @@ def parse_drafts(specs: Sequence[str]) -> dict[str, str]:
                 f"two drafts are named {name!r}: give them names with --draft NAME=PATH"
             )
         out[name] = str(Path(path).expanduser().resolve())
+    return out
+
+
+def parse_draft_vocab_specs(specs: Sequence[str], drafts: dict[str, str]) -> dict[str, object]:
+    """--draft-vocab values (`auto`, `full`, `N`, or `NAME=` one of these for one draft; later
+    ones win) -> {draft name: request}; drafts not named keep "auto" (decode.py's default)."""
+    from eagle3_jax.checkpoints.eagle_format import parse_draft_vocab
+
+    out: dict[str, object] = {n: "auto" for n in drafts}
+    for spec in specs:
+        name, sep, value = spec.rpartition("=")
+        if sep and name not in drafts:
+            raise Eagle3Error(
+                f"--draft-vocab {spec!r}: no draft named {name!r} (have {', '.join(drafts)})"
+            )
+        req = parse_draft_vocab(value)
+        out.update({name: req} if sep else dict.fromkeys(drafts, req))
     return out
 
 
@@ -151,9 +169,13 @@ def parse_methods(
     return specs
 
 
-def fingerprint(opts: EvalOptions, target_path: str, drafts: dict[str, str], methods) -> dict:
-    """What makes records comparable; --questions is left out so a run can be extended."""
+def fingerprint(
+    opts: EvalOptions, target_path: str, drafts: dict[str, str], methods, cuts=None
+) -> dict:
+    """What makes records comparable; --questions is left out so a run can be extended. `cuts`
+    ({draft: ids kept}) is recorded only when a draft is cut, so uncut runs resume as before."""
     bench = opts.bench if opts.bench in BENCHES else str(Path(opts.bench).resolve())
+    extra = {"draft_vocab": dict(cuts)} if cuts else {}
     return {
         "target": target_path,
         "drafts": drafts,
@@ -164,6 +186,7 @@ def fingerprint(opts: EvalOptions, target_path: str, drafts: dict[str, str], met
         "seeds": num_seeds(opts),
         "batch_size": opts.batch_size,
         "dtype": opts.dtype,
+        **extra,
     }
 
 
@@ -233,14 +256,19 @@ class Models:
         self.target, self.drafts = target, drafts
 
     @classmethod
-    def load(cls, opts: EvalOptions, drafts: dict[str, str]) -> Models:
-        """The target of opts and each {name: path} head, checked against it."""
+    def load(cls, opts: EvalOptions, drafts: dict[str, str], vocab_requests=None) -> Models:
+        """The target of opts and each {name: path} head, checked against it (and cut as
+        {name: --draft-vocab request} says; "auto" when not named)."""
         from eagle3_jax.checkpoints import load_target
         from eagle3_jax.cli import default_dtype
 
         dtype = default_dtype(opts.dtype)
         target = load_target(opts.target, dtype=dtype)
-        return cls(target, {n: load_head(p, target, dtype) for n, p in drafts.items()})
+        req = vocab_requests or {}
+        return cls(
+            target,
+            {n: load_head(p, target, dtype, req.get(n, "auto")) for n, p in drafts.items()},
+        )
 
     def generate(self, m: MethodSpec, ids, sampling, seed: int, max_new: int):
         """One batch -> (per-row dicts of the result's `rows()`, wall time);
@@ -277,16 +305,45 @@ class Models:
         return res.rows(), res.wall_time_s
 
 
-def load_head(path, target, dtype=None) -> tuple:
+def load_head(path, target, dtype=None, draft_vocab="full") -> tuple:
     """(params, cfg, vocab, embed) of the head at path, checked against the target (load_draft
-    runs check_compatible when given the target's config)."""
-    from eagle3_jax.checkpoints.eagle_format import load_draft
+    runs check_compatible when given the target's config).
+
+    draft_vocab: "full" (every draft id), "auto" (decode.py's default: on the CPU the size the
+    head's vocab_order.json names, if any) or N: the head cut to the first N ids of its
+    vocab_order.json, exactly the head `vocab_tools trim` would write for those ids."""
+    import jax
+
+    from eagle3_jax.checkpoints.eagle_format import cut_size, load_draft
     from eagle3_jax.models.draft import attach_target_head
 
     kw = {} if dtype is None else {"dtype": dtype}
     params, cfg, vocab, embed = load_draft(path, target.cfg, **kw)
+    n, order = cut_size(draft_vocab, path, vocab, jax.default_backend())
+    if n is not None:
+        from eagle3_jax.vocab_tools import trim_head
+
+        ids = np.sort(order[:n])
+        params, cfg, vocab = trim_head(params, cfg, vocab, target.params, target.cfg, ids)
     params = attach_target_head(params, cfg, target.params, target.cfg)
     return params, cfg, vocab, embed
+
+
+def draft_vocab_sizes(drafts: dict[str, str], requests: dict[str, object]) -> dict[str, int]:
+    """{name: draft ids kept} of each draft --draft-vocab cuts ({name: request}, default "auto"),
+    from the heads' vocabularies alone (before any weights are loaded)."""
+    import jax
+
+    from eagle3_jax.checkpoints.eagle_format import cut_size, read_head_vocab
+
+    out = {}
+    for name, path in drafts.items():
+        req = requests.get(name, "auto")
+        if req != "full":
+            n, _ = cut_size(req, path, read_head_vocab(path), jax.default_backend())
+            if n is not None:
+                out[name] = n
+    return out
 
 
 def run_questions(
@@ -372,9 +429,11 @@ def run_eval(opts: EvalOptions) -> dict:
     unused = set(drafts) - {m.draft for m in methods}
     if unused:
         raise Eagle3Error(f"--draft {', '.join(sorted(unused))} is used by no method")
+    requests = parse_draft_vocab_specs(opts.draft_vocab, drafts)
+    cuts = draft_vocab_sizes(drafts, requests)
     out = Path(opts.out)
     target_path = str(Path(resolve_target(opts.target)).resolve())
-    check_config(out, fingerprint(opts, target_path, drafts, methods))
+    check_config(out, fingerprint(opts, target_path, drafts, methods, cuts))
     rec_path = out / "records.jsonl"
     records = load_records(rec_path)
     done = {record_key(r) for r in records}
@@ -389,11 +448,12 @@ def run_eval(opts: EvalOptions) -> dict:
     print(
         f"eval: {opts.bench}, {len(questions)} questions ({cats} categories"
         + (f", the first {opts.questions} of each" if opts.questions else "")
-        + f"), {len(methods)} methods, {len(seeds)} seed(s); {len(pending)} questions to run",
+        + f"), {len(methods)} methods, {len(seeds)} seed(s); {len(pending)} questions to run"
+        + "".join(f"; draft {n} cut to its first {k} ids (--draft-vocab)" for n, k in cuts.items()),
         file=sys.stderr,
     )
     if pending:
-        models = Models.load(opts, drafts)
+        models = Models.load(opts, drafts, requests)
         _run_pending(models, methods, pending, sampling, opts, rec_path, records, done)
     return write_outputs(out, records, questions, methods, seeds, opts)
 
@@ -468,10 +528,11 @@ def write_outputs(out: Path, records, questions, methods, seeds, opts) -> dict:
     tasks = task_order(questions)
     summary = metrics.summarize(mine, labels, tasks, greedy=opts.temperature == 0)
     summary = strict_json(summary)
+    config = json.loads((out / "config.json").read_text())
     (out / "results.json").write_text(
         json.dumps(
             {
-                "config": json.loads((out / "config.json").read_text()),
+                "config": config,
                 "summary": summary,
                 "records": strict_json(mine),
             },
@@ -479,7 +540,9 @@ def write_outputs(out: Path, records, questions, methods, seeds, opts) -> dict:
         )
         + "\n"
     )
-    (out / "report.md").write_text(report_markdown(summary, opts, len(questions), len(seeds)))
+    cuts = config.get("draft_vocab")
+    report = report_markdown(summary, opts, len(questions), len(seeds), cuts)
+    (out / "report.md").write_text(report)
     plot_summary(summary, out)
     return summary
 
@@ -493,8 +556,11 @@ def _fmt(ms: dict, digits: int = 2, suffix: str = "") -> str:
     return s + suffix
 
 
-def report_markdown(summary: dict, opts: EvalOptions, n_questions: int, n_seeds: int) -> str:
-    """The paper-shaped table: rows = methods, columns = tasks + Overall, cells "τ / speedup"."""
+def report_markdown(
+    summary: dict, opts: EvalOptions, n_questions: int, n_seeds: int, cuts=None
+) -> str:
+    """The paper-shaped table: rows = methods, columns = tasks + Overall, cells "τ / speedup"
+    (`cuts`: {draft: ids kept} of drafts run cut by --draft-vocab, said under the title)."""
     tasks, methods = summary["tasks"], summary["methods"]
     lines = [
         "# EAGLE-3 evaluation",
@@ -503,7 +569,11 @@ def report_markdown(summary: dict, opts: EvalOptions, n_questions: int, n_seeds:
         f"max new tokens {opts.max_new_tokens}, {n_seeds} seed(s), batch size {opts.batch_size}. "
         "Cells: τ (tokens per verification round) / speedup over vanilla (throughput ratio, "
         "same run); mean ± std over seeds. Exact: fraction of questions whose greedy output equals "
-        "vanilla's.",
+        "vanilla's."
+        + "".join(
+            f" Draft `{n}` cut to its first {k} ids (--draft-vocab)."
+            for n, k in (cuts or {}).items()
+        ),
         "",
         "| Method | " + " | ".join(tasks) + " | Overall | Exact |",
         "| --- | " + " | ".join("---" for _ in tasks) + " | --- | --- |",
