@@ -1,6 +1,9 @@
 """Continue the shipped SmolLM2 head on new first turns answered on this CPU: what new data buys.
 
-The shipped head (configs/smollm2_135m_gpu.py) read its 4,452 conversations 16 times and its
+(Measured from the GPU head, the shipped head until commit 6a4a2ae; run today it continues the
+shipped Vd 16,384 head, which already read the first 1,600 of these conversations.)
+
+The GPU head (configs/smollm2_135m_gpu.py) read its 4,452 conversations 16 times and its
 tau curve flattened (benchmarks/results/tau_curve_gpu): rereading stopped paying. This config
 continues it (`init_head`: same draft vocabulary, same shapes) on 8,114 conversations it has never
 seen, data/smollm2_135m_regenerated_cpu2.jsonl.gz (first user turns of the full ShareGPT V3 file,

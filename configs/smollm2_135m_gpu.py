@@ -1,4 +1,6 @@
-"""EAGLE-3 head for the embedded SmolLM2-135M-Instruct trained on one GPU: the shipped head.
+"""EAGLE-3 head for the embedded SmolLM2-135M-Instruct trained on one GPU: the first stage of the
+shipped head (and the shipped head itself until commit 6a4a2ae; since then grown to 16,384 ids
+and trained on a CPU, configs/smollm2_135m_vd16k_cpu.py).
 
 The same head as configs/smollm2_135m.py (Vd 8192, aux layers 2/15/27, TTT 7, lm_head from the
 target's output embedding), trained on all the regenerated data for 16 epochs, with the target's
@@ -9,16 +11,16 @@ a padded row costs little, a new shape costs a compilation).
   python -m eagle3_jax.training.timed --config=configs/smollm2_135m_gpu.py --minutes=8
 
 (timed.py fits max_steps to a wall-clock budget, at most the 16 epochs, and writes its plan to
-out_dir/timed.json.) The shipped head: 4,448 steps, 19.3M tokens read, 5.1 minutes of training on
+out_dir/timed.json.) That head: 4,448 steps, 19.3M tokens read, 5.1 minutes of training on
 one H200 (0.069 s a step; the job, from the GGUF to the exported head, took 7.4 minutes with the
-regeneration of the third file); the model card of eagle3_jax/heads/smollm2_135m_instruct has the
-measurements, BENCHMARKS.md the device log.
+regeneration of the third file); BENCHMARKS.md has its measurements and the device log, the
+model card of eagle3_jax/heads/smollm2_135m_instruct the stages after it.
 
 Data: three files, 4,452 conversations (data/README.md): the CPU regeneration of
 configs/smollm2_135m.py (720: first user turns of the first 2,000 ShareGPT V3 records that fit 256
 tokens), its continuation (924) and data/smollm2_135m_regenerated_gpu.jsonl.gz (2,808: the other
 ShareGPT prompts of ../shared/data/sharegpt/, deduplicated by text, none from Spec-Bench, MT-bench
-or GSM8K, answered by SmolLM2 on the GPU, greedy, 256 new tokens at most). The shipped head read
+or GSM8K, answered by SmolLM2 on the GPU, greedy, 256 new tokens at most). That head read
 4,451 of them: the JSON Lines reader of that day (fixed since) dropped x2koHPp_9, whose text
 holds U+2028.
 """

@@ -1,8 +1,10 @@
 """The next data step for the shipped SmolLM2 head: continue it on every turn answered in context.
 
-The shipped head (configs/smollm2_135m_gpu.py) has seen only FIRST user turns: 4,452 prompts,
-16 passes. It fits them (training acc_0 0.82) far better than held-out prompts (MT-bench alpha_0
-0.50), and its tau flattened with more passes over the same data (benchmarks/results/tau_curve_gpu).
+The shipped head has seen only FIRST user turns: 4,452 prompts, 16 passes on a GPU
+(configs/smollm2_135m_gpu.py), then 1,600 new ones once on a CPU
+(configs/smollm2_135m_vd16k_cpu.py). It fits them (training acc_0 0.82) far better than held-out
+prompts (MT-bench alpha_0 0.50), and its tau flattened with more passes over the same data
+(benchmarks/results/tau_curve_gpu).
 The official EAGLE-3 recipe answers every user turn with the target in context; ours does that
 with `python -m eagle3_jax.data.regenerate --all-turns` on data/sharegpt_conversations.jsonl.gz
 (3,814 conversations, 12,251 user turns, about 3 times the answers of first turns alone; MT-bench's

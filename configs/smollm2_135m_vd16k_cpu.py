@@ -1,6 +1,8 @@
-"""Train the new rows of the shipped SmolLM2 head grown to 16,384 draft ids, on this CPU.
+"""Train the new rows of the GPU SmolLM2 head grown to 16,384 draft ids, on this CPU: the shipped head.
 
-`vocab_tools extend` grows the shipped head (Vd 8,192) to 16,384 ids without training: the new
+`vocab_tools extend` grows the GPU head (Vd 8,192; configs/smollm2_135m_gpu.py, the shipped head
+until commit 6a4a2ae: GPU_HEAD below is that directory, `git show 6a4a2ae:eagle3_jax/heads/
+smollm2_135m_instruct/config.json` and `.../model.safetensors`) to 16,384 ids without training: the new
 rows are the target's output-embedding rows through a ridge-fitted map (BENCHMARKS.md, "A larger
 draft vocabulary"). This config continues that head with configs/smollm2_135m_cpu2.py's recipe
 (the same new first turns, data/smollm2_135m_regenerated_cpu2.jsonl.gz, lr 2e-4, batch 4), for
@@ -11,18 +13,23 @@ they start from (and 60 fewer steps here).
       --corpus data/smollm2_135m_regenerated_more.jsonl.gz \
       --corpus data/smollm2_135m_regenerated_gpu.jsonl.gz \
       --corpus data/smollm2_135m_regenerated_cpu2.jsonl.gz --out runs/vocab16k/counts.npy
-  python -m eagle3_jax.vocab_tools extend --draft eagle3_jax/heads/smollm2_135m_instruct \
+  python -m eagle3_jax.vocab_tools extend --draft GPU_HEAD \
       --counts runs/vocab16k/counts.npy --size 16384 --out runs/vocab16k/head
   python train.py --config=configs/smollm2_135m_vd16k_cpu.py             # ~75 min on 2 cores
   python train.py --config=configs/smollm2_135m_vd16k_cpu.py --resume    # after an interruption
   python train.py --config=configs/smollm2_135m_vd16k_cpu.py --resume --config.max_steps=400
       # 100 more steps on the next, unseen conversations (~25 min)
+  python -m eagle3_jax.vocab_tools order --draft runs/cpu3_16k/head \
+      --counts runs/vocab16k/counts.npy --first GPU_HEAD --cpu-size 8192
+      # vocab_order.json: decode.py cuts it to GPU_HEAD's 8,192 ids on a CPU
 
 Result (BENCHMARKS.md, "The new rows trained on this CPU"): 311,837 tokens read in 68 minutes;
 all 80 MT-bench questions at EAGLE-3's reporting tree (10,8,60) tau 3.000 (2.9998) against 2.972
-untrained and 2.946 for the shipped head; all outputs exact. Continued to step 400 (412,722
-tokens): tau 3.006. Not shipped: decode.py's CPU default
-(k2 d3 n4, theta 0.3) runs at 1.16x plain with it against 1.22x with the shipped head (one run).
+untrained and 2.946 for the GPU head; all outputs exact. Continued to step 400 (412,722
+tokens): tau 3.006. Whole, it costs decode.py's CPU default (k2 d3 n4, theta 0.3) 5 % (1.16x
+plain against the GPU head's 1.22x, one run); cut at load to the GPU head's ids it runs at 1.22x
+against that head's 1.19x. Shipped since 2026-12-02 (eagle3_jax/heads/smollm2_135m_instruct, with
+the vocab_order.json the order command writes).
 """
 
 import dataclasses

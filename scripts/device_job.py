@@ -3,8 +3,8 @@
 The `device` tool (../.library/device) sends the working tree, at most 64 MiB with what `carry`
 names, to a machine that reaches nothing else: no PyPI, so neither the default target's wheel nor
 the `gguf` package nor the ShareGPT wheel. The GGUF (98 MB) travels in parts, one call each, every
-part as large as what the working tree leaves a call (`part_size`; the tree is 34.1 MiB with the
-shipped head, so four parts), the conversations in a call of their own; the machine keeps
+part as large as what the working tree leaves a call (`part_size`; the tree is 44.3 MiB with the
+shipped head, so six parts), the conversations in a call of their own; the machine keeps
 ignored files between calls while it is warm (30 s idle), and `run` joins the parts and checks
 their sha256.
 
@@ -15,7 +15,7 @@ On the device, with the `run` tool, back to back (the calls `pack` prints):
                                           imports what the job imports, names the GPU)
   carry [".device/p0"]                   python3 scripts/device_job.py check
   ...
-  carry [".device/p3", ".device/whl"]    python3 scripts/device_job.py run --minutes M --out $OUT
+  carry [".device/p5", ".device/whl"]    python3 scripts/device_job.py run --minutes M --out $OUT
   (M: at most 9, and at most the device time left less ~1.5 minutes: a command the tool cuts
   off at its limit returns nothing it had not yet packed)
   then, if ~4 minutes are left, in the same lease (timeout_s 300; fetch run's files first where
@@ -463,10 +463,15 @@ def run(args) -> int:
 
 def _extend_head(log: Log, args, py: list[str], target: list[str], env: dict) -> list[str]:
     """Grows the shipped head's draft vocabulary to --extend-vocab ids before it is continued
-    (its 8,192 ids cover 91.6 % of MT-bench's answer tokens, 16,384 cover 96.3 %: the new rows
-    then train instead of starting from the row map alone). Returns the training's config
-    overrides; none (the shipped head as it is) when disabled or when the step fails."""
+    (8,192 ids cover 91.6 % of MT-bench's answer tokens, 16,384 cover 96.3 %: the new rows then
+    train instead of starting from the row map alone). Returns the training's config overrides;
+    none (the shipped head as it is) when disabled, when the head has that many ids already (the
+    shipped head has 16,384 since 2026-12-02) or when the step fails."""
     if not args.extend_vocab:
+        return []
+    have = json.loads((SHIPPED_HEAD / "config.json").read_text())["draft_vocab_size"]
+    if have >= args.extend_vocab:
+        log(f"extend: the shipped head has {have} ids already (--extend-vocab {args.extend_vocab})")
         return []
     if not COUNTS.exists():
         log(f"extend: no {COUNTS.relative_to(ROOT)} (pack writes it): the shipped head as it is")
