@@ -84,7 +84,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/profile_round.json"))
     args = ap.parse_args()
     target = load_target(None)
-    dparams, dcfg, vocab, embed = load_head(default_head(), target)
+    # as decode.py: the head cut to its vocab_order.json's cpu_size on a CPU
+    dparams, dcfg, vocab, embed = load_head(default_head(), target, draft_vocab="auto")
     question = load_questions("mt_bench")[args.question]
     ids = [encode_chat(target.tokenizer, [{"role": "user", "content": question.turns[0]}])]
     f = [float(x) for x in args.tree.split(",")]

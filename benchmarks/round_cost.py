@@ -52,7 +52,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/round_cost.json"))
     args = ap.parse_args()
     target = load_target(None)
-    dparams, dcfg, vocab, embed = load_head(HEAD, target)
+    # as decode.py: the head cut to its vocab_order.json's cpu_size on a CPU
+    dparams, dcfg, vocab, embed = load_head(HEAD, target, draft_vocab="auto")
     rng = np.random.default_rng(0)
     prompt = [list(map(int, rng.integers(100, 20000, args.context)))]
     configs = [("vanilla", "vanilla", spec.TreeConfig(1, 1, 2))] + parse(args.configs)
