@@ -170,6 +170,10 @@ def _decode(args) -> int:
     sampling = Sampling(args.temperature, args.sample_top_k, args.top_p)
     if args.method != "vanilla":
         _check_tree(args)  # shape errors before the (slow) load; Vd is checked later
+    if args.method == "eagle3":
+        from eagle3_jax.checkpoints.eagle_format import parse_draft_vocab
+
+        parse_draft_vocab(getattr(args, "draft_vocab", None) or "auto")  # before the load, too
     if args.prompt_file:
         prompts = read_prompt_file(args.prompt_file)
     elif args.prompt:
@@ -189,7 +193,11 @@ def _decode(args) -> int:
     max_context = args.max_context or target.cfg.max_position_embeddings
     what = ""
     if draft[0] is not None:
-        what = f" + draft {args.draft} (Vd {draft[1].draft_vocab_size})"
+        vd = draft[1].draft_vocab_size
+        whole = json.loads((Path(args.draft) / "config.json").read_text()).get("draft_vocab_size")
+        req = getattr(args, "draft_vocab", None) or "auto"
+        cut = f" of its {whole}, --draft-vocab {req}" if whole and whole != vd else ""
+        what = f" + draft {args.draft} (Vd {vd}{cut})"
     print(
         f"loaded {target.path} ({target.cfg.family}, {target.cfg.num_layers} layers){what} "
         f"in {time.perf_counter() - t0:.1f}s",

@@ -109,10 +109,14 @@ def top_ids(counts_V: np.ndarray, size: int, forced: tuple[int, ...] = ()) -> np
 
 
 def order_ids(
-    have: np.ndarray, counts_V: np.ndarray, first: np.ndarray | None = None
+    have: np.ndarray,
+    counts_V: np.ndarray,
+    first: np.ndarray | None = None,
+    forced: tuple[int, ...] = (),
 ) -> np.ndarray:
     """The head's draft ids `have` (target ids) by descending count, ties to the lower id; the ids
-    of `first` (a subset of `have`) ahead of all others."""
+    of `first` (a subset of `have`) ahead of all others, and within each of those two groups the
+    `forced` ids (EOS: a cut that keeps any of a group keeps them) ahead of the rest."""
     have = np.asarray(have, np.int64)
     ahead = np.zeros(have.shape, bool) if first is None else np.isin(have, first)
     if first is not None and ahead.sum() != np.unique(first).size:
@@ -120,8 +124,10 @@ def order_ids(
             f"--first: {np.unique(first).size - ahead.sum()} of its {np.unique(first).size} ids "
             "are not the head's: it is not the head this one was grown from"
         )
+    pinned = np.isin(have, np.asarray(forced, np.int64))
+    counts = np.asarray(counts_V).astype(np.int64)[have]
     # lexsort: the last key is the primary one
-    return have[np.lexsort((have, -np.asarray(counts_V)[have], ~ahead))]
+    return have[np.lexsort((have, -counts, ~pinned, ~ahead))]
 
 
 def trim_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray):
@@ -303,15 +309,22 @@ def main(argv=None) -> int:
         if args.cmd == "order":
             from eagle3_jax.checkpoints.eagle_format import write_vocab_order
 
+            if cfg.speculator_rank:
+                raise Eagle3Error(
+                    "a SpecVocab head chooses its candidates per row: it cannot be cut, so an "
+                    "order is of no use to it"
+                )
             counts = _load_counts(args.counts, v)
             have = target_ids(vocab)
             first = None if not args.first else target_ids(load_draft(args.first, target.cfg)[2])
             if args.cpu_size is not None and not 1 <= args.cpu_size <= have.size:
                 raise Eagle3Error(f"--cpu-size {args.cpu_size}: give 1..{have.size}, the head's Vd")
-            order = order_ids(have, counts, first)
+            eos = tuple(target.cfg.eos_token_ids)
+            order = order_ids(have, counts, first, eos)
             about = f"draft ids by descending count in {args.counts}" + (
                 f", the {first.size} of {args.first} first" if first is not None else ""
             )
+            about += f"; EOS {sorted(set(eos) & set(have.tolist()))} first in its group"
             write_vocab_order(args.draft, order, args.cpu_size, about)
             print(f"wrote {args.draft}/vocab_order.json ({about}; cpu_size {args.cpu_size})")
             return 0
@@ -323,12 +336,22 @@ def main(argv=None) -> int:
                 ids, f"Vd {cfg.draft_vocab_size} -> {ids.size}, the ids of {args.like}"
             )
         if args.cmd == "trim" and args.counts is None and args.size is not None:
-            from eagle3_jax.checkpoints.eagle_format import cut_size
+            from eagle3_jax.checkpoints.eagle_format import VOCAB_ORDER_FILE, read_vocab_order
 
-            n, order = cut_size(args.size, args.draft, vocab, "any")
-            if n is None:
-                raise Eagle3Error(f"--size {args.size} is the head's Vd: nothing to trim")
-            return write_trimmed(np.sort(order[:n]), f"Vd {n}, the first of its vocab_order.json")
+            meta = read_vocab_order(args.draft, vocab)
+            if meta is None:
+                raise Eagle3Error(
+                    f"trim --size without --counts keeps the first ids of the head's "
+                    f"{VOCAB_ORDER_FILE}, and {args.draft} has none: give --counts C.npy (or "
+                    "write one with `vocab_tools order`)"
+                )
+            if not 1 <= args.size < vocab.draft_size:
+                raise Eagle3Error(
+                    f"--size {args.size}: give 1..{vocab.draft_size - 1} (the head's Vd is "
+                    f"{vocab.draft_size})"
+                )
+            ids = np.sort(meta["order"][: args.size])
+            return write_trimmed(ids, f"Vd {args.size}, the first of its {VOCAB_ORDER_FILE}")
         if args.counts is None or args.size is None:
             raise Eagle3Error(f"{args.cmd} needs --counts C.npy and --size N")
         counts = _load_counts(args.counts, v)

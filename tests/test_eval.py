@@ -291,22 +291,26 @@ def test_the_embedded_target_is_evaluated_with_its_shipped_head():
 
 
 def test_draft_vocab_cuts_a_head_with_an_order_and_is_part_of_the_configuration(
-    setup, tmp_path, capsys
+    setup, tmp_path, capsys, monkeypatch
 ):
     """A head whose vocab_order.json names a CPU size runs cut on the CPU by default (as in
     decode.py), recorded in config.json and the report; --draft-vocab full runs it whole, and is
-    another configuration for the same OUT."""
+    another configuration for the same OUT, as is the head's files changing under the same path."""
     import shutil
 
     import numpy as np
 
     from eagle3_jax.checkpoints.eagle_format import write_vocab_order
+    from eagle3_jax.evaluation import runner
 
     target, head, qfile = setup
     ordered = tmp_path / "ordered"
     shutil.copytree(head, ordered)
     v = json.loads((head / "config.json").read_text())["vocab_size"]
     write_vocab_order(ordered, np.arange(v)[::-1], cpu_size=12)
+    loaded = []  # what each run asked load_head for
+    real = runner.load_head
+    monkeypatch.setattr(runner, "load_head", lambda *a, **k: loaded.append(a[3]) or real(*a, **k))
     run = lambda out, *extra: main(
         ["--target", str(target), "--draft", f"o={ordered}", "--methods", "eagle3:2,3,6",
          "--bench", str(qfile), "--max-new-tokens", "12", "--out", str(out), "--no-progress",
@@ -319,10 +323,20 @@ def test_draft_vocab_cuts_a_head_with_an_order_and_is_part_of_the_configuration(
     assert res["summary"]["by_method"]["eagle3:2,3,6"]["exactness"] == 1.0
     if cpu:
         assert "Draft `o` cut to its first 12 ids" in (tmp_path / "auto/report.md").read_text()
-    assert run(tmp_path / "auto", "--draft-vocab", "o=full") == (2 if cpu else 0)
+    capsys.readouterr()
+    if cpu:
+        assert run(tmp_path / "auto", "--draft-vocab", "o=full") == 2
+        assert "draft_vocab" in capsys.readouterr().err  # and nothing was loaded
+    assert run(tmp_path / "full", "--draft-vocab", "o=full") == 0
+    assert "draft_vocab" not in json.loads((tmp_path / "full/config.json").read_text())
     assert run(tmp_path / "five", "--draft-vocab", "5") == 0
     assert json.loads((tmp_path / "five/config.json").read_text())["draft_vocab"] == {"o": 5}
+    assert loaded == ["auto", "full", 5]
+    # the same path, other files: refused, not mixed into the records
+    write_vocab_order(ordered, np.arange(v), cpu_size=12)
     capsys.readouterr()
+    assert run(tmp_path / "five", "--draft-vocab", "5") == 2
+    assert "draft_digests" in capsys.readouterr().err and loaded == ["auto", "full", 5]
     assert run(tmp_path / "x", "--draft-vocab", "p=5") == 2
     assert "no draft named 'p'" in capsys.readouterr().err
     assert run(tmp_path / "y", "--draft-vocab", "0") == 2

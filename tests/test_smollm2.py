@@ -50,16 +50,22 @@ def test_config_and_tokenizer_of_the_default(smollm2):
     assert np.isfinite(np.asarray(target.params["embed"][:10])).all()
 
 
-def test_the_shipped_head_speculates_exactly_and_accepts(smollm2):
-    """The head make demo uses, on the real target: the same tokens as plain decoding, and more
-    than one token per target forward (a random head of this shape gives tau ~1.0)."""
+@pytest.mark.parametrize("draft_vocab", ["auto", "full"])
+def test_the_shipped_head_speculates_exactly_and_accepts(smollm2, draft_vocab):
+    """The head make demo uses, on the real target, as it loads on this backend (auto: cut to
+    its vocab_order.json's cpu_size on a CPU) and whole: the same tokens as plain decoding, and
+    more than one token per target forward (a random head of this shape gives tau ~1.0)."""
+    import jax
+
     from eagle3_jax.decoding import speculative
     from eagle3_jax.decoding.speculative import TreeConfig
     from eagle3_jax.evaluation.runner import load_head
     from eagle3_jax.heads import default_head
 
     target, _ = smollm2
-    dparams, dcfg, vocab, embed = load_head(str(default_head()), target, None)
+    dparams, dcfg, vocab, embed = load_head(str(default_head()), target, None, draft_vocab)
+    cut = draft_vocab == "auto" and jax.default_backend() == "cpu"
+    assert dcfg.draft_vocab_size == (8192 if cut else 16384)
     ids = [encode_chat(target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     want = plain.generate(target.params, target.cfg, ids, 48, pad_id=2).output_ids
     tree = TreeConfig(top_k=1, depth=3, total_tokens=4)

@@ -177,6 +177,9 @@ def test_init_head_continues_a_head_with_its_vocabulary(tiny_target_dir, tmp_pat
     assert c0 == c1 and np.array_equal(v0.d2t, v1.d2t)
     jax.tree.map(np.testing.assert_array_equal, p1, p0)
     assert read_vocab_order(again, v1)["order"].tolist() == order.tolist()
+    write_vocab_order(head, order[:-1], cpu_size=2)  # not the head's ids: not passed on
+    stale = train(dataclasses.replace(cont, out_dir=str(tmp_path / "d")), progress=False)["head"]
+    assert not (Path(stale) / "vocab_order.json").exists()
     other = dataclasses.replace(cont, out_dir=str(tmp_path / "c"), ttt_steps=2, aux_layer_ids=(1,))
     with pytest.raises(Eagle3Error, match="aux_layer_ids"):
         train(other, progress=False)

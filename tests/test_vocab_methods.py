@@ -289,9 +289,12 @@ def test_vocab_order_cuts_a_head_at_load_to_the_head_it_was_grown_from(
     np.save(tmp_path / "c.npy", counts)
     full = _heads(target, tmp_path)["full"]
     params, cfg, vocab, _ = load_head(full, target)
-    big_ids = np.sort(np.random.default_rng(1).choice(v, 14, replace=False))
-    # the "grown from" head: the 6 of big's ids the counts rank LAST (so --first must win)
-    small_ids = np.sort(big_ids[np.argsort(counts[big_ids], kind="stable")[:6]])
+    (eos,) = target.cfg.eos_token_ids
+    others = np.random.default_rng(1).choice(np.setdiff1d(np.arange(v), [eos]), 13, replace=False)
+    big_ids = np.sort(np.append(others, eos))
+    counts[eos] = 0  # the rarest id: only the forcing puts it first
+    # the "grown from" head: EOS and the 5 of big's ids the counts rank LAST (so --first must win)
+    small_ids = np.sort(np.append(others[np.argsort(counts[others], kind="stable")[:5]], eos))
     for name, ids in (("big", big_ids), ("small", small_ids)):
         p, c, vv = trim_head(params, cfg, vocab, target.params, target.cfg, ids)
         save_draft(tmp_path / name, p, c, vv, "float32")
@@ -304,7 +307,8 @@ def test_vocab_order_cuts_a_head_at_load_to_the_head_it_was_grown_from(
     rest = meta["order"][6:]
     assert set(rest.tolist()) == set(big_ids.tolist()) - set(small_ids.tolist())
     assert (np.diff(counts[rest]) <= 0).all()  # then by descending count
-    assert [counts[i] for i in meta["order"][:6]] == sorted(counts[small_ids], reverse=True)
+    assert meta["order"][0] == eos  # EOS first: every cut keeps it
+    assert [counts[i] for i in meta["order"][1:6]] == sorted(counts[small_ids], reverse=True)[:5]
 
     cut = load_head(big, target, draft_vocab=6)
     like = load_head(small, target)
@@ -326,6 +330,15 @@ def test_vocab_order_cuts_a_head_at_load_to_the_head_it_was_grown_from(
                      "--out", str(tmp_path / out_dir)]) == 0  # fmt: skip
     a, b = (tmp_path / d / "model.safetensors" for d in "ab")
     assert a.read_bytes() == b.read_bytes()
+    # FR-Spec: a head on the target's output embedding is cut to the target's rows of its ids
+    tied = _heads(target, tmp_path)["tied"]
+    write_vocab_order(tied, np.arange(v)[::-1], None)
+    tp, tc, tv, _ = load_head(tied, target)
+    want = trim_head(tp, tc, tv, target.params, target.cfg, np.arange(v - 5, v))
+    got = load_head(tied, target, draft_vocab=5)
+    assert got[1] == want[1] and got[1].lm_head_source == "own"
+    np.testing.assert_array_equal(got[0]["lm_head"], want[0]["lm_head"])
+    assert load_head(tied, target, draft_vocab="auto")[1].draft_vocab_size == v  # no cpu_size
 
     # refusals: a size past Vd, a head without an order, an order of another head's ids
     capsys.readouterr()
@@ -340,3 +353,12 @@ def test_vocab_order_cuts_a_head_at_load_to_the_head_it_was_grown_from(
     assert main(["order", *base, "--draft", str(big), "--counts", str(tmp_path / "c.npy"),
                  "--first", str(full)]) == 2  # fmt: skip
     assert "not the head's" in capsys.readouterr().err
+    for head, size, msg in ((big, "14", "give 1..13"), (tmp_path / "a", "3", "give --counts")):
+        argv = ["trim", *base, "--draft", str(head), "--size", size, "--out", str(tmp_path / "x")]
+        assert main(argv) == 2 and msg in capsys.readouterr().err
+    sv = drf.DraftConfig.from_target(target.cfg, lm_head_source="target", speculator_rank=2)
+    save_draft(tmp_path / "sv", drf.init_params(sv, jax.random.PRNGKey(0)), sv,
+               vocab_lib.identity(v), "float32")  # fmt: skip
+    assert main(["order", *base, "--draft", str(tmp_path / "sv"), "--counts",
+                 str(tmp_path / "c.npy")]) == 2  # fmt: skip
+    assert "SpecVocab" in capsys.readouterr().err

@@ -474,13 +474,14 @@ def read_vocab_order(path: str | os.PathLike, vocab: DraftVocab) -> dict[str, An
     except (KeyError, TypeError, ValueError):
         raise Eagle3Error(f'{f}: needs "order", a list of the head\'s draft token ids') from None
     if order.shape != have.shape or not np.array_equal(np.sort(order), have):
+        dup = order.size - np.unique(order).size
         raise Eagle3Error(
             f'{f}: "order" must list each of the head\'s {have.size} draft ids once (it lists '
-            f"{order.size} ids, {np.setdiff1d(order, have).size} of them not the head's): the "
-            "file belongs to another head"
+            f"{order.size} ids, {np.setdiff1d(order, have).size} of them not the head's, {dup} "
+            "repeated): the file belongs to another head"
         )
     cpu = meta.get("cpu_size")
-    if cpu is not None and (not isinstance(cpu, int) or not 1 <= cpu <= have.size):
+    if cpu is not None and (type(cpu) is not int or not 1 <= cpu <= have.size):
         raise Eagle3Error(f'{f}: "cpu_size" {cpu!r} must be an integer in 1..{have.size}')
     return {"order": order, "cpu_size": cpu, "about": str(meta.get("about", ""))}
 
@@ -504,7 +505,8 @@ def read_head_vocab(path: str | os.PathLike) -> DraftVocab:
 def write_vocab_order(
     path: str | os.PathLike, order, cpu_size: int | None = None, about: str = ""
 ) -> None:
-    """Writes `vocab_order.json` into a head directory (atomically; checked as it is read back)."""
+    """Writes `vocab_order.json` into a head directory, atomically (`read_vocab_order` checks it
+    against the head when it is read)."""
     from eagle3_jax.checkpoints.atomic import write_text_atomic
 
     meta = {"about": about, "cpu_size": cpu_size, "order": [int(i) for i in order]}

@@ -169,13 +169,33 @@ def parse_methods(
     return specs
 
 
+def head_digest(path: str | Path) -> str:
+    """sha256 (16 hex digits) of a head's files (config, weights, vocab_order.json): a head
+    replaced at the same path is another head."""
+    import hashlib
+
+    path = Path(path)
+    h = hashlib.sha256()
+    names = ["config.json", "vocab_order.json", "pytorch_model.bin"]
+    for f in sorted(path.glob("*.safetensors")) + [path / n for n in names]:
+        if f.is_file():
+            h.update(f.name.encode())
+            with f.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(block)
+    return h.hexdigest()[:16]
+
+
 def fingerprint(
     opts: EvalOptions, target_path: str, drafts: dict[str, str], methods, cuts=None
 ) -> dict:
-    """What makes records comparable; --questions is left out so a run can be extended. `cuts`
-    ({draft: ids kept}) is recorded only when a draft is cut, so uncut runs resume as before."""
+    """What makes records comparable; --questions is left out so a run can be extended. Heads are
+    named by path and by their files' digest; `cuts` ({draft: ids kept}) is recorded only when a
+    draft is cut."""
     bench = opts.bench if opts.bench in BENCHES else str(Path(opts.bench).resolve())
     extra = {"draft_vocab": dict(cuts)} if cuts else {}
+    if drafts:
+        extra["draft_digests"] = {n: head_digest(p) for n, p in drafts.items()}
     return {
         "target": target_path,
         "drafts": drafts,
@@ -212,6 +232,16 @@ def check_config(out: Path, config: dict) -> None:
                 if "methods" in diff
                 else ""
             )
+            if "draft_vocab" in diff:
+                hint += (
+                    " (the drafts are cut differently: --draft-vocab, whose default auto cuts a "
+                    "head on a CPU when its vocab_order.json names a cpu_size)"
+                )
+            if "draft_digests" in diff:
+                hint += (
+                    " (a head's files are not those this run started with, or the run predates "
+                    "2026-12-02, when heads were first fingerprinted by their files)"
+                )
             raise Eagle3Error(
                 f"{out} holds results of another configuration (differs in {', '.join(diff)})"
                 f"{hint}: use another --out, or the same flags to resume"

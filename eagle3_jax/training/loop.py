@@ -283,13 +283,18 @@ def start_trunk_from(path: str, dparams, dcfg, tcfg, dtype):
 
 def export_head(path: Path, state, dcfg, vocab, tc: TrainConfig, step: int, tokens: int) -> Path:
     """The head at this step in the official format, plus training.json (step, tokens seen)."""
-    from eagle3_jax.checkpoints.eagle_format import VOCAB_ORDER_FILE, save_draft
+    from eagle3_jax.checkpoints.eagle_format import VOCAB_ORDER_FILE, read_vocab_order, save_draft
 
     save_draft(path, jax.device_get(state.params), dcfg, vocab, dtype=tc.export_dtype)
     (path / "training.json").write_text(json.dumps({"step": step, "tokens": tokens}) + "\n")
     order = Path(tc.init_head) / VOCAB_ORDER_FILE if tc.init_head else None
     if order is not None and order.is_file():  # a continued head keeps its ids, so their order
         shutil.copyfile(order, path / VOCAB_ORDER_FILE)
+        try:
+            read_vocab_order(path, vocab)
+        except Eagle3Error as e:  # never export a head its own order file makes unloadable
+            (path / VOCAB_ORDER_FILE).unlink()
+            print(f"note: {VOCAB_ORDER_FILE} of init_head not copied: {e}", file=sys.stderr)
     return path
 
 
