@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also decode each batch plainly and report the speedup and whether outputs match",
     )
     # Unset tree flags come from the backend's default (eagle3_jax.decoding.speculative.default_tree):
-    # on the CPU the best shape measured with the shipped head (4 nodes, the 2 best tokens at each
+    # on the CPU the best shape measured with the Vd 8,192 GPU head (4 nodes, the 2 best tokens at each
     # depth, 3 deep, verify threshold 0.3); on GPUs/TPUs, where verifying more tokens is nearly free,
     # EAGLE-3's reporting tree (top-k 10, depth 8 = EAGLE's 7, 60 tokens). See BENCHMARKS.md.
     p.add_argument(

@@ -28,8 +28,9 @@ Here again, on the files that came back (bench's into a folder of their own: --d
 first turn is one of data/smollm2_135m_regenerated_heldout.jsonl.gz's 270 are left out by `pack`)
 (`eagle3_jax.data.regenerate --all-turns`, which converts the target from the GGUF on its first
 load) within `--regen-minutes`, and packs those answers into $OUT at once; grows the shipped
-head's draft vocabulary to `--extend-vocab` ids (`vocab_tools extend`, with the counts `pack`
-made of the first-turn answers) and continues it on the answers plus the first-turn files for the
+head's draft vocabulary to `--extend-vocab` ids if it has fewer (`vocab_tools extend`, with the
+counts `pack` made of the first-turn answers; the shipped head has 16,384 since 2026-12-02, so
+this step is skipped) and continues it on the answers plus the first-turn files for the
 rest of the budget
 (`eagle3_jax.training.timed`, configs/smollm2_135m_turns.py); packs the answers, the head (split
 to fit) and the logs into $OUT: at most 8 files of at most 15 MiB. Each phase is a subprocess
