@@ -29,7 +29,8 @@ untrained and 2.946 for the GPU head; all outputs exact. Continued to step 400 (
 tokens): tau 3.006. Whole, it costs decode.py's CPU default (k2 d3 n4, theta 0.3) 5 % (1.16x
 plain against the GPU head's 1.22x, one run); cut at load to the GPU head's ids it runs at 1.22x
 against that head's 1.19x. Shipped since 2026-12-02 (eagle3_jax/heads/smollm2_135m_instruct, with
-the vocab_order.json the order command writes).
+the vocab_order.json the order command writes). Continued to step 600 (--config.max_steps=600,
+621,150 tokens): tau 3.019 at the reporting tree, +0.017 a question over step 400; not shipped yet.
 """
 
 import dataclasses
