@@ -55,6 +55,13 @@ def resolve_method(args) -> None:
         args.draft = str(default_head())
 
 
+def _draft_vocab(args):
+    """--draft-vocab parsed: "auto" (also when the namespace has no such flag), "full" or N."""
+    from eagle3_jax.checkpoints.eagle_format import parse_draft_vocab
+
+    return parse_draft_vocab(getattr(args, "draft_vocab", None) or "auto")
+
+
 def load_draft_for(args, target):
     """--draft PATH -> (params, cfg, vocab, embed), checked against the target before any compute."""
     if args.method != "eagle3":
@@ -64,10 +71,9 @@ def load_draft_for(args, target):
             "--method eagle3 needs --draft PATH (an EAGLE-3 head: config.json + "
             "model.safetensors), or use --method vanilla / pld"
         )
-    from eagle3_jax.checkpoints.eagle_format import parse_draft_vocab
     from eagle3_jax.evaluation.runner import load_head
 
-    request = parse_draft_vocab(getattr(args, "draft_vocab", None) or "auto")
+    request = _draft_vocab(args)
     params, cfg, vocab, embed = load_head(args.draft, target, default_dtype(args.dtype), request)
     if getattr(args, "spec_candidates", None):
         if not cfg.speculator_rank:
@@ -171,9 +177,7 @@ def _decode(args) -> int:
     if args.method != "vanilla":
         _check_tree(args)  # shape errors before the (slow) load; Vd is checked later
     if args.method == "eagle3":
-        from eagle3_jax.checkpoints.eagle_format import parse_draft_vocab
-
-        parse_draft_vocab(getattr(args, "draft_vocab", None) or "auto")  # before the load, too
+        _draft_vocab(args)  # its errors before the (slow) load, too
     if args.prompt_file:
         prompts = read_prompt_file(args.prompt_file)
     elif args.prompt:
@@ -195,8 +199,9 @@ def _decode(args) -> int:
     if draft[0] is not None:
         vd = draft[1].draft_vocab_size
         whole = json.loads((Path(args.draft) / "config.json").read_text()).get("draft_vocab_size")
-        req = getattr(args, "draft_vocab", None) or "auto"
-        cut = f" of its {whole}, --draft-vocab {req}" if whole and whole != vd else ""
+        cut = (
+            f" of its {whole}, --draft-vocab {_draft_vocab(args)}" if whole and whole != vd else ""
+        )
         what = f" + draft {args.draft} (Vd {vd}{cut})"
     print(
         f"loaded {target.path} ({target.cfg.family}, {target.cfg.num_layers} layers){what} "

@@ -287,13 +287,11 @@ def export_head(path: Path, state, dcfg, vocab, tc: TrainConfig, step: int, toke
 
     save_draft(path, jax.device_get(state.params), dcfg, vocab, dtype=tc.export_dtype)
     (path / "training.json").write_text(json.dumps({"step": step, "tokens": tokens}) + "\n")
-    order = Path(tc.init_head) / VOCAB_ORDER_FILE if tc.init_head else None
-    if order is not None and order.is_file():  # a continued head keeps its ids, so their order
-        shutil.copyfile(order, path / VOCAB_ORDER_FILE)
-        try:
-            read_vocab_order(path, vocab)
-        except Eagle3Error as e:  # never export a head its own order file makes unloadable
-            (path / VOCAB_ORDER_FILE).unlink()
+    if tc.init_head:  # a continued head keeps its ids, so their order, checked against them:
+        try:  # never export a head its own order file makes unloadable
+            if read_vocab_order(tc.init_head, vocab) is not None:
+                shutil.copyfile(Path(tc.init_head) / VOCAB_ORDER_FILE, path / VOCAB_ORDER_FILE)
+        except Eagle3Error as e:
             print(f"note: {VOCAB_ORDER_FILE} of init_head not copied: {e}", file=sys.stderr)
     return path
 
