@@ -19,6 +19,8 @@ they start from (and 60 fewer steps here).
   python train.py --config=configs/smollm2_135m_vd16k_cpu.py --resume    # after an interruption
   python train.py --config=configs/smollm2_135m_vd16k_cpu.py --resume --config.max_steps=400
       # 100 more steps on the next, unseen conversations (~25 min)
+  python train.py --config=configs/smollm2_135m_vd16k_cpu.py --resume --config.max_steps=600
+      # 200 more (~53 min beside the tests): the shipped weights
   python -m eagle3_jax.vocab_tools order --draft runs/cpu3_16k/head \
       --counts runs/vocab16k/counts.npy --first GPU_HEAD --cpu-size 8192
       # vocab_order.json: decode.py cuts it to GPU_HEAD's 8,192 ids on a CPU
@@ -29,8 +31,9 @@ untrained and 2.946 for the GPU head; all outputs exact. Continued to step 400 (
 tokens): tau 3.006. Whole, it costs decode.py's CPU default (k2 d3 n4, theta 0.3) 5 % (1.16x
 plain against the GPU head's 1.22x, one run); cut at load to the GPU head's ids it runs at 1.22x
 against that head's 1.19x. Shipped since 2026-12-02 (eagle3_jax/heads/smollm2_135m_instruct, with
-the vocab_order.json the order command writes). Continued to step 600 (--config.max_steps=600,
-621,150 tokens): tau 3.019 at the reporting tree, +0.017 a question over step 400; not shipped yet.
+the vocab_order.json the order command writes) at step 400, and at step 600 since the session
+after (--config.max_steps=600, 621,150 tokens): tau 3.019 at the reporting tree, +0.017 a question
+over step 400; at the CPU default level with it (1.23x against its 1.19x on MT-bench's 80, one run).
 """
 
 import dataclasses
