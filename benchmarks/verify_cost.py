@@ -9,8 +9,10 @@ The embedded SmolLM2-135M-Instruct (or --target) runs T new tokens (T = 1, 2, 3,
 tree verification does (fp32, batch 1, jitted, K/V written into the cache, medians of `reps`).
 With a perfect draft a round of T tokens yields T tokens, so T / cost(T) bounds the speedup of
 a chain of depth T - 1 before any drafting cost. `--row-products 8,0` times the per-row
-products of models.layers (`dense`) against plain matrix products in the same run. Prints a
-table and writes benchmarks/results/verify_cost.json.
+products of models.layers (`dense`) against plain matrix products in the same run, and
+`--logit-reduce 8,0` the output layer as a row reduction (`dense_t`) against the plain product
+(every combination of the two lists is its own program). Prints a table and writes
+benchmarks/results/verify_cost.json.
 """
 
 from __future__ import annotations
@@ -48,10 +50,18 @@ def main() -> None:
         help="comma list of settings of models.layers.ROW_PRODUCTS_MAX to compare (0: plain "
         "matrix products only), e.g. 8,0; default: this machine's choice (row_products_max)",
     )
+    ap.add_argument(
+        "--logit-reduce",
+        default=None,
+        help="comma list of settings of models.layers.LOGIT_REDUCE_MAX to compare (0: the plain "
+        "product), e.g. 8,0; default: this machine's choice (logit_reduce_max)",
+    )
     args = ap.parse_args()
-    default_setting = layers.row_products_max()
+    default_setting = (layers.row_products_max(), layers.logit_reduce_max())
     if args.row_products is None:
-        args.row_products = str(default_setting)
+        args.row_products = str(default_setting[0])
+    if args.logit_reduce is None:
+        args.logit_reduce = str(default_setting[1])
     target = load_target(args.target)
     cfg = target.cfg
 
@@ -65,13 +75,15 @@ def main() -> None:
 
         return step
 
-    # each setting of layers.ROW_PRODUCTS_MAX (read when a shape is traced) gets its own program;
-    # the settings are timed in turn, rep by rep, so they see the same machine
-    settings = [int(x) for x in args.row_products.split(",")]
+    # each setting (ROW_PRODUCTS_MAX, LOGIT_REDUCE_MAX), read when a shape is traced, gets its own
+    # program; the settings are timed in turn, rep by rep, so they see the same machine
+    settings = [
+        (int(r), int(g)) for r in args.row_products.split(",") for g in args.logit_reduce.split(",")
+    ]
     steps = {s: make_step() for s in settings}
 
     def call(s, tokens):
-        layers.ROW_PRODUCTS_MAX = s
+        layers.ROW_PRODUCTS_MAX, layers.LOGIT_REDUCE_MAX = s
         return steps[s](target.params, tokens, cache, start)
 
     cache = tgt.make_cache(cfg, 1, args.slots)
@@ -91,19 +103,32 @@ def main() -> None:
                 times[s].append(time.perf_counter() - t0)
         for s in settings:
             rows.append(
-                {"tokens": t, "row_products_max": s, "ms": 1e3 * float(np.median(times[s]))}
+                {
+                    "tokens": t,
+                    "row_products_max": s[0],
+                    "logit_reduce_max": s[1],
+                    "ms": 1e3 * float(np.median(times[s])),
+                }
             )
-    layers.ROW_PRODUCTS_MAX = default_setting
-    unit = {r["row_products_max"]: r["ms"] for r in rows if r["tokens"] == 1}
+    layers.ROW_PRODUCTS_MAX, layers.LOGIT_REDUCE_MAX = default_setting
+
+    def key(r):
+        return r["row_products_max"], r["logit_reduce_max"]
+
+    unit = {key(r): r["ms"] for r in rows if r["tokens"] == 1}
     print(f"target forward over T new tokens, context {args.context}, fp32, batch 1")
-    print(f"{'T':>4} {'rows<=':>6} {'ms':>8} {'cost/T=1':>9} {'T/cost':>7} {'vs first T=1':>12}")
+    print(
+        f"{'T':>4} {'rows<=':>6} {'logit<=':>7} {'ms':>8} {'cost/T=1':>9} {'T/cost':>7} "
+        f"{'vs first T=1':>12}"
+    )
     for r in rows:
-        r["relative"] = r["ms"] / unit[r["row_products_max"]]
+        r["relative"] = r["ms"] / unit[key(r)]
         r["ceiling"] = r["tokens"] / r["relative"]
         r["relative_to_first"] = r["ms"] / unit[settings[0]]
         print(
-            f"{r['tokens']:>4} {r['row_products_max']:>6} {r['ms']:>8.1f} {r['relative']:>9.2f} "
-            f"{r['ceiling']:>7.2f} {r['relative_to_first']:>12.2f}"
+            f"{r['tokens']:>4} {r['row_products_max']:>6} {r['logit_reduce_max']:>7} "
+            f"{r['ms']:>8.1f} {r['relative']:>9.2f} {r['ceiling']:>7.2f} "
+            f"{r['relative_to_first']:>12.2f}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +139,8 @@ def main() -> None:
         "context": args.context,
         "reps": args.reps,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "row_products": settings,
+        "row_products": sorted({s[0] for s in settings}),
+        "logit_reduce": sorted({s[1] for s in settings}),
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")

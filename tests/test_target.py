@@ -297,3 +297,84 @@ def test_row_product_probe_times_both_ways():
 
     t = layers.time_row_products(rows=2, layers=1, reps=2)
     assert set(t) == {"row_products_ms", "plain_products_ms"} and min(t.values()) > 0
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 4), (1, 9), (3, 5)])
+@pytest.mark.parametrize("limit", [0, 8])
+def test_output_layer_reduction_equals_the_product(shape, limit, monkeypatch):
+    """dense_t (x . w^T with w stored [N, K], the tied output layer) gives the product's numbers
+    either way, bf16 weights scored in fp32 too; on the CPU 2..limit rows are a row reduction
+    (no dot in the program), one row and more rows a dot."""
+    from eagle3_jax.models import layers
+
+    monkeypatch.setattr(layers, "LOGIT_REDUCE_MAX", limit)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((*shape, 48)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((40, 48)), jnp.float32)
+    fn = jax.jit(lambda *a: layers.dense_t(*a))
+    got = fn(x, w)
+    assert got.shape == (*shape, 40)
+    np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5)
+    rows = int(np.prod(shape))
+    reduced = jax.default_backend() == "cpu" and 1 < rows <= limit
+    assert ("dot(" not in fn.lower(x, w).as_text("hlo")) == reduced
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    got_b = jax.jit(lambda *a: layers.dense_t(*a, out_dtype=jnp.float32))(xb, wb)
+    assert got_b.dtype == jnp.float32
+    want_b = np.asarray(xb.astype(jnp.float32)) @ np.asarray(wb.astype(jnp.float32)).T
+    np.testing.assert_allclose(got_b, want_b, rtol=1e-5, atol=1e-4)
+
+
+def test_output_layer_reduction_can_be_set_per_machine():
+    """EAGLE3_JAX_LOGIT_REDUCE sets the limit at import and skips the probe; bad values fail."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from eagle3_jax.models import layers; print(layers.LOGIT_REDUCE_MAX)"
+    for value, want in (("0", "0"), ("8", "8"), ("auto", "None"), ("yes", None)):
+        env = {**os.environ, "EAGLE3_JAX_LOGIT_REDUCE": value, "JAX_PLATFORMS": "cpu"}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        if want is None:
+            assert out.returncode != 0 and "EAGLE3_JAX_LOGIT_REDUCE='yes'" in out.stderr
+        else:
+            assert out.stdout.strip() == want, out.stderr
+
+
+@pytest.mark.parametrize("reduce_ms,want", [(5.0, 8), (9.8, 0)])
+def test_output_layer_probe_picks_the_faster_way_once_per_cpu(
+    monkeypatch, tmp_path, reduce_ms, want
+):
+    """Unset, the choice is measured the first time a few rows are scored (in its own thread, even
+    while a caller is traced), cached, and read back from the cache in a new process."""
+    import threading
+
+    from eagle3_jax.models import layers
+
+    monkeypatch.setenv("EAGLE3_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(layers, "LOGIT_REDUCE_MAX", None)
+    probes = []
+
+    def fake_timing():
+        probes.append(threading.current_thread() is threading.main_thread())
+        return {"reduce_ms": reduce_ms, "plain_products_ms": 10.0}
+
+    monkeypatch.setattr(layers, "time_logit_reduce", fake_timing)
+    w = jnp.ones((40, 48), jnp.float32)
+    jax.jit(lambda *a: layers.dense_t(*a)).lower(jnp.ones((1, 48), jnp.float32), w)
+    assert probes == []  # one row: no probe
+    jax.jit(lambda *a: layers.dense_t(*a)).lower(jnp.ones((4, 48), jnp.float32), w)
+    assert probes == ([False] if jax.default_backend() == "cpu" else [])
+    if jax.default_backend() != "cpu":
+        return
+    assert layers.LOGIT_REDUCE_MAX == want
+    assert '"choice": ' + str(want) in (tmp_path / "logit_reduce.json").read_text()
+    monkeypatch.setattr(layers, "LOGIT_REDUCE_MAX", None)
+    assert layers.logit_reduce_max() == want and len(probes) == 1
+
+
+def test_output_layer_probe_times_both_ways():
+    from eagle3_jax.models import layers
+
+    t = layers.time_logit_reduce(rows=2, vocab=256, width=32, reps=2)
+    assert set(t) == {"reduce_ms", "plain_products_ms"} and min(t.values()) > 0

@@ -248,15 +248,14 @@ def time_row_products(rows: int = 4, layers: int = 6, reps: int = 25) -> dict[st
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def choose_row_products() -> int:
-    """The row-product limit for this machine: ROW_PRODUCTS_ON if row products beat plain products
-    by 5 % at 4 rows here, else 0. Measured once per CPU model and jax version, cached in
-    <cache>/row_products.json. The probe runs in its own thread: JAX's trace state is per thread,
-    so a call made while a caller is being traced (dense is) times real computations instead of
-    staging them into the caller."""
+def _probed_choice(file: str, timing, fast: str, slow: str, on: int, what: str, env: str) -> int:
+    """`on` if timing()[fast] beats timing()[slow] by 5 % on this machine, else 0; measured once per
+    CPU model and jax version and cached in <cache>/<file>. The probe runs in its own thread: JAX's
+    trace state is per thread, so a call made while a caller is being traced (dense is) times real
+    computations instead of staging them into the caller."""
     from eagle3_jax.checkpoints import cache_dir  # late: checkpoints imports the models
 
-    path = cache_dir() / "row_products.json"
+    path = cache_dir() / file
     key = f"{cpu_model()} | {os.cpu_count()} cpus | jax {jax.__version__}"
     try:
         known = json.loads(path.read_text())
@@ -270,21 +269,20 @@ def choose_row_products() -> int:
 
     def probe():
         try:
-            result.update(time_row_products())
-        except Exception as e:  # noqa: BLE001 - reported below, then plain products
+            result.update(timing())
+        except Exception as e:  # noqa: BLE001 - reported below, then the plain product
             result["error"] = repr(e)
 
-    worker = threading.Thread(target=probe, name="eagle3-row-products-probe")
+    worker = threading.Thread(target=probe, name=f"eagle3-probe-{file}")
     worker.start()
     worker.join()
     if "error" in result:
         print(
-            f"eagle3_jax: row-product probe failed ({result['error']}); plain products",
-            file=sys.stderr,
+            f"eagle3_jax: {what} probe failed ({result['error']}); plain products", file=sys.stderr
         )
         return 0
-    faster = result["row_products_ms"] < 0.95 * result["plain_products_ms"]
-    result["choice"] = ROW_PRODUCTS_ON if faster else 0
+    faster = result[fast] < 0.95 * result[slow]
+    result["choice"] = on if faster else 0
     known[key] = result
     try:
         from eagle3_jax.checkpoints.atomic import write_text_atomic
@@ -294,12 +292,25 @@ def choose_row_products() -> int:
     except OSError:
         pass  # a read-only cache only costs the probe again next time
     print(
-        f"eagle3_jax: {'row' if faster else 'plain'} products for 2-{ROW_PRODUCTS_ON} rows on this "
-        f"CPU (4 rows: {result['row_products_ms']:.1f} ms row products, "
-        f"{result['plain_products_ms']:.1f} ms plain; {ROW_PRODUCTS_ENV} overrides; cached in {path})",
+        f"eagle3_jax: {what} for 2-{on} rows on this CPU: {'yes' if faster else 'no'} (4 rows: "
+        f"{result[fast]:.1f} ms against {result[slow]:.1f} ms; {env} overrides; cached in {path})",
         file=sys.stderr,
     )
     return result["choice"]
+
+
+def choose_row_products() -> int:
+    """The row-product limit for this machine: ROW_PRODUCTS_ON if row products beat plain products
+    by 5 % at 4 rows here, else 0 (cached in <cache>/row_products.json)."""
+    return _probed_choice(
+        "row_products.json",
+        time_row_products,
+        "row_products_ms",
+        "plain_products_ms",
+        ROW_PRODUCTS_ON,
+        "row products",
+        ROW_PRODUCTS_ENV,
+    )
 
 
 def row_products_max() -> int:
@@ -328,6 +339,95 @@ def dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
         return mm(x, w)
     flat = x.reshape(rows, x.shape[-1])
     return jax.lax.map(lambda r: mm(r, w), flat).reshape(*x.shape[:-1], w.shape[-1])
+
+
+# A product with a weight stored [N, K] (out, in): the tied output layer, whose matrix is the
+# [V, D] embedding (113 MB for SmolLM2's 49,152 x 576). XLA:CPU's GEMM scores 2-8 rows with it at
+# ~1.5-2x the cost of one row (4 rows: 10.1 ms against 4.9 ms on the 2-core AMD EPYC VM), though the
+# matrix is read once either way; written as a multiply-and-sum over K (a row reduction, each
+# output a dot of two contiguous rows, all rows in one pass over the matrix) the same 4 rows cost
+# 6.8 ms. One row stays a matrix-vector product (the reduction is far slower there). As with row
+# products the choice is measured per machine (`choose_logit_reduce`, cached in
+# <cache>/logit_reduce.json); EAGLE3_JAX_LOGIT_REDUCE (an integer, read at import) skips the
+# probe: 0 = the plain product always, 8 = the reduction for 2-8 rows. Other backends, one row and
+# more rows (prefill, trees of 9+ nodes, training) use the plain product.
+LOGIT_REDUCE_ENV = "EAGLE3_JAX_LOGIT_REDUCE"
+LOGIT_REDUCE_ON = 8
+_env = os.environ.get(LOGIT_REDUCE_ENV, "auto").strip().lower()
+if _env not in ("", "auto") and not _env.isdigit():
+    raise ValueError(f"{LOGIT_REDUCE_ENV}={_env!r}: use auto or a row count (0 = plain products)")
+LOGIT_REDUCE_MAX: int | None = None if _env in ("", "auto") else int(_env)  # None: not probed yet
+
+
+def _product_t(x: jax.Array, w_t: jax.Array, out_dtype=None) -> jax.Array:
+    """x[R, K] . w_t[N, K]^T as XLA's dot, the weight as the LEFT operand ([N, R], then
+    transposed): the same products, but XLA:CPU's GEMM once streamed the 113 MB SmolLM2 embedding
+    far better this way round for a few rows (8 ms against 13 ms for 2-4 rows, an earlier jax)."""
+    return jax.lax.dot_general(w_t, x, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype).T
+
+
+def _reduce_t(x: jax.Array, w_t: jax.Array, out_dtype=None) -> jax.Array:
+    """x[R, K] . w_t[N, K]^T as a multiply-and-sum over K (a row reduction), accumulated in
+    out_dtype (or the inputs' type): [R, N]."""
+    acc = out_dtype or jnp.result_type(x, w_t)
+    return jnp.sum(w_t.astype(acc)[None, :, :] * x.astype(acc)[:, None, :], axis=-1)
+
+
+def time_logit_reduce(
+    rows: int = 4, vocab: int = 49152, width: int = 576, reps: int = 15
+) -> dict[str, float]:
+    """Median ms of a SmolLM2-sized tied output layer ([vocab, width] fp32) over `rows` rows, as a
+    row reduction and as a plain product, timed alternately. Call outside any trace."""
+    rng = np.random.default_rng(0)
+    w_t = jnp.asarray(0.02 * rng.standard_normal((vocab, width), dtype=np.float32))
+    x = jnp.asarray(rng.standard_normal((rows, width), dtype=np.float32))
+    ways = {"reduce_ms": jax.jit(_reduce_t), "plain_products_ms": jax.jit(_product_t)}
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for fn in ways.values():
+        jax.block_until_ready(fn(x, w_t))
+    for _ in range(reps):
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(x, w_t))
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def choose_logit_reduce() -> int:
+    """LOGIT_REDUCE_ON if the row reduction beats the plain product by 5 % at 4 rows here, else 0
+    (cached in <cache>/logit_reduce.json)."""
+    return _probed_choice(
+        "logit_reduce.json",
+        time_logit_reduce,
+        "reduce_ms",
+        "plain_products_ms",
+        LOGIT_REDUCE_ON,
+        "output layer as a row reduction",
+        LOGIT_REDUCE_ENV,
+    )
+
+
+def logit_reduce_max() -> int:
+    """The most rows `dense_t` computes as a row reduction on the CPU (0: none), probed on first use."""
+    global LOGIT_REDUCE_MAX
+    if LOGIT_REDUCE_MAX is None:
+        LOGIT_REDUCE_MAX = choose_logit_reduce()
+    return LOGIT_REDUCE_MAX
+
+
+def dense_t(x: jax.Array, w_t: jax.Array, out_dtype=None) -> jax.Array:
+    """x[..., K] . w_t[N, K]^T (a weight stored out-by-in, e.g. a tied embedding), as a row
+    reduction for a few rows on the CPU where that is faster (see logit_reduce_max). `out_dtype`
+    is the result type, accumulated in it (fp32 logits from bf16 weights)."""
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead))
+    flat = x.reshape(rows, x.shape[-1])
+    way = _product_t
+    if jax.default_backend() == "cpu" and 1 < rows <= LOGIT_REDUCE_ON:
+        limit = LOGIT_REDUCE_MAX if LOGIT_REDUCE_MAX is not None else logit_reduce_max()
+        if rows <= limit:
+            way = _reduce_t
+    return way(flat, w_t, out_dtype).reshape(*lead, w_t.shape[0])
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
