@@ -52,7 +52,7 @@ def _cpu_fields(cpuinfo: str | None) -> tuple[str, str]:
 
 def cpu_model(cpuinfo: str | None = None) -> str:
     """This host's CPU model ("AMD EPYC", "Intel(R) Xeon(R) ..."), for benchmark records and the
-    per-machine choices that depend on it (models.layers' row-product probe)."""
+    per-machine choices that depend on it (models.layers' row-product and output-layer probes)."""
     return _cpu_fields(cpuinfo)[0]
 
 

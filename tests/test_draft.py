@@ -527,7 +527,8 @@ def test_target_lm_head_reads_the_target_output_embedding():
 @pytest.mark.parametrize("source", ["own", "target", "specvocab"])
 def test_bf16_head_logits_are_fp32(source, row_products, monkeypatch):
     """bf16 parameters give fp32 draft logits, the fp32 product of the bf16 inputs (as the
-    target's), through either CPU product (a few rows as one product or one per row): the draft's
+    target's), through either CPU product (a few rows as one product, or one per row and, for
+    heads that read the target's output layer, a row reduction): the draft's
     top-k and the tree's cumulative scores rank by them, and bf16 logits tie often (a one-step
     rounding at a logit of 16-32 is 0.125). SpecVocab's exact logits over its candidates too.
     `out_dtype=None` (training's choice) keeps the parameters' dtype."""
@@ -535,6 +536,7 @@ def test_bf16_head_logits_are_fp32(source, row_products, monkeypatch):
     from eagle3_jax.models.layers import rms_norm
 
     monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", row_products)
+    monkeypatch.setattr(layers, "LOGIT_REDUCE_MAX", row_products)
     if source == "own":
         dcfg = dr.DraftConfig.from_target(TARGET, draft_vocab_size=VD)
         params = dr.init_params(dcfg, jax.random.PRNGKey(1), scale=0.3)

@@ -341,12 +341,13 @@ def test_output_layer_reduction_can_be_set_per_machine():
             assert out.stdout.strip() == want, out.stderr
 
 
-@pytest.mark.parametrize("reduce_ms,want", [(5.0, 8), (9.8, 0)])
+@pytest.mark.parametrize("reduce_ms,want", [(5.0, 8), (9.8, 0), (20.0, 0)])
 def test_output_layer_probe_picks_the_faster_way_once_per_cpu(
     monkeypatch, tmp_path, reduce_ms, want
 ):
     """Unset, the choice is measured the first time a few rows are scored (in its own thread, even
-    while a caller is traced), cached, and read back from the cache in a new process."""
+    while a caller is traced), used by that program, cached, and read back from the cache when the
+    limit is unset again (as in a new process); the reduction only when 5 % faster."""
     import threading
 
     from eagle3_jax.models import layers
@@ -363,10 +364,11 @@ def test_output_layer_probe_picks_the_faster_way_once_per_cpu(
     w = jnp.ones((40, 48), jnp.float32)
     jax.jit(lambda *a: layers.dense_t(*a)).lower(jnp.ones((1, 48), jnp.float32), w)
     assert probes == []  # one row: no probe
-    jax.jit(lambda *a: layers.dense_t(*a)).lower(jnp.ones((4, 48), jnp.float32), w)
+    hlo = jax.jit(lambda *a: layers.dense_t(*a)).lower(jnp.ones((4, 48), jnp.float32), w)
     assert probes == ([False] if jax.default_backend() == "cpu" else [])
     if jax.default_backend() != "cpu":
         return
+    assert ("dot(" not in hlo.as_text("hlo")) == (want > 0)
     assert layers.LOGIT_REDUCE_MAX == want
     assert '"choice": ' + str(want) in (tmp_path / "logit_reduce.json").read_text()
     monkeypatch.setattr(layers, "LOGIT_REDUCE_MAX", None)
@@ -378,3 +380,36 @@ def test_output_layer_probe_times_both_ways():
 
     t = layers.time_logit_reduce(rows=2, vocab=256, width=32, reps=2)
     assert set(t) == {"reduce_ms", "plain_products_ms"} and min(t.values()) > 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_output_layer_reduction_has_the_products_gradient(dtype, monkeypatch):
+    """Differentiated (a head that reads the target's output layer trains through it, a few rows
+    in tiny batches), the reduction gives the product's gradients in the inputs' dtypes, computed
+    as products (no [rows, N, K] temporaries in the backward program)."""
+    from eagle3_jax.models import layers
+
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2, 3, 48)), dtype)
+    w = jnp.asarray(rng.standard_normal((40, 48)), dtype)
+    g = jnp.asarray(rng.standard_normal((2, 3, 40)), jnp.float32)
+
+    def loss(x, w, out_dtype):
+        return jnp.sum(layers.dense_t(x, w, out_dtype).astype(jnp.float32) * g)
+
+    grads = {}
+    for limit in (0, 8):
+        monkeypatch.setattr(layers, "LOGIT_REDUCE_MAX", limit)
+        for out_dtype in (None, jnp.float32):
+            fn = jax.jit(jax.grad(lambda x, w: loss(x, w, out_dtype), argnums=(0, 1)))
+            grads[limit, out_dtype] = fn(x, w)
+            assert [t.dtype for t in grads[limit, out_dtype]] == [dtype, dtype]
+            if limit and jax.default_backend() == "cpu":
+                text = fn.lower(x, w).as_text("hlo")
+                assert "f32[6,40,48]" not in text and "bf16[6,40,48]" not in text
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for out_dtype in (None, jnp.float32):
+        for a, b in zip(grads[8, out_dtype], grads[0, out_dtype]):
+            np.testing.assert_allclose(
+                np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol
+            )

@@ -248,11 +248,12 @@ def time_row_products(rows: int = 4, layers: int = 6, reps: int = 25) -> dict[st
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def _probed_choice(file: str, timing, fast: str, slow: str, on: int, what: str, env: str) -> int:
+def _probed_choice(file: str, timing, fast: str, slow: str, on: int, what: str, report) -> int:
     """`on` if timing()[fast] beats timing()[slow] by 5 % on this machine, else 0; measured once per
-    CPU model and jax version and cached in <cache>/<file>. The probe runs in its own thread: JAX's
-    trace state is per thread, so a call made while a caller is being traced (dense is) times real
-    computations instead of staging them into the caller."""
+    CPU model and jax version and cached in <cache>/<file>; `report(result, faster, path)` is the
+    stderr line that says what was chosen, `what` names the probe if it fails. The probe runs in
+    its own thread: JAX's trace state is per thread, so a call made while a caller is being traced
+    (dense is) times real computations instead of staging them into the caller."""
     from eagle3_jax.checkpoints import cache_dir  # late: checkpoints imports the models
 
     path = cache_dir() / file
@@ -277,9 +278,7 @@ def _probed_choice(file: str, timing, fast: str, slow: str, on: int, what: str, 
     worker.start()
     worker.join()
     if "error" in result:
-        print(
-            f"eagle3_jax: {what} probe failed ({result['error']}); plain products", file=sys.stderr
-        )
+        print(f"eagle3_jax: {what} failed ({result['error']}); plain products", file=sys.stderr)
         return 0
     faster = result[fast] < 0.95 * result[slow]
     result["choice"] = on if faster else 0
@@ -291,11 +290,7 @@ def _probed_choice(file: str, timing, fast: str, slow: str, on: int, what: str, 
         write_text_atomic(path, json.dumps(known, indent=1) + "\n")
     except OSError:
         pass  # a read-only cache only costs the probe again next time
-    print(
-        f"eagle3_jax: {what} for 2-{on} rows on this CPU: {'yes' if faster else 'no'} (4 rows: "
-        f"{result[fast]:.1f} ms against {result[slow]:.1f} ms; {env} overrides; cached in {path})",
-        file=sys.stderr,
-    )
+    print(report(result, faster, path), file=sys.stderr)
     return result["choice"]
 
 
@@ -308,8 +303,12 @@ def choose_row_products() -> int:
         "row_products_ms",
         "plain_products_ms",
         ROW_PRODUCTS_ON,
-        "row products",
-        ROW_PRODUCTS_ENV,
+        "row-product probe",
+        lambda r, faster, path: (
+            f"eagle3_jax: {'row' if faster else 'plain'} products for 2-{ROW_PRODUCTS_ON} rows on "
+            f"this CPU (4 rows: {r['row_products_ms']:.1f} ms row products, "
+            f"{r['plain_products_ms']:.1f} ms plain; {ROW_PRODUCTS_ENV} overrides; cached in {path})"
+        ),
     )
 
 
@@ -359,18 +358,42 @@ if _env not in ("", "auto") and not _env.isdigit():
 LOGIT_REDUCE_MAX: int | None = None if _env in ("", "auto") else int(_env)  # None: not probed yet
 
 
-def _product_t(x: jax.Array, w_t: jax.Array, out_dtype=None) -> jax.Array:
-    """x[R, K] . w_t[N, K]^T as XLA's dot, the weight as the LEFT operand ([N, R], then
-    transposed): the same products, but XLA:CPU's GEMM once streamed the 113 MB SmolLM2 embedding
-    far better this way round for a few rows (8 ms against 13 ms for 2-4 rows, an earlier jax)."""
-    return jax.lax.dot_general(w_t, x, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype).T
+def _product_t(
+    x: jax.Array, w_t: jax.Array, out_dtype=None, weight_left: bool = False
+) -> jax.Array:
+    """x[R, K] . w_t[N, K]^T as XLA's dot: [R, N]. weight_left puts the weight as the LEFT operand
+    ([N, R], then transposed): the same products, but XLA:CPU's GEMM once streamed the 113 MB
+    SmolLM2 embedding far better that way round for a few rows (8 ms against 13 ms for 2-4 rows,
+    an earlier jax)."""
+    if weight_left:
+        dims = (((1,), (1,)), ((), ()))
+        return jax.lax.dot_general(w_t, x, dims, preferred_element_type=out_dtype).T
+    return jax.lax.dot_general(x, w_t, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _reduce_t(x: jax.Array, w_t: jax.Array, out_dtype=None) -> jax.Array:
     """x[R, K] . w_t[N, K]^T as a multiply-and-sum over K (a row reduction), accumulated in
-    out_dtype (or the inputs' type): [R, N]."""
+    out_dtype (or the inputs' type): [R, N]. Its gradient is the plain products' (autodiff of the
+    reduction would build [R, N, K] temporaries: 0.9 GB for 8 rows of SmolLM2's embedding)."""
     acc = out_dtype or jnp.result_type(x, w_t)
     return jnp.sum(w_t.astype(acc)[None, :, :] * x.astype(acc)[:, None, :], axis=-1)
+
+
+def _reduce_t_fwd(x, w_t, out_dtype):
+    return _reduce_t(x, w_t, out_dtype), (x, w_t)
+
+
+def _reduce_t_bwd(out_dtype, res, g):
+    x, w_t = res
+    acc = out_dtype or jnp.result_type(x, w_t)
+    g = g.astype(acc)
+    dx = jnp.matmul(g, w_t.astype(acc)).astype(x.dtype)
+    dw = jnp.matmul(g.T, x.astype(acc)).astype(w_t.dtype)
+    return dx, dw
+
+
+_reduce_t.defvjp(_reduce_t_fwd, _reduce_t_bwd)
 
 
 def time_logit_reduce(
@@ -402,8 +425,12 @@ def choose_logit_reduce() -> int:
         "reduce_ms",
         "plain_products_ms",
         LOGIT_REDUCE_ON,
-        "output layer as a row reduction",
-        LOGIT_REDUCE_ENV,
+        "output-layer probe",
+        lambda r, faster, path: (
+            f"eagle3_jax: output layer {'as a row reduction' if faster else 'as a plain product'} "
+            f"for 2-{LOGIT_REDUCE_ON} rows on this CPU (4 rows: {r['reduce_ms']:.1f} ms reduction, "
+            f"{r['plain_products_ms']:.1f} ms product; {LOGIT_REDUCE_ENV} overrides; cached in {path})"
+        ),
     )
 
 
@@ -415,19 +442,27 @@ def logit_reduce_max() -> int:
     return LOGIT_REDUCE_MAX
 
 
-def dense_t(x: jax.Array, w_t: jax.Array, out_dtype=None) -> jax.Array:
+def dense_t(x: jax.Array, w_t: jax.Array, out_dtype=None, weight_left: bool = False) -> jax.Array:
     """x[..., K] . w_t[N, K]^T (a weight stored out-by-in, e.g. a tied embedding), as a row
-    reduction for a few rows on the CPU where that is faster (see logit_reduce_max). `out_dtype`
-    is the result type, accumulated in it (fp32 logits from bf16 weights)."""
+    reduction for a few rows on the CPU where that is faster (see logit_reduce_max), else as the
+    product (`weight_left`: see _product_t). `out_dtype` is the result type, accumulated in it
+    (fp32 logits from bf16 weights). Meant for jitted callers: run eagerly, the reduction
+    materialises its [rows, N, K] products."""
     lead = x.shape[:-1]
     rows = int(np.prod(lead))
     flat = x.reshape(rows, x.shape[-1])
-    way = _product_t
-    if jax.default_backend() == "cpu" and 1 < rows <= LOGIT_REDUCE_ON:
-        limit = LOGIT_REDUCE_MAX if LOGIT_REDUCE_MAX is not None else logit_reduce_max()
-        if rows <= limit:
-            way = _reduce_t
-    return way(flat, w_t, out_dtype).reshape(*lead, w_t.shape[0])
+    reduce = False
+    if jax.default_backend() == "cpu" and rows > 1:
+        # probe only where its answer matters (2..LOGIT_REDUCE_ON rows); a set limit is used as is
+        limit = LOGIT_REDUCE_MAX
+        if limit is None:
+            limit = logit_reduce_max() if rows <= LOGIT_REDUCE_ON else 0
+        reduce = rows <= limit
+    if reduce:
+        out = _reduce_t(flat, w_t, out_dtype)
+    else:
+        out = _product_t(flat, w_t, out_dtype, weight_left)
+    return out.reshape(*lead, w_t.shape[0])
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

@@ -293,7 +293,7 @@ def lm_head(params: Params, hidden: jax.Array, cfg: TargetConfig) -> jax.Array:
         # hidden . embed^T without transposing the [V, D] embedding: on the CPU a few rows (a tree
         # verification) go as a row reduction where the probe finds it faster (4 rows 6.8 ms
         # against 10.1 ms on the 2-core AMD VM, one row 4.9 ms either way; layers.dense_t)
-        return dense_t(hidden, params["embed"], out_dtype=jnp.float32)
+        return dense_t(hidden, params["embed"], out_dtype=jnp.float32, weight_left=True)
     return jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
 
 
