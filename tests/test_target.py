@@ -237,60 +237,6 @@ def test_row_products_equal_the_matrix_product(shape):
     )
 
 
-def test_row_products_can_be_set_per_machine(monkeypatch):
-    """EAGLE3_JAX_ROW_PRODUCTS sets the limit at import (0: plain products for any row count) and
-    skips the probe; unset or auto leaves it to the probe; anything else is an error."""
-    import os
-    import subprocess
-    import sys
-
-    from eagle3_jax.models import layers
-
-    code = "from eagle3_jax.models import layers; print(layers.ROW_PRODUCTS_MAX)"
-    for value, want in (("0", "0"), ("8", "8"), ("auto", "None"), ("fast", None)):
-        env = {**os.environ, "EAGLE3_JAX_ROW_PRODUCTS": value, "JAX_PLATFORMS": "cpu"}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        if want is None:
-            assert out.returncode != 0 and "EAGLE3_JAX_ROW_PRODUCTS='fast'" in out.stderr
-        else:
-            assert out.stdout.strip() == want, out.stderr
-    # a fresh function per setting: jit caches a traced function, and the limit is read in tracing
-    x, w = jnp.ones((4, 48), jnp.float32), jnp.ones((48, 40), jnp.float32)
-    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", 0)
-    assert "while" not in jax.jit(lambda *a: layers.dense(*a)).lower(x, w).as_text()
-    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", 8)
-    assert "while" in jax.jit(lambda *a: layers.dense(*a)).lower(x, w).as_text()
-
-
-@pytest.mark.parametrize("row_ms,want", [(5.0, 8), (9.8, 0), (20.0, 0)])
-def test_row_product_probe_picks_the_faster_way_once_per_cpu(monkeypatch, tmp_path, row_ms, want):
-    """Unset, the limit is measured the first time a few rows are multiplied, even while a caller
-    is being traced (the probe runs in its own thread, so its work is timed, not staged), then
-    read from the cache: row products only when 5 % faster than plain ones."""
-    import threading
-
-    from eagle3_jax.models import layers
-
-    monkeypatch.setenv("EAGLE3_JAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", None)
-    probes = []
-
-    def fake_timing():
-        probes.append(threading.current_thread() is threading.main_thread())
-        return {"row_products_ms": row_ms, "plain_products_ms": 10.0}
-
-    monkeypatch.setattr(layers, "time_row_products", fake_timing)
-    w = jnp.ones((48, 40), jnp.float32)
-    jax.jit(lambda *a: layers.dense(*a)).lower(jnp.ones((1, 48), jnp.float32), w)
-    assert probes == []  # one row is a vector product whatever the machine: no probe
-    hlo = jax.jit(lambda *a: layers.dense(*a)).lower(jnp.ones((4, 48), jnp.float32), w).as_text()
-    assert probes == [False]  # once, in its own thread
-    assert layers.ROW_PRODUCTS_MAX == want and ("while" in hlo) == (want > 0)
-    assert '"choice": ' + str(want) in (tmp_path / "row_products.json").read_text()
-    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", None)  # as in a new process: the cache answers
-    assert layers.row_products_max() == want and len(probes) == 1
-
-
 def test_row_product_probe_times_both_ways():
     """The real probe, small: both medians are positive times."""
     from eagle3_jax.models import layers
@@ -325,54 +271,100 @@ def test_output_layer_reduction_equals_the_product(shape, limit, monkeypatch):
     np.testing.assert_allclose(got_b, want_b, rtol=1e-5, atol=1e-4)
 
 
-def test_output_layer_reduction_can_be_set_per_machine():
-    """EAGLE3_JAX_LOGIT_REDUCE sets the limit at import and skips the probe; bad values fail."""
+PROBES = {
+    # kind: (limit attribute, timing function, its fast key, the product, weight shape, fast-way test)
+    "row-products": (
+        "ROW_PRODUCTS_MAX",
+        "time_row_products",
+        "row_products_ms",
+        "dense",
+        (48, 40),
+        lambda hlo: "while" in hlo.as_text(),
+    ),
+    "output-layer-reduction": (
+        "LOGIT_REDUCE_MAX",
+        "time_logit_reduce",
+        "reduce_ms",
+        "dense_t",
+        (40, 48),
+        lambda hlo: "dot(" not in hlo.as_text("hlo"),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(PROBES))
+def test_product_choices_can_be_set_per_machine(monkeypatch, kind):
+    """EAGLE3_JAX_ROW_PRODUCTS / EAGLE3_JAX_LOGIT_REDUCE set the limit at import (0: the plain
+    product for any row count) and skip the probe; unset or auto leaves it to the probe; anything
+    else is an error. A set limit decides the program."""
     import os
     import subprocess
     import sys
 
-    code = "from eagle3_jax.models import layers; print(layers.LOGIT_REDUCE_MAX)"
-    for value, want in (("0", "0"), ("8", "8"), ("auto", "None"), ("yes", None)):
-        env = {**os.environ, "EAGLE3_JAX_LOGIT_REDUCE": value, "JAX_PLATFORMS": "cpu"}
+    from eagle3_jax.models import layers
+
+    attr, _, _, fn_name, w_shape, fast_way = PROBES[kind]
+    env_name = {
+        "ROW_PRODUCTS_MAX": layers.ROW_PRODUCTS_ENV,
+        "LOGIT_REDUCE_MAX": layers.LOGIT_REDUCE_ENV,
+    }
+    code = f"from eagle3_jax.models import layers; print(layers.{attr})"
+    for value, want in (("0", "0"), ("8", "8"), ("auto", "None"), ("fast", None)):
+        env = {**os.environ, env_name[attr]: value, "JAX_PLATFORMS": "cpu"}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         if want is None:
-            assert out.returncode != 0 and "EAGLE3_JAX_LOGIT_REDUCE='yes'" in out.stderr
+            assert out.returncode != 0 and f"{env_name[attr]}='fast'" in out.stderr
         else:
             assert out.stdout.strip() == want, out.stderr
+    # a fresh function per setting: jit caches a traced function, and the limit is read in tracing
+    x, w = jnp.ones((4, 48), jnp.float32), jnp.ones(w_shape, jnp.float32)
+    fn = getattr(layers, fn_name)
+    for limit in (0, 8):
+        monkeypatch.setattr(layers, attr, limit)
+        hlo = jax.jit(lambda *a: fn(*a)).lower(x, w)
+        assert fast_way(hlo) == (limit > 0 and jax.default_backend() == "cpu")
 
 
-@pytest.mark.parametrize("reduce_ms,want", [(5.0, 8), (9.8, 0), (20.0, 0)])
-def test_output_layer_probe_picks_the_faster_way_once_per_cpu(
-    monkeypatch, tmp_path, reduce_ms, want
+@pytest.mark.parametrize("kind", list(PROBES))
+@pytest.mark.parametrize("fast_ms,want", [(5.0, 8), (9.8, 0), (20.0, 0)])
+def test_product_probes_pick_the_faster_way_once_per_cpu(
+    monkeypatch, tmp_path, kind, fast_ms, want
 ):
-    """Unset, the choice is measured the first time a few rows are scored (in its own thread, even
-    while a caller is traced), used by that program, cached, and read back from the cache when the
-    limit is unset again (as in a new process); the reduction only when 5 % faster."""
+    """Unset, each CPU choice (per-row products for dense, a row reduction for dense_t) is measured
+    the first time a few rows are multiplied, even while a caller is being traced (the probe runs
+    in its own thread, so its work is timed, not staged), used by that program and cached; unset
+    again (as in a new process) the cache answers. The faster way only when 5 % faster."""
     import threading
 
     from eagle3_jax.models import layers
 
+    attr, timing, fast_key, fn_name, w_shape, fast_way = PROBES[kind]
+    if jax.default_backend() != "cpu":
+        pytest.skip("the probes are CPU-only")
     monkeypatch.setenv("EAGLE3_JAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(layers, "LOGIT_REDUCE_MAX", None)
+    monkeypatch.setattr(layers, attr, None)
     probes = []
 
     def fake_timing():
         probes.append(threading.current_thread() is threading.main_thread())
-        return {"reduce_ms": reduce_ms, "plain_products_ms": 10.0}
+        return {fast_key: fast_ms, "plain_products_ms": 10.0}
 
-    monkeypatch.setattr(layers, "time_logit_reduce", fake_timing)
-    w = jnp.ones((40, 48), jnp.float32)
-    jax.jit(lambda *a: layers.dense_t(*a)).lower(jnp.ones((1, 48), jnp.float32), w)
-    assert probes == []  # one row: no probe
-    hlo = jax.jit(lambda *a: layers.dense_t(*a)).lower(jnp.ones((4, 48), jnp.float32), w)
-    assert probes == ([False] if jax.default_backend() == "cpu" else [])
-    if jax.default_backend() != "cpu":
-        return
-    assert ("dot(" not in hlo.as_text("hlo")) == (want > 0)
-    assert layers.LOGIT_REDUCE_MAX == want
-    assert '"choice": ' + str(want) in (tmp_path / "logit_reduce.json").read_text()
-    monkeypatch.setattr(layers, "LOGIT_REDUCE_MAX", None)
-    assert layers.logit_reduce_max() == want and len(probes) == 1
+    monkeypatch.setattr(layers, timing, fake_timing)
+    fn = getattr(layers, fn_name)
+    w = jnp.ones(w_shape, jnp.float32)
+    jax.jit(lambda *a: fn(*a)).lower(jnp.ones((1, 48), jnp.float32), w)
+    assert probes == []  # one row is a vector product whatever the machine: no probe
+    hlo = jax.jit(lambda *a: fn(*a)).lower(jnp.ones((4, 48), jnp.float32), w)
+    assert probes == [False]  # once, in its own thread
+    assert getattr(layers, attr) == want and fast_way(hlo) == (want > 0)
+    cache = {"ROW_PRODUCTS_MAX": "row_products.json", "LOGIT_REDUCE_MAX": "logit_reduce.json"}[attr]
+    assert '"choice": ' + str(want) in (tmp_path / cache).read_text()
+    monkeypatch.setattr(layers, attr, None)  # as in a new process: the cache answers
+    getter = {
+        "ROW_PRODUCTS_MAX": layers.row_products_max,
+        "LOGIT_REDUCE_MAX": layers.logit_reduce_max,
+    }
+    assert getter[attr]() == want and len(probes) == 1
 
 
 def test_output_layer_probe_times_both_ways():

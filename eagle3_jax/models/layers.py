@@ -312,12 +312,16 @@ def choose_row_products() -> int:
     )
 
 
+def _probed_limit(name: str, choose) -> int:
+    """The module setting `name`, probed with `choose()` and kept there on first use."""
+    if globals()[name] is None:
+        globals()[name] = choose()
+    return globals()[name]
+
+
 def row_products_max() -> int:
     """The most rows `dense` multiplies one by one on the CPU (0: none), probed on first use."""
-    global ROW_PRODUCTS_MAX
-    if ROW_PRODUCTS_MAX is None:
-        ROW_PRODUCTS_MAX = choose_row_products()
-    return ROW_PRODUCTS_MAX
+    return _probed_limit("ROW_PRODUCTS_MAX", choose_row_products)
 
 
 def dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
@@ -436,10 +440,7 @@ def choose_logit_reduce() -> int:
 
 def logit_reduce_max() -> int:
     """The most rows `dense_t` computes as a row reduction on the CPU (0: none), probed on first use."""
-    global LOGIT_REDUCE_MAX
-    if LOGIT_REDUCE_MAX is None:
-        LOGIT_REDUCE_MAX = choose_logit_reduce()
-    return LOGIT_REDUCE_MAX
+    return _probed_limit("LOGIT_REDUCE_MAX", choose_logit_reduce)
 
 
 def dense_t(x: jax.Array, w_t: jax.Array, out_dtype=None, weight_left: bool = False) -> jax.Array:
