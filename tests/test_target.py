@@ -272,22 +272,30 @@ def test_output_layer_reduction_equals_the_product(shape, limit, monkeypatch):
 
 
 PROBES = {
-    # kind: (limit attribute, timing function, its fast key, the product, weight shape, fast-way test)
-    "row-products": (
-        "ROW_PRODUCTS_MAX",
-        "time_row_products",
-        "row_products_ms",
-        "dense",
-        (48, 40),
-        lambda hlo: "while" in hlo.as_text(),
+    # kind: the limit's module attribute, its environment variable, cache file and getter; the
+    # timing function and its fast key; the product, its weight shape, and how its program shows
+    # the fast way
+    "row-products": dict(
+        attr="ROW_PRODUCTS_MAX",
+        env="EAGLE3_JAX_ROW_PRODUCTS",
+        cache="row_products.json",
+        getter="row_products_max",
+        timing="time_row_products",
+        fast_key="row_products_ms",
+        fn="dense",
+        w_shape=(48, 40),
+        fast_way=lambda hlo: "while" in hlo.as_text(),
     ),
-    "output-layer-reduction": (
-        "LOGIT_REDUCE_MAX",
-        "time_logit_reduce",
-        "reduce_ms",
-        "dense_t",
-        (40, 48),
-        lambda hlo: "dot(" not in hlo.as_text("hlo"),
+    "output-layer-reduction": dict(
+        attr="LOGIT_REDUCE_MAX",
+        env="EAGLE3_JAX_LOGIT_REDUCE",
+        cache="logit_reduce.json",
+        getter="logit_reduce_max",
+        timing="time_logit_reduce",
+        fast_key="reduce_ms",
+        fn="dense_t",
+        w_shape=(40, 48),
+        fast_way=lambda hlo: "dot(" not in hlo.as_text("hlo"),
     ),
 }
 
@@ -303,26 +311,22 @@ def test_product_choices_can_be_set_per_machine(monkeypatch, kind):
 
     from eagle3_jax.models import layers
 
-    attr, _, _, fn_name, w_shape, fast_way = PROBES[kind]
-    env_name = {
-        "ROW_PRODUCTS_MAX": layers.ROW_PRODUCTS_ENV,
-        "LOGIT_REDUCE_MAX": layers.LOGIT_REDUCE_ENV,
-    }
-    code = f"from eagle3_jax.models import layers; print(layers.{attr})"
+    p = PROBES[kind]
+    code = f"from eagle3_jax.models import layers; print(layers.{p['attr']})"
     for value, want in (("0", "0"), ("8", "8"), ("auto", "None"), ("fast", None)):
-        env = {**os.environ, env_name[attr]: value, "JAX_PLATFORMS": "cpu"}
+        env = {**os.environ, p["env"]: value, "JAX_PLATFORMS": "cpu"}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         if want is None:
-            assert out.returncode != 0 and f"{env_name[attr]}='fast'" in out.stderr
+            assert out.returncode != 0 and f"{p['env']}='fast'" in out.stderr
         else:
             assert out.stdout.strip() == want, out.stderr
     # a fresh function per setting: jit caches a traced function, and the limit is read in tracing
-    x, w = jnp.ones((4, 48), jnp.float32), jnp.ones(w_shape, jnp.float32)
-    fn = getattr(layers, fn_name)
+    x, w = jnp.ones((4, 48), jnp.float32), jnp.ones(p["w_shape"], jnp.float32)
+    fn = getattr(layers, p["fn"])
     for limit in (0, 8):
-        monkeypatch.setattr(layers, attr, limit)
+        monkeypatch.setattr(layers, p["attr"], limit)
         hlo = jax.jit(lambda *a: fn(*a)).lower(x, w)
-        assert fast_way(hlo) == (limit > 0 and jax.default_backend() == "cpu")
+        assert p["fast_way"](hlo) == (limit > 0 and jax.default_backend() == "cpu")
 
 
 @pytest.mark.parametrize("kind", list(PROBES))
@@ -338,33 +342,28 @@ def test_product_probes_pick_the_faster_way_once_per_cpu(
 
     from eagle3_jax.models import layers
 
-    attr, timing, fast_key, fn_name, w_shape, fast_way = PROBES[kind]
+    p = PROBES[kind]
     if jax.default_backend() != "cpu":
         pytest.skip("the probes are CPU-only")
     monkeypatch.setenv("EAGLE3_JAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(layers, attr, None)
+    monkeypatch.setattr(layers, p["attr"], None)
     probes = []
 
     def fake_timing():
         probes.append(threading.current_thread() is threading.main_thread())
-        return {fast_key: fast_ms, "plain_products_ms": 10.0}
+        return {p["fast_key"]: fast_ms, "plain_products_ms": 10.0}
 
-    monkeypatch.setattr(layers, timing, fake_timing)
-    fn = getattr(layers, fn_name)
-    w = jnp.ones(w_shape, jnp.float32)
+    monkeypatch.setattr(layers, p["timing"], fake_timing)
+    fn = getattr(layers, p["fn"])
+    w = jnp.ones(p["w_shape"], jnp.float32)
     jax.jit(lambda *a: fn(*a)).lower(jnp.ones((1, 48), jnp.float32), w)
     assert probes == []  # one row is a vector product whatever the machine: no probe
     hlo = jax.jit(lambda *a: fn(*a)).lower(jnp.ones((4, 48), jnp.float32), w)
     assert probes == [False]  # once, in its own thread
-    assert getattr(layers, attr) == want and fast_way(hlo) == (want > 0)
-    cache = {"ROW_PRODUCTS_MAX": "row_products.json", "LOGIT_REDUCE_MAX": "logit_reduce.json"}[attr]
-    assert '"choice": ' + str(want) in (tmp_path / cache).read_text()
-    monkeypatch.setattr(layers, attr, None)  # as in a new process: the cache answers
-    getter = {
-        "ROW_PRODUCTS_MAX": layers.row_products_max,
-        "LOGIT_REDUCE_MAX": layers.logit_reduce_max,
-    }
-    assert getter[attr]() == want and len(probes) == 1
+    assert getattr(layers, p["attr"]) == want and p["fast_way"](hlo) == (want > 0)
+    assert '"choice": ' + str(want) in (tmp_path / p["cache"]).read_text()
+    monkeypatch.setattr(layers, p["attr"], None)  # as in a new process: the cache answers
+    assert getattr(layers, p["getter"])() == want and len(probes) == 1
 
 
 def test_output_layer_probe_times_both_ways():

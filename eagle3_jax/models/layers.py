@@ -204,12 +204,34 @@ def cached_attention(
 # weights and keeps the faster, cached per CPU model in the cache folder. EAGLE3_JAX_ROW_PRODUCTS
 # (an integer, read at import) skips the probe: 0 = plain products always, 8 = row products for 2-8
 # rows. Other backends, and more rows (prefill, trees of 9+ nodes, training), use the plain product.
+def _limit_from_env(name: str) -> int | None:
+    """A row limit set in the environment variable `name` (read at import), or None (unset or
+    "auto": probed on first use); anything else is an error."""
+    value = os.environ.get(name, "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r}: use auto or a row count (0 = plain products)")
+    return int(value)
+
+
+def _median_ms_alternating(ways: dict, *args, reps: int) -> dict[str, float]:
+    """Median ms of each of `ways` (jitted functions of `args`), warmed up, then timed in turn rep
+    by rep so all see the same machine. Call outside any trace."""
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for fn in ways.values():
+        jax.block_until_ready(fn(*args))
+    for _ in range(reps):
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
 ROW_PRODUCTS_ENV = "EAGLE3_JAX_ROW_PRODUCTS"
 ROW_PRODUCTS_ON = 8  # the most rows done one by one, when the probe picks row products
-_env = os.environ.get(ROW_PRODUCTS_ENV, "auto").strip().lower()
-if _env not in ("", "auto") and not _env.isdigit():
-    raise ValueError(f"{ROW_PRODUCTS_ENV}={_env!r}: use auto or a row count (0 = plain products)")
-ROW_PRODUCTS_MAX: int | None = None if _env in ("", "auto") else int(_env)  # None: not probed yet
+ROW_PRODUCTS_MAX: int | None = _limit_from_env(ROW_PRODUCTS_ENV)  # None: not probed yet
 
 
 def time_row_products(rows: int = 4, layers: int = 6, reps: int = 25) -> dict[str, float]:
@@ -237,15 +259,7 @@ def time_row_products(rows: int = 4, layers: int = 6, reps: int = 25) -> dict[st
         "plain_products_ms": stack(lambda x, w: x @ w),
     }
     x = jnp.asarray(rng.standard_normal((rows, d), dtype=np.float32))
-    times: dict[str, list[float]] = {k: [] for k in ways}
-    for fn in ways.values():
-        jax.block_until_ready(fn(x))
-    for _ in range(reps):
-        for name, fn in ways.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times[name].append(1e3 * (time.perf_counter() - t0))
-    return {k: float(np.median(v)) for k, v in times.items()}
+    return _median_ms_alternating(ways, x, reps=reps)
 
 
 def _probed_choice(file: str, timing, fast: str, slow: str, on: int, what: str, report) -> int:
@@ -319,6 +333,14 @@ def _probed_limit(name: str, choose) -> int:
     return globals()[name]
 
 
+def _limit_for(rows: int, name: str, choose, on: int) -> int:
+    """The limit `rows` are held against: a set one as is; unset, the probe's, asked only where its
+    answer matters (2..on rows; more rows use the plain product whatever it says)."""
+    if globals()[name] is not None:
+        return globals()[name]
+    return _probed_limit(name, choose) if rows <= on else 0
+
+
 def row_products_max() -> int:
     """The most rows `dense` multiplies one by one on the CPU (0: none), probed on first use."""
     return _probed_limit("ROW_PRODUCTS_MAX", choose_row_products)
@@ -334,11 +356,7 @@ def dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
         return mm(x, w)
     if rows == 1:  # a vector-matrix product either way
         return mm(x.reshape(-1), w).reshape(*x.shape[:-1], w.shape[-1])
-    # probe only where its answer matters (2..ROW_PRODUCTS_ON rows); a set limit is used as is
-    limit = ROW_PRODUCTS_MAX
-    if limit is None:
-        limit = row_products_max() if rows <= ROW_PRODUCTS_ON else 0
-    if rows > limit:
+    if rows > _limit_for(rows, "ROW_PRODUCTS_MAX", choose_row_products, ROW_PRODUCTS_ON):
         return mm(x, w)
     flat = x.reshape(rows, x.shape[-1])
     return jax.lax.map(lambda r: mm(r, w), flat).reshape(*x.shape[:-1], w.shape[-1])
@@ -356,10 +374,7 @@ def dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 # more rows (prefill, trees of 9+ nodes, training) use the plain product.
 LOGIT_REDUCE_ENV = "EAGLE3_JAX_LOGIT_REDUCE"
 LOGIT_REDUCE_ON = 8
-_env = os.environ.get(LOGIT_REDUCE_ENV, "auto").strip().lower()
-if _env not in ("", "auto") and not _env.isdigit():
-    raise ValueError(f"{LOGIT_REDUCE_ENV}={_env!r}: use auto or a row count (0 = plain products)")
-LOGIT_REDUCE_MAX: int | None = None if _env in ("", "auto") else int(_env)  # None: not probed yet
+LOGIT_REDUCE_MAX: int | None = _limit_from_env(LOGIT_REDUCE_ENV)  # None: not probed yet
 
 
 def _product_t(
@@ -369,10 +384,10 @@ def _product_t(
     ([N, R], then transposed): the same products, but XLA:CPU's GEMM once streamed the 113 MB
     SmolLM2 embedding far better that way round for a few rows (8 ms against 13 ms for 2-4 rows,
     an earlier jax)."""
+    dims = (((1,), (1,)), ((), ()))  # K against K
     if weight_left:
-        dims = (((1,), (1,)), ((), ()))
         return jax.lax.dot_general(w_t, x, dims, preferred_element_type=out_dtype).T
-    return jax.lax.dot_general(x, w_t, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+    return jax.lax.dot_general(x, w_t, dims, preferred_element_type=out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -409,15 +424,7 @@ def time_logit_reduce(
     w_t = jnp.asarray(0.02 * rng.standard_normal((vocab, width), dtype=np.float32))
     x = jnp.asarray(rng.standard_normal((rows, width), dtype=np.float32))
     ways = {"reduce_ms": jax.jit(_reduce_t), "plain_products_ms": jax.jit(_product_t)}
-    times: dict[str, list[float]] = {k: [] for k in ways}
-    for fn in ways.values():
-        jax.block_until_ready(fn(x, w_t))
-    for _ in range(reps):
-        for name, fn in ways.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(x, w_t))
-            times[name].append(1e3 * (time.perf_counter() - t0))
-    return {k: float(np.median(v)) for k, v in times.items()}
+    return _median_ms_alternating(ways, x, w_t, reps=reps)
 
 
 def choose_logit_reduce() -> int:
@@ -452,14 +459,11 @@ def dense_t(x: jax.Array, w_t: jax.Array, out_dtype=None, weight_left: bool = Fa
     lead = x.shape[:-1]
     rows = int(np.prod(lead))
     flat = x.reshape(rows, x.shape[-1])
-    reduce = False
-    if jax.default_backend() == "cpu" and rows > 1:
-        # probe only where its answer matters (2..LOGIT_REDUCE_ON rows); a set limit is used as is
-        limit = LOGIT_REDUCE_MAX
-        if limit is None:
-            limit = logit_reduce_max() if rows <= LOGIT_REDUCE_ON else 0
-        reduce = rows <= limit
-    if reduce:
+    if (
+        jax.default_backend() == "cpu"
+        and rows > 1
+        and rows <= _limit_for(rows, "LOGIT_REDUCE_MAX", choose_logit_reduce, LOGIT_REDUCE_ON)
+    ):
         out = _reduce_t(flat, w_t, out_dtype)
     else:
         out = _product_t(flat, w_t, out_dtype, weight_left)
