@@ -1,5 +1,7 @@
 """Target model parity with transformers' PyTorch models, per family."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -404,3 +406,29 @@ def test_output_layer_reduction_has_the_products_gradient(dtype, monkeypatch):
             np.testing.assert_allclose(
                 np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol
             )
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None or jax.default_backend() != "cpu", reason="needs g++ and the CPU"
+)
+def test_few_row_kernel_of_the_benchmark_builds_and_is_exact(tmp_path):
+    """benchmarks/cpu_rows_kernel.py (measured, not used by the engine): its FFI kernel compiles
+    against this jax's headers and gives XLA's product for 1-8 rows, each row bitwise the same
+    alone or among others, also with a partial last panel and under jit."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/cpu_rows_kernel.py"
+    spec = importlib.util.spec_from_file_location("cpu_rows_kernel", path)
+    crk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(crk)
+    crk.register(crk.build(tmp_path))
+    checked = crk.check(np.random.default_rng(1))  # exits (fails the test) if wrong
+    assert checked["row_bitwise_across_m"] and checked["max_relative_error"] < 1e-5
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((96, 130), dtype=np.float32)
+    x = jnp.asarray(rng.standard_normal((3, 96), dtype=np.float32))
+    panels = crk.pack(w)
+    assert panels.shape == (3, 96, 64)
+    got = jax.jit(lambda x, p: crk.rows_product(x, p, 130))(x, panels)
+    np.testing.assert_allclose(got, np.asarray(x) @ w, rtol=1e-5, atol=1e-5)
