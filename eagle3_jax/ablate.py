@@ -1,7 +1,7 @@
 """Run an ablation grid: heads trained from one set of precomputed features, one table.
 
   python -m eagle3_jax.ablate --config configs/ablate_smollm2.py
-  python -m eagle3_jax.ablate --config configs/ablate_smollm2.py --cells default,last_layer_only
+  python -m eagle3_jax.ablate --config configs/ablate_smollm2.py --cells default,top_layer_only
   python -m eagle3_jax.ablate --config configs/ablate_smollm2.py --config.max_steps=50 --out runs/x
 
 `--config.FIELD=VALUE` overrides a field of the grid's base TrainConfig (every cell). Rerunning the

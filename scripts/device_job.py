@@ -3,7 +3,7 @@
 The `device` tool (../.library/device) sends the working tree, at most 64 MiB with what `carry`
 names, to a machine that reaches nothing else: no PyPI, so neither the default target's wheel nor
 the `gguf` package nor the ShareGPT wheel. The GGUF (98 MB) travels in parts, one call each, every
-part as large as what the working tree leaves a call (`part_size`; the tree is 44.3 MiB with the
+part as large as what the working tree leaves a call (`part_size`; the tree is 45.0 MiB with the
 shipped head, so six parts), the conversations in a call of their own; the machine keeps
 ignored files between calls while it is warm (30 s idle), and `run` joins the parts and checks
 their sha256.
@@ -694,7 +694,7 @@ def main(argv=None) -> int:
         help="default: the backend's (bfloat16 on a GPU); float32 checks exactness",
     )
     b.add_argument("--no-install", action="store_true")
-    u = sub.add_parser("unpack", help="here: the files that came back -> runs/turns/")
+    u = sub.add_parser("unpack", help="here: the files that came back -> runs/device_result/")
     u.add_argument("files_at")
     u.add_argument("--dest", default=str(ROOT / "runs" / "device_result"))
     args = p.parse_args(argv)
