@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.compile_cache import cpu_model
 from eagle3_jax.models.layers import NEG_INF, cached_attention, kv_shapes
+from eagle3_jax.paths import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, HEADS, GROUPS, DIM = 30, 9, 3, 64

@@ -24,6 +24,7 @@ Prints both tables and writes benchmarks/results/bf16_exactness.json (the answer
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -33,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
-from eagle3_jax.compile_cache import cpu_model
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
@@ -43,7 +44,8 @@ from eagle3_jax.evaluation.questions import load_questions
 from eagle3_jax.evaluation.runner import load_head
 from eagle3_jax.heads import default_head
 from eagle3_jax.models import target as tgt
-from eagle3_jax.models.layers import causal_mask, row_products_max
+from eagle3_jax.models.layers import causal_mask
+from eagle3_jax.paths import cpu_model
 from eagle3_jax.prompts import encode_chat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,8 +132,10 @@ def main() -> int:
 
     verify, answers = {}, {q.id: {} for q in qs}
     t0 = time.perf_counter()
+    products = cpu_tuning.policy_for()  # as decode.py: this machine's few-row products
     for name in names:
         target = load_target(None, dtype=DTYPES[name])
+        target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
         head = load_head(str(default_head()), target, DTYPES[name])
         verify[name] = verify_against_steps(target)
         for q in qs:
@@ -192,7 +196,7 @@ def main() -> int:
         "machine": cpu_model(), "backend": jax.default_backend(), "jax": jax.__version__,
         "questions": [q.id for q in qs], "new_tokens": args.new,
         "tree": [tree.top_k, tree.depth, tree.total_tokens, tree.verify_threshold],
-        "row_products_max": row_products_max(),  # 0: few-row products as plain matrix products
+        "row_products_max": products.row_products,  # 0: few-row products as plain products
     }  # fmt: skip
     out.write_text(
         json.dumps({"meta": meta, "verify": verify, "rows": rows, "answers": answers}) + "\n"

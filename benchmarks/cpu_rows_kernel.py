@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import functools
 import json
 import shutil
@@ -38,10 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
-from eagle3_jax.compile_cache import cpu_model
+from eagle3_jax.config import PLAIN_PRODUCTS
 from eagle3_jax.models import layers
 from eagle3_jax.models import target as tgt
+from eagle3_jax.paths import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "benchmarks" / "cpu_rows_kernel.cc"
@@ -189,6 +192,9 @@ def main() -> None:
     checked = check(rng)
 
     target = load_target(args.target)
+    # XLA's side as decode.py runs it: this machine's few-row products (cpu_tuning)
+    products = cpu_tuning.policy_for()
+    target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
     cfg = target.cfg
     if not isinstance(target.params["layers"], list):
         sys.exit("cpu_rows_kernel: expects unrolled (list) layers, as load_target gives")
@@ -208,11 +214,11 @@ def main() -> None:
 
     xla_dense = layers.dense
 
-    def any_dense(x, w, out_dtype=None):
+    def any_dense(x, w, out_dtype=None, *, policy=PLAIN_PRODUCTS):
         """The packed weights ([panels, K, 64]) through the kernel (<= 8 rows) or XLA's product
         on the panels (more: a prefill); the rest (the draft's, unpacked) as the engine does."""
         if w.ndim != 3:
-            return xla_dense(x, w, out_dtype)
+            return xla_dense(x, w, out_dtype, policy=policy)
         n = panels_of[w.shape[0]]
         if int(np.prod(x.shape[:-1])) <= 8:
             return rows_product(x, w, n)
@@ -238,7 +244,7 @@ def main() -> None:
         gap = float(jnp.abs(outs["xla"] - outs["kernel"]).max())
         # the two programs in turn, rep by rep (the product probes' timing loop)
         fns = {k: functools.partial(step, p) for k, p in ways.items()}
-        ms = layers._median_ms_alternating(fns, tokens, cache, start, reps=args.reps)
+        ms = cpu_tuning.median_ms_alternating(fns, tokens, cache, start, reps=args.reps)
         rows.append({"tokens": t, **{f"{k}_ms": v for k, v in ms.items()}, "max_logit_gap": gap})
     unit = {k: rows[0][f"{k}_ms"] for k in ways}
     print(f"target forward over T new tokens, context {args.context}, fp32, batch 1")

@@ -14,6 +14,7 @@ benchmarks/results/draft_cost.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -22,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
-from eagle3_jax.compile_cache import cpu_model
 from eagle3_jax.evaluation.runner import load_head, parse_drafts
 from eagle3_jax.models import draft as drf
+from eagle3_jax.paths import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +61,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/draft_cost.json"))
     args = ap.parse_args()
     target = load_target(args.target)
+    # as decode.py: this machine's few-row products (load_head gives the heads the target's)
+    products = cpu_tuning.policy_for()
+    target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
     rows_list = [int(x) for x in args.rows.split(",")]
     results = []
     for name, path in parse_drafts(args.draft).items():

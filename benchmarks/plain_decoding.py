@@ -20,9 +20,9 @@ from pathlib import Path
 import jax
 
 from eagle3_jax.checkpoints import default_gguf_path, load_target
-from eagle3_jax.compile_cache import cpu_model
 from eagle3_jax.decoding import plain
 from eagle3_jax.models import target as tgt
+from eagle3_jax.paths import cpu_model
 from eagle3_jax.prompts import encode_chat
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

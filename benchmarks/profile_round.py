@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -33,13 +34,14 @@ os.environ["XLA_FLAGS"] = (
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 
+from eagle3_jax import cpu_tuning  # noqa: E402
 from eagle3_jax.checkpoints import load_target  # noqa: E402
-from eagle3_jax.compile_cache import cpu_model  # noqa: E402
 from eagle3_jax.decoding import plain  # noqa: E402
 from eagle3_jax.decoding import speculative as spec  # noqa: E402
 from eagle3_jax.evaluation.questions import load_questions  # noqa: E402
 from eagle3_jax.evaluation.runner import load_head  # noqa: E402
 from eagle3_jax.heads import default_head  # noqa: E402
+from eagle3_jax.paths import cpu_model  # noqa: E402
 from eagle3_jax.prompts import encode_chat  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +86,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/profile_round.json"))
     args = ap.parse_args()
     target = load_target(None)
-    # as decode.py: the head cut to its vocab_order.json's cpu_size on a CPU
+    # as decode.py: this machine's few-row products, the head cut to its vocab_order.json's
+    # cpu_size on a CPU
+    products = cpu_tuning.policy_for()
+    target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
     dparams, dcfg, vocab, embed = load_head(default_head(), target, draft_vocab="auto")
     question = load_questions("mt_bench")[args.question]
     ids = [encode_chat(target.tokenizer, [{"role": "user", "content": question.turns[0]}])]

@@ -14,18 +14,19 @@ benchmarks/results/round_cost.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
-from eagle3_jax.compile_cache import cpu_model
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.evaluation.runner import load_head
-from eagle3_jax.models import layers
+from eagle3_jax.paths import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAD = ROOT / "eagle3_jax/heads/smollm2_135m_instruct"
@@ -52,7 +53,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/round_cost.json"))
     args = ap.parse_args()
     target = load_target(None)
-    # as decode.py: the head cut to its vocab_order.json's cpu_size on a CPU
+    # as decode.py: this machine's few-row products, the head cut to its vocab_order.json's cpu_size on a CPU
+    products = cpu_tuning.policy_for()
+    target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
     dparams, dcfg, vocab, embed = load_head(HEAD, target, draft_vocab="auto")
     rng = np.random.default_rng(0)
     prompt = [list(map(int, rng.integers(100, 20000, args.context)))]
@@ -100,7 +103,7 @@ def main() -> None:
     meta = {
         "machine": cpu_model(),
         "jax": jax.__version__,
-        "row_products_max": layers.row_products_max(),
+        "row_products_max": products.row_products,
         "context": args.context,
         "new": args.new,
         "reps": args.reps,

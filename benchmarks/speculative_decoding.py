@@ -13,6 +13,7 @@ table and writes benchmarks/results/speculative_decoding[_<tag>].json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -21,6 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
@@ -60,6 +62,8 @@ def main() -> None:
     args = ap.parse_args()
 
     target = load_target(args.target)
+    products = cpu_tuning.policy_for()  # as decode.py: this machine's few-row products
+    target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
     cfg = target.cfg
     embed = None
     if args.draft:
@@ -69,7 +73,9 @@ def main() -> None:
     else:
         counts = np.random.default_rng(0).integers(1, 1000, cfg.vocab_size)
         vocab = build_from_counts(counts, args.draft_vocab)
-        dcfg = drf.DraftConfig.from_target(cfg, draft_vocab_size=args.draft_vocab)
+        dcfg = drf.DraftConfig.from_target(
+            cfg, draft_vocab_size=args.draft_vocab, products=products
+        )
         dparams = drf.init_params(dcfg, jax.random.PRNGKey(0))
     prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     n = args.new_tokens

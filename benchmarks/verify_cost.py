@@ -11,13 +11,15 @@ With a perfect draft a round of T tokens yields T tokens, so T / cost(T) bounds 
 a chain of depth T - 1 before any drafting cost. `--row-products 8,0` times the per-row
 products of models.layers (`dense`) against plain matrix products in the same run, and
 `--logit-reduce 8,0` the output layer as a row reduction (`dense_t`) against the plain product
-(every combination of the two lists is its own program). Prints a table and writes
+(every combination of the two lists is its own config.ProductPolicy, so its own program; unset,
+this machine's choice from cpu_tuning.policy_for). Prints a table and writes
 benchmarks/results/verify_cost.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -27,10 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
-from eagle3_jax.compile_cache import cpu_model
-from eagle3_jax.models import layers
+from eagle3_jax.config import ProductPolicy
 from eagle3_jax.models import target as tgt
+from eagle3_jax.paths import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)
@@ -47,43 +50,45 @@ def main() -> None:
     ap.add_argument(
         "--row-products",
         default=None,
-        help="comma list of settings of models.layers.ROW_PRODUCTS_MAX to compare (0: plain "
-        "matrix products only), e.g. 8,0; default: this machine's choice (row_products_max)",
+        help="comma list of ProductPolicy.row_products settings to compare (0: plain "
+        "matrix products only), e.g. 8,0; default: this machine's choice (cpu_tuning)",
     )
     ap.add_argument(
         "--logit-reduce",
         default=None,
-        help="comma list of settings of models.layers.LOGIT_REDUCE_MAX to compare (0: the plain "
-        "product), e.g. 8,0; default: this machine's choice (logit_reduce_max)",
+        help="comma list of ProductPolicy.logit_reduce settings to compare (0: the plain "
+        "product), e.g. 8,0; default: this machine's choice (cpu_tuning)",
     )
     args = ap.parse_args()
-    default_setting = (layers.row_products_max(), layers.logit_reduce_max())
-    if args.row_products is None:
-        args.row_products = str(default_setting[0])
-    if args.logit_reduce is None:
-        args.logit_reduce = str(default_setting[1])
+    if args.row_products is None or args.logit_reduce is None:
+        mine = cpu_tuning.policy_for()
+        if args.row_products is None:
+            args.row_products = str(mine.row_products)
+        if args.logit_reduce is None:
+            args.logit_reduce = str(mine.logit_reduce)
     target = load_target(args.target)
     cfg = target.cfg
 
-    def make_step():
+    def make_step(s):
+        step_cfg = dataclasses.replace(cfg, products=ProductPolicy(*s))
+
         @jax.jit
         def step(params, tokens, cache, start):
             t = tokens.shape[1]
             pos = start[:, None] + jnp.arange(t)[None, :]
             mask = jnp.arange(args.slots)[None, None, :] <= pos[:, :, None]
-            return tgt.forward(params, tokens, pos, mask, cfg, cache, start)
+            return tgt.forward(params, tokens, pos, mask, step_cfg, cache, start)
 
         return step
 
-    # each setting (ROW_PRODUCTS_MAX, LOGIT_REDUCE_MAX), read when a shape is traced, gets its own
-    # program; the settings are timed in turn, rep by rep, so they see the same machine
+    # each setting (row_products, logit_reduce) is its own program; the settings are timed in
+    # turn, rep by rep, so they see the same machine
     settings = [
         (int(r), int(g)) for r in args.row_products.split(",") for g in args.logit_reduce.split(",")
     ]
-    steps = {s: make_step() for s in settings}
+    steps = {s: make_step(s) for s in settings}
 
     def call(s, tokens):
-        layers.ROW_PRODUCTS_MAX, layers.LOGIT_REDUCE_MAX = s
         return steps[s](target.params, tokens, cache, start)
 
     cache = tgt.make_cache(cfg, 1, args.slots)
@@ -110,7 +115,6 @@ def main() -> None:
                     "ms": 1e3 * float(np.median(times[s])),
                 }
             )
-    layers.ROW_PRODUCTS_MAX, layers.LOGIT_REDUCE_MAX = default_setting
 
     def key(r):
         return r["row_products_max"], r["logit_reduce_max"]

@@ -161,6 +161,7 @@ def _as_plain(args):
 
 
 def _decode(args) -> int:
+    from eagle3_jax import cpu_tuning
     from eagle3_jax.checkpoints import load_target
     from eagle3_jax.decoding.sampling import Sampling
     from eagle3_jax.decoding.speculative import acceptance_rates, tau
@@ -192,6 +193,9 @@ def _decode(args) -> int:
 
     t0 = time.perf_counter()
     target = load_target(args.target, dtype=default_dtype(args.dtype))
+    # this machine's few-row products (measured once per CPU), for the target and so the head
+    products = cpu_tuning.policy_for()
+    target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
     draft = load_draft_for(args, target)
     tok = target.tokenizer
     max_context = args.max_context or target.cfg.max_position_embeddings

@@ -24,36 +24,10 @@ import os
 import platform
 from pathlib import Path
 
+from eagle3_jax.paths import cache_dir, cpu_fields
+
 ENV = "EAGLE3_JAX_COMPILATION_CACHE"
 MAX_BYTES = 2 * 2**30  # a few hundred kB a program: room for every tool's shapes
-
-
-def _cpuinfo() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""  # not Linux: the processor name alone
-
-
-def _cpu_fields(cpuinfo: str | None) -> tuple[str, str]:
-    """(model name, sorted feature flags) of the first processor in /proc/cpuinfo (or `cpuinfo`);
-    the model falls back to the processor name, then the architecture, where there is none."""
-    model = flags = ""
-    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
-        name, _, value = line.partition(":")
-        name = name.strip().lower()
-        if name == "model name" and not model:
-            model = value.strip()
-        elif name in ("flags", "features") and not flags:
-            flags = " ".join(sorted(value.split()))
-    return model or platform.processor() or platform.machine(), flags
-
-
-def cpu_model(cpuinfo: str | None = None) -> str:
-    """This host's CPU model ("AMD EPYC", "Intel(R) Xeon(R) ..."), for benchmark records and the
-    per-machine choices that depend on it (models.layers' row-product and output-layer probes)."""
-    return _cpu_fields(cpuinfo)[0]
 
 
 def machine_key(cpuinfo: str | None = None) -> str:
@@ -61,7 +35,7 @@ def machine_key(cpuinfo: str | None = None) -> str:
     `cpuinfo`; the processor name where there is none) and the jax version."""
     import jax
 
-    model, flags = _cpu_fields(cpuinfo)
+    model, flags = cpu_fields(cpuinfo)
     digest = hashlib.sha256(f"{model}|{flags}|jax {jax.__version__}".encode()).hexdigest()
     return f"{platform.machine()}-{digest[:16]}"
 
@@ -75,8 +49,6 @@ def enable() -> Path | None:
         return None
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # JAX reads it itself
         return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
-    from eagle3_jax.checkpoints import cache_dir
-
     path = cache_dir() / "xla" / machine_key()
     try:
         path.mkdir(parents=True, exist_ok=True)

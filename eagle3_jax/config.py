@@ -41,12 +41,30 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProductPolicy:
+    """How `models.layers.dense` / `dense_t` multiply a few rows: a static choice, part of the
+    compiled program. `row_products`: the most rows (2..) done as one vector-matrix product per row
+    by `dense`; `logit_reduce`: the most rows done as a row reduction by `dense_t` (a weight stored
+    out-by-in, the tied output layer). 0 = plain XLA products for any row count: the default, what
+    accelerators and training use. Entry points on the CPU take this machine's choice from
+    `eagle3_jax.cpu_tuning.policy_for`."""
+
+    row_products: int = 0
+    logit_reduce: int = 0
+
+
+PLAIN_PRODUCTS = ProductPolicy()
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """A decoder-only target model (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2).
 
     `qk_norm`: "none", "head" (Qwen3: RMSNorm over head_dim per head) or "full" (OLMo 2: RMSNorm over
     all heads' q and k before the head split). `norm_placement`: "pre" (Llama) or "post" (OLMo 2: the
-    norm is applied to each block's output before the residual add).
+    norm is applied to each block's output before the residual add). `products`: how a few rows
+    are multiplied (ProductPolicy); a property of the machine, not of the checkpoint, so it is
+    left out of `to_json`.
     """
 
     family: str
@@ -68,6 +86,7 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    products: ProductPolicy = PLAIN_PRODUCTS
 
     def default_aux_layer_ids(self) -> tuple[int, ...]:
         """EAGLE-3's low/mid/high features: the inputs to layers 2, L//2 and L-3."""
@@ -92,11 +111,15 @@ class TargetConfig:
         return ids
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
+        d = dataclasses.asdict(self)
+        del d["products"]
+        return json.dumps(d, indent=1)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TargetConfig:
         d = dict(d)
+        if "products" in d:  # from asdict: to_json leaves it out
+            d["products"] = ProductPolicy(**d["products"])
         d["rope"] = RopeConfig(**d.get("rope", {}))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)

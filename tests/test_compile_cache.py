@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eagle3_jax import compile_cache
+from eagle3_jax import compile_cache, paths
 
 PROBE = """
 import jax, jax.numpy as jnp
@@ -69,9 +69,9 @@ def test_machine_key_follows_the_cpu_model_and_flags():
     assert compile_cache.machine_key(info) != compile_cache.machine_key(
         info.replace("Some CPU", "Other CPU")
     )
-    # the model name alone, as benchmark records and the row-product probe's cache name the CPU
-    assert compile_cache.cpu_model(info + "model name\t: Second CPU\n") == "Some CPU"
-    assert compile_cache.cpu_model("") and compile_cache.cpu_model() == compile_cache.cpu_model()
+    # the model name alone, as benchmark records and the product probes' cache name the CPU
+    assert paths.cpu_model(info + "model name\t: Second CPU\n") == "Some CPU"
+    assert paths.cpu_model("") and paths.cpu_model() == paths.cpu_model()
 
 
 def test_release_if_crowded_drops_compiled_programs_near_the_map_limit(monkeypatch, capsys):

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from eagle3_jax import vocab as vocab_lib
 from eagle3_jax.checkpoints import eagle_format as ef
 from eagle3_jax.checkpoints.safetensors_io import read_safetensors
-from eagle3_jax.config import RopeConfig, TargetConfig
+from eagle3_jax.config import ProductPolicy, RopeConfig, TargetConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as dr
 from eagle3_jax.sharding import make_mesh
@@ -525,18 +525,15 @@ def test_target_lm_head_reads_the_target_output_embedding():
 
 @pytest.mark.parametrize("row_products", [0, 8], ids=["plain-products", "row-products"])
 @pytest.mark.parametrize("source", ["own", "target", "specvocab"])
-def test_bf16_head_logits_are_fp32(source, row_products, monkeypatch):
+def test_bf16_head_logits_are_fp32(source, row_products):
     """bf16 parameters give fp32 draft logits, the fp32 product of the bf16 inputs (as the
-    target's), through either CPU product (a few rows as one product, or one per row and, for
+    target's), through either product policy (a few rows as one product, or one per row and, for
     heads that read the target's output layer, a row reduction): the draft's
     top-k and the tree's cumulative scores rank by them, and bf16 logits tie often (a one-step
     rounding at a logit of 16-32 is 0.125). SpecVocab's exact logits over its candidates too.
     `out_dtype=None` (training's choice) keeps the parameters' dtype."""
-    from eagle3_jax.models import layers
     from eagle3_jax.models.layers import rms_norm
 
-    monkeypatch.setattr(layers, "ROW_PRODUCTS_MAX", row_products)
-    monkeypatch.setattr(layers, "LOGIT_REDUCE_MAX", row_products)
     if source == "own":
         dcfg = dr.DraftConfig.from_target(TARGET, draft_vocab_size=VD)
         params = dr.init_params(dcfg, jax.random.PRNGKey(1), scale=0.3)
@@ -546,6 +543,7 @@ def test_bf16_head_logits_are_fp32(source, row_products, monkeypatch):
             rank=HT // 8 if source == "specvocab" else 0, candidates=V
         )
         voc = vocab_lib.identity(V)
+    dcfg = dataclasses.replace(dcfg, products=ProductPolicy(row_products, row_products))
     bf16 = jnp.bfloat16
     params = jax.tree.map(lambda x: x.astype(bf16), params)
     h = jax.random.normal(jax.random.PRNGKey(2), (2, 3, HT), bf16)
@@ -565,6 +563,40 @@ def test_bf16_head_logits_are_fp32(source, row_products, monkeypatch):
     np.testing.assert_allclose(
         np.asarray(score), -np.sort(-lp, axis=-1)[..., :4], rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("source", ["own", "target"])
+def test_product_policies_compute_the_same_draft_step(source):
+    """A tree level's few rows through the head (fc, midlayer, output layer) with row products and
+    the row reduction (policy 8/8) and with plain products: the same hidden states and logits
+    within fp32 rounding, the same top tokens and cache entries."""
+    from eagle3_jax.models.layers import causal_mask
+
+    if source == "own":
+        dcfg = dr.DraftConfig.from_target(TARGET, draft_vocab_size=VD)
+        params = dr.init_params(dcfg, jax.random.PRNGKey(1), scale=0.3)
+    else:
+        _, _, dcfg, params = _target_head_setup()
+    b, t, s = 2, 4, 8
+    embed = jax.random.normal(jax.random.PRNGKey(3), (V, dcfg.hidden_size))
+    toks = jax.random.randint(jax.random.PRNGKey(4), (b, t), 0, V)
+    feat = jax.random.normal(jax.random.PRNGKey(5), (b, t, dcfg.feature_size))
+    start = jnp.full((b,), 2, jnp.int32)
+    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    cache = dr.make_cache(dcfg, b, s)
+
+    @functools.partial(jax.jit, static_argnames="cfg")
+    def step(params, embed, toks, feat, pos, cache, start, cfg):
+        mask = causal_mask(start, t, s)
+        return dr.forward(params, embed, toks, feat, pos, mask, cfg, cache, start)
+
+    cfgs = {k: dataclasses.replace(dcfg, products=ProductPolicy(k, k)) for k in (0, 8)}
+    outs = {k: step(params, embed, toks, feat, pos, cache, start, c) for k, c in cfgs.items()}
+    np.testing.assert_allclose(outs[8].hidden, outs[0].hidden, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outs[8].logits, outs[0].logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(outs[8].logits.argmax(-1), outs[0].logits.argmax(-1))
+    for a, b_ in zip(jax.tree.leaves(outs[8].cache), jax.tree.leaves(outs[0].cache)):
+        np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -1,5 +1,7 @@
 """Target model parity with transformers' PyTorch models, per family."""
 
+import dataclasses
+import functools
 import shutil
 
 import jax
@@ -10,6 +12,8 @@ import torch
 from conftest import FAMILIES
 
 from eagle3_jax.checkpoints.hf import load_hf
+from eagle3_jax.config import ProductPolicy
+from eagle3_jax.models import layers
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
 
@@ -222,182 +226,65 @@ def test_bf16_attention_one_query_and_many_compute_alike(new_entries):
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 4), (1, 9), (3, 5)])
-def test_row_products_equal_the_matrix_product(shape):
-    from eagle3_jax.models import layers
-
+@pytest.mark.parametrize("limit", [0, 8])
+def test_row_products_equal_the_matrix_product(shape, limit):
+    """dense gives the product's numbers either way; 2..policy.row_products rows go one
+    vector-matrix product per row (a loop), one row and more rows one product."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((*shape, 48)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((48, 40)), jnp.float32)
-    got = jax.jit(layers.dense)(x, w)
+    fn = jax.jit(lambda x, w: layers.dense(x, w, policy=ProductPolicy(row_products=limit)))
+    got = fn(x, w)
     assert got.shape == (*shape, 40)
     np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)
     rows = int(np.prod(shape))
-    hlo = jax.jit(layers.dense).lower(x, w).as_text()
-    # on the CPU, 2..row_products_max() rows go one vector-matrix product per row (a loop)
-    assert ("while" in hlo) == (
-        jax.default_backend() == "cpu" and 1 < rows <= layers.row_products_max()
-    )
-
-
-def test_row_product_probe_times_both_ways():
-    """The real probe, small: both medians are positive times."""
-    from eagle3_jax.models import layers
-
-    t = layers.time_row_products(rows=2, layers=1, reps=2)
-    assert set(t) == {"row_products_ms", "plain_products_ms"} and min(t.values()) > 0
+    assert ("while" in fn.lower(x, w).as_text()) == (1 < rows <= limit)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 4), (1, 9), (3, 5)])
 @pytest.mark.parametrize("limit", [0, 8])
-def test_output_layer_reduction_equals_the_product(shape, limit, monkeypatch):
+def test_output_layer_reduction_equals_the_product(shape, limit):
     """dense_t (x . w^T with w stored [N, K], the tied output layer) gives the product's numbers
-    either way, bf16 weights scored in fp32 too; on the CPU 2..limit rows are a row reduction
+    either way, bf16 weights scored in fp32 too; 2..policy.logit_reduce rows are a row reduction
     (no dot in the program), one row and more rows a dot."""
-    from eagle3_jax.models import layers
-
-    monkeypatch.setattr(layers, "LOGIT_REDUCE_MAX", limit)
+    policy = ProductPolicy(logit_reduce=limit)
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((*shape, 48)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((40, 48)), jnp.float32)
-    fn = jax.jit(lambda *a: layers.dense_t(*a))
+    fn = jax.jit(lambda *a: layers.dense_t(*a, policy=policy))
     got = fn(x, w)
     assert got.shape == (*shape, 40)
     np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5)
     rows = int(np.prod(shape))
-    reduced = jax.default_backend() == "cpu" and 1 < rows <= limit
-    assert ("dot(" not in fn.lower(x, w).as_text("hlo")) == reduced
+    assert ("dot(" not in fn.lower(x, w).as_text("hlo")) == (1 < rows <= limit)
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    got_b = jax.jit(lambda *a: layers.dense_t(*a, out_dtype=jnp.float32))(xb, wb)
+    got_b = jax.jit(lambda *a: layers.dense_t(*a, out_dtype=jnp.float32, policy=policy))(xb, wb)
     assert got_b.dtype == jnp.float32
     want_b = np.asarray(xb.astype(jnp.float32)) @ np.asarray(wb.astype(jnp.float32)).T
     np.testing.assert_allclose(got_b, want_b, rtol=1e-5, atol=1e-4)
 
 
-PROBES = {
-    # kind: the limit's module attribute, its environment variable, cache file and getter; the
-    # timing function and its fast key; the product, its weight shape, and how its program shows
-    # the fast way
-    "row-products": dict(
-        attr="ROW_PRODUCTS_MAX",
-        env="EAGLE3_JAX_ROW_PRODUCTS",
-        cache="row_products.json",
-        getter="row_products_max",
-        timing="time_row_products",
-        fast_key="row_products_ms",
-        fn="dense",
-        w_shape=(48, 40),
-        fast_way=lambda hlo: "while" in hlo.as_text(),
-    ),
-    "output-layer-reduction": dict(
-        attr="LOGIT_REDUCE_MAX",
-        env="EAGLE3_JAX_LOGIT_REDUCE",
-        cache="logit_reduce.json",
-        getter="logit_reduce_max",
-        timing="time_logit_reduce",
-        fast_key="reduce_ms",
-        fn="dense_t",
-        w_shape=(40, 48),
-        fast_way=lambda hlo: "dot(" not in hlo.as_text("hlo"),
-    ),
-}
-
-
-@pytest.mark.parametrize("kind", list(PROBES))
-def test_product_choices_can_be_set_per_machine(monkeypatch, kind):
-    """EAGLE3_JAX_ROW_PRODUCTS / EAGLE3_JAX_LOGIT_REDUCE set the limit at import (0: the plain
-    product for any row count) and skip the probe; unset or auto leaves it to the probe; anything
-    else is an error. A set limit decides the program."""
-    import os
-    import subprocess
-    import sys
-
-    from eagle3_jax.models import layers
-
-    p = PROBES[kind]
-    code = f"from eagle3_jax.models import layers; print(layers.{p['attr']})"
-    for value, want in (("0", "0"), ("8", "8"), ("auto", "None"), ("fast", None)):
-        env = {**os.environ, p["env"]: value, "JAX_PLATFORMS": "cpu"}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        if want is None:
-            assert out.returncode != 0 and f"{p['env']}='fast'" in out.stderr
-        else:
-            assert out.stdout.strip() == want, out.stderr
-    # a fresh function per setting: jit caches a traced function, and the limit is read in tracing
-    x, w = jnp.ones((4, 48), jnp.float32), jnp.ones(p["w_shape"], jnp.float32)
-    fn = getattr(layers, p["fn"])
-    for limit in (0, 8):
-        monkeypatch.setattr(layers, p["attr"], limit)
-        hlo = jax.jit(lambda *a: fn(*a)).lower(x, w)
-        assert p["fast_way"](hlo) == (limit > 0 and jax.default_backend() == "cpu")
-
-
-@pytest.mark.parametrize("kind", list(PROBES))
-@pytest.mark.parametrize("fast_ms,want", [(5.0, 8), (9.8, 0), (20.0, 0)])
-def test_product_probes_pick_the_faster_way_once_per_cpu(
-    monkeypatch, tmp_path, kind, fast_ms, want
-):
-    """Unset, each CPU choice (per-row products for dense, a row reduction for dense_t) is measured
-    the first time a few rows are multiplied, even while a caller is being traced (the probe runs
-    in its own thread, so its work is timed, not staged), used by that program and cached; unset
-    again (as in a new process) the cache answers. The faster way only when 5 % faster."""
-    import threading
-
-    from eagle3_jax.models import layers
-
-    p = PROBES[kind]
-    if jax.default_backend() != "cpu":
-        pytest.skip("the probes are CPU-only")
-    monkeypatch.setenv("EAGLE3_JAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(layers, p["attr"], None)
-    probes = []
-
-    def fake_timing():
-        probes.append(threading.current_thread() is threading.main_thread())
-        return {p["fast_key"]: fast_ms, "plain_products_ms": 10.0}
-
-    monkeypatch.setattr(layers, p["timing"], fake_timing)
-    fn = getattr(layers, p["fn"])
-    w = jnp.ones(p["w_shape"], jnp.float32)
-    jax.jit(lambda *a: fn(*a)).lower(jnp.ones((1, 48), jnp.float32), w)
-    assert probes == []  # one row is a vector product whatever the machine: no probe
-    hlo = jax.jit(lambda *a: fn(*a)).lower(jnp.ones((4, 48), jnp.float32), w)
-    assert probes == [False]  # once, in its own thread
-    assert getattr(layers, p["attr"]) == want and p["fast_way"](hlo) == (want > 0)
-    assert '"choice": ' + str(want) in (tmp_path / p["cache"]).read_text()
-    monkeypatch.setattr(layers, p["attr"], None)  # as in a new process: the cache answers
-    assert getattr(layers, p["getter"])() == want and len(probes) == 1
-
-
-def test_output_layer_probe_times_both_ways():
-    from eagle3_jax.models import layers
-
-    t = layers.time_logit_reduce(rows=2, vocab=256, width=32, reps=2)
-    assert set(t) == {"reduce_ms", "plain_products_ms"} and min(t.values()) > 0
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_output_layer_reduction_has_the_products_gradient(dtype, monkeypatch):
+def test_output_layer_reduction_has_the_products_gradient(dtype):
     """Differentiated (a head that reads the target's output layer trains through it, a few rows
     in tiny batches), the reduction gives the product's gradients in the inputs' dtypes, computed
     as products (no [rows, N, K] temporaries in the backward program)."""
-    from eagle3_jax.models import layers
-
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((2, 3, 48)), dtype)
     w = jnp.asarray(rng.standard_normal((40, 48)), dtype)
     g = jnp.asarray(rng.standard_normal((2, 3, 40)), jnp.float32)
 
-    def loss(x, w, out_dtype):
-        return jnp.sum(layers.dense_t(x, w, out_dtype).astype(jnp.float32) * g)
+    def loss(x, w, out_dtype, policy):
+        return jnp.sum(layers.dense_t(x, w, out_dtype, policy=policy).astype(jnp.float32) * g)
 
     grads = {}
     for limit in (0, 8):
-        monkeypatch.setattr(layers, "LOGIT_REDUCE_MAX", limit)
+        policy = ProductPolicy(logit_reduce=limit)
         for out_dtype in (None, jnp.float32):
-            fn = jax.jit(jax.grad(lambda x, w: loss(x, w, out_dtype), argnums=(0, 1)))
+            fn = jax.jit(jax.grad(lambda x, w: loss(x, w, out_dtype, policy), argnums=(0, 1)))
             grads[limit, out_dtype] = fn(x, w)
             assert [t.dtype for t in grads[limit, out_dtype]] == [dtype, dtype]
-            if limit and jax.default_backend() == "cpu":
+            if limit:
                 text = fn.lower(x, w).as_text("hlo")
                 assert "f32[6,40,48]" not in text and "bf16[6,40,48]" not in text
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -406,6 +293,41 @@ def test_output_layer_reduction_has_the_products_gradient(dtype, monkeypatch):
             np.testing.assert_allclose(
                 np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol
             )
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_product_policies_compute_the_same_forward(tie, hf_checkpoint):
+    """A tree verification's few tokens through the target with row products and the row
+    reduction (policy 8/8) and with plain products: the same logits, hidden and aux states within
+    fp32 rounding, the same greedy tokens, and the same new cache entries."""
+    _, path = hf_checkpoint("llama", tie=tie)
+    params, cfg = load_hf(path)
+    b, t, s = 2, 4, 16
+    cache = tgt.make_cache(cfg, b, s)
+    prefix = jnp.asarray(_tokens(b, 8, cfg.vocab_size, seed=3))
+    pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (b, 8))
+    zero = jnp.zeros((b,), jnp.int32)
+    cache = tgt.forward(params, prefix, pos, causal_mask(zero, 8, s), cfg, cache, zero).cache
+    toks = jnp.asarray(_tokens(b, t, cfg.vocab_size, seed=4))
+    start = jnp.full((b,), 8, jnp.int32)
+    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    aux = (1, cfg.num_layers // 2, cfg.num_layers)
+
+    @functools.partial(jax.jit, static_argnames="cfg")
+    def verify(params, cache, toks, pos, start, cfg):
+        return tgt.forward(params, toks, pos, causal_mask(start, t, s), cfg, cache, start, aux)
+
+    cfgs = {k: dataclasses.replace(cfg, products=ProductPolicy(k, k)) for k in (0, 8)}
+    outs = {k: verify(params, cache, toks, pos, start, c) for k, c in cfgs.items()}
+    for name in ("logits", "hidden", "aux"):
+        a, b_ = (np.asarray(getattr(outs[k], name)) for k in (8, 0))
+        np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(outs[8].logits.argmax(-1), outs[0].logits.argmax(-1))
+    for a, b_ in zip(jax.tree.leaves(outs[8].cache), jax.tree.leaves(outs[0].cache)):
+        np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5)
+    # the policy is part of the program: the row products are there with 8, not with 0
+    text = {k: verify.lower(params, cache, toks, pos, start, c).as_text() for k, c in cfgs.items()}
+    assert "while" in text[8] and "while" not in text[0]
 
 
 @pytest.mark.skipif(

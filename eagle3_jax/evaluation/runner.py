@@ -289,11 +289,15 @@ class Models:
     def load(cls, opts: EvalOptions, drafts: dict[str, str], vocab_requests=None) -> Models:
         """The target of opts and each {name: path} head, checked against it (and cut as
         {name: --draft-vocab request} says; "auto" when not named)."""
+        from eagle3_jax import cpu_tuning
         from eagle3_jax.checkpoints import load_target
         from eagle3_jax.cli import default_dtype
 
         dtype = default_dtype(opts.dtype)
         target = load_target(opts.target, dtype=dtype)
+        # this machine's few-row products (measured once per CPU), for the target and its heads
+        products = cpu_tuning.policy_for()
+        target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
         req = vocab_requests or {}
         return cls(
             target,
@@ -337,7 +341,8 @@ class Models:
 
 def load_head(path, target, dtype=None, draft_vocab="full") -> tuple:
     """(params, cfg, vocab, embed) of the head at path, checked against the target (load_draft
-    runs check_compatible when given the target's config).
+    runs check_compatible when given the target's config); the head multiplies a few rows as the
+    target does (its config's `products`).
 
     draft_vocab: "full" (every draft id), "auto" (decode.py's default: on the CPU the size the
     head's vocab_order.json names, if any) or N: the head cut to the first N ids of its
@@ -349,6 +354,7 @@ def load_head(path, target, dtype=None, draft_vocab="full") -> tuple:
 
     kw = {} if dtype is None else {"dtype": dtype}
     params, cfg, vocab, embed = load_draft(path, target.cfg, **kw)
+    cfg = dataclasses.replace(cfg, products=target.cfg.products)
     n, order = cut_size(draft_vocab, path, vocab, jax.default_backend())
     if n is not None:
         from eagle3_jax.vocab_tools import trim_head

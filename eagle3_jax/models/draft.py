@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.config import RopeConfig, TargetConfig, rope_inv_freq
+from eagle3_jax.config import PLAIN_PRODUCTS, ProductPolicy, RopeConfig, TargetConfig, rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models.layers import (
     apply_rope,
@@ -47,7 +47,8 @@ class DraftConfig:
     `aux_layer_ids` use OUR convention: HF `hidden_states` indices, i.e. the INPUTS to target layers
     (default (2, L//2, L-3)). SGLang/SpecForge configs name the same tensors as layer OUTPUTS, one
     less; the checkpoint converter translates. `rope` is the draft's own (theta 10000 unless the
-    head's config says otherwise), not the target's.
+    head's config says otherwise), not the target's. `products`: how a few rows are multiplied
+    (config.ProductPolicy), a property of the machine: the loaders give the target's.
     """
 
     hidden_size: int
@@ -70,6 +71,7 @@ class DraftConfig:
     speculator_rank: int = 0  # SpecVocab: > 0 adds spec_a [D, r] and spec_b [r, V]
     spec_candidates: int = 0  # SpecVocab: exact-logit candidates per drafted row (decode time);
     # 0 = min(2048, V), the published k
+    products: ProductPolicy = PLAIN_PRODUCTS
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
@@ -336,9 +338,9 @@ class Output(NamedTuple):
     cache: dict[str, jax.Array] | None
 
 
-def fuse(params: Params, aux_BTF: jax.Array) -> jax.Array:
+def fuse(params: Params, aux_BTF: jax.Array, policy: ProductPolicy = PLAIN_PRODUCTS) -> jax.Array:
     """fc: concatenated target features [B, T, n_aux*Ht] -> [B, T, D] (no bias)."""
-    return dense(aux_BTF.astype(params["fc"].dtype), params["fc"])
+    return dense(aux_BTF.astype(params["fc"].dtype), params["fc"], policy=policy)
 
 
 def project_qkv(
@@ -360,9 +362,10 @@ def project_qkv(
     x = jnp.concatenate(
         [rms_norm(emb_BTD, p["input_norm"], eps), rms_norm(h_BTD, p["hidden_norm"], eps)], axis=-1
     )
-    q = dense(x, p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = dense(x, p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = dense(x, p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    pol = cfg.products
+    q = dense(x, p["wq"], policy=pol).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = dense(x, p["wk"], policy=pol).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = dense(x, p["wv"], policy=pol).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -370,11 +373,10 @@ def finish_layer(p: Params, h_BTD: jax.Array, attn_BTHK: jax.Array, cfg: DraftCo
     """The layer after attention: o_proj onto the residual h (the feature BEFORE hidden_norm), then
     the SwiGLU MLP block. Returns the pre-norm output [B, T, D]."""
     b, t, _ = h_BTD.shape
-    h = h_BTD + dense(attn_BTHK.reshape(b, t, -1), p["wo"])
+    h = h_BTD + dense(attn_BTHK.reshape(b, t, -1), p["wo"], policy=cfg.products)
     with jax.named_scope("mlp"):
-        h = h + swiglu(
-            rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"]
-        )
+        x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
+        h = h + swiglu(x, p["w_gate"], p["w_up"], p["w_down"], policy=cfg.products)
     return h
 
 
@@ -411,9 +413,10 @@ def head_logits(
     carry an fp32 gradient into both of them)."""
     normed = rms_norm(hidden_BTD, params["final_norm"], cfg.rms_norm_eps)
     if cfg.lm_head_source == "own":
-        return dense(normed, params["lm_head"], out_dtype)
-    # [V, D] stored out-by-in: a few rows as a row reduction on the CPU where faster (dense_t)
-    return dense_t(normed, _out_embed(params).astype(normed.dtype), out_dtype)
+        return dense(normed, params["lm_head"], out_dtype, policy=cfg.products)
+    # [V, D] stored out-by-in: a few rows as a row reduction where the policy says (dense_t)
+    embed = _out_embed(params).astype(normed.dtype)
+    return dense_t(normed, embed, out_dtype, policy=cfg.products)
 
 
 def _out_embed(params: Params) -> jax.Array:
@@ -511,7 +514,7 @@ def forward(
             raise Eagle3Error("n_aux * Ht == D: pass target_features=True/False to draft.forward")
         target_features = width == cfg.feature_size
     if target_features and width == cfg.feature_size:
-        h = fuse(params, feat_BTX)
+        h = fuse(params, feat_BTX, cfg.products)
     elif not target_features and width == cfg.hidden_size:
         h = feat_BTX.astype(params["fc"].dtype)
     else:

@@ -7,18 +7,12 @@ dtype) so that parity tests hold at 1e-4 or tighter.
 from __future__ import annotations
 
 import functools
-import json
-import os
-import sys
-import threading
-import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.compile_cache import cpu_model
+from eagle3_jax.config import PLAIN_PRODUCTS, ProductPolicy
 
 NEG_INF = -1e30  # finite: a fully masked row (padding) yields a uniform, not NaN, softmax
 
@@ -195,168 +189,20 @@ def cached_attention(
 
 # XLA:CPU computes a product of a few rows with its GEMM, which handles them poorly on some CPUs: a
 # few rows cost far more than one though the weights are read once either way. One vector-matrix
-# product per row (a lax.map, so one compiled body whatever the count) can do better for 2-8 rows:
-# on an AMD EPYC VM the whole SmolLM2 forward over 4 tokens costs 1.52x one token that way instead
-# of 1.73x (`benchmarks/verify_cost.py --row-products 8,0`). On an Intel Xeon VM with AVX-512 it is
-# the opposite (4 tokens: 1.84x one token with row products, 1.31x with plain products;
-# benchmarks/results/verify_cost_xeon.json). So the choice is measured per machine: the first time
-# a few rows are multiplied on the CPU, `choose_row_products` times both ways on SmolLM2-shaped
-# weights and keeps the faster, cached per CPU model in the cache folder. EAGLE3_JAX_ROW_PRODUCTS
-# (an integer, read at import) skips the probe: 0 = plain products always, 8 = row products for 2-8
-# rows. Other backends, and more rows (prefill, trees of 9+ nodes, training), use the plain product.
-def _limit_from_env(name: str) -> int | None:
-    """A row limit set in the environment variable `name` (read at import), or None (unset or
-    "auto": probed on first use); anything else is an error."""
-    value = os.environ.get(name, "auto").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if not value.isdigit():
-        raise ValueError(f"{name}={value!r}: use auto or a row count (0 = plain products)")
-    return int(value)
-
-
-def _median_ms_alternating(ways: dict, *args, reps: int) -> dict[str, float]:
-    """Median ms of each of `ways` (jitted functions of `args`), warmed up, then timed in turn rep
-    by rep so all see the same machine. Call outside any trace."""
-    times: dict[str, list[float]] = {k: [] for k in ways}
-    for fn in ways.values():
-        jax.block_until_ready(fn(*args))
-    for _ in range(reps):
-        for name, fn in ways.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(1e3 * (time.perf_counter() - t0))
-    return {k: float(np.median(v)) for k, v in times.items()}
-
-
-ROW_PRODUCTS_ENV = "EAGLE3_JAX_ROW_PRODUCTS"
-ROW_PRODUCTS_ON = 8  # the most rows done one by one, when the probe picks row products
-ROW_PRODUCTS_MAX: int | None = _limit_from_env(ROW_PRODUCTS_ENV)  # None: not probed yet
-
-
-def time_row_products(rows: int = 4, layers: int = 6, reps: int = 25) -> dict[str, float]:
-    """Median ms of `layers` SmolLM2-135M-shaped layers' projections (q, k, v, o, gate, up, down:
-    576 wide, 1536 MLP, 192 K/V) over `rows` rows, as row products and as plain products, timed
-    alternately so both see the same machine. Call outside any trace (see choose_row_products)."""
-    d, f, kv = 576, 1536, 192
-    rng = np.random.default_rng(0)
-    shapes = ((d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d))
-    first = [jnp.asarray(0.02 * rng.standard_normal(s, dtype=np.float32)) for s in shapes]
-    # one random draw, `layers` distinct copies: the stack reads as many bytes as a real one
-    ws = [[w + 0.0 for w in first] for _ in range(layers)]
-
-    def stack(prod):
-        def f_(x):
-            for q, k, v, o, g, u, dn in ws:
-                x = x + prod(prod(x, q), o) + prod(x, k).sum() + prod(x, v).sum()
-                x = x + prod(jax.nn.silu(prod(x, g)) * prod(x, u), dn)
-            return x
-
-        return jax.jit(f_)
-
-    ways = {
-        "row_products_ms": stack(lambda x, w: jax.lax.map(lambda r: r @ w, x)),
-        "plain_products_ms": stack(lambda x, w: x @ w),
-    }
-    x = jnp.asarray(rng.standard_normal((rows, d), dtype=np.float32))
-    return _median_ms_alternating(ways, x, reps=reps)
-
-
-def _probed_choice(file: str, timing, fast: str, slow: str, on: int, what: str, report) -> int:
-    """`on` if timing()[fast] beats timing()[slow] by 5 % on this machine, else 0; measured once per
-    CPU model and jax version and cached in <cache>/<file>; `report(result, faster, path)` is the
-    stderr line that says what was chosen, `what` names the probe if it fails. The probe runs in
-    its own thread: JAX's trace state is per thread, so a call made while a caller is being traced
-    (dense is) times real computations instead of staging them into the caller."""
-    from eagle3_jax.checkpoints import cache_dir  # late: checkpoints imports the models
-
-    path = cache_dir() / file
-    key = f"{cpu_model()} | {os.cpu_count()} cpus | jax {jax.__version__}"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):  # not ours (or damaged): measure again and replace it
-        known = {}
-    if isinstance(known.get(key), dict) and "choice" in known[key]:
-        return int(known[key]["choice"])
-    result: dict[str, Any] = {}
-
-    def probe():
-        try:
-            result.update(timing())
-        except Exception as e:  # noqa: BLE001 - reported below, then the plain product
-            result["error"] = repr(e)
-
-    worker = threading.Thread(target=probe, name=f"eagle3-probe-{file}")
-    worker.start()
-    worker.join()
-    if "error" in result:
-        print(f"eagle3_jax: {what} failed ({result['error']}); plain products", file=sys.stderr)
-        return 0
-    faster = result[fast] < 0.95 * result[slow]
-    result["choice"] = on if faster else 0
-    known[key] = result
-    try:
-        from eagle3_jax.checkpoints.atomic import write_text_atomic
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(known, indent=1) + "\n")
-    except OSError:
-        pass  # a read-only cache only costs the probe again next time
-    print(report(result, faster, path), file=sys.stderr)
-    return result["choice"]
-
-
-def choose_row_products() -> int:
-    """The row-product limit for this machine: ROW_PRODUCTS_ON if row products beat plain products
-    by 5 % at 4 rows here, else 0 (cached in <cache>/row_products.json)."""
-    return _probed_choice(
-        "row_products.json",
-        time_row_products,
-        "row_products_ms",
-        "plain_products_ms",
-        ROW_PRODUCTS_ON,
-        "row-product probe",
-        lambda r, faster, path: (
-            f"eagle3_jax: {'row' if faster else 'plain'} products for 2-{ROW_PRODUCTS_ON} rows on "
-            f"this CPU (4 rows: {r['row_products_ms']:.1f} ms row products, "
-            f"{r['plain_products_ms']:.1f} ms plain; {ROW_PRODUCTS_ENV} overrides; cached in {path})"
-        ),
-    )
-
-
-def _probed_limit(name: str, choose) -> int:
-    """The module setting `name`, probed with `choose()` and kept there on first use."""
-    if globals()[name] is None:
-        globals()[name] = choose()
-    return globals()[name]
-
-
-def _limit_for(rows: int, name: str, choose, on: int) -> int:
-    """The limit `rows` are held against: a set one as is; unset, the probe's, asked only where its
-    answer matters (2..on rows; more rows use the plain product whatever it says)."""
-    if globals()[name] is not None:
-        return globals()[name]
-    return _probed_limit(name, choose) if rows <= on else 0
-
-
-def row_products_max() -> int:
-    """The most rows `dense` multiplies one by one on the CPU (0: none), probed on first use."""
-    return _probed_limit("ROW_PRODUCTS_MAX", choose_row_products)
-
-
-def dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """x[..., K] @ w[K, N], as one vector-matrix product per row for a few rows on the CPU where
-    that is faster (see row_products_max). `out_dtype` (e.g. fp32 for logits from bf16 weights)
-    is the products' result type, accumulated and returned without a rounding to the inputs' dtype."""
+# product per row (a lax.map, so one compiled body whatever the count) can do better for 2-8 rows
+# on one CPU and worse on another (BENCHMARKS.md, "Which product is faster depends on the
+# machine"), so the choice is a static ProductPolicy (config.py) that an entry point measures for
+# its machine (eagle3_jax.cpu_tuning) and passes in with the config; the default is the plain
+# product for any row count.
+def dense(
+    x: jax.Array, w: jax.Array, out_dtype=None, *, policy: ProductPolicy = PLAIN_PRODUCTS
+) -> jax.Array:
+    """x[..., K] @ w[K, N]; 2..policy.row_products rows as one vector-matrix product per row.
+    `out_dtype` (e.g. fp32 for logits from bf16 weights) is the products' result type, accumulated
+    and returned without a rounding to the inputs' dtype."""
     mm = functools.partial(jnp.matmul, preferred_element_type=out_dtype)
     rows = int(np.prod(x.shape[:-1]))
-    if jax.default_backend() != "cpu":
-        return mm(x, w)
-    if rows == 1:  # a vector-matrix product either way
-        return mm(x.reshape(-1), w).reshape(*x.shape[:-1], w.shape[-1])
-    if rows > _limit_for(rows, "ROW_PRODUCTS_MAX", choose_row_products, ROW_PRODUCTS_ON):
+    if not 1 < rows <= policy.row_products:
         return mm(x, w)
     flat = x.reshape(rows, x.shape[-1])
     return jax.lax.map(lambda r: mm(r, w), flat).reshape(*x.shape[:-1], w.shape[-1])
@@ -364,26 +210,18 @@ def dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 
 # A product with a weight stored [N, K] (out, in): the tied output layer, whose matrix is the
 # [V, D] embedding (113 MB for SmolLM2's 49,152 x 576). XLA:CPU's GEMM scores 2-8 rows with it at
-# ~1.5-2x the cost of one row (4 rows: 10.1 ms against 4.9 ms on the 2-core AMD EPYC VM), though the
-# matrix is read once either way; written as a multiply-and-sum over K (a row reduction, each
-# output a dot of two contiguous rows, all rows in one pass over the matrix) the same 4 rows cost
-# 6.8 ms. One row stays a matrix-vector product (the reduction is far slower there). As with row
-# products the choice is measured per machine (`choose_logit_reduce`, cached in
-# <cache>/logit_reduce.json); EAGLE3_JAX_LOGIT_REDUCE (an integer, read at import) skips the
-# probe: 0 = the plain product always, 8 = the reduction for 2-8 rows. Other backends, one row and
-# more rows (prefill, trees of 9+ nodes, training) use the plain product.
-LOGIT_REDUCE_ENV = "EAGLE3_JAX_LOGIT_REDUCE"
-LOGIT_REDUCE_ON = 8
-LOGIT_REDUCE_MAX: int | None = _limit_from_env(LOGIT_REDUCE_ENV)  # None: not probed yet
+# ~1.5-2x the cost of one row on some CPUs, though the matrix is read once either way; written as
+# a multiply-and-sum over K (a row reduction, each output a dot of two contiguous rows, all rows in
+# one pass over the matrix) it can cost less (BENCHMARKS.md, "The output layer as a row
+# reduction"). One row stays a matrix-vector product (the reduction is far slower there). As with
+# row products the choice is the static policy's (`logit_reduce`), measured per machine by
+# eagle3_jax.cpu_tuning.
 
 
-def _product_t(
-    x: jax.Array, w_t: jax.Array, out_dtype=None, weight_left: bool = False
-) -> jax.Array:
+def product_t(x: jax.Array, w_t: jax.Array, out_dtype=None, weight_left: bool = False) -> jax.Array:
     """x[R, K] . w_t[N, K]^T as XLA's dot: [R, N]. weight_left puts the weight as the LEFT operand
     ([N, R], then transposed): the same products, but XLA:CPU's GEMM once streamed the 113 MB
-    SmolLM2 embedding far better that way round for a few rows (8 ms against 13 ms for 2-4 rows,
-    an earlier jax)."""
+    SmolLM2 embedding far better that way round for a few rows (an earlier jax)."""
     dims = (((1,), (1,)), ((), ()))  # K against K
     if weight_left:
         return jax.lax.dot_general(w_t, x, dims, preferred_element_type=out_dtype).T
@@ -391,7 +229,7 @@ def _product_t(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _reduce_t(x: jax.Array, w_t: jax.Array, out_dtype=None) -> jax.Array:
+def reduce_t(x: jax.Array, w_t: jax.Array, out_dtype=None) -> jax.Array:
     """x[R, K] . w_t[N, K]^T as a multiply-and-sum over K (a row reduction), accumulated in
     out_dtype (or the inputs' type): [R, N]. Its gradient is the plain products' (autodiff of the
     reduction would build [R, N, K] temporaries: 0.9 GB for 8 rows of SmolLM2's embedding)."""
@@ -400,7 +238,7 @@ def _reduce_t(x: jax.Array, w_t: jax.Array, out_dtype=None) -> jax.Array:
 
 
 def _reduce_t_fwd(x, w_t, out_dtype):
-    return _reduce_t(x, w_t, out_dtype), (x, w_t)
+    return reduce_t(x, w_t, out_dtype), (x, w_t)
 
 
 def _reduce_t_bwd(out_dtype, res, g):
@@ -412,66 +250,41 @@ def _reduce_t_bwd(out_dtype, res, g):
     return dx, dw
 
 
-_reduce_t.defvjp(_reduce_t_fwd, _reduce_t_bwd)
+reduce_t.defvjp(_reduce_t_fwd, _reduce_t_bwd)
 
 
-def time_logit_reduce(
-    rows: int = 4, vocab: int = 49152, width: int = 576, reps: int = 15
-) -> dict[str, float]:
-    """Median ms of a SmolLM2-sized tied output layer ([vocab, width] fp32) over `rows` rows, as a
-    row reduction and as a plain product, timed alternately. Call outside any trace."""
-    rng = np.random.default_rng(0)
-    w_t = jnp.asarray(0.02 * rng.standard_normal((vocab, width), dtype=np.float32))
-    x = jnp.asarray(rng.standard_normal((rows, width), dtype=np.float32))
-    ways = {"reduce_ms": jax.jit(_reduce_t), "plain_products_ms": jax.jit(_product_t)}
-    return _median_ms_alternating(ways, x, w_t, reps=reps)
-
-
-def choose_logit_reduce() -> int:
-    """LOGIT_REDUCE_ON if the row reduction beats the plain product by 5 % at 4 rows here, else 0
-    (cached in <cache>/logit_reduce.json)."""
-    return _probed_choice(
-        "logit_reduce.json",
-        time_logit_reduce,
-        "reduce_ms",
-        "plain_products_ms",
-        LOGIT_REDUCE_ON,
-        "output-layer probe",
-        lambda r, faster, path: (
-            f"eagle3_jax: output layer {'as a row reduction' if faster else 'as a plain product'} "
-            f"for 2-{LOGIT_REDUCE_ON} rows on this CPU (4 rows: {r['reduce_ms']:.1f} ms reduction, "
-            f"{r['plain_products_ms']:.1f} ms product; {LOGIT_REDUCE_ENV} overrides; cached in {path})"
-        ),
-    )
-
-
-def logit_reduce_max() -> int:
-    """The most rows `dense_t` computes as a row reduction on the CPU (0: none), probed on first use."""
-    return _probed_limit("LOGIT_REDUCE_MAX", choose_logit_reduce)
-
-
-def dense_t(x: jax.Array, w_t: jax.Array, out_dtype=None, weight_left: bool = False) -> jax.Array:
-    """x[..., K] . w_t[N, K]^T (a weight stored out-by-in, e.g. a tied embedding), as a row
-    reduction for a few rows on the CPU where that is faster (see logit_reduce_max), else as the
-    product (`weight_left`: see _product_t). `out_dtype` is the result type, accumulated in it
-    (fp32 logits from bf16 weights). Meant for jitted callers: run eagerly, the reduction
-    materialises its [rows, N, K] products."""
+def dense_t(
+    x: jax.Array,
+    w_t: jax.Array,
+    out_dtype=None,
+    weight_left: bool = False,
+    *,
+    policy: ProductPolicy = PLAIN_PRODUCTS,
+) -> jax.Array:
+    """x[..., K] . w_t[N, K]^T (a weight stored out-by-in, e.g. a tied embedding): 2..
+    policy.logit_reduce rows as a row reduction, else as the product (`weight_left`: see
+    product_t). `out_dtype` is the result type, accumulated in it (fp32 logits from bf16 weights).
+    Meant for jitted callers: run eagerly, the reduction materialises its [rows, N, K] products."""
     lead = x.shape[:-1]
     rows = int(np.prod(lead))
     flat = x.reshape(rows, x.shape[-1])
-    if (
-        jax.default_backend() == "cpu"
-        and rows > 1
-        and rows <= _limit_for(rows, "LOGIT_REDUCE_MAX", choose_logit_reduce, LOGIT_REDUCE_ON)
-    ):
-        out = _reduce_t(flat, w_t, out_dtype)
+    if 1 < rows <= policy.logit_reduce:
+        out = reduce_t(flat, w_t, out_dtype)
     else:
-        out = _product_t(flat, w_t, out_dtype, weight_left)
+        out = product_t(flat, w_t, out_dtype, weight_left)
     return out.reshape(*lead, w_t.shape[0])
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    return dense(jax.nn.silu(dense(x, w_gate)) * dense(x, w_up), w_down)
+def swiglu(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    policy: ProductPolicy = PLAIN_PRODUCTS,
+) -> jax.Array:
+    gate, up = dense(x, w_gate, policy=policy), dense(x, w_up, policy=policy)
+    return dense(jax.nn.silu(gate) * up, w_down, policy=policy)
 
 
 def causal_mask(cursor_B: jax.Array, t: int, s: int, window: int | None = None) -> jax.Array:

@@ -198,7 +198,8 @@ def _layer(
     eps = cfg.rms_norm_eps
     pre = cfg.norm_placement == "pre"
     x = rms_norm(h_BTD, p["attn_norm"], eps) if pre else h_BTD
-    q, k, v = dense(x, p["wq"]), dense(x, p["wk"]), dense(x, p["wv"])
+    pol = cfg.products
+    q, k, v = (dense(x, p[n], policy=pol) for n in ("wq", "wk", "wv"))
     if cfg.attention_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if cfg.qk_norm == "full":
@@ -210,15 +211,14 @@ def _layer(
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     att, kv = cached_attention(q, k, v, kv, write_B, mask, mask_new)
-    o = dense(att.reshape(b, t, -1), p["wo"])
+    o = dense(att.reshape(b, t, -1), p["wo"], policy=pol)
     if pre:
         h_BTD = h_BTD + o
-        h_BTD = h_BTD + swiglu(
-            rms_norm(h_BTD, p["mlp_norm"], eps), p["w_gate"], p["w_up"], p["w_down"]
-        )
+        x = rms_norm(h_BTD, p["mlp_norm"], eps)
+        h_BTD = h_BTD + swiglu(x, p["w_gate"], p["w_up"], p["w_down"], policy=pol)
     else:
         h_BTD = h_BTD + rms_norm(o, p["attn_norm"], eps)
-        m = swiglu(h_BTD, p["w_gate"], p["w_up"], p["w_down"])
+        m = swiglu(h_BTD, p["w_gate"], p["w_up"], p["w_down"], policy=pol)
         h_BTD = h_BTD + rms_norm(m, p["mlp_norm"], eps)
     return h_BTD, kv
 
@@ -290,10 +290,10 @@ def lm_head(params: Params, hidden: jax.Array, cfg: TargetConfig) -> jax.Array:
     0.125) and a one-step change flips a greedy choice; fp32 ones make greedy decoding, and a
     speculative round's acceptance, far less sensitive to the order of the products' sums."""
     if cfg.tie_word_embeddings:
-        # hidden . embed^T without transposing the [V, D] embedding: on the CPU a few rows (a tree
-        # verification) go as a row reduction where the probe finds it faster (4 rows 6.8 ms
-        # against 10.1 ms on the 2-core AMD VM, one row 4.9 ms either way; layers.dense_t)
-        return dense_t(hidden, params["embed"], out_dtype=jnp.float32, weight_left=True)
+        # hidden . embed^T without transposing the [V, D] embedding: a few rows (a tree
+        # verification) as a row reduction where cfg.products says, which cpu_tuning measures per
+        # CPU (layers.dense_t)
+        return dense_t(hidden, params["embed"], jnp.float32, weight_left=True, policy=cfg.products)
     return jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
 
 
