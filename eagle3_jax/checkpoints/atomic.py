@@ -1,5 +1,12 @@
-"""Files and directories written atomically: built in a temporary sibling, renamed into place when
-complete, so a reader (or a run killed mid-write) never sees a half-written checkpoint."""
+"""Files and directories written atomically, and never over what a user made.
+
+A directory is built in a temporary sibling and renamed into place when complete, so a reader (or a
+run killed mid-write) never sees half of it. Every directory written this way holds a marker file,
+`MARKER`: an existing destination is replaced only when it carries that marker (the project wrote
+it) and the caller allows replacing; an empty directory is taken over; anything else a user has at
+that path (a folder of other files, a file, a head we did not write) is refused with one line and
+left exactly as it was.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +14,84 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from eagle3_jax.errors import Eagle3Error
+
+MARKER = ".eagle3_jax"  # in every directory atomic_directory writes
+
+
+def written_by_us(path: str | os.PathLike) -> bool:
+    """Whether `path` is a directory this project wrote (it holds the marker file)."""
+    return (Path(path) / MARKER).is_file()
+
+
+def _inside(a: Path, b: Path) -> bool:
+    return a == b or b in a.parents
+
+
+def check_destination(
+    path: str | os.PathLike,
+    overwrite: bool = False,
+    sources: Iterable[str | os.PathLike] = (),
+    what: str = "output",
+) -> None:
+    """Refuses, before any work, a destination that writing there would destroy or mix.
+
+    Allowed: a path that does not exist, an empty directory, or (with `overwrite`) a directory
+    this project wrote. Refused: a file, a directory of anything else, one written by us without
+    `overwrite`, and a destination equal to, inside or around one of `sources` (the inputs the
+    job reads).
+    """
+    path = Path(path)
+    real = path.resolve()
+    for src in sources:
+        s = Path(src).resolve()
+        if _inside(real, s) or _inside(s, real):
+            raise Eagle3Error(
+                f"{what} {path} is the same as, inside or around the input {src}: write to a "
+                "new path beside it"
+            )
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir():
+        raise Eagle3Error(f"{what} {path} exists and is not a directory: choose a new path")
+    if not any(path.iterdir()):
+        return
+    if not written_by_us(path):
+        raise Eagle3Error(
+            f"{what} {path} already holds files eagle3_jax did not write: choose a new or "
+            "empty directory (nothing there was changed)"
+        )
+    if not overwrite:
+        raise Eagle3Error(
+            f"{what} {path} already exists: pass --overwrite to replace it, or choose a new path"
+        )
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
-    """Yields a temporary directory; on success it replaces `path`, on any error it is removed."""
+def atomic_directory(
+    path: str | os.PathLike, overwrite: bool = True, sources: Iterable = ()
+) -> Iterator[Path]:
+    """Yields a temporary directory; on success it takes the place of `path`, on any error it is
+    removed. `path` must pass `check_destination(path, overwrite, sources)`: what it replaces is
+    an empty directory or one this project wrote (moved aside first, removed after the rename)."""
     path = Path(path)
+    check_destination(path, overwrite, sources)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
+        (tmp / MARKER).write_text("written by eagle3_jax; replaced only by it\n")
         yield tmp
+        check_destination(path, overwrite, sources)  # nobody filled it in the meantime
+        old = None
         if path.exists():
-            shutil.rmtree(path)
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old."))
+            os.replace(path, old / "x")
         os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

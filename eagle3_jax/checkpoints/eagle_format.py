@@ -8,7 +8,9 @@ A head is a directory with `config.json` and `model.safetensors` (SpecForge) or 
   lm_head.weight [Vd, D]; d2t [Vd] int64 and t2d [V] bool (absent when Vd == V);
   embed_tokens.weight [V, D] (optional; when present it wins over the target's).
 `eagle_config.eagle_aux_hidden_state_layer_ids` in config.json names target layer OUTPUTS; our
-`DraftConfig.aux_layer_ids` name layer INPUTS (HF hidden_states indices), so ours = theirs + 1.
+`DraftConfig.aux_layer_ids` name layer INPUTS (HF hidden_states indices), so ours = theirs + 1;
+a top-level `eagle_aux_hidden_state_layer_ids` (vLLM's key) names hidden_states indices, ours as is.
+Heads in vLLM's `speculators` layout are read too, and either layout written (`layouts`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from eagle3_jax import vocab as vocab_lib
+from eagle3_jax.checkpoints import layouts
 from eagle3_jax.checkpoints.atomic import atomic_directory
 from eagle3_jax.checkpoints.safetensors_io import read_safetensors, write_safetensors
 from eagle3_jax.config import RopeConfig, TargetConfig, _rope_from_hf
@@ -31,7 +34,7 @@ from eagle3_jax.models import draft as dr
 from eagle3_jax.sharding import put
 from eagle3_jax.vocab import DraftVocab
 
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
 
 # Official name -> (our flat name, whether the PyTorch [out, in] matrix is transposed to [in, out]).
 _KEYS = {
@@ -79,21 +82,6 @@ def official_shapes(cfg: dr.DraftConfig) -> dict[str, tuple[int, ...]]:
 # ----------------------------------------------------------------------------- config.json
 
 
-def _aux_ids_from_hf(hf: dict[str, Any]) -> list[int] | None:
-    eagle = hf.get("eagle_config") or {}
-    if isinstance(eagle, str):  # some exporters serialise the nested config as a JSON string
-        try:
-            eagle = json.loads(eagle)
-        except ValueError:
-            raise Eagle3Error(
-                "config.json eagle_config is a string that is not JSON: fix it"
-            ) from None
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        ids = hf.get("eagle_aux_hidden_state_layer_ids")
-    return None if ids is None else [int(i) for i in ids]
-
-
 def draft_config_from_hf(
     hf: dict[str, Any], target_cfg: TargetConfig | None = None
 ) -> dr.DraftConfig:
@@ -110,21 +98,7 @@ def draft_config_from_hf(
             "single-midlayer EAGLE-3 heads are supported"
         )
     # Variants some trainers added; computing them as the plain head would be silently wrong.
-    if hf.get("fc_norm"):
-        raise Eagle3Error(
-            "draft config sets fc_norm (per-feature RMSNorm before fc): unsupported; "
-            "use a head trained without it"
-        )
-    if hf.get("norm_output") is False:
-        raise Eagle3Error(
-            "draft config sets norm_output=false (lm_head without the final norm): "
-            "unsupported; use a head trained with the final norm"
-        )
-    if hf.get("norm_before_residual"):
-        raise Eagle3Error(
-            "draft config sets norm_before_residual (residual taken after "
-            "hidden_norm): unsupported; use a head trained without it"
-        )
+    layouts.check_official_flags(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise Eagle3Error(f"draft hidden_act {hf['hidden_act']!r} is not silu: unsupported head")
     try:
@@ -136,18 +110,10 @@ def draft_config_from_hf(
         raise Eagle3Error(
             f"draft config.json lacks {e.args[0]}: not a complete EAGLE-3 config"
         ) from None
-    ours = None
-    theirs = _aux_ids_from_hf(hf)
-    if theirs is not None:
-        if min(theirs, default=0) < 0:
-            raise Eagle3Error(
-                f"eagle_aux_hidden_state_layer_ids {theirs} has a negative id: they "
-                "name target layer outputs, 0..L-1"
-            )
-        ours = tuple(i + 1 for i in theirs)
-    elif target_cfg is not None:
+    ours = layouts.aux_ids_from_config(hf)
+    if ours is None and target_cfg is not None:
         ours = target_cfg.default_aux_layer_ids()
-    else:
+    elif ours is None:
         raise Eagle3Error(
             "draft config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: "
             "pass the target's config (target_cfg) so its defaults (2, L//2, L-3) "
@@ -198,12 +164,19 @@ def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
 
 
 def draft_config_to_hf(cfg: dr.DraftConfig, torch_dtype: str = "bfloat16") -> dict[str, Any]:
-    """config.json for a head (SpecForge/SGLang form, readable by EAGLE's loader too)."""
-    if min(cfg.aux_layer_ids) < 1:
-        raise Eagle3Error(
-            f"aux layer id 0 (the embedding output) in {cfg.aux_layer_ids} has no "
-            "layer-output name in the official format: use ids >= 1"
-        )
+    """config.json for a head (SpecForge/SGLang form, readable by EAGLE's loader too).
+
+    `target_hidden_size` is written only when it differs from `hidden_size`: the official loader
+    (SafeAILab/EAGLE `cnets.Model`) takes the presence of that key to mean "the head carries its
+    own `embed_tokens.weight`" and otherwise leaves its embedding randomly initialised, silently
+    (docs/interop.md). Every runtime defaults the key to `hidden_size`.
+    """
+    aux = layouts.aux_ids_to_config(cfg.aux_layer_ids)  # refuses id 0
+    width = (
+        {"target_hidden_size": cfg.target_hidden_size}
+        if cfg.target_hidden_size != cfg.hidden_size
+        else {}
+    )
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -217,14 +190,11 @@ def draft_config_to_hf(cfg: dr.DraftConfig, torch_dtype: str = "bfloat16") -> di
         "rms_norm_eps": cfg.rms_norm_eps,
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
+        **width,
         "tie_word_embeddings": False,
         "torch_dtype": torch_dtype,
         **_rope_to_hf(cfg.rope),
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
-            "use_aux_hidden_state": True,
-        },
+        **aux,
         **_output_to_hf(cfg),
     }
 
@@ -280,13 +250,7 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
         tensors = _read_bin(path / "pytorch_model.bin")
     else:
         raise Eagle3Error(f"{path} has neither model.safetensors nor pytorch_model.bin")
-    out = {}
-    for name, arr in tensors.items():
-        name = name.removeprefix("model.")
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # a recomputable buffer some exporters keep
-        out[name] = arr
-    return out
+    return layouts.tensors_to_official(tensors, str(path))
 
 
 def _vocab_from_tensors(
@@ -350,7 +314,10 @@ def load_draft(
     if not path.is_dir():
         raise Eagle3Error(f"draft checkpoint {path} is not a directory: pass the head's directory")
     where = str(path)
-    cfg = draft_config_from_hf(_read_config(path), target_cfg)
+    hf = _read_config(path)
+    if layouts.detect(hf) == layouts.SPECULATORS:
+        hf = layouts.from_speculators(hf)
+    cfg = draft_config_from_hf(hf, target_cfg)
     tensors = _read_tensors(path)
     expected = official_shapes(cfg)
     expected.pop("d2t", None)
@@ -561,13 +528,34 @@ def save_draft(
     vocab: DraftVocab,
     dtype: str = "bfloat16",
     embed=None,
+    overwrite: bool = True,
+    sources=(),
+    *,
+    layout: str = layouts.OFFICIAL,
+    verifier: tuple[str, list[str]] | None = None,
+    speculative_tokens: int = 3,
 ) -> None:
-    """Writes an official-format head (config.json + model.safetensors), atomically.
+    """Writes a head (config.json + model.safetensors), atomically, in the official layout or
+    vLLM's speculators layout (which also names the `verifier`: (name_or_path, architectures),
+    and the chain length vLLM drafts by default, `speculative_tokens`).
 
-    `embed` ([V, D]) is written as embed_tokens.weight when given (needed when D != the target's).
+    An existing `path` is replaced only if this project wrote it and `overwrite` is set; a path
+    equal to, inside or around one of `sources` (the heads it was made from) is refused
+    (`atomic.check_destination`).
+
+    `embed` ([V, D]) is written as embed_tokens.weight when given. A head whose width D differs
+    from its target's (`target_hidden_size`) must carry one: no runtime can feed it the target's
+    [V, Ht] embedding, and the official loader expects it in the file whenever config.json names
+    `target_hidden_size` (V x D more values in the file: docs/interop.md).
     """
     if dtype not in _DTYPES:
         raise Eagle3Error(f"save dtype {dtype!r} unsupported: use one of {sorted(_DTYPES)}")
+    if cfg.target_hidden_size != cfg.hidden_size and embed is None:
+        raise Eagle3Error(
+            f"the head's hidden size {cfg.hidden_size} differs from its target's "
+            f"{cfg.target_hidden_size}: save it with its own embedding (embed=[V, D]); runtimes "
+            "read embed_tokens.weight from such a head's file"
+        )
     np_dtype = _DTYPES[dtype]
     dr.check_params(params, cfg)
     vocab_lib.check(vocab, cfg.vocab_size, cfg.draft_vocab_size)
@@ -588,7 +576,14 @@ def save_draft(
                 f"({cfg.vocab_size}, {cfg.hidden_size})"
             )
         tensors[_EMBED] = np.asarray(jax.device_get(embed)).astype(np_dtype)
-    with atomic_directory(path) as tmp:
+    if layout == layouts.SPECULATORS:
+        if verifier is None:
+            raise Eagle3Error(
+                "the speculators layout names its verifier (the target): give its name or path"
+            )
+        hf = layouts.to_speculators(hf, verifier[0], verifier[1], speculative_tokens)
+    tensors = layouts.tensors_to_layout(tensors, layout)
+    with atomic_directory(path, overwrite=overwrite, sources=sources) as tmp:
         write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
 
