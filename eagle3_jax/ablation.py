@@ -34,6 +34,7 @@ CELL_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "features",
     "features_dir",
     "feature_layers",
+    "feature_dtype",
     "target",
     "data",
 }

@@ -234,6 +234,11 @@ def extend_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray, ridge:
     return new_params, new_cfg, vocab_lib.from_target_ids(ids, cfg.vocab_size), fit_stats
 
 
+OVERWRITE_HELP = (
+    "replace --out if it is a head eagle3_jax wrote (a folder of anything else is never replaced)"
+)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m eagle3_jax.vocab_tools",
@@ -260,6 +265,7 @@ def main(argv=None) -> int:
     t.add_argument("--no-force-eos", action="store_true", help="do not force EOS ids in")
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     t.add_argument("--out", required=True, help="new head directory")
+    t.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     o = sub.add_parser("order", help="write HEAD/vocab_order.json: which ids a cut keeps")
     o.add_argument("--target", default=None)
     o.add_argument("--draft", required=True, help="head directory (reduced vocabulary)")
@@ -274,9 +280,17 @@ def main(argv=None) -> int:
     e.add_argument("--ridge", type=float, default=1e-3, help="relative ridge of the row map")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     e.add_argument("--out", required=True, help="new head directory")
+    e.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = p.parse_args(argv)
     try:
         from eagle3_jax.checkpoints import load_target
+        from eagle3_jax.checkpoints.atomic import check_destination
+
+        if args.cmd == "trim" and args.like and (args.counts or args.size):
+            raise Eagle3Error("trim takes --like HEAD or --counts C.npy --size N, not both")
+        if args.cmd in ("trim", "extend"):  # before any work: never over a user's files
+            sources = [args.draft] + ([args.like] if getattr(args, "like", None) else [])
+            check_destination(args.out, args.overwrite, sources, what="--out")
 
         target = load_target(args.target)
         v = target.cfg.vocab_size
@@ -301,7 +315,9 @@ def main(argv=None) -> int:
             new_p, new_cfg, new_vocab = trim_head(
                 params, cfg, vocab, target.params, target.cfg, ids
             )
-            save_draft(args.out, new_p, new_cfg, new_vocab, dtype=args.dtype, embed=embed)
+            save_draft(
+                args.out, new_p, new_cfg, new_vocab, args.dtype, embed, args.overwrite, sources
+            )
             method = "FR-Spec" if cfg.lm_head_source == "target" else "VocabTrim"
             print(f"{method}: wrote {args.out} ({what})")
             return 0
@@ -329,8 +345,6 @@ def main(argv=None) -> int:
             print(f"wrote {args.draft}/vocab_order.json ({about}; cpu_size {args.cpu_size})")
             return 0
         if args.cmd == "trim" and args.like:
-            if args.counts or args.size:
-                raise Eagle3Error("trim takes --like HEAD or --counts C.npy --size N, not both")
             ids = target_ids(load_draft(args.like, target.cfg)[2])
             return write_trimmed(
                 ids, f"Vd {cfg.draft_vocab_size} -> {ids.size}, the ids of {args.like}"
@@ -365,7 +379,9 @@ def main(argv=None) -> int:
             new_p, new_cfg, new_vocab, fit = extend_head(
                 params, cfg, vocab, target.params, target.cfg, ids, args.ridge
             )
-            save_draft(args.out, new_p, new_cfg, new_vocab, dtype=args.dtype, embed=embed)
+            save_draft(
+                args.out, new_p, new_cfg, new_vocab, args.dtype, embed, args.overwrite, sources
+            )
             cover = [float(counts[i].sum() / max(counts.sum(), 1)) for i in (list(old), ids)]
             print(
                 f"extended: wrote {args.out} (Vd {len(old)} -> {ids.size}; counted tokens "

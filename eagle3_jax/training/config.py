@@ -72,6 +72,7 @@ class TrainConfig:
     features_dir: str = ""
     feature_layers: tuple[int, ...] = ()  # layers to precompute (default: the aux ids); a superset
     # lets ablations over aux-layer sets share one precomputation
+    feature_dtype: str = "float32"  # or "bfloat16": half the disk (a pod-sized fp32 store is TBs)
     # parallelism
     mesh_data: int = 1
     mesh_model: int = 1
@@ -140,6 +141,8 @@ class TrainConfig:
                 "features=offline needs features_dir (precompute it with "
                 "`train.py --precompute-features`)"
             )
+        if self.feature_dtype not in ("float32", "bfloat16"):
+            raise Eagle3Error(f"feature_dtype {self.feature_dtype!r}: use float32 or bfloat16")
         if self.length_bucket < 0:
             raise Eagle3Error(f"length_bucket {self.length_bucket} < 0 (0 pads to max_len)")
         if self.batch_size < 1 or self.grad_accum < 1:

@@ -225,7 +225,9 @@ def precompute_features(tc: TrainConfig, progress: bool = True) -> Path:
     target = load_target(tc.target, dtype=DTYPES[tc.param_dtype])
     ds = prepare_data(tc, target, out)
     layers = tc.feature_layers or tc.aux_layer_ids or target.cfg.default_aux_layer_ids()
-    return features.precompute(target, ds, tuple(layers), tc.features_dir, progress=progress)
+    return features.precompute(
+        target, ds, tuple(layers), tc.features_dir, progress=progress, dtype=tc.feature_dtype
+    )
 
 
 def keep_vocab_of(path: str, tcfg, out: Path) -> None:

@@ -1,0 +1,145 @@
+"""Nothing a user has is lost: destinations we did not write are refused, and the feature store
+resumes exactly after an interruption and is reused only for the inputs it was computed from."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from eagle3_jax.checkpoints.atomic import (
+    MARKER,
+    atomic_directory,
+    check_destination,
+    written_by_us,
+)
+from eagle3_jax.errors import Eagle3Error
+
+
+def test_destinations_we_did_not_write_are_refused_and_left_alone(tmp_path):
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep me")
+    with pytest.raises(Eagle3Error, match="did not write"):
+        with atomic_directory(user, overwrite=True) as tmp:
+            (tmp / "x").write_text("new")
+    assert (user / "notes.txt").read_text() == "keep me" and not (user / "x").exists()
+    afile = tmp_path / "f"
+    afile.write_text("a file")
+    with pytest.raises(Eagle3Error, match="not a directory"):
+        check_destination(afile)
+    # ours: refused without overwrite, replaced with it; an empty directory is taken over
+    ours = tmp_path / "ours"
+    with atomic_directory(ours) as tmp:
+        (tmp / "a").write_text("1")
+    assert written_by_us(ours) and (ours / MARKER).is_file()
+    with pytest.raises(Eagle3Error, match="--overwrite"):
+        check_destination(ours)
+    with atomic_directory(ours, overwrite=True) as tmp:
+        (tmp / "b").write_text("2")
+    assert sorted(p.name for p in ours.iterdir()) == sorted([MARKER, "b"])
+    (tmp_path / "empty").mkdir()
+    check_destination(tmp_path / "empty")
+    # never equal to, inside or around an input
+    for dest in (ours, ours / "sub", tmp_path):
+        with pytest.raises(Eagle3Error, match="inside or around"):
+            check_destination(dest, overwrite=True, sources=[ours])
+    # an error inside the block leaves the old directory as it was and no temporary behind
+    with pytest.raises(RuntimeError):
+        with atomic_directory(ours, overwrite=True) as tmp:
+            (tmp / "c").write_text("3")
+            raise RuntimeError("killed")
+    assert sorted(p.name for p in ours.iterdir()) == sorted([MARKER, "b"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "f", "mine", "ours"]
+
+
+def test_vocab_tools_never_writes_over_its_source_or_a_users_folder(tiny_target_dir, tmp_path,
+                                                                      capsys, monkeypatch):  # fmt: skip
+    from eagle3_jax.vocab_tools import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keep.txt").write_text("mine")
+    argv = ["trim", "--target", str(tiny_target_dir), "--draft", "head", "--counts", "c.npy",
+            "--size", "4"]  # fmt: skip
+    for out, msg in ((".", "inside or around"), ("head", "inside or around"),
+                     ("keep.txt", "not a directory")):  # fmt: skip
+        assert main(argv + ["--out", out]) == 2
+        assert msg in capsys.readouterr().err
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def _dataset(n=10, t=16, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(3, t + 1, n)
+    ids = rng.integers(3, 97, (n, t)).astype(np.int32)
+    ids[np.arange(t)[None] >= lengths[:, None]] = 0
+    return types.SimpleNamespace(input_ids=ids, lengths=lengths, num_records=n)
+
+
+def _read(path, layers):
+    from eagle3_jax.training.features import OfflineFeatures
+
+    ds = _dataset()
+    f = OfflineFeatures(path, ds, layers)
+    return f.batch(np.arange(ds.input_ids.shape[0]))
+
+
+def test_feature_store_resumes_exactly_and_checks_its_inputs(tiny_target_dir, tmp_path,
+                                                             monkeypatch):  # fmt: skip
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.training import features
+
+    target = load_target(str(tiny_target_dir))
+    ds, layers = _dataset(), (1, 2, 3)
+    ref = features.precompute(target, ds, layers, tmp_path / "ref", 3, False, 4)
+    want = _read(ref, layers)
+    # killed after two batches (each batch checkpointed), then run again: the same arrays
+    calls = {"n": 0}
+    real = features.bucket_length
+
+    def dies_after_two(*a):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(features, "bucket_length", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        features.precompute(target, ds, layers, tmp_path / "f", 3, False, 4, checkpoint_seconds=0)
+    assert (tmp_path / "f.partial" / features.PROGRESS).is_file()
+    calls["n"] = -100  # the resumed run computes the remaining batches only
+    out = features.precompute(target, ds, layers, tmp_path / "f", 3, False, 4)
+    assert calls["n"] == -100 + 2  # 4 batches of 3 over 10 records, 2 were done
+    got = _read(out, layers)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    # a finished or partial store is not reused for other inputs, and names what differs
+    other = _dataset(seed=1)
+    with pytest.raises(Eagle3Error, match="records"):
+        features.precompute(target, other, layers, out, 3, False, 4)
+    # a features_dir holding a user's files is refused, the files untouched
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "data.bin").write_bytes(b"x")
+    with pytest.raises(Eagle3Error, match="did not write"):
+        features.precompute(target, ds, layers, user, 3, False, 4)
+    assert (user / "data.bin").read_bytes() == b"x"
+
+
+def test_bfloat16_feature_store_is_the_float32_one_rounded(tiny_target_dir, tmp_path):
+    import ml_dtypes
+
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.training import features
+
+    target = load_target(str(tiny_target_dir))
+    ds, layers = _dataset(), (2,)
+    f32 = _read(features.precompute(target, ds, layers, tmp_path / "a", 4, False, 4), layers)
+    b16 = features.precompute(target, ds, layers, tmp_path / "b", 4, False, 4, dtype="bfloat16")
+    assert (b16 / "hidden.npy").stat().st_size < (tmp_path / "a" / "hidden.npy").stat().st_size
+    got = _read(b16, layers)
+    for k in f32:
+        rounded = f32[k].astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(got[k], rounded)
+        assert got[k].dtype == np.float32
