@@ -36,12 +36,12 @@ import numpy as np
 
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
+from eagle3_jax.checkpoints.heads import load_head
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.evaluation.metrics import common_prefix
 from eagle3_jax.evaluation.questions import load_questions
-from eagle3_jax.evaluation.runner import load_head
 from eagle3_jax.heads import default_head
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask

@@ -110,10 +110,10 @@ def end_to_end(target, packed, args) -> list[dict]:
     """Each question answered by plain decoding and by the speculative engine with the shipped
     head, each with the target's products by XLA and by the kernel: compiled, then `reps` (at
     most 3) alternating timed runs; medians. `dense` is patched by the caller."""
+    from eagle3_jax.checkpoints.heads import load_head
     from eagle3_jax.decoding import plain
     from eagle3_jax.decoding import speculative as spec
     from eagle3_jax.evaluation.questions import load_questions
-    from eagle3_jax.evaluation.runner import load_head
     from eagle3_jax.heads import default_head
     from eagle3_jax.prompts import encode_chat
 

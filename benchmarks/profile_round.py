@@ -36,10 +36,10 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 
 from eagle3_jax import cpu_tuning  # noqa: E402
 from eagle3_jax.checkpoints import load_target  # noqa: E402
+from eagle3_jax.checkpoints.heads import load_head  # noqa: E402
 from eagle3_jax.decoding import plain  # noqa: E402
 from eagle3_jax.decoding import speculative as spec  # noqa: E402
 from eagle3_jax.evaluation.questions import load_questions  # noqa: E402
-from eagle3_jax.evaluation.runner import load_head  # noqa: E402
 from eagle3_jax.heads import default_head  # noqa: E402
 from eagle3_jax.paths import cpu_model  # noqa: E402
 from eagle3_jax.prompts import encode_chat  # noqa: E402

@@ -23,9 +23,9 @@ import numpy as np
 
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
+from eagle3_jax.checkpoints.heads import load_head
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
-from eagle3_jax.evaluation.runner import load_head
 from eagle3_jax.paths import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]

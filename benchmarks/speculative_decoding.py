@@ -67,7 +67,7 @@ def main() -> None:
     cfg = target.cfg
     embed = None
     if args.draft:
-        from eagle3_jax.evaluation.runner import load_head
+        from eagle3_jax.checkpoints.heads import load_head
 
         dparams, dcfg, vocab, embed = load_head(args.draft, target)
     else:

@@ -10,7 +10,7 @@ A reduced draft vocabulary (EAGLE-3's Vd, FR-Spec, VocabTrim) can never draft a 
 it, so its coverage of the target's answers caps every acceptance rate. For each text set (the
 answers of an evaluation run's results.json, or a regenerated data file's `output_ids`), the
 share of answer tokens inside each head's draft vocabulary (default: the shipped head) and inside
-the `--sizes` most frequent ids of `--counts` (`python -m eagle3_jax.vocab_tools count`). Prints
+the `--sizes` most frequent ids of `--counts` (`python -m eagle3_jax vocab count`). Prints
 a table, writes benchmarks/results/vocab_coverage.json (or --out). No model is run.
 """
 
@@ -45,7 +45,7 @@ def answer_tokens(path: str | Path) -> np.ndarray:
     if not path.is_file():
         raise Eagle3Error(f"text file {path} does not exist")
     if path.name.endswith((".json", ".json.gz")):  # an evaluation run's results (.jsonl: data)
-        from eagle3_jax.evaluation.runner import read_results
+        from eagle3_jax.evaluation.records import read_results
 
         records = read_results(path)["records"]
         first = records[0]["method"] if records else None
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--text", action="append", required=True, help="NAME=FILE[,FILE], repeatable")
     ap.add_argument("--draft", action="append", default=None, help="NAME=HEAD, repeatable")
-    ap.add_argument("--counts", default=None, help=".npy of `vocab_tools count`")
+    ap.add_argument("--counts", default=None, help=".npy of `python -m eagle3_jax vocab count`")
     ap.add_argument("--sizes", default="8192,16384,24576,32768")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/vocab_coverage.json"))
     args = ap.parse_args(argv)

@@ -6,7 +6,7 @@ FR-Spec, VocabTrim and SpecVocab (and the target-lm_head head FR-Spec is cut fro
       [--frspec-corpus FILE] [--size 8192] [--bench spec_bench --questions 1]
 
 Stages, each resumable (rerun the same command after a stop):
-  1. the grid's heads are trained (python -m eagle3_jax.ablate on --grid: one feature store, same
+  1. the grid's heads are trained (python -m eagle3_jax ablate on --grid: one feature store, same
      data, order and step budget);
   2. token counts: FR-Spec's from --frspec-corpus (every role; default the ShareGPT sample, human
      and ChatGPT text, as a general corpus), VocabTrim's from target-generated text (the
@@ -65,24 +65,24 @@ def main() -> None:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    run([PY, "-m", "eagle3_jax.ablate", "--config", args.grid])  # 1
+    run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid])  # 1
     heads = {c.name: cells / c.name / "head" for c in grid.cells}
     counts = {"frspec": out / "counts_frspec.npy", "vocabtrim": out / "counts_generated.npy"}
     if not counts["frspec"].exists():  # 2
-        run([PY, "-m", "eagle3_jax.vocab_tools", "count", "--corpus", args.frspec_corpus,
+        run([PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", args.frspec_corpus,
              "--roles", "all", "--out", str(counts["frspec"])])  # fmt: skip
     if not counts["vocabtrim"].exists():
-        run([PY, "-m", "eagle3_jax.vocab_tools", "count", "--corpus", args.generated,
+        run([PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", args.generated,
              "--roles", "assistant", "--out", str(counts["vocabtrim"])])  # fmt: skip
     derived = {"frspec": ("target_lm_head", "frspec"), "vocabtrim": ("full_vocab", "vocabtrim")}
     for name, (src, cnt) in derived.items():  # 3
         dst = out / "heads" / name
         if not (dst / "config.json").exists():
-            run([PY, "-m", "eagle3_jax.vocab_tools", "trim", "--draft", str(heads[src]),
+            run([PY, "-m", "eagle3_jax", "vocab", "trim", "--draft", str(heads[src]),
                  "--counts", str(counts[cnt]), "--size", str(args.size), "--out", str(dst)])  # fmt: skip
         heads[name] = dst
     drafts = [f"{n}={p}" for n, p in heads.items()]
-    ev = [PY, "-m", "eagle3_jax.eval", "--methods", f"vanilla,eagle3:{args.tree}",
+    ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{args.tree}",
           "--bench", args.bench, "--questions", str(args.questions),
           "--max-new-tokens", str(args.max_new_tokens), "--out", str(out / "eval")]  # fmt: skip
     for d in drafts:

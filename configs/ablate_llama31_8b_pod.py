@@ -2,7 +2,7 @@
 the same cells as configs/ablate_smollm2.py, on the paper's recipe (configs/llama31_8b.py, mesh
 2 data x 4 model, bf16).
 
-  python -m eagle3_jax.ablate --config configs/ablate_llama31_8b_pod.py \
+  python -m eagle3_jax ablate --config configs/ablate_llama31_8b_pod.py \
       --config.target=/ckpt/Llama-3.1-8B-Instruct --config.data=/data/sharegpt_ultrachat.jsonl
 
 Features for the union of the cells' layers are precomputed once (float32 .npy memory maps:

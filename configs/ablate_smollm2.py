@@ -1,6 +1,6 @@
 """The EAGLE-3 paper's ablations on the embedded SmolLM2-135M-Instruct, sized for a 2-core CPU.
 
-  .venv/bin/python -m eagle3_jax.ablate --config configs/ablate_smollm2.py
+  .venv/bin/python -m eagle3_jax ablate --config configs/ablate_smollm2.py
 
 One factor at a time around the default head (aux layers (2, 15, 27) of 30, TTT 7, no feature
 loss, Vd 8192): which layers to fuse (the top layer alone, four layers, all low, all high), the TTT

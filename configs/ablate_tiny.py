@@ -1,6 +1,6 @@
 """A two-cell grid on a tiny target, for tests and smoke runs (pass the target and data):
 
-  .venv/bin/python -m eagle3_jax.ablate --config configs/ablate_tiny.py \
+  .venv/bin/python -m eagle3_jax ablate --config configs/ablate_tiny.py \
       --config.target=PATH --config.data=FILE --out runs/ablate_tiny
 """
 

@@ -1,6 +1,6 @@
 """Learning rate x batch size for the embedded SmolLM2 head at a fixed token budget (CPU).
 
-  .venv/bin/python -m eagle3_jax.ablate --config configs/recipe_smollm2.py --no-eval
+  .venv/bin/python -m eagle3_jax ablate --config configs/recipe_smollm2.py --no-eval
 
 Every cell reads the same 160 regenerated records once (27,459 tokens, 19,959 of them supervised
 answer tokens): batch 8 for 20 steps, batch 2 for 80 or batch 1 for 160, at lr 3e-4 (the first

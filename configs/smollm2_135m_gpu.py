@@ -8,7 +8,7 @@ features computed online in the step, batch 16 and one compiled shape (no length
 a padded row costs little, a new shape costs a compilation).
 
   python train.py --config=configs/smollm2_135m_gpu.py                       # 16 epochs, 4,448 steps
-  python -m eagle3_jax.training.timed --config=configs/smollm2_135m_gpu.py --minutes=8
+  python -m eagle3_jax train-timed --config=configs/smollm2_135m_gpu.py --minutes=8
 
 (timed.py fits max_steps to a wall-clock budget, at most the 16 epochs, and writes its plan to
 out_dir/timed.json.) That head: 4,448 steps, 19.3M tokens read, 5.1 minutes of training on

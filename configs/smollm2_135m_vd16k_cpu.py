@@ -1,6 +1,6 @@
 """Train the new rows of the GPU SmolLM2 head grown to 16,384 draft ids, on this CPU: the shipped head.
 
-`vocab_tools extend` grows the GPU head (Vd 8,192; configs/smollm2_135m_gpu.py, the shipped head
+`python -m eagle3_jax vocab extend` grows the GPU head (Vd 8,192; configs/smollm2_135m_gpu.py, the shipped head
 until commit 6a4a2ae: GPU_HEAD below is that directory, `git show 6a4a2ae:eagle3_jax/heads/
 smollm2_135m_instruct/config.json` and `.../model.safetensors`) to 16,384 ids without training: the new
 rows are the target's output-embedding rows through a ridge-fitted map (BENCHMARKS.md, "A larger
@@ -9,11 +9,11 @@ draft vocabulary"). This config continues that head with configs/smollm2_135m_cp
 300 steps, so the new rows train on answers that use them; the two runs differ only in the head
 they start from (and 60 fewer steps here).
 
-  python -m eagle3_jax.vocab_tools count --corpus data/smollm2_135m_regenerated.jsonl.gz \
+  python -m eagle3_jax vocab count --corpus data/smollm2_135m_regenerated.jsonl.gz \
       --corpus data/smollm2_135m_regenerated_more.jsonl.gz \
       --corpus data/smollm2_135m_regenerated_gpu.jsonl.gz \
       --corpus data/smollm2_135m_regenerated_cpu2.jsonl.gz --out runs/vocab16k/counts.npy
-  python -m eagle3_jax.vocab_tools extend --draft GPU_HEAD \
+  python -m eagle3_jax vocab extend --draft GPU_HEAD \
       --counts runs/vocab16k/counts.npy --size 16384 --out runs/vocab16k/head
   python train.py --config=configs/smollm2_135m_vd16k_cpu.py             # ~75 min on 2 cores
   python train.py --config=configs/smollm2_135m_vd16k_cpu.py --resume    # after an interruption
@@ -21,7 +21,7 @@ they start from (and 60 fewer steps here).
       # 100 more steps on the next, unseen conversations (~25 min)
   python train.py --config=configs/smollm2_135m_vd16k_cpu.py --resume --config.max_steps=600
       # 200 more (~53 min beside the tests): the shipped weights
-  python -m eagle3_jax.vocab_tools order --draft runs/cpu3_16k/head \
+  python -m eagle3_jax vocab order --draft runs/cpu3_16k/head \
       --counts runs/vocab16k/counts.npy --first GPU_HEAD --cpu-size 8192
       # vocab_order.json: decode.py cuts it to GPU_HEAD's 8,192 ids on a CPU
 

@@ -1,7 +1,7 @@
 """The draft-vocabulary comparison's trained heads on the embedded SmolLM2-135M-Instruct: one data
 set, one step budget, one feature store, one trunk, five cells over four output layers.
 
-  .venv/bin/python -m eagle3_jax.ablate --config configs/vocab_smollm2.py
+  .venv/bin/python -m eagle3_jax ablate --config configs/vocab_smollm2.py
 
 Cells: the EAGLE-3 reduced head (Vd 8192), a full-vocabulary head with its own lm_head (VocabTrim's
 source), a head on the target's frozen output embedding (FR-Spec's source), SpecVocab (the same

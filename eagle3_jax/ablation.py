@@ -25,9 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle3_jax.checkpoints import load_target_config
 from eagle3_jax.checkpoints.atomic import write_text_atomic
+from eagle3_jax.checkpoints.eagle_format import load_draft
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.evaluation.metrics import tau
+from eagle3_jax.evaluation.runner import EvalOptions, run_eval, strict_json
 from eagle3_jax.training.config import TrainConfig, load_python_config
+from eagle3_jax.training.loop import precompute_features, train
 
 CELL_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "out_dir",
@@ -164,7 +169,6 @@ def _num_acc(rec: dict) -> int:
 def tau_by_question(eval_dir: Path, method: str | None = None) -> dict[str, float]:
     """τ of each question (all its turns; the harness's definition, `metrics.tau`), from its
     records.jsonl (of `method` only, when given)."""
-    from eagle3_jax.evaluation.metrics import tau
 
     path = eval_dir / "records.jsonl"
     if not path.exists():
@@ -237,9 +241,6 @@ def check_cell_config(cell: Cell, cdir: Path, state: dict, tc: TrainConfig) -> N
 
 
 def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bool = True) -> dict:
-    from eagle3_jax.checkpoints import load_target_config
-    from eagle3_jax.evaluation.runner import EvalOptions, run_eval
-    from eagle3_jax.training.loop import precompute_features, train
 
     ac = ac.validate()
     cells = [c for c in ac.cells if only is None or c.name in only]
@@ -350,7 +351,6 @@ def cell_row(
     window: int = 1,
     span: int | None = None,
 ) -> dict:
-    from eagle3_jax.checkpoints.eagle_format import load_draft
 
     s = summary["by_method"][summary["methods"][0]] if summary else None
     last = final_metrics(cdir, window, span)
@@ -481,8 +481,6 @@ def write_outputs(out: Path, result: dict) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from eagle3_jax.evaluation.runner import strict_json
 
     (out / "results.json").write_text(json.dumps(strict_json(result), indent=1) + "\n")
     (out / "report.md").write_text(report_markdown(result))

@@ -7,6 +7,8 @@ import json
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.errors import Eagle3Error
@@ -26,6 +28,17 @@ MODEL_TYPES = {
     "qwen3": "qwen3",
     "olmo2": "olmo2",
 }
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def default_dtype(name: str | None = None):
+    """The parameter dtype a name gives, or the backend's default: float32 on the CPU (exact
+    greedy equivalence, and no bf16 matrix units to gain from), bfloat16 on GPUs and TPUs."""
+    if name is None:
+        name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return DTYPES[name]
 
 
 @dataclasses.dataclass(frozen=True)

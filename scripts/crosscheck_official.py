@@ -539,8 +539,8 @@ def run_ours(args, head: Path, prompt_texts: list[tuple[str, str]]):
 
     from eagle3_jax import compile_cache
     from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.checkpoints.heads import load_head
     from eagle3_jax.decoding.speculative import TreeConfig, stream
-    from eagle3_jax.evaluation.runner import load_head
     from eagle3_jax.prompts import encode_chat
 
     compile_cache.enable()

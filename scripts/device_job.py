@@ -28,7 +28,7 @@ Here again, on the files that came back (bench's into a folder of their own: --d
 first turn is one of data/smollm2_135m_regenerated_heldout.jsonl.gz's 270 are left out by `pack`)
 (`eagle3_jax.data.regenerate --all-turns`, which converts the target from the GGUF on its first
 load) within `--regen-minutes`, and packs those answers into $OUT at once; grows the shipped
-head's draft vocabulary to `--extend-vocab` ids if it has fewer (`vocab_tools extend`, with the
+head's draft vocabulary to `--extend-vocab` ids if it has fewer (`python -m eagle3_jax vocab extend`, with the
 counts `pack` made of the first-turn answers; the shipped head has 16,384 since 2026-12-02, so
 this step is skipped) and continues it on the answers plus the first-turn files for the
 rest of the budget
@@ -66,7 +66,7 @@ HELD_OUT = ROOT / "data" / "smollm2_135m_regenerated_heldout.jsonl.gz"
 CONFIG = ROOT / "configs" / "smollm2_135m_turns.py"
 TRAIN_OUT = ROOT / "runs" / "turns" / "train"
 # token counts of the training config's first-turn answers (`pack`, carried with the wheel):
-# the draft vocabulary the head is grown to before training (`vocab_tools extend`), and where
+# the draft vocabulary the head is grown to before training (`python -m eagle3_jax vocab extend`), and where
 # that head is written
 COUNTS = DEVICE / "whl" / "counts.npy"
 EXTENDED_HEAD = ROOT / "runs" / "turns" / "extended_head"
@@ -171,14 +171,14 @@ def pack(args) -> int:
     # the config's data less the answers this job writes: the first-turn files it trains on
     first_turns = [f for f in load_config(CONFIG).data.split(",") if Path(f) != TURNS]
     subprocess.run(
-        [sys.executable, "-m", "eagle3_jax.vocab_tools", "count",
+        [sys.executable, "-m", "eagle3_jax", "vocab", "count",
          *[a for f in first_turns for a in ("--corpus", f)], "--out", str(COUNTS)],
         check=True,
     )  # fmt: skip
     if not args.shipped_conversations:
         v3 = full_sharegpt(ROOT / "runs" / "turns" / "sharegpt_v3_full.jsonl")
         subprocess.run(
-            [sys.executable, "-m", "eagle3_jax.data.select_prompts", str(v3), "--conversations",
+            [sys.executable, "-m", "eagle3_jax", "select-prompts", str(v3), "--conversations",
              "--max-chars", "6000", "--exclude", str(HELD_OUT), "--out", str(FULL_CONVERSATIONS)],
             check=True,
         )  # fmt: skip
@@ -427,7 +427,7 @@ def run(args) -> int:
         _phase(
             log,
             "regenerate",
-            py + ["eagle3_jax.data.regenerate", str(conversations), str(TURNS),
+            py + ["eagle3_jax", "regenerate", str(conversations), str(TURNS),
                   "--all-turns", "--max-len", "2048", "--batch-size", str(args.batch_size),
                   "--chunk", str(args.chunk), "--max-new-tokens", str(args.max_new_tokens),
                   "--max-batch-tokens", str(args.max_batch_tokens),
@@ -448,7 +448,7 @@ def run(args) -> int:
             _phase(
                 log,
                 "train",
-                py + ["eagle3_jax.training.timed", f"--config={args.config}",
+                py + ["eagle3_jax", "train-timed", f"--config={args.config}",
                       f"--minutes={left_min:.2f}", "--no-progress",
                       f"--config.out_dir={TRAIN_OUT}", "--config.save_every=0", *grown,
                       *args.train_arg,
@@ -482,7 +482,7 @@ def _extend_head(log: Log, args, py: list[str], target: list[str], env: dict) ->
     rc = _phase(
         log,
         "extend",
-        py + ["eagle3_jax.vocab_tools", "extend", "--draft", str(SHIPPED_HEAD),
+        py + ["eagle3_jax", "vocab", "extend", "--draft", str(SHIPPED_HEAD),
               "--counts", str(COUNTS), "--size", str(args.extend_vocab),
               "--out", str(EXTENDED_HEAD), *target],
         env,
@@ -524,7 +524,7 @@ def bench(args) -> int:
         rc = _phase(
             log,
             "bench",
-            [sys.executable, "-m", "eagle3_jax.eval", "--bench", "mt_bench",
+            [sys.executable, "-m", "eagle3_jax", "eval", "--bench", "mt_bench",
              "--questions", str(args.questions), "--max-new-tokens", str(args.max_new_tokens),
              "--methods", args.methods, "--out", str(BENCH_OUT), "--no-progress", *extra],
             env,

@@ -1,4 +1,4 @@
-"""python -m eagle3_jax.ablate: a two-cell grid on the tiny target, end to end and resumed."""
+"""python -m eagle3_jax ablate: a two-cell grid on the tiny target, end to end and resumed."""
 
 import dataclasses
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3_jax.ablate import main
 from eagle3_jax.ablation import AblationConfig, Cell, vary
+from eagle3_jax.cli.ablate import main
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.training.config import TrainConfig
 

@@ -115,7 +115,7 @@ def test_speculative_methods_reproduce_vanilla(method, tiny_target_dir, head_dir
 
 
 def test_method_defaults():
-    from eagle3_jax.cli import resolve_method
+    from eagle3_jax.cli.decode import resolve_method
     from eagle3_jax.heads import DEFAULT_HEAD
 
     def resolved(*argv):
@@ -131,7 +131,7 @@ def test_method_defaults():
 
 
 def test_tree_defaults_follow_the_backend():
-    from eagle3_jax.cli import _tree
+    from eagle3_jax.cli.decode import _tree
     from eagle3_jax.decoding.speculative import TreeConfig, default_tree
 
     cpu, gpu = default_tree("cpu"), default_tree("gpu")
@@ -157,7 +157,7 @@ def test_draft_vocab_auto_cuts_a_head_with_a_cpu_size(tiny_target_dir, head_dir,
 
     import numpy as np
 
-    from eagle3_jax.checkpoints.eagle_format import write_vocab_order
+    from eagle3_jax.checkpoints.heads import write_vocab_order
 
     ordered = tmp_path / "ordered"
     shutil.copytree(head_dir, ordered)
@@ -230,7 +230,7 @@ def test_a_difference_names_its_token_and_the_dtype():
 
     import jax.numpy as jnp
 
-    from eagle3_jax.cli import _why_different
+    from eagle3_jax.cli.decode import _why_different
 
     bf16 = types.SimpleNamespace(params={"embed": jnp.zeros((2, 2), jnp.bfloat16)})
     f32 = types.SimpleNamespace(params={"embed": jnp.zeros((2, 2), jnp.float32)})

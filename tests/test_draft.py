@@ -682,3 +682,41 @@ def test_output_layer_configs_are_validated():
         )
     with pytest.raises(Eagle3Error, match="own or target"):
         dr.DraftConfig.from_target(TARGET, lm_head_source="tied")
+
+
+def test_flax_module_computes_the_functional_head():
+    """models.flax_head.DraftHead holds the same params as nnx.Param leaves and calls
+    draft.forward: the same hidden states and logits, its params round-trip through nnx.split /
+    nnx.merge, and nnx.grad differentiates it like jax.grad the functional head."""
+    from flax import nnx
+
+    from eagle3_jax.models.flax_head import DraftHead
+    from eagle3_jax.models.layers import causal_mask
+
+    dcfg = dr.DraftConfig.from_target(TARGET, draft_vocab_size=VD)
+    params = dr.init_params(dcfg, jax.random.PRNGKey(1), scale=0.3)
+    head = DraftHead(dcfg, params)
+    b, t = 2, 5
+    embed = jax.random.normal(jax.random.PRNGKey(3), (V, dcfg.hidden_size))
+    toks = jax.random.randint(jax.random.PRNGKey(4), (b, t), 0, V)
+    feat = jax.random.normal(jax.random.PRNGKey(5), (b, t, dcfg.feature_size))
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    mask = causal_mask(jnp.zeros((b,), jnp.int32), t, t)
+    want = dr.forward(params, embed, toks, feat, pos, mask, dcfg)
+    got = head(embed, toks, feat, pos, mask)
+    np.testing.assert_array_equal(got.logits, want.logits)
+    np.testing.assert_array_equal(got.hidden, want.hidden)
+    graph, state = nnx.split(head)
+    again = nnx.merge(graph, state)
+    for a, b_ in zip(jax.tree.leaves(again.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b_)
+
+    def loss_of(p):
+        return dr.forward(p, embed, toks, feat, pos, mask, dcfg).logits.sum()
+
+    g_fn = jax.grad(loss_of)(params)
+    g_nnx = nnx.grad(lambda m: m(embed, toks, feat, pos, mask).logits.sum())(head)
+    for a, b_ in zip(jax.tree.leaves(g_nnx), jax.tree.leaves(g_fn)):
+        np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5)
+    fresh = DraftHead(dcfg, rngs=nnx.Rngs(params=0))
+    dr.check_params(fresh.params, dcfg)

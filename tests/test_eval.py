@@ -1,4 +1,4 @@
-"""python -m eagle3_jax.eval: metric arithmetic, an end-to-end tiny run, resuming, refusals."""
+"""python -m eagle3_jax eval: metric arithmetic, an end-to-end tiny run, resuming, refusals."""
 
 import gzip
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from eagle3_jax.checkpoints.eagle_format import save_draft
 from eagle3_jax.checkpoints.hf import load_hf
-from eagle3_jax.eval import main
+from eagle3_jax.cli.eval import main
 from eagle3_jax.evaluation import metrics
 from eagle3_jax.evaluation.questions import load_questions
 from eagle3_jax.evaluation.runner import TIMING_KEYS
@@ -282,7 +282,7 @@ def test_no_baseline_runs_tau_only(setup, tmp_path, capsys):
 
 
 def test_the_embedded_target_is_evaluated_with_its_shipped_head():
-    from eagle3_jax.eval import drafts_of, parse_args
+    from eagle3_jax.cli.eval import drafts_of, parse_args
     from eagle3_jax.heads import default_head
 
     assert drafts_of(parse_args([])) == (str(default_head()),)
@@ -300,7 +300,7 @@ def test_draft_vocab_cuts_a_head_with_an_order_and_is_part_of_the_configuration(
 
     import numpy as np
 
-    from eagle3_jax.checkpoints.eagle_format import write_vocab_order
+    from eagle3_jax.checkpoints.heads import write_vocab_order
     from eagle3_jax.evaluation import runner
 
     target, head, qfile = setup

@@ -255,7 +255,7 @@ def _smollm2_like(cls):
 
 
 def test_speculators_layout_round_trips_and_loads_in_vllm(tcfg, tiny_target_dir, tmp_path):
-    from eagle3_jax.export import main
+    from eagle3_jax.cli.export import main
 
     params, cfg, vocab, _ = _head(tcfg, 40, (1, 5, 7))
     save_draft(tmp_path / "h", params, cfg, vocab, "float32")

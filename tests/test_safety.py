@@ -56,7 +56,7 @@ def test_destinations_we_did_not_write_are_refused_and_left_alone(tmp_path):
 
 def test_vocab_tools_never_writes_over_its_source_or_a_users_folder(tiny_target_dir, tmp_path,
                                                                       capsys, monkeypatch):  # fmt: skip
-    from eagle3_jax.vocab_tools import main
+    from eagle3_jax.cli.vocab import main
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "keep.txt").write_text("mine")
@@ -143,3 +143,68 @@ def test_bfloat16_feature_store_is_the_float32_one_rounded(tiny_target_dir, tmp_
         rounded = f32[k].astype(ml_dtypes.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(got[k], rounded)
         assert got[k].dtype == np.float32
+
+
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
+    import os
+
+    from eagle3_jax.checkpoints.atomic import exclusive
+
+    (tmp_path / "run").mkdir()
+    with exclusive(tmp_path / "run", "--out"):
+        with pytest.raises(Eagle3Error, match=f"pid {os.getpid()}"):
+            with exclusive(tmp_path / "run", "--out"):
+                pass
+    with exclusive(tmp_path / "run"):  # released with its holder
+        pass
+    with exclusive(tmp_path / "answers.jsonl"):  # a file: the lock sits beside it
+        assert (tmp_path / "answers.jsonl.lock").is_file()
+
+
+def test_regeneration_resumes_only_with_the_same_target_and_settings(tiny_target_dir, tmp_path):
+    import os
+
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.data.regenerate import regenerate
+
+    target = load_target(str(tiny_target_dir))
+    prompts = [("a", "w5 w6 w7"), ("b", "w8 w9")]
+    out = tmp_path / "answers.jsonl"
+    regenerate(target, prompts[:1], out, max_new_tokens=4, progress=False)
+    with pytest.raises(Eagle3Error, match="differs in max_new_tokens"):
+        regenerate(target, prompts, out, max_new_tokens=8, progress=False)
+    assert regenerate(target, prompts, out, max_new_tokens=4, progress=False).resumed == 1
+    # the target's weights replaced at the same path: another model, refused
+    other = tmp_path / "target"
+    other.mkdir()
+    for f in tiny_target_dir.iterdir():
+        (other / f.name).symlink_to(f)
+    t2 = load_target(str(other))
+    w = next(other.glob("*.safetensors"))
+    regenerate(t2, prompts, tmp_path / "b.jsonl", max_new_tokens=4, progress=False)
+    w.unlink()
+    w.write_bytes(next(tiny_target_dir.glob("*.safetensors")).read_bytes())
+    os.utime(w, ns=(1, 1))
+    with pytest.raises(Eagle3Error, match="differs in target"):
+        regenerate(t2, prompts, tmp_path / "b.jsonl", max_new_tokens=4, progress=False)
+    # a file this command did not write is never appended to
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"id": "x"}\n')
+    with pytest.raises(Eagle3Error, match="not written by this command"):
+        regenerate(target, prompts, mine, max_new_tokens=4, progress=False)
+    assert mine.read_text() == '{"id": "x"}\n'
+
+
+def test_the_harness_refuses_a_users_folder_and_a_changed_target(tiny_target_dir, tmp_path):
+    from eagle3_jax.evaluation.runner import check_config
+
+    user = tmp_path / "report"
+    user.mkdir()
+    (user / "notes.md").write_text("mine")
+    with pytest.raises(Eagle3Error, match="not an evaluation run"):
+        check_config(user, {"a": 1})
+    assert sorted(p.name for p in user.iterdir()) == ["notes.md"]
+    run = tmp_path / "run"
+    check_config(run, {"target_digest": "1", "questions_digest": "q"})
+    with pytest.raises(Eagle3Error, match="target's files or the question file changed"):
+        check_config(run, {"target_digest": "2", "questions_digest": "q"})

@@ -57,9 +57,9 @@ def test_the_shipped_head_speculates_exactly_and_accepts(smollm2, draft_vocab):
     more than one token per target forward (a random head of this shape gives tau ~1.0)."""
     import jax
 
+    from eagle3_jax.checkpoints.heads import load_head
     from eagle3_jax.decoding import speculative
     from eagle3_jax.decoding.speculative import TreeConfig
-    from eagle3_jax.evaluation.runner import load_head
     from eagle3_jax.heads import default_head
 
     target, _ = smollm2

@@ -84,10 +84,12 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
     # held-out scoring (training.validate) of the exported head: on its own training text it
     # scores what the training log ends at, and its sums do not depend on how rows are batched
     from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.checkpoints.heads import load_head
+    from eagle3_jax.cli import validate
     from eagle3_jax.data.conversations import read_conversations
     from eagle3_jax.data.dataset import build_dataset
-    from eagle3_jax.evaluation.runner import load_head
-    from eagle3_jax.training import validate
+    from eagle3_jax.training import validate as validation
+    from eagle3_jax.training.validate import score_head
 
     out = tmp_path / "scores.json"
     held = _conversations(tmp_path / "held.json", n=5, seed=7)
@@ -107,7 +109,7 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
     dparams, dcfg, vocab, _ = load_head(summary["head"], target)
     ds = build_dataset(target.tokenizer, read_conversations(regen)[0], 64, progress=False)
     one, five = (
-        validate.score_head(target, dparams, dcfg, vocab, ds, steps=2, batch_size=n, progress=False)
+        score_head(target, dparams, dcfg, vocab, ds, steps=2, batch_size=n, progress=False)
         for n in (1, 5)
     )
     for name in ("acc", "chain", "xent"):
@@ -134,18 +136,18 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
             ids[i, : len(r)], mask[i, len(p) : len(r)] = r, 1
         lengths = np.array([len(r) for r in rows], np.int32)
         ds = TokenizedDataset(ids, mask, lengths, 0, 0)
-        loss = validate._jitted_loss(target.cfg, dcfg, dataclasses.replace(tc, max_len=40))
+        loss = validation._jitted_loss(target.cfg, dcfg, dataclasses.replace(tc, max_len=40))
         arrays = {
             "input_ids": ids,
             "loss_mask": mask.astype(np.float32),
             "attention_mask": (np.arange(40)[None] < lengths[:, None]).astype(np.int32),
         }
         streak = np.asarray(loss(dparams, target.params, arrays, vocab.t2d)[1]["streak"])
-        got = [validate.replay_chain(st, m, depth) for st, m in zip(streak, mask)]
+        got = [validation.replay_chain(st, m, depth) for st, m in zip(streak, mask)]
         want = [(n - 1, f - 1) for n, f in zip(map(len, out.output_ids), out.target_forwards)]
         assert got == want, (got, want)
         assert np.asarray(out.accept_hist)[:, depth].sum() > 20  # whole chains were accepted
-        sc = validate.score_head(target, dparams, dcfg, vocab, ds, steps=2, progress=False)
+        sc = score_head(target, dparams, dcfg, vocab, ds, steps=2, progress=False)
         assert sc.replay_tau[depth - 1] == pytest.approx(
             sum(t for t, _ in want) / sum(r for _, r in want)
         )
@@ -153,7 +155,8 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
 
 def test_init_head_continues_a_head_with_its_vocabulary(tiny_target_dir, tmp_path):
     from eagle3_jax import vocab as vocab_lib
-    from eagle3_jax.checkpoints.eagle_format import load_draft, read_vocab_order, write_vocab_order
+    from eagle3_jax.checkpoints.eagle_format import load_draft
+    from eagle3_jax.checkpoints.heads import read_vocab_order, write_vocab_order
 
     first = _cfg(
         tiny_target_dir, tmp_path, "--config.max_steps=3", f"--config.out_dir={tmp_path / 'a'}"
@@ -436,7 +439,8 @@ def test_a_run_on_a_mesh_matches_one_device(tiny_target_dir, tmp_path):
 
 
 def test_timed_run_fits_max_steps_to_the_budget(tiny_target_dir, tmp_path, capsys):
-    from eagle3_jax.training import timed
+    from eagle3_jax.cli import timed
+    from eagle3_jax.training.timed import plan_steps
 
     data = _conversations(tmp_path / "data.json")
     args = [
@@ -482,11 +486,11 @@ def test_timed_run_fits_max_steps_to_the_budget(tiny_target_dir, tmp_path, capsy
     assert timed.main([*args, "--minutes=0.01", "--calibrate-steps=8"]) == 2
     assert "budget" in capsys.readouterr().err and not (tmp_path / "run3/head").exists()
     # the planning itself: the budget decides below the cap, never fewer than one step
-    assert timed.plan_steps(100.0, 0.5, cap=1000, safety=0.9) == 180
-    assert timed.plan_steps(100.0, 0.5, cap=50) == 50
-    assert timed.plan_steps(-5.0, 0.5, cap=50) == 1
+    assert plan_steps(100.0, 0.5, cap=1000, safety=0.9) == 180
+    assert plan_steps(100.0, 0.5, cap=50) == 50
+    assert plan_steps(-5.0, 0.5, cap=50) == 1
     with pytest.raises(Eagle3Error, match="calibration"):
-        timed.plan_steps(10.0, 0.0, cap=5)
+        plan_steps(10.0, 0.0, cap=5)
     metrics = tmp_path / "m.jsonl"
     metrics.write_text(
         "\n".join(

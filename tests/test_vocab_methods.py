@@ -10,12 +10,13 @@ import pytest
 from eagle3_jax import vocab as vocab_lib
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
+from eagle3_jax.checkpoints.heads import load_head
+from eagle3_jax.cli.vocab import main
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.evaluation.runner import load_head
 from eagle3_jax.models import draft as drf
-from eagle3_jax.vocab_tools import extend_head, main, top_ids, trim_head
+from eagle3_jax.vocab.methods import extend_head, top_ids, trim_head
 
 
 def test_top_ids_ties_forced_and_sorted():
@@ -282,7 +283,7 @@ def test_vocab_order_cuts_a_head_at_load_to_the_head_it_was_grown_from(
     """`order --first` puts the ids of the head a larger one was grown from first; cut to that
     many at load (decode.py's --draft-vocab, "auto" on the CPU with --cpu-size), the larger head
     is exactly the head `trim --like` writes, and `trim --size` without counts writes it too."""
-    from eagle3_jax.checkpoints.eagle_format import cut_size, read_vocab_order, write_vocab_order
+    from eagle3_jax.checkpoints.heads import cut_size, read_vocab_order, write_vocab_order
 
     v = target.cfg.vocab_size
     counts = np.random.default_rng(0).integers(0, 50, v)

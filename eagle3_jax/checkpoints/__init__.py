@@ -19,6 +19,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from eagle3_jax.checkpoints.gguf import read_gguf
+from eagle3_jax.checkpoints.hf import hf_to_params, load_hf, read_config
+from eagle3_jax.checkpoints.native import is_native, load_native, read_native_config, save_native
 from eagle3_jax.config import TargetConfig, target_config_from_hf
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.paths import cache_dir
@@ -84,9 +87,6 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
 
 def convert_gguf(gguf_path: Path, out: Path | None = None) -> Path:
     """Dequantises a GGUF file once into our format; later loads read the converted copy."""
-    from eagle3_jax.checkpoints.gguf import read_gguf
-    from eagle3_jax.checkpoints.hf import hf_to_params
-    from eagle3_jax.checkpoints.native import is_native, save_native
 
     out = out or _converted_gguf_dir(gguf_path)
     if is_native(out):
@@ -121,8 +121,6 @@ def resolve_target(spec: str | os.PathLike | None) -> Path:
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from eagle3_jax.checkpoints.native import is_native
-
     try:
         if is_native(path):
             return PreTrainedTokenizerFast.from_pretrained(str(path))
@@ -135,9 +133,6 @@ def load_tokenizer(path: Path):
 
 def load_target_config(spec: str | os.PathLike | None = None):
     """The target's TargetConfig alone (no weights read): what planning code needs."""
-    from eagle3_jax.checkpoints.hf import read_config
-    from eagle3_jax.checkpoints.native import is_native, read_native_config
-    from eagle3_jax.config import target_config_from_hf
 
     path = resolve_target(spec)
     return read_native_config(path) if is_native(path) else target_config_from_hf(read_config(path))
@@ -147,10 +142,28 @@ def load_target(
     spec: str | os.PathLike | None = None, dtype=np.float32, mesh=None, with_tokenizer: bool = True
 ) -> Target:
     """Loads a target's params (placed on `mesh` shard by shard when given), config and tokenizer."""
-    from eagle3_jax.checkpoints.hf import load_hf
-    from eagle3_jax.checkpoints.native import is_native, load_native
 
     path = resolve_target(spec)
     params, cfg = (load_native if is_native(path) else load_hf)(path, dtype=dtype, mesh=mesh)
     tok = load_tokenizer(path) if with_tokenizer else None
     return Target(params, cfg, tok, path)
+
+
+def target_digest(path: str | os.PathLike) -> str:
+    """A short digest of a target directory: its config's content and each weight file's name,
+    size and modification time. A target replaced at the same path digests differently, and
+    computing it reads no weights (an 8B checkpoint is hashed in milliseconds)."""
+    import hashlib
+
+    path = Path(path)
+    h = hashlib.sha256()
+    for name in ("config.json", "eagle3_target.json"):
+        if (path / name).is_file():
+            h.update(name.encode() + (path / name).read_bytes())
+    weights = sorted(
+        f for pat in ("*.safetensors", "*.bin", "*.gguf", "*.index.json") for f in path.glob(pat)
+    )
+    for f in weights:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]

@@ -103,3 +103,30 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def exclusive(path: str | os.PathLike, what: str = "output") -> Iterator[None]:
+    """An advisory lock (fcntl) held while a job writes `path` (a directory: its `.lock` file; a
+    file: `<file>.lock` beside it). A second writer is refused at once with one line naming the
+    holder's pid; the lock goes with the process (a killed job leaves nothing to clean up)."""
+    import fcntl
+
+    path = Path(path)
+    lock = path / ".lock" if path.is_dir() else path.with_name(path.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise Eagle3Error(
+                f"{what} {path} is being written by another process (pid {holder}): wait for it "
+                "to finish, or choose another path"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

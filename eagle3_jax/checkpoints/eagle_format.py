@@ -211,7 +211,7 @@ def _output_to_hf(cfg: dr.DraftConfig) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- load
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_head_config(path: Path) -> dict[str, Any]:
     try:
         return json.loads((path / "config.json").read_text())
     except FileNotFoundError:
@@ -240,7 +240,7 @@ def _read_bin(file: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+def read_head_tensors(path: Path) -> dict[str, np.ndarray]:
     files = sorted(path.glob("*.safetensors"))
     tensors: dict[str, np.ndarray] = {}
     if files:
@@ -253,7 +253,7 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     return layouts.tensors_to_official(tensors, str(path))
 
 
-def _vocab_from_tensors(
+def vocab_from_tensors(
     tensors: dict[str, np.ndarray], cfg: dr.DraftConfig, where: str
 ) -> DraftVocab:
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
@@ -314,11 +314,11 @@ def load_draft(
     if not path.is_dir():
         raise Eagle3Error(f"draft checkpoint {path} is not a directory: pass the head's directory")
     where = str(path)
-    hf = _read_config(path)
+    hf = read_head_config(path)
     if layouts.detect(hf) == layouts.SPECULATORS:
         hf = layouts.from_speculators(hf)
     cfg = draft_config_from_hf(hf, target_cfg)
-    tensors = _read_tensors(path)
+    tensors = read_head_tensors(path)
     expected = official_shapes(cfg)
     expected.pop("d2t", None)
     expected.pop("t2d", None)
@@ -341,7 +341,7 @@ def load_draft(
                 f"target_hidden_size {cfg.target_hidden_size}): the weights and "
                 "config disagree"
             )
-    vocab = _vocab_from_tensors(tensors, cfg, where)
+    vocab = vocab_from_tensors(tensors, cfg, where)
     shardings = None if mesh is None else dr.param_shardings(cfg, mesh)
     params: dr.Params = {"layer": {}}
     for name, (ours, transpose) in _keys(cfg).items():
@@ -415,107 +415,6 @@ def check_compatible(
             "the target's embedding cannot feed it; use a checkpoint that includes "
             "one"
         )
-
-
-# ----------------------------------------------------------------------------- vocabulary order
-
-# Our extension, beside the official files (their loaders never read it): the head's draft ids in
-# the order to keep them when it is cut to fewer at load (`cut_size`), and the size decode.py cuts
-# to on the CPU by default, where the output layer's cost is paid row by row.
-VOCAB_ORDER_FILE = "vocab_order.json"
-
-
-def read_vocab_order(path: str | os.PathLike, vocab: DraftVocab) -> dict[str, Any] | None:
-    """The head's `vocab_order.json`, checked against its draft ids: {"order": [Vd] int64 target
-    ids, the first to keep first; "cpu_size": int or None; "about": str}. None if it has none."""
-    f = Path(path) / VOCAB_ORDER_FILE
-    if not f.is_file():
-        return None
-    try:
-        meta = json.loads(f.read_text())
-    except ValueError as e:
-        raise Eagle3Error(f"{f} is not valid JSON: {e}") from e
-    have = vocab_lib.target_ids(vocab)
-    try:
-        order = np.asarray(meta["order"], dtype=np.int64)
-    except (KeyError, TypeError, ValueError):
-        raise Eagle3Error(f'{f}: needs "order", a list of the head\'s draft token ids') from None
-    if order.shape != have.shape or not np.array_equal(np.sort(order), have):
-        dup = order.size - np.unique(order).size
-        raise Eagle3Error(
-            f'{f}: "order" must list each of the head\'s {have.size} draft ids once (it lists '
-            f"{order.size} ids, {np.setdiff1d(order, have).size} of them not the head's, {dup} "
-            "repeated): the file belongs to another head"
-        )
-    cpu = meta.get("cpu_size")
-    if cpu is not None and (type(cpu) is not int or not 1 <= cpu <= have.size):
-        raise Eagle3Error(f'{f}: "cpu_size" {cpu!r} must be an integer in 1..{have.size}')
-    return {"order": order, "cpu_size": cpu, "about": str(meta.get("about", ""))}
-
-
-def read_head_vocab(path: str | os.PathLike) -> DraftVocab:
-    """The draft vocabulary of the head at path (its config.json sizes and d2t/t2d) alone."""
-    import types
-
-    path = Path(path)
-    hf = _read_config(path)
-    try:
-        v = int(hf["vocab_size"])
-    except (KeyError, TypeError, ValueError):
-        raise Eagle3Error(f"{path}/config.json lacks vocab_size: not an EAGLE-3 config") from None
-    sizes = types.SimpleNamespace(
-        vocab_size=v, draft_vocab_size=int(hf.get("draft_vocab_size") or v)
-    )
-    return _vocab_from_tensors(_read_tensors(path), sizes, str(path))
-
-
-def write_vocab_order(
-    path: str | os.PathLike, order, cpu_size: int | None = None, about: str = ""
-) -> None:
-    """Writes `vocab_order.json` into a head directory, atomically (`read_vocab_order` checks it
-    against the head when it is read)."""
-    from eagle3_jax.checkpoints.atomic import write_text_atomic
-
-    meta = {"about": about, "cpu_size": cpu_size, "order": [int(i) for i in order]}
-    write_text_atomic(Path(path) / VOCAB_ORDER_FILE, json.dumps(meta) + "\n")
-
-
-def cut_size(request, path: str | os.PathLike, vocab: DraftVocab, backend: str):
-    """`--draft-vocab` -> (how many draft ids to keep, in the order of `vocab_order.json`, or None
-    for all of them; the order). `request`: "full" (all), "auto" (the head's `cpu_size` on the
-    CPU backend, all elsewhere or when it names none) or an int N."""
-    size = vocab.draft_size
-    if request in (None, "full") or request == size:
-        return None, None
-    meta = read_vocab_order(path, vocab)
-    if request == "auto":
-        if backend != "cpu" or meta is None or meta["cpu_size"] in (None, size):
-            return None, None
-        return meta["cpu_size"], meta["order"]
-    if not isinstance(request, int) or not 1 <= request <= size:
-        raise Eagle3Error(
-            f"--draft-vocab {request!r}: give auto, full or a size in 1..{size} (the head's Vd)"
-        )
-    if meta is None:
-        raise Eagle3Error(
-            f"--draft-vocab {request}: the head {path} has no {VOCAB_ORDER_FILE} saying which of "
-            f"its {size} ids to keep; cut it by token counts instead (python -m "
-            "eagle3_jax.vocab_tools trim --counts C.npy --size N) or use --draft-vocab full"
-        )
-    return request, meta["order"]
-
-
-def parse_draft_vocab(text: str):
-    """The --draft-vocab flag's text -> "auto", "full" or a positive int."""
-    if text in ("auto", "full"):
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise Eagle3Error(f"--draft-vocab {text!r}: give auto, full or a positive number of ids")
-    return n
 
 
 # ----------------------------------------------------------------------------- save

@@ -1,8 +1,8 @@
 """Run an ablation grid: heads trained from one set of precomputed features, one table.
 
-  python -m eagle3_jax.ablate --config configs/ablate_smollm2.py
-  python -m eagle3_jax.ablate --config configs/ablate_smollm2.py --cells default,top_layer_only
-  python -m eagle3_jax.ablate --config configs/ablate_smollm2.py --config.max_steps=50 --out runs/x
+  python -m eagle3_jax ablate --config configs/ablate_smollm2.py
+  python -m eagle3_jax ablate --config configs/ablate_smollm2.py --cells default,top_layer_only
+  python -m eagle3_jax ablate --config configs/ablate_smollm2.py --config.max_steps=50 --out runs/x
 
 `--config.FIELD=VALUE` overrides a field of the grid's base TrainConfig (every cell). Rerunning the
 same command resumes: features, finished cells and evaluated questions are kept. Writes
@@ -15,12 +15,15 @@ import argparse
 import dataclasses
 import sys
 
+from eagle3_jax import compile_cache
+from eagle3_jax.ablation import load_ablation, report_markdown, run_ablation
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.training.config import apply_overrides
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        prog="python -m eagle3_jax.ablate",
+        prog="python -m eagle3_jax ablate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -37,9 +40,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from eagle3_jax import compile_cache
-    from eagle3_jax.ablation import load_ablation, run_ablation
-    from eagle3_jax.training.config import apply_overrides
 
     args, rest = parse_args(argv)
     compile_cache.enable()
@@ -58,7 +58,6 @@ def main(argv=None) -> int:
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from eagle3_jax.ablation import report_markdown
 
     print(report_markdown(result))
     return 0

@@ -1,8 +1,8 @@
 """Speculative-decoding evaluation on Spec-Bench / MT-bench / GSM8K: τ, speedup, acceptance.
 
-  python -m eagle3_jax.eval --target CKPT --draft HEAD --methods vanilla,pld,eagle3 --questions 10
-  python -m eagle3_jax.eval --draft a=HEAD_A --draft b=HEAD_B --methods eagle3:4,4,16@a,eagle3@b
-  python -m eagle3_jax.eval --bench mt_bench --temperature 1.0 --seeds 5 --out runs/mt_t1
+  python -m eagle3_jax eval --target CKPT --draft HEAD --methods vanilla,pld,eagle3 --questions 10
+  python -m eagle3_jax eval --draft a=HEAD_A --draft b=HEAD_B --methods eagle3:4,4,16@a,eagle3@b
+  python -m eagle3_jax eval --bench mt_bench --temperature 1.0 --seeds 5 --out runs/mt_t1
 
 Methods: vanilla (always run: the speedup and exactness baseline), pld[:k,d,t] (prompt lookup),
 eagle3[:k,d,t[,v]][@DRAFT] (tree shape top_k,depth,total_tokens; default: decode.py's, 2,3,4,0.3
@@ -17,12 +17,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from eagle3_jax import compile_cache
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.evaluation.runner import EvalOptions, run_eval
+from eagle3_jax.heads import default_head
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m eagle3_jax.eval",
+        prog="python -m eagle3_jax eval",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -82,14 +85,11 @@ def drafts_of(args) -> tuple[str, ...]:
     """--draft values; none given on the embedded target: its shipped head (as in decode.py)."""
     if args.draft or args.target is not None:
         return tuple(args.draft)
-    from eagle3_jax.heads import default_head
 
     return (str(default_head()),)
 
 
 def main(argv=None) -> int:
-    from eagle3_jax import compile_cache
-    from eagle3_jax.evaluation.runner import EvalOptions, run_eval
 
     args = parse_args(argv)
     compile_cache.enable()

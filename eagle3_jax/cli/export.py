@@ -1,7 +1,7 @@
 """Convert an EAGLE-3 head between the published layouts (docs/interop.md).
 
-  python -m eagle3_jax.export --draft HEAD --out OUT                      # official layout
-  python -m eagle3_jax.export --draft HEAD --out OUT --layout speculators \\
+  python -m eagle3_jax export --draft HEAD --out OUT                      # official layout
+  python -m eagle3_jax export --draft HEAD --out OUT --layout speculators \\
       --verifier HuggingFaceTB/SmolLM2-135M-Instruct                       # vLLM's speculators
 
 Reads any layout `load_draft` reads (official with or without `embed_tokens.weight`, SpecForge's,
@@ -17,20 +17,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eagle3_jax.checkpoints import load_target_config
+from eagle3_jax.checkpoints.atomic import check_destination
+from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
+from eagle3_jax.config import FAMILIES
 from eagle3_jax.errors import Eagle3Error
 
 DEFAULT_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded default's hub name
 
 
 def _arch_of(tcfg) -> str:
-    from eagle3_jax.config import FAMILIES
 
     return next(a for a, f in FAMILIES.items() if f == tcfg.family)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m eagle3_jax.export",
+        prog="python -m eagle3_jax export",
         description="Convert an EAGLE-3 head between the official and vLLM speculators layouts.",
     )
     p.add_argument("--draft", required=True, help="the head directory to read (any layout)")
@@ -60,10 +63,6 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     try:
-        from eagle3_jax.checkpoints import load_target_config
-        from eagle3_jax.checkpoints.atomic import check_destination
-        from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
-
         if args.speculative_tokens < 1:
             raise Eagle3Error(f"--speculative-tokens {args.speculative_tokens}: give 1 or more")
         check_destination(args.out, args.overwrite, [args.draft], what="--out")

@@ -5,7 +5,7 @@ answers, resumable JSONL) -> read_conversations again -> build_dataset (chat tem
 assistant-only loss mask, fixed [N, L] arrays) -> save / load (.npz) -> token_counts (draft
 vocabulary) and batches (seeded, resumable, per-host slices).
 
-`eagle3_jax.data.regenerate` (a command, `python -m eagle3_jax.data.regenerate`) is not imported
+`eagle3_jax.data.regenerate` (a command, `python -m eagle3_jax regenerate`) is not imported
 here: a module run with -m that its package had already imported runs twice over (runpy warns).
 """
 

@@ -242,3 +242,14 @@ def batches(
             step, epoch, ds.input_ids[rows, :t], ds.loss_mask[rows, :t], ds.lengths[rows], rows
         )
         step += 1
+
+
+def batch_arrays(batch) -> dict[str, np.ndarray]:
+    """A Batch as the training step takes it: input_ids [B, T] int32, loss_mask [B, T] float32 and
+    attention_mask [B, T] int32 (1 on each record's first `lengths` positions)."""
+    t = batch.input_ids.shape[1]
+    return {
+        "input_ids": batch.input_ids.astype(np.int32),
+        "loss_mask": batch.loss_mask.astype(np.float32),
+        "attention_mask": (np.arange(t)[None, :] < batch.lengths[:, None]).astype(np.int32),
+    }

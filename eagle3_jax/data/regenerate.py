@@ -1,6 +1,6 @@
 """Regenerating answers with the target itself, so the draft learns the target's own distribution.
 
-  python -m eagle3_jax.data.regenerate PROMPTS.jsonl OUT.jsonl [--target CKPT] [--batch-size 64]
+  python -m eagle3_jax regenerate PROMPTS.jsonl OUT.jsonl [--target CKPT] [--batch-size 64]
       [--max-new-tokens 256] [--max-prompt-tokens 256] [--limit N]
       [--all-turns --max-len 2048 --chunk N --max-batch-tokens N --buckets P,S] [--scan-layers]
 
@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from eagle3_jax import cpu_tuning
-from eagle3_jax.checkpoints import Target
+from eagle3_jax.checkpoints import Target, target_digest
+from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.errors import Eagle3Error
@@ -62,6 +62,35 @@ def prepare_resume(path: Path) -> set[str]:
         except (ValueError, KeyError, TypeError):
             continue
     return ids
+
+
+def claim(out_path: Path, target, sampling, seed: int, settings: dict) -> None:
+    """Writes what decides the answers beside `out_path` (`<out>.meta.json`: the target's files,
+    the generation settings), or refuses to add to a file answered with other ones, naming what
+    differs, or to a file this command did not write."""
+    meta_path = out_path.with_name(out_path.name + ".meta.json")
+    want = {"target": target_digest(target.path), "sampling": dataclasses.asdict(sampling),
+            "seed": seed, **settings}  # fmt: skip
+    want = json.loads(json.dumps(want))
+    if meta_path.exists():
+        try:
+            have = json.loads(meta_path.read_text())
+        except ValueError as e:
+            raise Eagle3Error(f"{meta_path} is not valid JSON: {e}; write to a new path") from e
+        diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+        if diff:
+            raise Eagle3Error(
+                f"{out_path} holds answers made with other settings (differs in "
+                f"{', '.join(diff)}): resume with the same target and flags, or write to a new "
+                "path"
+            )
+        return
+    if out_path.exists() and out_path.stat().st_size > 0:
+        raise Eagle3Error(
+            f"{out_path} already exists and was not written by this command (no "
+            f"{meta_path.name} beside it): write to a new path (nothing there was changed)"
+        )
+    write_text_atomic(meta_path, json.dumps(want, indent=1) + "\n")
 
 
 def record(
@@ -148,6 +177,16 @@ def regenerate(
     _check_unique(prompts)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    settings = {"mode": "first_turns", "max_new_tokens": max_new_tokens,
+                "max_prompt_tokens": max_prompt_tokens}  # fmt: skip
+    with exclusive(out_path):
+        claim(out_path, target, sampling, seed, settings)
+        return _first_turns(target, prompts, out_path, max_new_tokens, batch_size, sampling,
+                            max_prompt_tokens, seed, progress)  # fmt: skip
+
+
+def _first_turns(target, prompts, out_path, max_new_tokens, batch_size, sampling,
+                 max_prompt_tokens, seed, progress) -> RegenStats:  # fmt: skip
     done = prepare_resume(out_path)
     tok, cfg = target.tokenizer, target.cfg
     room = min(max_prompt_tokens, cfg.max_position_embeddings - max_new_tokens)
@@ -234,6 +273,15 @@ def regenerate_turns(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _check_unique([(c.id, c) for c in convs])
+    settings = {"mode": "all_turns", "max_new_tokens": max_new_tokens, "max_len": max_len}
+    with exclusive(out_path):
+        claim(out_path, target, sampling, seed, settings)
+        return _all_turns(target, convs, out_path, max_new_tokens, batch_size, max_len, sampling,
+                          seed, progress, chunk, max_batch_tokens, buckets)  # fmt: skip
+
+
+def _all_turns(target, convs, out_path, max_new_tokens, batch_size, max_len, sampling, seed,
+               progress, chunk, max_batch_tokens, buckets) -> RegenStats:  # fmt: skip
     done = prepare_resume(out_path)
     tok = target.tokenizer
     limit = min(max_len, target.cfg.max_position_embeddings)
@@ -305,102 +353,3 @@ def regenerate_turns(
             answered += len(recs)
             bar.update(len(part))
     return RegenStats(answered, skipped, resumed, cut)
-
-
-def main(argv=None) -> int:
-    import argparse
-    import sys
-    import time
-
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("prompts", help="ShareGPT / role-content file(s), comma-separated")
-    p.add_argument("out", help="answers, ShareGPT JSONL (resumed when it exists)")
-    p.add_argument("--target", default=None)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--limit", type=int, default=0, help="first N prompts only (0 = all)")
-    p.add_argument(
-        "--all-turns",
-        action="store_true",
-        help="answer every user turn in context (multi-turn records), not only the first",
-    )
-    p.add_argument("--max-len", type=int, default=2048, help="--all-turns: prompt + answer limit")
-    p.add_argument(
-        "--chunk",
-        type=int,
-        default=0,
-        help="--all-turns: conversations answered (and saved) together (default 8 batches)",
-    )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=0,
-        help="--all-turns: at most rows x (prompt + max new tokens) per batch (0 = no bound); "
-        "262144 keeps an H200 inside its memory at batch 512",
-    )
-    p.add_argument(
-        "--buckets",
-        default="",
-        help="--all-turns: PROMPT,SLOTS shape buckets (e.g. 256,512: fewer compilations)",
-    )
-    p.add_argument(
-        "--scan-layers",
-        action="store_true",
-        help="run the target's layers as one lax.scan: compiles several times faster "
-        "(accelerators; on the CPU the unrolled layers decode faster)",
-    )
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    from eagle3_jax import compile_cache
-
-    compile_cache.enable()
-    try:
-        from eagle3_jax.checkpoints import load_target
-        from eagle3_jax.data.conversations import first_user_turns, read_conversations
-
-        convs = read_conversations(args.prompts)[0]
-        convs = convs[: args.limit] if args.limit else convs
-        buckets = tuple(int(x) for x in args.buckets.split(",")) if args.buckets else None
-        if buckets is not None and (len(buckets) != 2 or min(buckets) < 1):
-            raise Eagle3Error(f"--buckets {args.buckets!r}: give PROMPT,SLOTS, e.g. 256,512")
-        target = load_target(args.target)
-        products = cpu_tuning.policy_for()  # this machine's few-row products (batched decoding)
-        target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
-        if args.scan_layers:
-            from eagle3_jax.models.target import stack_layers
-
-            target = target._replace(params=stack_layers(target.params))
-        t0 = time.perf_counter()
-        common = dict(
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
-            progress=not args.no_progress,
-        )
-        if args.all_turns:
-            stats = regenerate_turns(
-                target,
-                convs,
-                args.out,
-                max_len=args.max_len,
-                chunk=args.chunk,
-                max_batch_tokens=args.max_batch_tokens,
-                buckets=buckets,
-                **common,
-            )
-        else:
-            prompts = first_user_turns(convs)
-            stats = regenerate(
-                target, prompts, args.out, max_prompt_tokens=args.max_prompt_tokens, **common
-            )
-    except Eagle3Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps({**stats._asdict(), "wall_s": round(time.perf_counter() - t0, 1)}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -11,7 +11,7 @@ Layout of OUT:
 from __future__ import annotations
 
 import dataclasses
-import gzip
+import hashlib
 import json
 import math
 import re
@@ -21,9 +21,20 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle3_jax import cpu_tuning
+from eagle3_jax.checkpoints import load_target, resolve_target, target_digest
+from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
+from eagle3_jax.checkpoints.heads import draft_vocab_sizes, load_head, parse_draft_vocab
+from eagle3_jax.compile_cache import release_if_crowded
+from eagle3_jax.config import default_dtype
+from eagle3_jax.decoding import plain
+from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.speculative import TreeConfig, default_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import metrics
 from eagle3_jax.evaluation.questions import BENCHES, Question, load_questions, task_order
+from eagle3_jax.prompts import encode_chat
 
 TIMING_KEYS = ("wall_time_s", "tokens_per_s", "batch_wall_time_s")
 
@@ -77,14 +88,12 @@ def parse_drafts(specs: Sequence[str]) -> dict[str, str]:
 def parse_draft_vocab_specs(specs: Sequence[str], drafts: dict[str, str]) -> dict[str, object]:
     """--draft-vocab values (`auto`, `full`, `N`, or `NAME=` one of these for one draft; later
     ones win) -> {draft name: request}; drafts not named keep "auto" (decode.py's default)."""
-    from eagle3_jax.checkpoints.eagle_format import parse_draft_vocab
-
     out: dict[str, object] = {n: "auto" for n in drafts}
-    for spec in specs:
-        name, sep, value = spec.rpartition("=")
+    for text in specs:
+        name, sep, value = text.rpartition("=")
         if sep and name not in drafts:
             raise Eagle3Error(
-                f"--draft-vocab {spec!r}: no draft named {name!r} (have {', '.join(drafts)})"
+                f"--draft-vocab {text!r}: no draft named {name!r} (have {', '.join(drafts)})"
             )
         req = parse_draft_vocab(value)
         out.update({name: req} if sep else dict.fromkeys(drafts, req))
@@ -102,7 +111,6 @@ def _parse_tree(text: str, where: str) -> tuple:
         raise Eagle3Error(
             f"method {where!r}: the tree shape must be TOP_K,DEPTH,TOTAL[,VERIFY_THRESHOLD]"
         ) from None
-    from eagle3_jax.decoding.speculative import TreeConfig
 
     TreeConfig(*shape).validate(10**9)
     return shape
@@ -110,7 +118,6 @@ def _parse_tree(text: str, where: str) -> tuple:
 
 def default_tree_shape() -> tuple:
     """A bare `eagle3` (or `pld`): decode.py's default tree on this backend, as a shape tuple."""
-    from eagle3_jax.decoding.speculative import default_tree
 
     t = default_tree()
     shape = (t.top_k, t.depth, t.total_tokens)
@@ -172,7 +179,6 @@ def parse_methods(
 def head_digest(path: str | Path) -> str:
     """sha256 (16 hex digits) of a head's files (config, weights, vocab_order.json): a head
     replaced at the same path is another head."""
-    import hashlib
 
     path = Path(path)
     h = hashlib.sha256()
@@ -190,10 +196,15 @@ def fingerprint(
     opts: EvalOptions, target_path: str, drafts: dict[str, str], methods, cuts=None
 ) -> dict:
     """What makes records comparable; --questions is left out so a run can be extended. Heads are
-    named by path and by their files' digest; `cuts` ({draft: ids kept}) is recorded only when a
+    named by path and by their files' digest, the target by its files' (`target_digest`), the
+    questions by their file's; `cuts` ({draft: ids kept}) is recorded only when a
     draft is cut."""
     bench = opts.bench if opts.bench in BENCHES else str(Path(opts.bench).resolve())
+    qfile = Path(BENCHES.get(opts.bench, opts.bench))
     extra = {"draft_vocab": dict(cuts)} if cuts else {}
+    # what decides the records besides the flags: the target's files and the questions' text
+    extra["target_digest"] = target_digest(target_path)
+    extra["questions_digest"] = hashlib.sha256(qfile.read_bytes()).hexdigest()[:16]
     if drafts:
         extra["draft_digests"] = {n: head_digest(p) for n, p in drafts.items()}
     return {
@@ -237,6 +248,11 @@ def check_config(out: Path, config: dict) -> None:
                     " (the drafts are cut differently: --draft-vocab, whose default auto cuts a "
                     "head on a CPU when its vocab_order.json names a cpu_size)"
                 )
+            if {"target_digest", "questions_digest"} & set(diff):
+                hint += (
+                    " (the target's files or the question file changed since the run started, "
+                    "or the run predates their fingerprints)"
+                )
             if "draft_digests" in diff:
                 hint += (
                     " (a head's files are not those this run started with, or the run predates "
@@ -247,10 +263,13 @@ def check_config(out: Path, config: dict) -> None:
                 f"{hint}: use another --out, or the same flags to resume"
             )
         return
-    if (out / "records.jsonl").exists():
-        raise Eagle3Error(f"{out} holds records.jsonl without config.json: use another --out")
+    if out.is_dir() and any(p.name != ".lock" for p in out.iterdir()):
+        raise Eagle3Error(
+            f"{out} already holds files that are not an evaluation run (no config.json): use a "
+            "new or empty --out (nothing there was changed)"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(config, indent=2) + "\n")
 
 
 def load_records(path: Path) -> list[dict]:
@@ -289,9 +308,6 @@ class Models:
     def load(cls, opts: EvalOptions, drafts: dict[str, str], vocab_requests=None) -> Models:
         """The target of opts and each {name: path} head, checked against it (and cut as
         {name: --draft-vocab request} says; "auto" when not named)."""
-        from eagle3_jax import cpu_tuning
-        from eagle3_jax.checkpoints import load_target
-        from eagle3_jax.cli import default_dtype
 
         dtype = default_dtype(opts.dtype)
         target = load_target(opts.target, dtype=dtype)
@@ -307,9 +323,6 @@ class Models:
     def generate(self, m: MethodSpec, ids, sampling, seed: int, max_new: int):
         """One batch -> (per-row dicts of the result's `rows()`, wall time);
         each call first runs a warm-up generation (compilation), excluded from the time."""
-        from eagle3_jax.compile_cache import release_if_crowded
-        from eagle3_jax.decoding import plain
-        from eagle3_jax.decoding import speculative as spec
 
         release_if_crowded()  # many methods x prompt lengths: keep under the kernel's map limit
         t = self.target
@@ -339,55 +352,11 @@ class Models:
         return res.rows(), res.wall_time_s
 
 
-def load_head(path, target, dtype=None, draft_vocab="full") -> tuple:
-    """(params, cfg, vocab, embed) of the head at path, checked against the target (load_draft
-    runs check_compatible when given the target's config); the head multiplies a few rows as the
-    target does (its config's `products`).
-
-    draft_vocab: "full" (every draft id), "auto" (decode.py's default: on the CPU the size the
-    head's vocab_order.json names, if any) or N: the head cut to the first N ids of its
-    vocab_order.json, exactly the head `vocab_tools trim` would write for those ids."""
-    import jax
-
-    from eagle3_jax.checkpoints.eagle_format import cut_size, load_draft
-    from eagle3_jax.models.draft import attach_target_head
-
-    kw = {} if dtype is None else {"dtype": dtype}
-    params, cfg, vocab, embed = load_draft(path, target.cfg, **kw)
-    cfg = dataclasses.replace(cfg, products=target.cfg.products)
-    n, order = cut_size(draft_vocab, path, vocab, jax.default_backend())
-    if n is not None:
-        from eagle3_jax.vocab_tools import trim_head
-
-        ids = np.sort(order[:n])
-        params, cfg, vocab = trim_head(params, cfg, vocab, target.params, target.cfg, ids)
-    params = attach_target_head(params, cfg, target.params, target.cfg)
-    return params, cfg, vocab, embed
-
-
-def draft_vocab_sizes(drafts: dict[str, str], requests: dict[str, object]) -> dict[str, int]:
-    """{name: draft ids kept} of each draft --draft-vocab cuts ({name: request}, default "auto"),
-    from the heads' vocabularies alone (before any weights are loaded)."""
-    import jax
-
-    from eagle3_jax.checkpoints.eagle_format import cut_size, read_head_vocab
-
-    out = {}
-    for name, path in drafts.items():
-        req = requests.get(name, "auto")
-        if req != "full":
-            n, _ = cut_size(req, path, read_head_vocab(path), jax.default_backend())
-            if n is not None:
-                out[name] = n
-    return out
-
-
 def run_questions(
     models: Models, m: MethodSpec, batch: Sequence[Question], sampling, seed: int, max_new: int
 ) -> list[dict]:
     """Every turn of a batch of questions with one method; turn t+1 is conditioned on the model's
     own answer to turn t (chat template history). Both turns are timed and counted."""
-    from eagle3_jax.prompts import encode_chat
 
     tok = models.target.tokenizer
     history: list[list[dict[str, str]]] = [[] for _ in batch]
@@ -447,8 +416,6 @@ def run_questions(
 
 def run_eval(opts: EvalOptions) -> dict:
     """The whole evaluation: returns the summary and writes everything under opts.out."""
-    from eagle3_jax.checkpoints import resolve_target
-    from eagle3_jax.decoding.sampling import Sampling
 
     if opts.batch_size < 1:
         raise Eagle3Error(f"--batch-size {opts.batch_size} < 1")
@@ -468,8 +435,17 @@ def run_eval(opts: EvalOptions) -> dict:
     requests = parse_draft_vocab_specs(opts.draft_vocab, drafts)
     cuts = draft_vocab_sizes(drafts, requests)
     out = Path(opts.out)
+    if out.exists() and not out.is_dir():
+        raise Eagle3Error(f"--out {out} is a file: give a directory")
     target_path = str(Path(resolve_target(opts.target)).resolve())
-    check_config(out, fingerprint(opts, target_path, drafts, methods, cuts))
+    config = fingerprint(opts, target_path, drafts, methods, cuts)
+    out.mkdir(parents=True, exist_ok=True)
+    with exclusive(out, "--out"):  # a second harness on the same --out is refused at once
+        check_config(out, config)
+        return _run_locked(opts, out, questions, methods, drafts, requests, cuts, sampling)
+
+
+def _run_locked(opts, out, questions, methods, drafts, requests, cuts, sampling) -> dict:
     rec_path = out / "records.jsonl"
     records = load_records(rec_path)
     done = {record_key(r) for r in records}
@@ -531,23 +507,6 @@ def strict_json(x):
     if isinstance(x, list | tuple):
         return [strict_json(v) for v in x]
     return x
-
-
-def read_results(path: str | Path) -> dict:
-    """An evaluation run's results.json, or the same gzipped (results.json.gz: how the runs under
-    benchmarks/results are committed, a tenth of the size)."""
-    path = Path(path)
-    if not path.is_file():
-        raise Eagle3Error(f"evaluation results {path} do not exist")
-    opener = gzip.open if path.name.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            res = json.load(f)
-    except (OSError, EOFError, UnicodeDecodeError, ValueError) as e:  # BadGzipFile is an OSError
-        raise Eagle3Error(f"cannot read evaluation results {path}: {e}") from e
-    if not isinstance(res, dict) or "records" not in res or "config" not in res:
-        raise Eagle3Error(f"{path} is not an evaluation results.json (no config and records)")
-    return res
 
 
 def write_outputs(out: Path, records, questions, methods, seeds, opts) -> dict:

@@ -35,7 +35,8 @@ from eagle3_jax.models.layers import (
     swiglu,
 )
 from eagle3_jax.models.target import ParamSpec
-from eagle3_jax.vocab import DraftVocab
+from eagle3_jax.sharding import Rules, named
+from eagle3_jax.vocab import DraftVocab, target_ids
 
 Params = dict[str, Any]
 
@@ -105,7 +106,7 @@ class DraftConfig:
             raise Eagle3Error(
                 "a head reading the target's output embedding covers the full vocabulary "
                 f"(draft_vocab_size {self.draft_vocab_size} != {self.vocab_size}); restrict it "
-                "afterwards (FR-Spec) with `python -m eagle3_jax.vocab_tools`"
+                "afterwards (FR-Spec) with `python -m eagle3_jax vocab`"
             )
         if self.speculator_rank < 0 or (self.speculator_rank and self.lm_head_source != "target"):
             raise Eagle3Error(
@@ -232,7 +233,6 @@ def init_output_from_target(
     a short run starts from "predict the next token from a target-like feature" instead of noise
     (the Medusa-style start; the official EAGLE-3 trainer starts lm_head from random).
     """
-    from eagle3_jax.vocab import target_ids
 
     if tcfg.hidden_size != cfg.hidden_size:
         raise Eagle3Error(
@@ -295,7 +295,6 @@ def check_params(params: Params, cfg: DraftConfig) -> None:
 
 def param_shardings(cfg: DraftConfig, mesh, rules=None) -> Params:
     """NamedShardings matching `init_params(cfg)`, derived from the same ParamSpecs."""
-    from eagle3_jax.sharding import Rules, named
 
     rules = rules or Rules()
     return jax.tree.map(lambda s: named(mesh, s.axes, s.shape, rules), param_specs(cfg))
@@ -317,7 +316,6 @@ def make_cache(cfg: DraftConfig, batch: int, slots: int, dtype=jnp.float32) -> d
 
 def cache_sharding(cfg: DraftConfig, mesh, batch: int, rules=None) -> dict[str, Any]:
     """Batch over data, kv heads over model, each where it divides (else replicated)."""
-    from eagle3_jax.sharding import Rules, named
 
     rules = rules or Rules()
     s = named(

@@ -32,6 +32,7 @@ from eagle3_jax.models.layers import (
     rope_cos_sin,
     swiglu,
 )
+from eagle3_jax.sharding import Rules, named
 
 Params = dict[str, Any]
 
@@ -345,7 +346,6 @@ def num_params(params: Params) -> int:
 
 def param_shardings(cfg: TargetConfig, mesh, rules=None, stacked: bool = False) -> Params:
     """NamedShardings matching `init_params(cfg, stacked=...)`, derived from the same ParamSpecs."""
-    from eagle3_jax.sharding import Rules, named
 
     rules = rules or Rules()
     out: Params = {n: named(mesh, s.axes, s.shape, rules) for n, s in top_param_specs(cfg).items()}
@@ -364,7 +364,6 @@ def param_shardings(cfg: TargetConfig, mesh, rules=None, stacked: bool = False) 
 def cache_sharding(cfg: TargetConfig, mesh, batch: int, rules=None, stacked: bool = False):
     """KV cache shardings (K [.., B, G, K, S], V [.., B, G, S, K]): batch over data, kv heads over
     model, each where it divides (else replicated)."""
-    from eagle3_jax.sharding import Rules, named
 
     rules = rules or Rules()
     axes = ("batch", "kv_heads", None, None)

@@ -15,6 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from eagle3_jax.data.conversations import REPEATED
 from eagle3_jax.errors import Eagle3Error
 
 
@@ -128,7 +129,6 @@ class TrainConfig:
                 "init_head and init_trunk both set: init_head continues a whole head, "
                 "init_trunk takes only its fc/layer/norm; choose one"
             )
-        from eagle3_jax.data.conversations import REPEATED
 
         if self.repeated_ids not in REPEATED:
             raise Eagle3Error(f"repeated_ids {self.repeated_ids!r}: use {' or '.join(REPEATED)}")

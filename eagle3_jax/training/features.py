@@ -15,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax.checkpoints.atomic import MARKER, check_destination, written_by_us
 from eagle3_jax.data.dataset import bucket_length
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.training.step import target_features
 
 META = "features.json"
 PROGRESS = "progress.json"  # in the .partial directory: what is done, and for which inputs
@@ -83,9 +85,6 @@ def precompute(
     import time
 
     from tqdm.auto import tqdm
-
-    from eagle3_jax.checkpoints.atomic import MARKER, check_destination, written_by_us
-    from eagle3_jax.training.step import target_features
 
     if dtype not in DTYPES:
         raise Eagle3Error(f"feature dtype {dtype!r}: use one of {', '.join(DTYPES)}")

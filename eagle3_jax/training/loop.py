@@ -18,8 +18,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax.checkpoints import load_target
+from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
+from eagle3_jax.checkpoints.heads import VOCAB_ORDER_FILE, read_vocab_order
+from eagle3_jax.config import DTYPES
+from eagle3_jax.data import dataset as dsm
+from eagle3_jax.data.conversations import first_user_turns, read_conversations
+from eagle3_jax.data.dataset import batch_arrays, batches, steps_per_epoch, token_counts
+from eagle3_jax.data.regenerate import regenerate
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.models import draft as drf
+from eagle3_jax.sharding import make_mesh
+from eagle3_jax.training import features
+from eagle3_jax.training.checkpoint import Checkpoints
 from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.features import OfflineFeatures
+from eagle3_jax.training.step import init_state, jit_train_step, make_optimizer
+from eagle3_jax.training.tensorboard import SummaryWriter
+from eagle3_jax.training.validate import chain_tau, sample, score_head
+from eagle3_jax.vocab import DraftVocab, build_from_counts, identity
 
 
 def maybe_init_distributed() -> None:
@@ -34,7 +51,6 @@ class MetricsWriter:
     writer's TensorBoard file to add to (that writer closes it)."""
 
     def __init__(self, path: Path, resume_step: int, tb=None):
-        from eagle3_jax.training.tensorboard import SummaryWriter
 
         self.path = path
         self.enabled = jax.process_index() == 0
@@ -82,9 +98,6 @@ RESUMABLE = (
 
 def prepare_data(tc: TrainConfig, target, out: Path):
     """Conversations -> (regenerated) -> tokenised dataset, cached in out_dir."""
-    from eagle3_jax.data import dataset as dsm
-    from eagle3_jax.data.conversations import first_user_turns, read_conversations
-    from eagle3_jax.data.regenerate import regenerate
 
     ds_path = out / "dataset.npz"
     if ds_path.exists():
@@ -119,9 +132,6 @@ def prepare_data(tc: TrainConfig, target, out: Path):
 def prepare_validation(tc: TrainConfig, target, ds, out: Path):
     """val_data -> a tokenised held-out set (cached as out_dir/val_dataset.npz), without any
     conversation whose tokens equal a training record's; None without val_data."""
-    from eagle3_jax.data import dataset as dsm
-    from eagle3_jax.data.conversations import read_conversations
-    from eagle3_jax.training.validate import sample
 
     if not tc.val_data:
         return None
@@ -156,7 +166,6 @@ def prepare_validation(tc: TrainConfig, target, ds, out: Path):
 
 def validate_now(tc: TrainConfig, target, state, dcfg, vocab, val, step: int) -> dict:
     """The held-out metrics of the head at this step (a validation.jsonl record)."""
-    from eagle3_jax.training.validate import chain_tau, score_head
 
     t0 = time.perf_counter()
     sc = score_head(
@@ -185,8 +194,6 @@ def validate_now(tc: TrainConfig, target, state, dcfg, vocab, val, step: int) ->
 
 
 def prepare_vocab(tc: TrainConfig, ds, vocab_size: int, out: Path):
-    from eagle3_jax.data.dataset import token_counts
-    from eagle3_jax.vocab import DraftVocab, build_from_counts, identity
 
     path = out / "vocab.npz"
     if path.exists():
@@ -203,20 +210,8 @@ def prepare_vocab(tc: TrainConfig, ds, vocab_size: int, out: Path):
     return vocab
 
 
-def batch_arrays(batch) -> dict[str, np.ndarray]:
-    t = batch.input_ids.shape[1]
-    return {
-        "input_ids": batch.input_ids.astype(np.int32),
-        "loss_mask": batch.loss_mask.astype(np.float32),
-        "attention_mask": (np.arange(t)[None, :] < batch.lengths[:, None]).astype(np.int32),
-    }
-
-
 def precompute_features(tc: TrainConfig, progress: bool = True) -> Path:
     """Data preparation + the target's features of every record, written to tc.features_dir."""
-    from eagle3_jax.checkpoints import load_target
-    from eagle3_jax.training import features
-    from eagle3_jax.training.step import DTYPES
 
     if not tc.features_dir:
         raise Eagle3Error("set --config.features_dir=DIR for the precomputed features")
@@ -231,7 +226,6 @@ def precompute_features(tc: TrainConfig, progress: bool = True) -> Path:
 
 
 def keep_vocab_of(path: str, tcfg, out: Path) -> None:
-    from eagle3_jax.checkpoints.eagle_format import load_draft
 
     _, _, vocab, _ = load_draft(path, tcfg)
     tmp = out / "vocab.tmp.npz"
@@ -241,7 +235,6 @@ def keep_vocab_of(path: str, tcfg, out: Path) -> None:
 
 def start_from_head(path: str, dcfg, vocab, tcfg, dtype):
     """The params of an existing head, refused unless it is the head this run would train."""
-    from eagle3_jax.checkpoints.eagle_format import load_draft
 
     params, cfg, head_vocab, _ = load_draft(path, tcfg, dtype=dtype)
     if cfg != dcfg:
@@ -266,7 +259,6 @@ TRUNK = ("fc", "layer", "final_norm")
 def start_trunk_from(path: str, dparams, dcfg, tcfg, dtype):
     """`dparams` with fc, decoder layer and final norm taken from the head at `path` (trained);
     its output layer is left as this run initialised it. Refused unless the trunks match."""
-    from eagle3_jax.checkpoints.eagle_format import load_draft
 
     params, cfg, _, _ = load_draft(path, tcfg, dtype=dtype)
     trunk_fields = ("aux_layer_ids", "hidden_size", "intermediate_size", "num_heads",
@@ -285,7 +277,6 @@ def start_trunk_from(path: str, dparams, dcfg, tcfg, dtype):
 
 def export_head(path: Path, state, dcfg, vocab, tc: TrainConfig, step: int, tokens: int) -> Path:
     """The head at this step in the official format, plus training.json (step, tokens seen)."""
-    from eagle3_jax.checkpoints.eagle_format import VOCAB_ORDER_FILE, read_vocab_order, save_draft
 
     save_draft(path, jax.device_get(state.params), dcfg, vocab, dtype=tc.export_dtype)
     (path / "training.json").write_text(json.dumps({"step": step, "tokens": tokens}) + "\n")
@@ -306,13 +297,6 @@ def train(
     `stop_after` ends the run after that step without a final save or export, as a kill would
     (tests use it to check that --resume reproduces the uninterrupted run)."""
     from tqdm.auto import tqdm
-
-    from eagle3_jax.checkpoints import load_target
-    from eagle3_jax.data.dataset import batches, steps_per_epoch
-    from eagle3_jax.models import draft as drf
-    from eagle3_jax.sharding import make_mesh
-    from eagle3_jax.training.checkpoint import Checkpoints
-    from eagle3_jax.training.step import DTYPES, init_state, jit_train_step, make_optimizer
 
     tc = tc.validate()
     maybe_init_distributed()
@@ -400,8 +384,6 @@ def train(
     t2d = jnp.asarray(vocab.t2d)
     offline = None
     if tc.features == "offline":
-        from eagle3_jax.training.features import OfflineFeatures
-
         offline = OfflineFeatures(tc.features_dir, ds, aux_ids)
     step_fn = jit_train_step(
         tcfg,

@@ -16,13 +16,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from eagle3_jax.config import TargetConfig
+from eagle3_jax.config import DTYPES, TargetConfig
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.training.config import TrainConfig
 from eagle3_jax.training.ttt import ttt_loss
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class TrainState(NamedTuple):

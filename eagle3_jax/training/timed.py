@@ -1,6 +1,6 @@
 """Training within a wall-clock budget: fit max_steps to the minutes a machine is lent for.
 
-  python -m eagle3_jax.training.timed --config=configs/smollm2_135m_gpu.py --minutes=5
+  python -m eagle3_jax train-timed --config=configs/smollm2_135m_gpu.py --minutes=5
 
 A short calibration run (its own out_dir, `<out_dir>_calibration`) measures the seconds per step
 after compilation; the real run then gets max_steps = min(epochs x steps per epoch,
@@ -18,13 +18,8 @@ overrides apply to both runs.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
-import shutil
 import statistics
-import sys
-import time
 from pathlib import Path
 
 from eagle3_jax.errors import Eagle3Error
@@ -57,94 +52,3 @@ def plan_steps(budget_s: float, sec_per_step: float, cap: int, safety: float = 0
     if sec_per_step <= 0:
         raise Eagle3Error(f"seconds per step {sec_per_step} <= 0: the calibration failed")
     return max(1, min(cap, int(budget_s * safety / sec_per_step)))
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--config", required=True)
-    p.add_argument("--minutes", type=float, required=True, help="wall-clock budget, whole job")
-    p.add_argument("--calibrate-steps", type=int, default=40)
-    p.add_argument("--safety", type=float, default=0.9, help="fraction of the rest to plan on")
-    p.add_argument("--exports", type=int, default=0, help="intermediate head exports (evenly)")
-    p.add_argument("--no-progress", action="store_true")
-    args, overrides = p.parse_known_args(argv)
-    from eagle3_jax import compile_cache
-
-    compile_cache.enable()
-    t0 = time.monotonic()
-    try:
-        from eagle3_jax.data import dataset as dsm
-        from eagle3_jax.training.config import load_config
-        from eagle3_jax.training.loop import train
-
-        tc = load_config(args.config.removeprefix("="), overrides)
-        if tc.grad_accum != 1:
-            raise Eagle3Error("timed runs plan optimizer steps with grad_accum 1")
-        out = Path(tc.out_dir)
-        if (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
-            raise Eagle3Error(
-                f"{out} already holds checkpoints: a timed run starts fresh; choose another "
-                "out_dir (or continue that run with train.py --resume)"
-            )
-        cal = Path(f"{tc.out_dir}_calibration")
-        if cal.exists():
-            shutil.rmtree(cal)
-        log_every = max(1, args.calibrate_steps // 8)
-        cal_tc = dataclasses.replace(
-            tc,
-            out_dir=str(cal),
-            max_steps=args.calibrate_steps,
-            save_every=0,
-            export_every=0,
-            log_every=log_every,
-            val_data="",  # its head is thrown away: validating it would only spend the budget
-        )
-        t_cal = time.monotonic()
-        train(cal_tc, progress=not args.no_progress)
-        sps = seconds_per_step(cal / "metrics.jsonl")
-        # the real run pays the calibration run's fixed costs again (loading the target,
-        # compiling unless cached, exporting the head); counting the calibration's whole wall
-        # time less its steps also charges its data preparation (tokenising, a regeneration),
-        # which the real run reuses: conservative, so prepare the data first for a tight plan
-        fixed = max(0.0, time.monotonic() - t_cal - args.calibrate_steps * sps)
-        ds = dsm.load(cal / "dataset.npz")
-        cap = (tc.epochs * dsm.steps_per_epoch(ds, tc.batch_size)) if tc.epochs else tc.max_steps
-        if tc.max_steps:
-            cap = min(cap, tc.max_steps)
-        left = args.minutes * 60 - (time.monotonic() - t0) - fixed
-        if left * args.safety < sps:
-            raise Eagle3Error(
-                f"the budget of {args.minutes} min is used up: the calibration took "
-                f"{time.monotonic() - t0:.0f} s and a run costs {fixed:.0f} s before its first "
-                "step; give more minutes"
-            )
-        steps = plan_steps(left, sps, cap, args.safety)
-        out.mkdir(parents=True, exist_ok=True)
-        for name in ("dataset.npz", "vocab.npz"):  # the data the plan was made for
-            shutil.copy(cal / name, out / name)
-        plan = {
-            "seconds_per_step": sps,
-            "budget_s": args.minutes * 60,
-            "left_s": left,
-            "fixed_s": fixed,
-            "max_steps": steps,
-            "cap_steps": cap,
-            "calibrate_steps": args.calibrate_steps,
-        }
-        (out / "timed.json").write_text(json.dumps(plan, indent=1))
-        print(f"timed: {json.dumps(plan)}", file=sys.stderr)
-        # rounded up: at most `exports` intermediate heads before the final one
-        export_every = -(-steps // (args.exports + 1)) if args.exports else 0
-        run_tc = dataclasses.replace(tc, max_steps=steps, export_every=export_every)
-        summary = train(run_tc, progress=not args.no_progress)
-    except Eagle3Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps({**summary, "timed": plan}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """How well a head drafts text it was not trained on, from its TTT metrics alone.
 
-  python -m eagle3_jax.training.validate --draft HEAD --data [NAME=]FILE [--data ...] \
+  python -m eagle3_jax validate --draft HEAD --data [NAME=]FILE [--data ...] \
       [--target PATH] [--max-len 512] [--sample N] [--batch-size 4] [--json OUT]
 
 Each data file (ShareGPT / role-content conversations, as training reads them) is tokenised with
@@ -30,19 +30,21 @@ measures on the same text, whether decoding drafts as training scored.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
-import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax.data.conversations import read_conversations
+from eagle3_jax.data.dataset import Batch, batch_arrays, bucket_length, build_dataset
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.evaluation.questions import BENCHES, load_questions
+from eagle3_jax.evaluation.records import read_results
+from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.step import loss_fn
 
 
 def chain_tau(chain, depth: int) -> float:
@@ -100,7 +102,6 @@ def replay_chain(streak_T, loss_mask_T, depth: int) -> tuple[int, int]:
 @functools.cache
 def _jitted_loss(tcfg, dcfg, tc):
     """One jitted loss per configuration: validating every N steps compiles once per shape."""
-    from eagle3_jax.training.step import loss_fn
 
     return jax.jit(functools.partial(loss_fn, tcfg=tcfg, dcfg=dcfg, tc=tc, per_position=True))
 
@@ -147,10 +148,6 @@ def score_head(
     """TTT metrics of a head on a tokenised dataset (every record once, shortest first)."""
     from tqdm.auto import tqdm
 
-    from eagle3_jax.data.dataset import Batch, bucket_length
-    from eagle3_jax.training.config import TrainConfig
-    from eagle3_jax.training.loop import batch_arrays
-
     if batch_size < 1:
         raise Eagle3Error(f"batch size {batch_size} < 1")
     if steps < 1:
@@ -192,8 +189,6 @@ def conversations_from_eval(path: str | Path, tokenizer, method: str = "vanilla"
     """The conversations an evaluation run decoded (`eagle3_jax.eval`'s results.json, or .gz): every
     question's user turns with `method`'s answers (greedy exact methods all give the target's),
     each answer as the next turn saw it (its text, special tokens dropped)."""
-    from eagle3_jax.evaluation.questions import BENCHES, load_questions
-    from eagle3_jax.evaluation.runner import read_results
 
     res = read_results(path)
     bench = res["config"]["bench"]
@@ -244,8 +239,6 @@ def load_set(spec: str, tokenizer, max_len: int, n: int, seed: int):
     """'NAME=FILE' or 'FILE' -> (name, tokenised dataset); `n` > 0 keeps that many
     conversations drawn at random (seeded), else all. FILE is training data (ShareGPT /
     role-content conversations) or an evaluation's results.json[.gz] (its questions and answers)."""
-    from eagle3_jax.data.conversations import read_conversations
-    from eagle3_jax.data.dataset import build_dataset
 
     name, path = split_set(spec)
     if path.endswith(("results.json", "results.json.gz")):
@@ -253,74 +246,3 @@ def load_set(spec: str, tokenizer, max_len: int, n: int, seed: int):
     else:
         convs, _ = read_conversations(path)
     return name, build_dataset(tokenizer, sample(convs, n, seed), max_len, progress=False)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
-    ap.add_argument("--draft", required=True, help="head directory (official EAGLE-3 format)")
-    ap.add_argument("--data", action="append", required=True, help="[NAME=]FILE, repeatable")
-    ap.add_argument("--target", default=None, help="checkpoint (default: the embedded SmolLM2)")
-    ap.add_argument("--max-len", type=int, default=512, help="tokens per conversation, cut after")
-    ap.add_argument(
-        "--sample", type=int, default=0, help="conversations per set, at random (0: all)"
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--ttt-steps", type=int, default=7)
-    ap.add_argument("--json", default=None, help="write the scores here")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-    from eagle3_jax import compile_cache
-
-    compile_cache.enable()
-    try:
-        names = [split_set(s)[0] for s in args.data]
-        if len(set(names)) < len(names):
-            raise Eagle3Error(f"two --data sets share a name ({', '.join(names)}): name them")
-        from eagle3_jax.checkpoints import load_target
-        from eagle3_jax.evaluation.runner import load_head
-
-        target = load_target(args.target, dtype=jnp.float32)
-        dparams, dcfg, vocab, _ = load_head(args.draft, target, jnp.float32)
-        sets = [
-            load_set(s, target.tokenizer, args.max_len, args.sample, args.seed) for s in args.data
-        ]
-        result = {"draft": str(args.draft), "max_len": args.max_len, "sets": {}}
-        for name, ds in sets:
-            t0 = time.perf_counter()
-            sc = score_head(
-                target, dparams, dcfg, vocab, ds, steps=args.ttt_steps,
-                batch_size=args.batch_size, progress=not args.no_progress,
-            )  # fmt: skip
-            result["sets"][name] = {**sc.as_dict(), "seconds": time.perf_counter() - t0}
-    except Eagle3Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    steps = args.ttt_steps
-    head = " | ".join(f"acc_{i}" for i in range(steps))
-    d3 = min(3, steps)
-    print(
-        f"| set | records (skipped) | supervised | {head} | chain tau d{d3} | replayed tau d{d3} | "
-        f"replayed tau d{steps} |"
-    )
-    print("|---" * (steps + 6) + "|")
-    for name, s in result["sets"].items():
-        accs = " | ".join(f"{a:.3f}" for a in s["acc"])
-        print(
-            f"| {name} | {s['records']} ({s['skipped']}) | {s['supervised']} | {accs} | "
-            f"{s['chain_tau'][d3 - 1]:.2f} | {s['replay_tau'][d3 - 1]:.2f} | "
-            f"{s['replay_tau'][-1]:.2f} |"
-        )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,509 @@
+"""Generate with a target model: plain, prompt lookup, or EAGLE-3 speculative decoding.
+
+  python -m eagle3_jax decode --prompt "Explain speculative decoding in two sentences." \
+      --compare-plain
+  python -m eagle3_jax decode --method eagle3 --draft heads/my_head --top-k 4 --depth 4 --total-tokens 16
+  python -m eagle3_jax decode --target ~/ckpt/Llama-3.1-8B-Instruct --prompt-file questions.jsonl \
+      --json out.json
+  python -m eagle3_jax decode --chat
+
+Every flag's default runs on the embedded SmolLM2-135M-Instruct with its shipped EAGLE-3 head. See
+README.md for the --json schema. `python decode.py` (the checkout's script) is the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eagle3_jax import compile_cache, cpu_tuning
+from eagle3_jax.checkpoints import load_target
+from eagle3_jax.checkpoints.heads import load_head, parse_draft_vocab
+from eagle3_jax.config import default_dtype
+from eagle3_jax.decoding import plain
+from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.speculative import acceptance_rates, default_tree, tau
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.evaluation.metrics import common_prefix
+from eagle3_jax.heads import default_head
+from eagle3_jax.prompts import Prompt, encode_chat, read_prompt_file
+
+
+def _messages(text: str, system: str | None) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user", "content": text}]
+
+
+def _batches(items, n):
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def decode_main(args) -> int:
+
+    compile_cache.enable()
+    try:
+        return _decode(args)
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def resolve_method(args) -> None:
+    """Fills --method / --draft defaults: the embedded target decodes with its shipped head."""
+    if args.method is None:
+        args.method = "eagle3" if args.draft or args.target is None else "vanilla"
+    if args.method == "eagle3" and not args.draft and args.target is None:
+        args.draft = str(default_head())
+
+
+def _draft_vocab(args):
+    """--draft-vocab parsed: "auto" (also when the namespace has no such flag), "full" or N."""
+
+    return parse_draft_vocab(getattr(args, "draft_vocab", None) or "auto")
+
+
+def load_draft_for(args, target):
+    """--draft PATH -> (params, cfg, vocab, embed), checked against the target before any compute."""
+    if args.method != "eagle3":
+        return None, None, None, None
+    if not args.draft:
+        raise Eagle3Error(
+            "--method eagle3 needs --draft PATH (an EAGLE-3 head: config.json + "
+            "model.safetensors), or use --method vanilla / pld"
+        )
+
+    request = _draft_vocab(args)
+    params, cfg, vocab, embed = load_head(args.draft, target, default_dtype(args.dtype), request)
+    if getattr(args, "spec_candidates", None):
+        if not cfg.speculator_rank:
+            raise Eagle3Error("--spec-candidates applies to SpecVocab heads only")
+        cfg = dataclasses.replace(cfg, spec_candidates=args.spec_candidates)
+    return params, cfg, vocab, embed
+
+
+def _tree(args):
+    """The tree from --top-k/--depth/--total-tokens/--verify-threshold, each unset one from the
+    backend's default (`speculative.default_tree`: a small adaptive tree on the CPU, EAGLE-3's
+    60-token tree on accelerators)."""
+
+    return default_tree(
+        top_k=getattr(args, "top_k", None),
+        depth=getattr(args, "depth", None),
+        total_tokens=getattr(args, "total_tokens", None),
+        verify_threshold=getattr(args, "verify_threshold", None),
+    )
+
+
+def _check_tree(args) -> None:
+    """The tree's shape, checked; an error says which flags were left to the backend's default."""
+
+    try:
+        _tree(args).validate(10**9)
+    except Eagle3Error as e:
+        fields = ("top_k", "depth", "total_tokens")
+        unset = [f"--{f.replace('_', '-')}" for f in fields if getattr(args, f, None) is None]
+        if not unset:
+            raise
+        d = default_tree()
+        raise Eagle3Error(
+            f"{e}; unset, {' '.join(unset)} took this backend's default tree (--top-k {d.top_k} "
+            f"--depth {d.depth} --total-tokens {d.total_tokens}): give them too"
+        ) from None
+
+
+def _run_batch(args, target, draft, ids, sampling, max_context, warmup):
+    """One batch through the chosen method -> (per-row dicts, wall time)."""
+
+    pad = target.cfg.pad_token_id or 0
+    if args.method == "vanilla" and not args.same_engine:
+        res = plain.generate(
+            target.params,
+            target.cfg,
+            ids,
+            args.max_new_tokens,
+            sampling,
+            args.seed,
+            max_context=max_context,
+            pad_id=pad,
+            warmup=warmup,
+        )
+        return res.rows(), res.wall_time_s
+    dparams, dcfg, vocab, embed = draft
+    res = spec.generate(
+        target.params,
+        target.cfg,
+        dparams,
+        dcfg,
+        vocab,
+        ids,
+        args.max_new_tokens,
+        _tree(args),
+        sampling,
+        args.seed,
+        max_context=max_context,
+        pad_id=pad,
+        embed=embed,
+        warmup=warmup,
+        method=args.method,
+    )
+    return res.rows(), res.wall_time_s
+
+
+def _as_plain(args):
+    import argparse
+
+    return argparse.Namespace(**{**vars(args), "method": "vanilla", "same_engine": False})
+
+
+def _decode(args) -> int:
+
+    if args.batch_size < 1:
+        raise Eagle3Error(f"--batch-size {args.batch_size} < 1")
+    if args.timing_runs < 1:
+        raise Eagle3Error(f"--timing-runs {args.timing_runs} < 1")
+    resolve_method(args)
+    if args.compare_plain and (args.method == "vanilla" or args.chat):
+        raise Eagle3Error("--compare-plain compares eagle3/pld with plain decoding, not in --chat")
+    sampling = Sampling(args.temperature, args.sample_top_k, args.top_p)
+    if args.method != "vanilla":
+        _check_tree(args)  # shape errors before the (slow) load; Vd is checked later
+    if args.method == "eagle3":
+        _draft_vocab(args)  # its errors before the (slow) load, too
+    if args.prompt_file:
+        prompts = read_prompt_file(args.prompt_file)
+    elif args.prompt:
+        prompts = [Prompt(str(i), t) for i, t in enumerate(args.prompt)]
+    elif args.chat:
+        prompts = []
+    else:
+        prompts = [Prompt("0", "What is speculative decoding? Answer in three sentences.")]
+    for p in prompts:
+        if not p.text.strip():
+            raise Eagle3Error(f"prompt {p.id} is empty: give some text")
+
+    t0 = time.perf_counter()
+    target = load_target(args.target, dtype=default_dtype(args.dtype))
+    # this machine's few-row products (measured once per CPU), for the target and so the head
+    products = cpu_tuning.policy_for()
+    target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
+    draft = load_draft_for(args, target)
+    tok = target.tokenizer
+    max_context = args.max_context or target.cfg.max_position_embeddings
+    what = ""
+    if draft[0] is not None:
+        vd = draft[1].draft_vocab_size
+        whole = json.loads((Path(args.draft) / "config.json").read_text()).get("draft_vocab_size")
+        cut = (
+            f" of its {whole}, --draft-vocab {_draft_vocab(args)}" if whole and whole != vd else ""
+        )
+        what = f" + draft {args.draft} (Vd {vd}{cut})"
+    print(
+        f"loaded {target.path} ({target.cfg.family}, {target.cfg.num_layers} layers){what} "
+        f"in {time.perf_counter() - t0:.1f}s",
+        file=sys.stderr,
+    )
+    encode = lambda msgs: encode_chat(tok, msgs, not args.no_chat_template)
+
+    if args.chat:
+        return _chat(args, target, draft, encode, sampling, max_context)
+
+    records = []
+    for batch in _batches(prompts, args.batch_size):
+        ids = [encode(_messages(p.text, args.system)) for p in batch]
+        # --timing-runs N: the batch N times, the methods alternating so they see the same machine;
+        # the median wall time of each (outputs do not change: same seed, same programs)
+        walls, plain_walls, plain_rows = [], [], None
+        for rep in range(args.timing_runs):
+            first = not records and rep == 0
+            rows, wall = _run_batch(
+                args, target, draft, ids, sampling, max_context, warmup=not args.no_warmup and first
+            )
+            walls.append(wall)
+            if args.compare_plain:
+                plain_rows, plain_wall = _run_batch(
+                    _as_plain(args), target, None, ids, sampling, max_context, warmup=first
+                )
+                plain_walls.append(plain_wall)
+        wall = float(np.median(walls))
+        plain_wall = float(np.median(plain_walls)) if plain_walls else None
+        runs = f", median of {len(walls)} runs" if len(walls) > 1 else ""
+        for i, (p, pids, row) in enumerate(zip(batch, ids, rows)):
+            out = row["output_ids"]
+            text = tok.decode(out, skip_special_tokens=True)
+            rec = {
+                "id": p.id,
+                "method": args.method,
+                "prompt_ids": pids,
+                "output_ids": out,
+                "text": text,
+                "new_tokens": len(out),
+                "target_forwards": row["target_forwards"],
+                "wall_time_s": wall,
+                "finish_reason": row["finish_reason"],
+                "tokens_per_s": len(out) / wall,
+                "tau": tau(len(out), row["target_forwards"]),
+            }
+            if row.get("verified_tokens") is not None and row["target_forwards"] > 1:
+                rec["verified_per_round"] = row["verified_tokens"] / (row["target_forwards"] - 1)
+            if row["accept_hist"] is not None:
+                rec["accept_hist"] = row["accept_hist"]
+                rec["acceptance_by_depth"] = acceptance_rates(np.asarray(row["accept_hist"]))
+            if plain_rows is not None:
+                plain_out = plain_rows[i]["output_ids"]
+                rec["plain_tokens_per_s"] = len(plain_out) / plain_wall
+                rec["plain_wall_time_s"] = plain_wall
+                rec["speedup"] = rec["tokens_per_s"] / rec["plain_tokens_per_s"]
+                rec["identical_to_plain"] = plain_out == out
+            records.append(rec)
+            extra = ""
+            if "acceptance_by_depth" in rec:
+                extra = " alpha by depth " + " ".join(
+                    f"{a:.2f}" for a in rec["acceptance_by_depth"]
+                )
+            if (
+                "verified_per_round" in rec
+                and args.method == "eagle3"
+                and _tree(args).verify_threshold > 0
+            ):
+                extra += f", {rec['verified_per_round']:.2f} tokens verified per round"
+            print(
+                f"### [{p.id}] {p.text[:80]}\n{text}\n"
+                f"--- {args.method}: {len(out)} tokens in {wall:.2f}s = "
+                f"{rec['tokens_per_s']:.1f} tokens/s, tau {rec['tau']:.2f}{extra} "
+                f"(batch {len(batch)}, {row['finish_reason']}{runs})"
+            )
+            if plain_rows is not None:
+                same = "identical" if rec["identical_to_plain"] else "DIFFERENT"
+                if sampling.temperature > 0:
+                    same += " (sampling: outputs differ by design)"
+                elif not rec["identical_to_plain"]:
+                    same += _why_different(plain_rows[i]["output_ids"], out, target)
+                print(
+                    f"--- plain: {rec['plain_tokens_per_s']:.1f} tokens/s in the same run -> "
+                    f"speedup {rec['speedup']:.2f}x, outputs {same}"
+                )
+            print()
+    if args.json:
+        # a JSON list, one record per line: easy to read and to diff
+        Path(args.json).write_text("[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n")
+        print(f"wrote {len(records)} records to {args.json}", file=sys.stderr)
+    return 0
+
+
+def _why_different(plain_out: list[int], out: list[int], target) -> str:
+    """Where greedy outputs part, and why that can happen below fp32."""
+    import jax
+    import jax.numpy as jnp
+
+    at = common_prefix(plain_out, out)
+    dtype = jax.tree.leaves(target.params)[0].dtype
+    why = f" from new token {at} (0-based)"
+    if dtype != jnp.float32:
+        why += (
+            f" ({dtype.name} parameters: a verification sums over several tokens in another "
+            "order than a decode step over one, and each rounding to "
+            f"{dtype.name} can turn that into a logit difference that flips a near-tie; exact in "
+            "float32: --dtype float32; BENCHMARKS.md, 'Exactness in bfloat16')"
+        )
+    return why
+
+
+def _chat(args, target, draft, encode, sampling, max_context) -> int:
+
+    tok = target.tokenizer
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat: type a message, empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            return 0
+        history.append({"role": "user", "content": line})
+        ids = encode(history)
+        out, shown, rounds, t0 = [], "", 0, time.perf_counter()
+        if args.method == "vanilla":
+            chunks = (
+                [t]
+                for t in plain.stream(
+                    target.params,
+                    target.cfg,
+                    ids,
+                    args.max_new_tokens,
+                    sampling,
+                    args.seed,
+                    max_context=max_context,
+                )
+            )
+        else:
+            dparams, dcfg, vocab, embed = draft
+            chunks = spec.stream(
+                target.params,
+                target.cfg,
+                dparams,
+                dcfg,
+                vocab,
+                ids,
+                args.max_new_tokens,
+                _tree(args),
+                sampling,
+                args.seed,
+                max_context=max_context,
+                embed=embed,
+                method=args.method,
+            )
+        try:
+            for chunk in chunks:
+                rounds += 1
+                out.extend(chunk)
+                text = tok.decode(out, skip_special_tokens=True)
+                print(text[len(shown) :], end="", flush=True)
+                shown = text
+        except Eagle3Error as e:  # e.g. the conversation outgrew the context: say so, keep chatting
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        dt = time.perf_counter() - t0
+        print(
+            f"\n[{len(out)} tokens, {len(out) / dt:.1f} tokens/s, "
+            f"tau {spec.tau(len(out), rounds):.2f}]",
+            file=sys.stderr,
+        )
+        history.append({"role": "assistant", "content": shown})
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="transformers checkpoint dir, .gguf file or eagle3_jax converted dir "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--method",
+        default=None,
+        choices=["eagle3", "pld", "vanilla"],
+        help="eagle3: draft tree from --draft; pld: prompt lookup chain; vanilla: plain "
+        "(default: eagle3 with --draft or on the embedded default target, else vanilla)",
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="EAGLE-3 head directory in the official format (config.json + safetensors); "
+        "default on the embedded target: the head shipped in eagle3_jax/heads",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        default="auto",
+        metavar="auto|full|N",
+        help="draft ids the head proposes from: full (all), N (the first N its vocab_order.json "
+        "lists: a smaller output layer, cheaper rounds on a CPU) or auto (default: on the CPU "
+        "the size its vocab_order.json names, if any, else all; the shipped head: 8,192 of "
+        "16,384 on the CPU)",
+    )
+    p.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="also decode each batch plainly and report the speedup and whether outputs match",
+    )
+    # Unset tree flags come from the backend's default (eagle3_jax.decoding.speculative.default_tree):
+    # on the CPU the best shape measured with the Vd 8,192 GPU head (4 nodes, the 2 best tokens at each
+    # depth, 3 deep, verify threshold 0.3); on GPUs/TPUs, where verifying more tokens is nearly free,
+    # EAGLE-3's reporting tree (top-k 10, depth 8 = EAGLE's 7, 60 tokens). See BENCHMARKS.md.
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="children per expanded tree node (1 = a chain); default 2 on the CPU, 10 elsewhere",
+    )
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        help="max drafted tokens per path (pld: chain length); default 3 on the CPU, 8 elsewhere",
+    )
+    p.add_argument(
+        "--total-tokens",
+        type=int,
+        default=None,
+        help="tree nodes verified per round, root included; default 4 on the CPU, 60 elsewhere "
+        "(capped at what --top-k and --depth hold: --top-k 1 alone is a chain)",
+    )
+    p.add_argument(
+        "--verify-threshold",
+        type=float,
+        default=None,
+        help="adaptive verification: verify only the nodes whose cumulative draft probability is "
+        "at least this (rounded up to a compiled size: 1, 2, 4, ..., total), and skip draft levels "
+        "none could pass; 0 = every node every round. Default: 0.3 on the CPU (verifying costs "
+        "there: 1.13-1.17x against 1.08-1.09x plain decoding on MT-bench), 0 on accelerators",
+    )
+    p.add_argument(
+        "--spec-candidates",
+        type=int,
+        default=None,
+        help="SpecVocab heads: exact-logit candidates per drafted row (default: the head's, 2048)",
+    )
+    p.add_argument(
+        "--same-engine",
+        action="store_true",
+        help="run vanilla through the speculative engine's verification step",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    src.add_argument(
+        "--prompt-file", help="one prompt per line, or FastChat/Spec-Bench JSONL (first turn)"
+    )
+    src.add_argument("--chat", action="store_true", help="interactive chat with streamed output")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument(
+        "--sample-top-k", type=int, default=0, help="sampling: keep the k most likely (0 = off)"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass (1.0 = off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="context limit in tokens (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
+    )
+    p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
+    p.add_argument("--system", default=None, help="system message (default: the template's own)")
+    p.add_argument("--json", default=None, help="write one record per prompt to this file")
+    p.add_argument(
+        "--timing-runs",
+        type=int,
+        default=1,
+        help="run each batch N times (with --compare-plain alternating with plain decoding) and "
+        "report the median wall time: a steadier speedup on a noisy machine",
+    )
+    p.add_argument(
+        "--no-warmup", action="store_true", help="time the first batch including compilation"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    return decode_main(parse_args(argv))
