@@ -33,6 +33,10 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
         lines = path.read_text(encoding="utf-8").split("\n")
     except OSError as e:
         raise Eagle3Error(f"cannot read prompt file {path}: {e}") from e
+    except UnicodeDecodeError as e:
+        raise Eagle3Error(
+            f"prompt file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8"
+        ) from None
     prompts = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -42,9 +46,18 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
                 rec = json.loads(line)
             except ValueError as e:
                 raise Eagle3Error(f"{path}:{n} is not valid JSON: {e}") from e
-            text = (rec.get("turns") or [None])[0] or rec.get("prompt") or rec.get("question")
+            if not isinstance(rec, dict):
+                raise Eagle3Error(f"{path}:{n} is JSON but not an object")
+            turns = rec.get("turns")
+            if turns is not None and not (isinstance(turns, list) and turns):
+                raise Eagle3Error(f"{path}:{n}: `turns` must be a non-empty list of strings")
+            text = (turns or [None])[0] or rec.get("prompt") or rec.get("question")
             if not text:
                 raise Eagle3Error(f"{path}:{n} has no `turns`, `prompt` or `question` field")
+            if not isinstance(text, str):
+                raise Eagle3Error(
+                    f"{path}:{n}: the prompt is a {type(text).__name__}, not a string"
+                )
             pid = rec.get("question_id", rec.get("id", n))
             prompts.append(Prompt(str(pid), text))
         else:

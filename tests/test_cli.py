@@ -243,3 +243,50 @@ def test_a_difference_names_its_token_and_the_dtype():
     assert (
         _why_different([5, 6], [5, 6, 7], f32) == " from new token 2 (0-based)"
     )  # one stopped earlier
+
+
+@pytest.mark.parametrize(
+    "extra, msg",
+    [
+        (["--temperature", "nan"], "--temperature nan: give a finite number"),
+        (["--verify-threshold", "inf"], "--verify-threshold inf"),
+        (["--max-context", "100000"], "is more than"),
+        (["--json", "/nonexistent_dir/x.json"], "does not exist"),
+        (["--batch-size", "0"], "--batch-size 0"),
+    ],
+    ids=["nan-temperature", "inf-threshold", "context-too-long", "json-unwritable", "batch-0"],
+)
+def test_bad_settings_are_one_line_before_any_work(tiny_target_dir, capsys, extra, msg):
+    argv = ["--target", str(tiny_target_dir), "--method", "vanilla", "--prompt", "w5 w6",
+            "--max-new-tokens", "3", *extra]  # fmt: skip
+    assert run(*argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert msg in err[-1] and err[-1].startswith("error:")
+
+
+def test_bad_prompt_files_and_truncated_weights_are_one_line(tiny_target_dir, head_dir, tmp_path,
+                                                             capsys):  # fmt: skip
+    import shutil
+
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe w5")
+    typed = tmp_path / "typed.jsonl"
+    typed.write_text('{"prompt": 5}\n')
+    base = ["--target", str(tiny_target_dir), "--max-new-tokens", "3"]
+    for f, msg in ((bad, "not UTF-8"), (typed, "not a string")):
+        assert run(*base, "--method", "vanilla", "--prompt-file", str(f)) == 2
+        assert msg in capsys.readouterr().err
+    cut = tmp_path / "cut_head"
+    shutil.copytree(head_dir, cut)
+    w = cut / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    assert run(*base, "--draft", str(cut), "--prompt", "w5 w6") == 2
+    assert "truncated or corrupt" in capsys.readouterr().err
+
+
+def test_json_records_are_written_as_prompts_finish(tiny_target_dir, tmp_path):
+    out = tmp_path / "out.json"
+    argv = ["--target", str(tiny_target_dir), "--method", "vanilla", "--prompt", "w5 w6",
+            "--prompt", "w7 w8 w9", "--max-new-tokens", "3", "--json", str(out)]  # fmt: skip
+    assert run(*argv) == 0
+    assert [r["id"] for r in json.loads(out.read_text())] == ["0", "1"]

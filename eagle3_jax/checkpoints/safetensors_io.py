@@ -46,8 +46,15 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         if info["dtype"] not in _DTYPES:
             raise Eagle3Error(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
+        dtype = np.dtype(_DTYPES[info["dtype"]])
+        want = int(np.prod(info["shape"], dtype=np.int64)) * dtype.itemsize
+        if end - start != want or base + end > mm.size:
+            raise Eagle3Error(
+                f"{path} is truncated or corrupt: tensor {name} needs bytes {base + start}.."
+                f"{base + end} of a {mm.size}-byte file (an interrupted copy or download?)"
+            )
         raw = mm[base + start : base + end]
-        out[name] = raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        out[name] = raw.view(dtype).reshape(info["shape"])
     return out
 
 

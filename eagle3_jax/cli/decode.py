@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ import numpy as np
 
 from eagle3_jax import compile_cache, cpu_tuning
 from eagle3_jax.checkpoints import load_target
+from eagle3_jax.checkpoints.atomic import write_text_atomic
 from eagle3_jax.checkpoints.heads import load_head, parse_draft_vocab
 from eagle3_jax.config import default_dtype
 from eagle3_jax.decoding import plain
@@ -56,6 +59,41 @@ def decode_main(args) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def check_settings(args) -> None:
+    """Every numeric flag finite and in range, and the --json path writable, before any work."""
+    for name in ("temperature", "top_p", "verify_threshold"):
+        v = getattr(args, name, None)
+        if v is not None and not math.isfinite(v):
+            raise Eagle3Error(f"--{name.replace('_', '-')} {v}: give a finite number")
+    v = getattr(args, "verify_threshold", None)
+    if v is not None and not 0.0 <= v <= 1.0:
+        raise Eagle3Error(f"--verify-threshold {v}: give a probability in [0, 1]")
+    for name in ("max_new_tokens", "batch_size", "timing_runs"):
+        if getattr(args, name, 1) < 1:
+            raise Eagle3Error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    if args.max_context is not None and args.max_context < 2:
+        raise Eagle3Error(f"--max-context {args.max_context}: give 2 or more positions")
+    if args.json:
+        check_writable(args.json, "--json")
+
+
+def check_writable(path: str | Path, what: str) -> None:
+    """Refuses an output file that cannot be written, before the work that would fill it."""
+    path = Path(path)
+    if path.is_dir():
+        raise Eagle3Error(f"{what} {path} is a directory: give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise Eagle3Error(f"{what} {path}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise Eagle3Error(f"{what} {path} cannot be written here (permissions)")
+
+
+def write_records(path: str | Path, records: list[dict]) -> None:
+    """A JSON list, one record per line (easy to read and to diff), replaced atomically."""
+    write_text_atomic(path, "[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n")
 
 
 def resolve_method(args) -> None:
@@ -174,6 +212,7 @@ def _decode(args) -> int:
     resolve_method(args)
     if args.compare_plain and (args.method == "vanilla" or args.chat):
         raise Eagle3Error("--compare-plain compares eagle3/pld with plain decoding, not in --chat")
+    check_settings(args)
     sampling = Sampling(args.temperature, args.sample_top_k, args.top_p)
     if args.method != "vanilla":
         _check_tree(args)  # shape errors before the (slow) load; Vd is checked later
@@ -199,6 +238,11 @@ def _decode(args) -> int:
     draft = load_draft_for(args, target)
     tok = target.tokenizer
     max_context = args.max_context or target.cfg.max_position_embeddings
+    if max_context > target.cfg.max_position_embeddings:
+        raise Eagle3Error(
+            f"--max-context {max_context} is more than {target.path} holds "
+            f"({target.cfg.max_position_embeddings} positions): give at most that"
+        )
     what = ""
     if draft[0] is not None:
         vd = draft[1].draft_vocab_size
@@ -265,6 +309,8 @@ def _decode(args) -> int:
                 rec["speedup"] = rec["tokens_per_s"] / rec["plain_tokens_per_s"]
                 rec["identical_to_plain"] = plain_out == out
             records.append(rec)
+            if args.json:  # as they come: an interrupted run keeps the prompts it finished
+                write_records(args.json, records)
             extra = ""
             if "acceptance_by_depth" in rec:
                 extra = " alpha by depth " + " ".join(
@@ -294,8 +340,7 @@ def _decode(args) -> int:
                 )
             print()
     if args.json:
-        # a JSON list, one record per line: easy to read and to diff
-        Path(args.json).write_text("[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n")
+        write_records(args.json, records)
         print(f"wrote {len(records)} records to {args.json}", file=sys.stderr)
     return 0
 

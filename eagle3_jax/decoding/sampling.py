@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,10 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
+        if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
+            raise Eagle3Error(
+                f"temperature {self.temperature} / top_p {self.top_p}: give finite numbers"
+            )
         if self.temperature < 0:
             raise Eagle3Error(
                 f"temperature {self.temperature} < 0: use 0 for greedy or a positive value"
