@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_jax.checkpoints import load_target_config
-from eagle3_jax.checkpoints.atomic import write_text_atomic
+from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.checkpoints.eagle_format import load_draft
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation.metrics import tau
@@ -248,7 +248,25 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
         missing = sorted(set(only) - {c.name for c in ac.cells})
         raise Eagle3Error(f"no cell named {', '.join(missing)} in this grid")
     out = Path(ac.out_dir)
+    if out.exists() and not out.is_dir():
+        raise Eagle3Error(f"out_dir {out} is a file: give a directory")
+    mine = {"cells", "shared", "features", "features.partial", "report.md", "results.json",
+            "ablation.json", "tau_per_cell.png", ".lock"}  # fmt: skip
+    if (
+        out.is_dir()
+        and not (out / "cells").exists()
+        and any(p.name not in mine and not p.name.startswith(".") for p in out.iterdir())
+    ):
+        raise Eagle3Error(
+            f"out_dir {out} holds files that are not an ablation run: use a new or empty one "
+            "(nothing there was changed)"
+        )
     out.mkdir(parents=True, exist_ok=True)
+    with exclusive(out, "out_dir"):  # a second grid on the same out_dir is refused at once
+        return _run_locked(ac, cells, out, progress)
+
+
+def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
     tcfg = load_target_config(ac.base.target)
     layers = feature_layers(ac, tcfg)
     plan = []  # (cell, its TrainConfig, its cell.json state)

@@ -208,3 +208,24 @@ def test_the_harness_refuses_a_users_folder_and_a_changed_target(tiny_target_dir
     check_config(run, {"target_digest": "1", "questions_digest": "q"})
     with pytest.raises(Eagle3Error, match="target's files or the question file changed"):
         check_config(run, {"target_digest": "2", "questions_digest": "q"})
+
+
+def test_an_ablation_grid_refuses_a_second_writer_and_a_users_folder(tmp_path):
+    import dataclasses
+    from pathlib import Path
+
+    from eagle3_jax.ablation import load_ablation, run_ablation
+    from eagle3_jax.checkpoints.atomic import exclusive
+
+    root = Path(__file__).resolve().parents[1]
+    ac = load_ablation(root / "configs/ablate_tiny.py")
+    busy = dataclasses.replace(ac, out_dir=str(tmp_path / "grid"))
+    (tmp_path / "grid").mkdir()
+    with exclusive(tmp_path / "grid"):
+        with pytest.raises(Eagle3Error, match="another process"):
+            run_ablation(busy, progress=False)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine/thesis.tex").write_text("keep")
+    with pytest.raises(Eagle3Error, match="not an ablation run"):
+        run_ablation(dataclasses.replace(ac, out_dir=str(tmp_path / "mine")), progress=False)
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["thesis.tex"]
