@@ -1,5 +1,6 @@
 """Every shipped config loads; overrides are typed; bad configs are refused clearly."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,23 @@ def test_bad_overrides(override, msg):
 def test_missing_config_file(tmp_path):
     with pytest.raises(Eagle3Error, match="does not exist"):
         load_config(tmp_path / "x.py")
+
+
+@pytest.mark.parametrize(
+    "field, value, msg",
+    [
+        ("lr", float("nan"), "lr nan: give a finite number"),
+        ("lr", 0.0, "lr 0.0"),
+        ("beta2", 1.5, "beta2 1.5"),
+        ("warmup_ratio", -0.1, "warmup_ratio -0.1"),
+        ("max_len", 1.5, "max_len 1.5: give an integer"),
+        ("mesh_data", 0, "mesh 0x1"),
+    ],
+)
+def test_non_finite_or_out_of_range_settings_are_refused(field, value, msg):
+    import dataclasses
+
+    from eagle3_jax.training.config import TrainConfig
+
+    with pytest.raises(Eagle3Error, match=re.escape(msg)):
+        dataclasses.replace(TrainConfig(), **{field: value}).validate()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -91,12 +92,47 @@ class TrainConfig:
     val_every: int = 0  # steps between validations; 0 = at the last step only
     val_conversations: int = 200  # at most this many of val_data, drawn at random; 0 = all
 
+    # (field, lowest, highest, whether the lowest is allowed): every float a run reads
+    _RANGES = (
+        ("lr", 0.0, 10.0, False),
+        ("warmup_ratio", 0.0, 1.0, True),
+        ("clip_norm", 0.0, math.inf, False),
+        ("beta1", 0.0, 1.0, True),
+        ("beta2", 0.0, 1.0, True),
+        ("weight_decay", 0.0, math.inf, True),
+        ("ttt_decay", 0.0, math.inf, False),
+        ("feature_loss_weight", 0.0, math.inf, True),
+        ("speculator_loss_weight", 0.0, math.inf, True),
+    )
+
+    def _check_numbers(self) -> None:
+        """Finite and in range, each named: a NaN learning rate would train garbage with exit 0."""
+        for name, lo, hi, lo_ok in self._RANGES:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise Eagle3Error(f"{name} {v!r}: give a number")
+            if not math.isfinite(v) or v > hi or v < lo or (v == lo and not lo_ok):
+                left = "[" if lo_ok else "("
+                raise Eagle3Error(f"{name} {v}: give a finite number in {left}{lo}, {hi}]")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", int) and (isinstance(v, bool) or not isinstance(v, int)):
+                raise Eagle3Error(f"{f.name} {v!r}: give an integer")
+        if self.max_len < 2 or self.regen_max_new_tokens < 1 or self.regen_batch_size < 1:
+            raise Eagle3Error(
+                f"max_len {self.max_len}, regen_max_new_tokens {self.regen_max_new_tokens}, "
+                f"regen_batch_size {self.regen_batch_size}: give max_len >= 2 and the others >= 1"
+            )
+        if self.mesh_data < 1 or self.mesh_model < 1:
+            raise Eagle3Error(f"mesh {self.mesh_data}x{self.mesh_model}: give sizes >= 1")
+
     def record(self, drop: tuple[str, ...] = ()) -> dict:
         """The fields as JSON reads them back (tuples as lists), without those in `drop`."""
         d = {k: v for k, v in dataclasses.asdict(self).items() if k not in drop}
         return json.loads(json.dumps(d))
 
     def validate(self) -> TrainConfig:
+        self._check_numbers()
         if self.log_every < 1:
             raise Eagle3Error(f"log_every {self.log_every} < 1 (the last step is always logged)")
         for name, zero in (
