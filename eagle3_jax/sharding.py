@@ -85,3 +85,22 @@ def put(array: np.ndarray, sharding: NamedSharding | None, dtype) -> jax.Array:
 
 def shard_tree(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(jax.device_put, tree, shardings)
+
+
+def parse_mesh(text: str | None) -> Mesh | None:
+    """`--mesh DATAxMODEL` (e.g. 2x4): batch over `data`, tensor parallel over `model`; None or
+    "" for no mesh (one device)."""
+    if not text:
+        return None
+    try:
+        data, model = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise Eagle3Error(f"--mesh {text!r}: give DATAxMODEL, e.g. 1x8 or 2x4") from None
+    if data < 1 or model < 1:
+        raise Eagle3Error(f"--mesh {text}: both sizes must be >= 1")
+    if data * model > len(jax.devices()):
+        raise Eagle3Error(
+            f"--mesh {text} needs {data * model} devices; {len(jax.devices())} are visible "
+            f"({jax.default_backend()})"
+        )
+    return make_mesh(data, model)

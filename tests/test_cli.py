@@ -290,3 +290,17 @@ def test_json_records_are_written_as_prompts_finish(tiny_target_dir, tmp_path):
             "--prompt", "w7 w8 w9", "--max-new-tokens", "3", "--json", str(out)]  # fmt: skip
     assert run(*argv) == 0
     assert [r["id"] for r in json.loads(out.read_text())] == ["0", "1"]
+
+
+def test_decoding_on_a_mesh_equals_one_device(tiny_target_dir, head_dir, tmp_path):
+    """--mesh 2x4 on 8 simulated devices (the target and head tensor-parallel over 4, the batch
+    over 2): the same tokens as one device, greedy, for EAGLE-3 and plain decoding."""
+    base = ["--target", str(tiny_target_dir), "--draft", str(head_dir), "--max-new-tokens", "10",
+            "--batch-size", "2", "--top-k", "2", "--depth", "3", "--total-tokens", "6",
+            "--compare-plain"] + [a for p in PROMPTS for a in ("--prompt", p)]  # fmt: skip
+    assert run(*base, "--json", str(tmp_path / "one.json")) == 0
+    assert run(*base, "--mesh", "2x4", "--json", str(tmp_path / "mesh.json")) == 0
+    one, mesh = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "mesh.json"))
+    assert [r["output_ids"] for r in mesh] == [r["output_ids"] for r in one]
+    assert [r["target_forwards"] for r in mesh] == [r["target_forwards"] for r in one]
+    assert run(*base, "--mesh", "4x4") == 2  # 16 devices: one line, exit 2

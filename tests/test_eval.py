@@ -281,6 +281,19 @@ def test_no_baseline_runs_tau_only(setup, tmp_path, capsys):
     assert "drop it from --methods" in capsys.readouterr().err
 
 
+def test_a_run_on_a_mesh_records_what_one_device_does(setup, tmp_path):
+    """--mesh 2x4 (8 simulated devices) changes where the numbers are computed, not them: the
+    same output tokens and target passes as the one-device run (and --mesh is not part of the
+    configuration, so either can resume the other)."""
+    one, mesh = tmp_path / "one", tmp_path / "mesh"
+    extra = ("--methods", "eagle3:2,3,6", "--no-baseline")
+    assert main(args(setup, one, *extra)) == 0
+    assert main(args(setup, mesh, *extra, "--mesh", "2x4")) == 0
+    key = lambda r: (r["question_id"], r["method"])  # noqa: E731
+    a, b = sorted(_records(one), key=key), sorted(_records(mesh), key=key)
+    assert [_untimed(r) for r in a] == [_untimed(r) for r in b]
+
+
 def test_the_embedded_target_is_evaluated_with_its_shipped_head():
     from eagle3_jax.cli.eval import drafts_of, parse_args
     from eagle3_jax.heads import default_head

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from eagle3_jax import vocab as vocab_lib
 from eagle3_jax.checkpoints.atomic import write_text_atomic
@@ -26,7 +27,7 @@ from eagle3_jax.checkpoints.eagle_format import (
     vocab_from_tensors,
 )
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.models.draft import attach_target_head
+from eagle3_jax.models.draft import attach_target_head, param_shardings
 from eagle3_jax.vocab import DraftVocab
 from eagle3_jax.vocab.methods import trim_head
 
@@ -135,7 +136,7 @@ class Head(NamedTuple):
     embed: Any = None
 
 
-def load_head(path, target, dtype=None, draft_vocab="full") -> Head:
+def load_head(path, target, dtype=None, draft_vocab="full", mesh=None) -> Head:
     """The head at path as a `Head` (params, cfg, vocab, embed), checked against the target (load_draft
     runs check_compatible when given the target's config); the head multiplies a few rows as the
     target does (its config's `products`).
@@ -150,6 +151,10 @@ def load_head(path, target, dtype=None, draft_vocab="full") -> Head:
     if n is not None:
         ids = np.sort(order[:n])
         params, cfg, vocab = trim_head(params, cfg, vocab, target.params, target.cfg, ids)
+    if mesh is not None:  # laid out as the target is: matrices over `model`, the rest replicated
+        params = jax.tree.map(jax.device_put, params, param_shardings(cfg, mesh))
+        if embed is not None:
+            embed = jax.device_put(embed, NamedSharding(mesh, PartitionSpec()))
     params = attach_target_head(params, cfg, target.params, target.cfg)
     return Head(params, cfg, vocab, embed)
 

@@ -37,6 +37,7 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation.metrics import common_prefix
 from eagle3_jax.heads import default_head
 from eagle3_jax.prompts import Prompt, encode_chat, read_prompt_file
+from eagle3_jax.sharding import parse_mesh
 
 
 def _messages(text: str, system: str | None) -> list[dict[str, str]]:
@@ -110,7 +111,7 @@ def _draft_vocab(args):
     return parse_draft_vocab(getattr(args, "draft_vocab", None) or "auto")
 
 
-def load_draft_for(args, target):
+def load_draft_for(args, target, mesh=None):
     """--draft PATH -> (params, cfg, vocab, embed), checked against the target before any compute."""
     if args.method != "eagle3":
         return None, None, None, None
@@ -121,7 +122,9 @@ def load_draft_for(args, target):
         )
 
     request = _draft_vocab(args)
-    params, cfg, vocab, embed = load_head(args.draft, target, default_dtype(args.dtype), request)
+    params, cfg, vocab, embed = load_head(
+        args.draft, target, default_dtype(args.dtype), request, mesh
+    )
     if getattr(args, "spec_candidates", None):
         if not cfg.speculator_rank:
             raise Eagle3Error("--spec-candidates applies to SpecVocab heads only")
@@ -230,12 +233,13 @@ def _decode(args) -> int:
         if not p.text.strip():
             raise Eagle3Error(f"prompt {p.id} is empty: give some text")
 
+    mesh = parse_mesh(getattr(args, "mesh", None))
     t0 = time.perf_counter()
-    target = load_target(args.target, dtype=default_dtype(args.dtype))
+    target = load_target(args.target, dtype=default_dtype(args.dtype), mesh=mesh)
     # this machine's few-row products (measured once per CPU), for the target and so the head
     products = cpu_tuning.policy_for()
     target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
-    draft = load_draft_for(args, target)
+    draft = load_draft_for(args, target, mesh)
     tok = target.tokenizer
     max_context = args.max_context or target.cfg.max_position_embeddings
     if max_context > target.cfg.max_position_embeddings:
@@ -527,6 +531,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=None,
         help="context limit in tokens (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="DATAxMODEL devices (e.g. 1x8): the target and head tensor-parallel over MODEL, the "
+        "batch over DATA (default: one device)",
     )
     p.add_argument(
         "--dtype",

@@ -71,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=None, help="default: 1 at T=0, 5 at T>0")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--mesh", default=None, help="DATAxMODEL devices (e.g. 1x8; default: one device)"
+    )
     p.add_argument("--out", default="runs/eval", help="output directory (resumable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -105,6 +108,7 @@ def main(argv=None) -> int:
         seeds=args.seeds,
         batch_size=args.batch_size,
         dtype=args.dtype,
+        mesh=args.mesh,
         progress=not args.no_progress,
         baseline=not args.no_baseline,
         draft_vocab=tuple(args.draft_vocab),

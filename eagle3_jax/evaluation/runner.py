@@ -35,6 +35,7 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import metrics
 from eagle3_jax.evaluation.questions import BENCHES, Question, load_questions, task_order
 from eagle3_jax.prompts import encode_chat
+from eagle3_jax.sharding import parse_mesh
 
 TIMING_KEYS = ("wall_time_s", "tokens_per_s", "batch_wall_time_s")
 
@@ -67,6 +68,7 @@ class EvalOptions:
     progress: bool = True
     baseline: bool = True  # run vanilla too (speedup, exactness); False: tau only
     draft_vocab: tuple[str, ...] = ()  # --draft-vocab [NAME=]auto|full|N; unnamed: every draft
+    mesh: str | None = None  # --mesh DATAxMODEL; records do not depend on it (not fingerprinted)
 
 
 def parse_drafts(specs: Sequence[str]) -> dict[str, str]:
@@ -310,14 +312,15 @@ class Models:
         {name: --draft-vocab request} says; "auto" when not named)."""
 
         dtype = default_dtype(opts.dtype)
-        target = load_target(opts.target, dtype=dtype)
+        mesh = parse_mesh(opts.mesh)
+        target = load_target(opts.target, dtype=dtype, mesh=mesh)
         # this machine's few-row products (measured once per CPU), for the target and its heads
         products = cpu_tuning.policy_for()
         target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
         req = vocab_requests or {}
         return cls(
             target,
-            {n: load_head(p, target, dtype, req.get(n, "auto")) for n, p in drafts.items()},
+            {n: load_head(p, target, dtype, req.get(n, "auto"), mesh) for n, p in drafts.items()},
         )
 
     def generate(self, m: MethodSpec, ids, sampling, seed: int, max_new: int):
