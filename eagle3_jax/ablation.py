@@ -30,7 +30,8 @@ from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.checkpoints.eagle_format import load_draft
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation.metrics import tau
-from eagle3_jax.evaluation.runner import EvalOptions, run_eval, strict_json
+from eagle3_jax.evaluation.report import strict_json
+from eagle3_jax.evaluation.runner import EvalOptions, run_eval
 from eagle3_jax.training.config import TrainConfig, load_python_config
 from eagle3_jax.training.loop import precompute_features, train
 

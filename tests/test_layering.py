@@ -63,6 +63,7 @@ RANKS = {
     "eagle3_jax.data.select_prompts": 3,
     "eagle3_jax.evaluation.metrics": 4,
     "eagle3_jax.evaluation.runner": 4,
+    "eagle3_jax.evaluation.report": 4,
     "eagle3_jax.ablation": 4,
     "eagle3_jax.cli": 5,
     "eagle3_jax.__main__": 5,
