@@ -71,7 +71,7 @@ def test_missing_config_file(tmp_path):
     "field, value, msg",
     [
         ("lr", float("nan"), "lr nan: give a finite number"),
-        ("lr", 0.0, "lr 0.0"),
+        ("lr", -1e-3, "lr -0.001"),
         ("beta2", 1.5, "beta2 1.5"),
         ("warmup_ratio", -0.1, "warmup_ratio -0.1"),
         ("max_len", 1.5, "max_len 1.5: give an integer"),

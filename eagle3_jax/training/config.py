@@ -94,7 +94,7 @@ class TrainConfig:
 
     # (field, lowest, highest, whether the lowest is allowed): every float a run reads
     _RANGES = (
-        ("lr", 0.0, 10.0, False),
+        ("lr", 0.0, math.inf, True),
         ("warmup_ratio", 0.0, 1.0, True),
         ("clip_norm", 0.0, math.inf, False),
         ("beta1", 0.0, 1.0, True),
