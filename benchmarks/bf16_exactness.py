@@ -37,6 +37,7 @@ import numpy as np
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
+from eagle3_jax.config import default_tree
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
@@ -118,12 +119,12 @@ def main() -> int:
         sys.exit(f"--dtypes {args.dtypes}: choose from {', '.join(DTYPES)}")
     if args.tree:
         k, d, n, *th = args.tree.split(",")
-        tree = spec.default_tree(
+        tree = default_tree(
             top_k=int(k), depth=int(d), total_tokens=int(n),
             verify_threshold=float(th[0]) if th else None,
         )  # fmt: skip
     else:
-        tree = spec.default_tree()
+        tree = default_tree()
     qs, seen = [], {}
     for q in load_questions("mt_bench"):
         seen[q.category] = seen.get(q.category, 0) + 1

@@ -41,7 +41,7 @@ import numpy as np
 
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
-from eagle3_jax.config import PLAIN_PRODUCTS
+from eagle3_jax.config import PLAIN_PRODUCTS, TreeConfig
 from eagle3_jax.models import layers
 from eagle3_jax.models import target as tgt
 from eagle3_jax.paths import cpu_model
@@ -119,7 +119,7 @@ def end_to_end(target, packed, args) -> list[dict]:
 
     dparams, dcfg, vocab, embed = load_head(default_head(), target, draft_vocab="auto")
     f = [float(x) for x in args.tree.split(",")]
-    tree = spec.TreeConfig(int(f[0]), int(f[1]), int(f[2]), f[3] if len(f) > 3 else 0.0)
+    tree = TreeConfig(int(f[0]), int(f[1]), int(f[2]), f[3] if len(f) > 3 else 0.0)
     questions = load_questions("mt_bench")
     print(f"\nMT-bench first turns, {args.new} new tokens, tree {args.tree}; ms per token")
     print(

@@ -37,6 +37,7 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 from eagle3_jax import cpu_tuning  # noqa: E402
 from eagle3_jax.checkpoints import load_target  # noqa: E402
 from eagle3_jax.checkpoints.heads import load_head  # noqa: E402
+from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain  # noqa: E402
 from eagle3_jax.decoding import speculative as spec  # noqa: E402
 from eagle3_jax.evaluation.questions import load_questions  # noqa: E402
@@ -94,7 +95,7 @@ def main() -> None:
     question = load_questions("mt_bench")[args.question]
     ids = [encode_chat(target.tokenizer, [{"role": "user", "content": question.turns[0]}])]
     f = [float(x) for x in args.tree.split(",")]
-    tree = spec.TreeConfig(int(f[0]), int(f[1]), int(f[2]), f[3] if len(f) > 3 else 0.0)
+    tree = TreeConfig(int(f[0]), int(f[1]), int(f[2]), f[3] if len(f) > 3 else 0.0)
 
     runs = {
         "plain": lambda: plain.generate(target.params, target.cfg, ids, args.new),

@@ -24,6 +24,7 @@ import numpy as np
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
+from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.paths import cpu_model
@@ -33,12 +34,12 @@ HEAD = ROOT / "eagle3_jax/heads/smollm2_135m_instruct"
 CONFIGS = "eagle3:1,3,4,eagle3:2,3,4,eagle3:2,4,8,eagle3:2,3,4,0.3,eagle3:2,4,8,0.3"
 
 
-def parse(text: str) -> list[tuple[str, str, spec.TreeConfig]]:
+def parse(text: str) -> list[tuple[str, str, TreeConfig]]:
     from eagle3_jax.evaluation.runner import parse_methods
 
     # the root-only round always runs first (main): a `vanilla` in the list adds nothing
     return [
-        (m.label, m.kind, spec.TreeConfig(*m.tree))
+        (m.label, m.kind, TreeConfig(*m.tree))
         for m in parse_methods(text, {"head": str(HEAD)})
         if m.kind != "vanilla"
     ]
@@ -59,7 +60,7 @@ def main() -> None:
     dparams, dcfg, vocab, embed = load_head(HEAD, target, draft_vocab="auto")
     rng = np.random.default_rng(0)
     prompt = [list(map(int, rng.integers(100, 20000, args.context)))]
-    configs = [("vanilla", "vanilla", spec.TreeConfig(1, 1, 2))] + parse(args.configs)
+    configs = [("vanilla", "vanilla", TreeConfig(1, 1, 2))] + parse(args.configs)
     times: dict[str, list] = {"plain": []}
     for rep in range(args.reps + 1):  # rep 0 compiles
         res = plain.generate(target.params, target.cfg, prompt, args.new, eos_ids=())

@@ -24,6 +24,7 @@ import numpy as np
 
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
+from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.models import draft as drf
@@ -39,15 +40,15 @@ PROMPTS = [
 ]
 CONFIGS = [  # name, method, TreeConfig
     ("vanilla", "vanilla", None),
-    ("vanilla (spec engine)", "vanilla", spec.TreeConfig(1, 1, 1)),
-    ("pld chain d4", "pld", spec.TreeConfig(1, 4, 5)),
-    ("eagle3 chain d2", "eagle3", spec.TreeConfig(1, 2, 3)),
-    ("eagle3 chain d3", "eagle3", spec.TreeConfig(1, 3, 4)),
-    ("eagle3 chain d4", "eagle3", spec.TreeConfig(1, 4, 5)),
-    ("eagle3 tree k2 d3 n6", "eagle3", spec.TreeConfig(2, 3, 6)),
-    ("eagle3 tree k2 d3 n8", "eagle3", spec.TreeConfig(2, 3, 8)),
-    ("eagle3 tree k4 d4 n16", "eagle3", spec.TreeConfig(4, 4, 16)),
-    ("eagle3 tree k4 d5 n24", "eagle3", spec.TreeConfig(4, 5, 24)),
+    ("vanilla (spec engine)", "vanilla", TreeConfig(1, 1, 1)),
+    ("pld chain d4", "pld", TreeConfig(1, 4, 5)),
+    ("eagle3 chain d2", "eagle3", TreeConfig(1, 2, 3)),
+    ("eagle3 chain d3", "eagle3", TreeConfig(1, 3, 4)),
+    ("eagle3 chain d4", "eagle3", TreeConfig(1, 4, 5)),
+    ("eagle3 tree k2 d3 n6", "eagle3", TreeConfig(2, 3, 6)),
+    ("eagle3 tree k2 d3 n8", "eagle3", TreeConfig(2, 3, 8)),
+    ("eagle3 tree k4 d4 n16", "eagle3", TreeConfig(4, 4, 16)),
+    ("eagle3 tree k4 d5 n24", "eagle3", TreeConfig(4, 5, 24)),
 ]
 
 

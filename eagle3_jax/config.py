@@ -227,3 +227,223 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
     return inv
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """Sizes of one EAGLE-3 head.
+
+    `aux_layer_ids` use OUR convention: HF `hidden_states` indices, i.e. the INPUTS to target layers
+    (default (2, L//2, L-3)). SGLang/SpecForge configs name the same tensors as layer OUTPUTS, one
+    less; the checkpoint converter translates. `rope` is the draft's own (theta 10000 unless the
+    head's config says otherwise), not the target's. `products`: how a few rows are multiplied
+    (config.ProductPolicy), a property of the machine: the loaders give the target's.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    target_hidden_size: int | None = None  # None: same as hidden_size
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = RopeConfig()
+    # Output layer (the draft-vocabulary methods, docs/draft_vocab.md):
+    # "own": the head's lm_head [D, Vd] (EAGLE-3; Vd = V is a full-vocabulary head).
+    # "target": logits from the TARGET's frozen output embedding over the full vocabulary (EAGLE-1/2
+    #   style; FR-Spec restricts it to a subset; SpecVocab adds a speculator). Nothing is stored:
+    #   the output embedding is attached at load time as params["out_embed"] [V, D].
+    lm_head_source: str = "own"
+    speculator_rank: int = 0  # SpecVocab: > 0 adds spec_a [D, r] and spec_b [r, V]
+    spec_candidates: int = 0  # SpecVocab: exact-logit candidates per drafted row (decode time);
+    # 0 = min(2048, V), the published k
+    products: ProductPolicy = PLAIN_PRODUCTS
+
+    def __post_init__(self):
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if self.target_hidden_size is None:
+            object.__setattr__(self, "target_hidden_size", self.hidden_size)
+        if not self.aux_layer_ids:
+            raise Eagle3Error(
+                "draft aux_layer_ids are empty: name the target layers whose inputs "
+                "feed the head, e.g. (2, L//2, L-3)"
+            )
+        if min(self.aux_layer_ids) < 0:
+            raise Eagle3Error(
+                f"draft aux_layer_ids {self.aux_layer_ids} contain a negative id: "
+                "use HF hidden_states indices (inputs to target layers), all >= 0"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise Eagle3Error(
+                f"draft num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                f"{self.num_kv_heads}: fix the head's config"
+            )
+        if self.head_dim % 2:
+            raise Eagle3Error(f"draft head_dim {self.head_dim} is odd: RoPE needs an even head_dim")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise Eagle3Error(
+                f"draft_vocab_size {self.draft_vocab_size} must be between 1 and "
+                f"vocab_size {self.vocab_size} (the target vocab)"
+            )
+        if self.lm_head_source not in ("own", "target"):
+            raise Eagle3Error(f"lm_head_source {self.lm_head_source!r}: use own or target")
+        if self.lm_head_source == "target" and self.draft_vocab_size != self.vocab_size:
+            raise Eagle3Error(
+                "a head reading the target's output embedding covers the full vocabulary "
+                f"(draft_vocab_size {self.draft_vocab_size} != {self.vocab_size}); restrict it "
+                "afterwards (FR-Spec) with `python -m eagle3_jax vocab`"
+            )
+        if self.speculator_rank < 0 or (self.speculator_rank and self.lm_head_source != "target"):
+            raise Eagle3Error(
+                f"speculator_rank {self.speculator_rank}: SpecVocab needs rank > 0 and "
+                "lm_head_source='target' (exact logits come from the target's output embedding)"
+            )
+        if self.speculator_rank and self.spec_candidates == 0:
+            object.__setattr__(self, "spec_candidates", min(2048, self.vocab_size))
+        if self.speculator_rank and not 1 <= self.spec_candidates <= self.vocab_size:
+            raise Eagle3Error(
+                f"spec_candidates {self.spec_candidates} must be in 1..{self.vocab_size}"
+            )
+
+    @property
+    def n_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    @property
+    def uses_target_head(self) -> bool:
+        """Whether params["out_embed"] (the target's output embedding) must be attached."""
+        return self.lm_head_source == "target"
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the concatenated target features fed to fc (3 * Ht for EAGLE-3)."""
+        return self.n_aux * self.target_hidden_size
+
+    @classmethod
+    def from_target(cls, target_cfg: TargetConfig, **overrides) -> DraftConfig:
+        """A head sized like the target (as published EAGLE-3 heads are), full vocab by default.
+
+        RoPE defaults to theta 10000 without scaling whatever the target uses: the published
+        Llama-3.1 head is trained that way (override `rope` for a head that is not).
+        """
+        fields = dict(
+            hidden_size=target_cfg.hidden_size,
+            intermediate_size=target_cfg.intermediate_size,
+            num_heads=target_cfg.num_heads,
+            num_kv_heads=target_cfg.num_kv_heads,
+            head_dim=target_cfg.head_dim,
+            vocab_size=target_cfg.vocab_size,
+            draft_vocab_size=target_cfg.vocab_size,
+            aux_layer_ids=target_cfg.default_aux_layer_ids(),
+            target_hidden_size=target_cfg.hidden_size,
+            rms_norm_eps=target_cfg.rms_norm_eps,
+            rope=RopeConfig(theta=10000.0),
+        )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise Eagle3Error(
+                f"unknown DraftConfig field(s) {sorted(unknown)}: valid are "
+                f"{sorted(f.name for f in dataclasses.fields(cls))}"
+            )
+        return cls(**{**fields, **overrides})
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """EAGLE-2 dynamic tree: `depth` drafted tokens at most per path, `top_k` children per expanded
+    node, `total_tokens` nodes verified per round including the root (SGLang's
+    num-draft-tokens). A chain is top_k = 1, total_tokens = depth + 1. EAGLE's own `depth` flag
+    counts expansion steps after the first: its depth d is our depth d + 1."""
+
+    top_k: int = 4
+    depth: int = 4
+    total_tokens: int = 16
+    # adaptive verification: > 0 verifies only the nodes whose cumulative draft probability is at
+    # least this (rounded up to one of verify_sizes, the largest need over the batch), and skips
+    # draft levels no node could pass; 0 verifies every node every round
+    verify_threshold: float = 0.0
+
+    @property
+    def n(self) -> int:
+        return self.total_tokens - 1
+
+    @property
+    def round_slots(self) -> int:
+        """Cache slots a round may write past the committed length: the verified tree's nodes and
+        the accepted path (depth + 1 entries, padded), whichever is longer."""
+        return max(self.total_tokens, self.depth + 1)
+
+    @property
+    def verify_sizes(self) -> tuple[int, ...]:
+        """Tree sizes (root included) a round may verify: one compiled target forward each."""
+        if self.verify_threshold <= 0:
+            return (self.total_tokens,)
+        small = {1} | {2**i for i in range(1, 8) if 2**i < self.total_tokens}
+        return tuple(sorted(small | {self.total_tokens}))
+
+    @property
+    def pool_size(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def tree_slots(self) -> int:
+        """Draft cache slots for the nodes expanded in one round (never kept across rounds)."""
+        return (self.depth - 1) * self.top_k
+
+    def validate(self, draft_vocab_size: int) -> TreeConfig:
+        if self.depth < 1:
+            raise Eagle3Error(f"tree depth {self.depth} < 1: draft at least one token per round")
+        if self.top_k < 1:
+            raise Eagle3Error(f"top_k {self.top_k} < 1")
+        if self.top_k > draft_vocab_size:
+            raise Eagle3Error(
+                f"top_k {self.top_k} exceeds the draft vocabulary ({draft_vocab_size})"
+            )
+        if not 0 <= self.verify_threshold < 1:
+            raise Eagle3Error(
+                f"verify threshold {self.verify_threshold} must be in [0, 1): a cumulative draft "
+                "probability (0: verify every node)"
+            )
+        if not 2 <= self.total_tokens <= self.pool_size + 1:
+            raise Eagle3Error(
+                f"total_tokens {self.total_tokens} must be in 2..{self.pool_size + 1} for top_k "
+                f"{self.top_k} and depth {self.depth} (root + at most {self.pool_size} candidates)"
+            )
+        return self
+
+
+# The tree decode.py and the evaluation harness use when none is given, by backend: on a CPU the
+# best shape measured with the shipped SmolLM2 head (few nodes, adaptive verification); on
+# accelerators, where verifying more tokens is nearly free, the shape EAGLE-3 and SpecVocab report
+# tau with (top-k 10, 60 tokens, EAGLE's depth 7 = ours 8). Measurements: BENCHMARKS.md.
+CPU_TREE = TreeConfig(top_k=2, depth=3, total_tokens=4, verify_threshold=0.3)
+ACCELERATOR_TREE = TreeConfig(top_k=10, depth=8, total_tokens=60)
+
+
+def default_tree(
+    backend: str | None = None,
+    top_k: int | None = None,
+    depth: int | None = None,
+    total_tokens: int | None = None,
+    verify_threshold: float | None = None,
+) -> TreeConfig:
+    """The backend's default tree (`jax.default_backend()` unless given), with any given field in
+    place of the default's. An unspecified total is capped at what the given top_k and depth can
+    hold, so `top_k=1` is a chain (of the given or the default depth)."""
+    if backend is None:
+        backend = jax.default_backend()
+    base = CPU_TREE if backend == "cpu" else ACCELERATOR_TREE
+    tree = TreeConfig(
+        top_k=base.top_k if top_k is None else top_k,
+        depth=base.depth if depth is None else depth,
+        total_tokens=base.total_tokens if total_tokens is None else total_tokens,
+        verify_threshold=base.verify_threshold if verify_threshold is None else verify_threshold,
+    )
+    if total_tokens is None and tree.top_k == 1:
+        tree = dataclasses.replace(tree, total_tokens=tree.depth + 1)  # a chain
+    elif total_tokens is None and tree.top_k >= 1 and tree.depth >= 1:
+        tree = dataclasses.replace(tree, total_tokens=min(tree.total_tokens, tree.pool_size + 1))
+    return tree

@@ -105,6 +105,8 @@ import time
 import warnings
 from pathlib import Path
 
+from eagle3_jax.config import TreeConfig
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_HEAD = REPO / "eagle3_jax" / "heads" / "smollm2_135m_instruct"
 EMBED_KEY = "embed_tokens.weight"
@@ -540,7 +542,7 @@ def run_ours(args, head: Path, prompt_texts: list[tuple[str, str]]):
     from eagle3_jax import compile_cache
     from eagle3_jax.checkpoints import load_target
     from eagle3_jax.checkpoints.heads import load_head
-    from eagle3_jax.decoding.speculative import TreeConfig, stream
+    from eagle3_jax.decoding.speculative import stream
     from eagle3_jax.prompts import encode_chat
 
     compile_cache.enable()

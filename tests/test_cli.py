@@ -9,6 +9,7 @@ import pytest
 
 from eagle3_jax.checkpoints.eagle_format import save_draft
 from eagle3_jax.checkpoints.hf import load_hf
+from eagle3_jax.config import TreeConfig, default_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.vocab import identity
 
@@ -132,7 +133,6 @@ def test_method_defaults():
 
 def test_tree_defaults_follow_the_backend():
     from eagle3_jax.cli.decode import _tree
-    from eagle3_jax.decoding.speculative import TreeConfig, default_tree
 
     cpu, gpu = default_tree("cpu"), default_tree("gpu")
     assert cpu == TreeConfig(top_k=2, depth=3, total_tokens=4, verify_threshold=0.3)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from eagle3_jax.checkpoints import default_gguf_path, load_target
+from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.prompts import encode_chat
 
@@ -59,7 +60,6 @@ def test_the_shipped_head_speculates_exactly_and_accepts(smollm2, draft_vocab):
 
     from eagle3_jax.checkpoints.heads import load_head
     from eagle3_jax.decoding import speculative
-    from eagle3_jax.decoding.speculative import TreeConfig
     from eagle3_jax.heads import default_head
 
     target, _ = smollm2

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from eagle3_jax.checkpoints.hf import load_hf
+from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
@@ -13,8 +14,8 @@ from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.vocab import build_from_counts
 
-CHAIN = spec.TreeConfig(top_k=1, depth=4, total_tokens=5)
-TREE = spec.TreeConfig(top_k=3, depth=3, total_tokens=9)
+CHAIN = TreeConfig(top_k=1, depth=4, total_tokens=5)
+TREE = TreeConfig(top_k=3, depth=3, total_tokens=9)
 
 
 def _prompts(v, lengths, seed=0):
@@ -61,7 +62,7 @@ def test_baselines_in_the_same_engine_are_exact(setup, method):
         None,
         prompts,
         30,
-        spec.TreeConfig(1, 5, 6),
+        TreeConfig(1, 5, 6),
         eos_ids=(),
         method=method,
     )
@@ -116,7 +117,7 @@ def test_long_acceptances_keep_the_cache_exact(setup):
     bookkeeping are exercised at full length, and the output must still equal plain decoding."""
     params, cfg, *_ = setup
     prompts = _prompts(cfg.vocab_size, [5, 11], seed=11)
-    ref, out = _oracle_run(params, cfg, prompts, 48, spec.TreeConfig(1, 5, 6), noise_every=3)
+    ref, out = _oracle_run(params, cfg, prompts, 48, TreeConfig(1, 5, 6), noise_every=3)
     assert out.output_ids == ref.output_ids
     assert out.accept_hist[:, 5].sum() > 0 and out.accept_hist[:, 2].sum() > 0
     tau = [48 / f for f in out.target_forwards]
@@ -159,7 +160,7 @@ def test_adaptive_verification_prunes_accepted_paths_exactly(setup):
 
         return drafter
 
-    tree = spec.TreeConfig(1, 5, 6, verify_threshold=0.5)  # sizes 1, 2, 4, 6
+    tree = TreeConfig(1, 5, 6, verify_threshold=0.5)  # sizes 1, 2, 4, 6
     prompts = _prompts(cfg.vocab_size, [5, 11], seed=11)
     ref, out = _oracle_run(
         params, cfg, prompts, 48, tree, noise_every=1000, wrap=low_scores_every_other_round
@@ -179,7 +180,7 @@ def test_sliding_window_target_is_exact(hf_checkpoint):
     params, cfg = load_hf(path)
     assert cfg.sliding_window == 12
     prompts = _prompts(cfg.vocab_size, [20, 9], seed=4)
-    ref, out = _oracle_run(params, cfg, prompts, 30, spec.TreeConfig(1, 4, 5), noise_every=3)
+    ref, out = _oracle_run(params, cfg, prompts, 30, TreeConfig(1, 4, 5), noise_every=3)
     assert out.output_ids == ref.output_ids
     assert out.accept_hist[:, 3:].sum() > 0  # long paths were accepted past the window
 
@@ -188,7 +189,7 @@ def test_trees_deeper_than_their_node_count_keep_room_for_the_path(setup):
     """The accepted path is written as depth + 1 entries: a round reserves max(total, depth + 1)
     slots, so a 4-node tree of depth 6 never writes over the prompt near the end of the cache."""
     params, cfg, dparams, dcfg, vocab = setup
-    tree = spec.TreeConfig(2, 6, 4)
+    tree = TreeConfig(2, 6, 4)
     assert tree.round_slots == 7
     for n, new in ((5, 40), (57, 3)):
         prompts = _prompts(cfg.vocab_size, [n], seed=n)
@@ -314,10 +315,10 @@ def test_bad_tree_shapes_are_refused(setup):
 
     p = _prompts(cfg.vocab_size, [5])
     for tree, msg in [
-        (spec.TreeConfig(2, 2, 9), "total_tokens 9 must be"),
-        (spec.TreeConfig(61, 2, 8), "exceeds the draft vocabulary"),
-        (spec.TreeConfig(2, 0, 3), "depth 0 < 1"),
-        (spec.TreeConfig(2, 2, 4, verify_threshold=1.0), "verify threshold 1.0 must be"),
+        (TreeConfig(2, 2, 9), "total_tokens 9 must be"),
+        (TreeConfig(61, 2, 8), "exceeds the draft vocabulary"),
+        (TreeConfig(2, 0, 3), "depth 0 < 1"),
+        (TreeConfig(2, 2, 4, verify_threshold=1.0), "verify threshold 1.0 must be"),
     ]:
         with pytest.raises(Eagle3Error, match=msg):
             spec.generate(params, cfg, dparams, dcfg, vocab, p, 8, tree)

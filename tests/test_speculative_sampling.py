@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from eagle3_jax.config import TargetConfig
+from eagle3_jax.config import TargetConfig, TreeConfig
 from eagle3_jax.decoding import acceptance, plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
@@ -16,7 +16,7 @@ from eagle3_jax.models import target as tgt
 from eagle3_jax.vocab import identity
 
 ROWS = 3000
-TREE = spec.TreeConfig(top_k=2, depth=2, total_tokens=5)
+TREE = TreeConfig(top_k=2, depth=2, total_tokens=5)
 
 
 def _chi2_critical(df: int, z: float = 3.09) -> float:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eagle3_jax.config import TreeConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.training.config import load_config
 from eagle3_jax.training.loop import train
@@ -125,7 +126,7 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
     # the prompts it was trained on (the head knows their answers: long acceptances)
     prompts = [json.loads(x)["prompt_ids"] for x in regen.read_text().splitlines()[:4]]
     for depth in (1, 2):
-        tree = spec.TreeConfig(top_k=1, depth=depth, total_tokens=depth + 1)
+        tree = TreeConfig(top_k=1, depth=depth, total_tokens=depth + 1)
         out = spec.generate(
             target.params, target.cfg, dparams, dcfg, vocab, prompts, 24, tree, eos_ids=()
         )

@@ -28,11 +28,11 @@ from eagle3_jax import compile_cache, cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.atomic import write_text_atomic
 from eagle3_jax.checkpoints.heads import load_head, parse_draft_vocab
-from eagle3_jax.config import default_dtype
+from eagle3_jax.config import default_dtype, default_tree
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
-from eagle3_jax.decoding.speculative import acceptance_rates, default_tree, tau
+from eagle3_jax.decoding.speculative import acceptance_rates, tau
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation.metrics import common_prefix
 from eagle3_jax.heads import default_head
@@ -134,7 +134,7 @@ def load_draft_for(args, target, mesh=None):
 
 def _tree(args):
     """The tree from --top-k/--depth/--total-tokens/--verify-threshold, each unset one from the
-    backend's default (`speculative.default_tree`: a small adaptive tree on the CPU, EAGLE-3's
+    backend's default (`default_tree`: a small adaptive tree on the CPU, EAGLE-3's
     60-token tree on accelerators)."""
 
     return default_tree(
@@ -469,7 +469,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also decode each batch plainly and report the speedup and whether outputs match",
     )
-    # Unset tree flags come from the backend's default (eagle3_jax.decoding.speculative.default_tree):
+    # Unset tree flags come from the backend's default (eagle3_jax.decoding.default_tree):
     # on the CPU the best shape measured with the Vd 8,192 GPU head (4 nodes, the 2 best tokens at each
     # depth, 3 deep, verify threshold 0.3); on GPUs/TPUs, where verifying more tokens is nearly free,
     # EAGLE-3's reporting tree (top-k 10, depth 8 = EAGLE's 7, 60 tokens). See BENCHMARKS.md.

@@ -14,6 +14,7 @@ import numpy as np
 
 from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
+from eagle3_jax.config import TreeConfig, default_tree
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
@@ -79,7 +80,7 @@ def generate(
     max_new_tokens: int = 128,
     head: Head | None = None,
     method: str | None = None,
-    tree: spec.TreeConfig | None = None,
+    tree: TreeConfig | None = None,
     sampling: Sampling = Sampling(),
     seed: int = 0,
     chat_template: bool = True,
@@ -91,7 +92,7 @@ def generate(
       target: a loaded target (`load_target`); its params may be sharded on a mesh.
       prompts: B strings (chat-templated) or B lists of token ids.
       head: a loaded head (`load_head`), needed by "eagle3".
-      tree: the draft tree (default: the backend's, `speculative.default_tree`).
+      tree: the draft tree (default: the backend's, `default_tree`).
     Returns:
       a `Generation` (output ids and texts, finish reasons, target passes, tau, acceptance).
     """
@@ -113,7 +114,7 @@ def generate(
         h = head if method == "eagle3" else Head(None, None, None, None)
         res = spec.generate(
             target.params, target.cfg, h.params, h.cfg, h.vocab, ids, max_new_tokens,
-            tree or spec.default_tree(), sampling, seed, eos, max_context, embed=h.embed,
+            tree or default_tree(), sampling, seed, eos, max_context, embed=h.embed,
             method=method,
         )  # fmt: skip
         forwards, hist = list(res.target_forwards), np.asarray(res.accept_hist)

@@ -25,11 +25,10 @@ from eagle3_jax.checkpoints import load_target, resolve_target, target_digest
 from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.checkpoints.heads import draft_vocab_sizes, load_head, parse_draft_vocab
 from eagle3_jax.compile_cache import release_if_crowded
-from eagle3_jax.config import default_dtype
+from eagle3_jax.config import TreeConfig, default_dtype, default_tree
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
-from eagle3_jax.decoding.speculative import TreeConfig, default_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import metrics
 from eagle3_jax.evaluation.questions import BENCHES, Question, load_questions
@@ -344,7 +343,7 @@ class Models:
             vocab,
             ids,
             max_new,
-            spec.TreeConfig(*m.tree),
+            TreeConfig(*m.tree),
             sampling,
             seed,
             pad_id=pad,

@@ -15,14 +15,13 @@ decided statically from the shape, as the official code decides it at run time.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.config import PLAIN_PRODUCTS, ProductPolicy, RopeConfig, TargetConfig, rope_inv_freq
+from eagle3_jax.config import PLAIN_PRODUCTS, DraftConfig, ProductPolicy, rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models.layers import (
     apply_rope,
@@ -39,128 +38,6 @@ from eagle3_jax.sharding import Rules, named
 from eagle3_jax.vocab import DraftVocab, target_ids
 
 Params = dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftConfig:
-    """Sizes of one EAGLE-3 head.
-
-    `aux_layer_ids` use OUR convention: HF `hidden_states` indices, i.e. the INPUTS to target layers
-    (default (2, L//2, L-3)). SGLang/SpecForge configs name the same tensors as layer OUTPUTS, one
-    less; the checkpoint converter translates. `rope` is the draft's own (theta 10000 unless the
-    head's config says otherwise), not the target's. `products`: how a few rows are multiplied
-    (config.ProductPolicy), a property of the machine: the loaders give the target's.
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    draft_vocab_size: int
-    aux_layer_ids: tuple[int, ...]
-    target_hidden_size: int | None = None  # None: same as hidden_size
-    rms_norm_eps: float = 1e-5
-    rope: RopeConfig = RopeConfig()
-    # Output layer (the draft-vocabulary methods, docs/draft_vocab.md):
-    # "own": the head's lm_head [D, Vd] (EAGLE-3; Vd = V is a full-vocabulary head).
-    # "target": logits from the TARGET's frozen output embedding over the full vocabulary (EAGLE-1/2
-    #   style; FR-Spec restricts it to a subset; SpecVocab adds a speculator). Nothing is stored:
-    #   the output embedding is attached at load time as params["out_embed"] [V, D].
-    lm_head_source: str = "own"
-    speculator_rank: int = 0  # SpecVocab: > 0 adds spec_a [D, r] and spec_b [r, V]
-    spec_candidates: int = 0  # SpecVocab: exact-logit candidates per drafted row (decode time);
-    # 0 = min(2048, V), the published k
-    products: ProductPolicy = PLAIN_PRODUCTS
-
-    def __post_init__(self):
-        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
-        if self.target_hidden_size is None:
-            object.__setattr__(self, "target_hidden_size", self.hidden_size)
-        if not self.aux_layer_ids:
-            raise Eagle3Error(
-                "draft aux_layer_ids are empty: name the target layers whose inputs "
-                "feed the head, e.g. (2, L//2, L-3)"
-            )
-        if min(self.aux_layer_ids) < 0:
-            raise Eagle3Error(
-                f"draft aux_layer_ids {self.aux_layer_ids} contain a negative id: "
-                "use HF hidden_states indices (inputs to target layers), all >= 0"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise Eagle3Error(
-                f"draft num_heads {self.num_heads} is not a multiple of num_kv_heads "
-                f"{self.num_kv_heads}: fix the head's config"
-            )
-        if self.head_dim % 2:
-            raise Eagle3Error(f"draft head_dim {self.head_dim} is odd: RoPE needs an even head_dim")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise Eagle3Error(
-                f"draft_vocab_size {self.draft_vocab_size} must be between 1 and "
-                f"vocab_size {self.vocab_size} (the target vocab)"
-            )
-        if self.lm_head_source not in ("own", "target"):
-            raise Eagle3Error(f"lm_head_source {self.lm_head_source!r}: use own or target")
-        if self.lm_head_source == "target" and self.draft_vocab_size != self.vocab_size:
-            raise Eagle3Error(
-                "a head reading the target's output embedding covers the full vocabulary "
-                f"(draft_vocab_size {self.draft_vocab_size} != {self.vocab_size}); restrict it "
-                "afterwards (FR-Spec) with `python -m eagle3_jax vocab`"
-            )
-        if self.speculator_rank < 0 or (self.speculator_rank and self.lm_head_source != "target"):
-            raise Eagle3Error(
-                f"speculator_rank {self.speculator_rank}: SpecVocab needs rank > 0 and "
-                "lm_head_source='target' (exact logits come from the target's output embedding)"
-            )
-        if self.speculator_rank and self.spec_candidates == 0:
-            object.__setattr__(self, "spec_candidates", min(2048, self.vocab_size))
-        if self.speculator_rank and not 1 <= self.spec_candidates <= self.vocab_size:
-            raise Eagle3Error(
-                f"spec_candidates {self.spec_candidates} must be in 1..{self.vocab_size}"
-            )
-
-    @property
-    def n_aux(self) -> int:
-        return len(self.aux_layer_ids)
-
-    @property
-    def uses_target_head(self) -> bool:
-        """Whether params["out_embed"] (the target's output embedding) must be attached."""
-        return self.lm_head_source == "target"
-
-    @property
-    def feature_size(self) -> int:
-        """Width of the concatenated target features fed to fc (3 * Ht for EAGLE-3)."""
-        return self.n_aux * self.target_hidden_size
-
-    @classmethod
-    def from_target(cls, target_cfg: TargetConfig, **overrides) -> DraftConfig:
-        """A head sized like the target (as published EAGLE-3 heads are), full vocab by default.
-
-        RoPE defaults to theta 10000 without scaling whatever the target uses: the published
-        Llama-3.1 head is trained that way (override `rope` for a head that is not).
-        """
-        fields = dict(
-            hidden_size=target_cfg.hidden_size,
-            intermediate_size=target_cfg.intermediate_size,
-            num_heads=target_cfg.num_heads,
-            num_kv_heads=target_cfg.num_kv_heads,
-            head_dim=target_cfg.head_dim,
-            vocab_size=target_cfg.vocab_size,
-            draft_vocab_size=target_cfg.vocab_size,
-            aux_layer_ids=target_cfg.default_aux_layer_ids(),
-            target_hidden_size=target_cfg.hidden_size,
-            rms_norm_eps=target_cfg.rms_norm_eps,
-            rope=RopeConfig(theta=10000.0),
-        )
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise Eagle3Error(
-                f"unknown DraftConfig field(s) {sorted(unknown)}: valid are "
-                f"{sorted(f.name for f in dataclasses.fields(cls))}"
-            )
-        return cls(**{**fields, **overrides})
 
 
 # ----------------------------------------------------------------------------- parameters
