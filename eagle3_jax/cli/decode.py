@@ -8,7 +8,7 @@
   python -m eagle3_jax decode --chat
 
 Every flag's default runs on the embedded SmolLM2-135M-Instruct with its shipped EAGLE-3 head. See
-README.md for the --json schema. `python decode.py` (the checkout's script) is the same command.
+docs/cli.md for the --json schema. `python decode.py` (the checkout's script) is the same command.
 """
 
 from __future__ import annotations
@@ -498,8 +498,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="adaptive verification: verify only the nodes whose cumulative draft probability is "
         "at least this (rounded up to a compiled size: 1, 2, 4, ..., total), and skip draft levels "
-        "none could pass; 0 = every node every round. Default: 0.3 on the CPU (verifying costs "
-        "there: 1.13-1.17x against 1.08-1.09x plain decoding on MT-bench), 0 on accelerators",
+        "none could pass; 0 = every node every round. Default: 0.3 on the CPU, where verifying "
+        "costs (docs/cli.md), 0 on accelerators",
     )
     p.add_argument(
         "--spec-candidates",

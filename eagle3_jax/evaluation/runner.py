@@ -238,9 +238,9 @@ def check_config(out: Path, config: dict) -> None:
         if old != config:
             diff = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
             hint = (
-                " (a bare eagle3 or pld takes decode.py's default tree of this backend, "
-                "which differs between CPUs and accelerators and was 4,4,16 before 2026-12; "
-                "since 2026-12-01 it is labelled with that shape, e.g. eagle3:2,3,4,0.3)"
+                " (a bare eagle3 or pld takes decode.py's default tree of this backend, which "
+                "differs between CPUs and accelerators; a run labels it with its shape, e.g. "
+                "eagle3:2,3,4,0.3)"
                 if "methods" in diff
                 else ""
             )
@@ -257,7 +257,7 @@ def check_config(out: Path, config: dict) -> None:
             if "draft_digests" in diff:
                 hint += (
                     " (a head's files are not those this run started with, or the run predates "
-                    "2026-12-02, when heads were first fingerprinted by their files)"
+                    "heads' fingerprints)"
                 )
             raise Eagle3Error(
                 f"{out} holds results of another configuration (differs in {', '.join(diff)})"
