@@ -65,6 +65,7 @@ RANKS = {
     "eagle3_jax.evaluation.runner": 4,
     "eagle3_jax.evaluation.report": 4,
     "eagle3_jax.ablation": 4,
+    "eagle3_jax.accelerator": 4,
     "eagle3_jax.cli": 5,
     "eagle3_jax.__main__": 5,
     "eagle3_jax": 5,
