@@ -27,6 +27,7 @@ RANKS = {
     "eagle3_jax.prompts": 0,
     "eagle3_jax.heads": 0,
     "eagle3_jax.compile_cache": 0,
+    "eagle3_jax.distributed": 0,
     "eagle3_jax.checkpoints.atomic": 0,
     "eagle3_jax.checkpoints.safetensors_io": 0,
     "eagle3_jax.checkpoints.layouts": 0,

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import sys
 
-from eagle3_jax import compile_cache
+from eagle3_jax import compile_cache, distributed
 from eagle3_jax.ablation import load_ablation, report_markdown, run_ablation
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.training.config import apply_overrides
@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     args, rest = parse_args(argv)
     compile_cache.enable()
     try:
+        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
         ac = load_ablation(args.config)
         ac = dataclasses.replace(ac, base=apply_overrides(ac.base, rest))
         for name in ("bench", "questions"):

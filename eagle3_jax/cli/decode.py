@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3_jax import compile_cache, cpu_tuning
+from eagle3_jax import compile_cache, cpu_tuning, distributed
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.atomic import write_text_atomic
 from eagle3_jax.checkpoints.heads import load_head, parse_draft_vocab
@@ -54,6 +54,7 @@ def decode_main(args) -> int:
 
     compile_cache.enable()
     try:
+        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
         return _decode(args)
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from eagle3_jax import compile_cache
+from eagle3_jax import compile_cache, distributed
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation.runner import EvalOptions, run_eval
 from eagle3_jax.heads import default_head
@@ -114,6 +114,7 @@ def main(argv=None) -> int:
         draft_vocab=tuple(args.draft_vocab),
     )
     try:
+        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
         run_eval(opts)
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)

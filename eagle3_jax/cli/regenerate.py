@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from eagle3_jax import compile_cache, cpu_tuning
+from eagle3_jax import compile_cache, cpu_tuning, distributed
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.data.conversations import first_user_turns, read_conversations
 from eagle3_jax.data.regenerate import (
@@ -73,6 +73,7 @@ def main(argv=None) -> int:
 
     compile_cache.enable()
     try:
+        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
         convs = read_conversations(args.prompts)[0]
         convs = convs[: args.limit] if args.limit else convs
         buckets = tuple(int(x) for x in args.buckets.split(",")) if args.buckets else None

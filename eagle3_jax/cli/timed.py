@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_jax import compile_cache
+from eagle3_jax import compile_cache, distributed
 from eagle3_jax.data import dataset as dsm
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.training.config import load_config
@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     compile_cache.enable()
     t0 = time.monotonic()
     try:
+        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
         tc = load_config(args.config.removeprefix("="), overrides)
         if tc.grad_accum != 1:
             raise Eagle3Error("timed runs plan optimizer steps with grad_accum 1")

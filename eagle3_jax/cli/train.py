@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from eagle3_jax import compile_cache
+from eagle3_jax import compile_cache, distributed
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.training.config import load_config
 from eagle3_jax.training.loop import precompute_features, train
@@ -37,6 +37,7 @@ def main(argv=None) -> int:
 
     compile_cache.enable()
     try:
+        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
         tc = load_config(args.config.removeprefix("="), overrides)
         if args.precompute_features:
             summary = {"features_dir": str(precompute_features(tc, progress=not args.no_progress))}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from eagle3_jax import compile_cache
+from eagle3_jax import compile_cache, distributed
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
 from eagle3_jax.errors import Eagle3Error
@@ -49,6 +49,7 @@ def main(argv=None) -> int:
 
     compile_cache.enable()
     try:
+        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
         names = [split_set(s)[0] for s in args.data]
         if len(set(names)) < len(names):
             raise Eagle3Error(f"two --data sets share a name ({', '.join(names)}): name them")

@@ -1,7 +1,9 @@
 """Training checkpoints: orbax CheckpointManager over {draft params, optimiser state, step} plus JSON
 metadata (data position, config, vocab size). Orbax writes each step into a temporary directory and
 renames it when complete, so a run killed mid-save never leaves a checkpoint that loads half-written;
-`latest_step` only sees finished ones."""
+`latest_step` only sees finished ones. Across processes (docs/multihost.md) every process creates
+the manager on the same shared directory and calls `save`/`restore` at the same steps: each writes
+and reads only its own shards, process 0 the metadata and the commit (orbax's multi-host path)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
+from eagle3_jax import distributed
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
 from eagle3_jax.checkpoints.heads import VOCAB_ORDER_FILE, read_vocab_order
@@ -33,16 +35,18 @@ from eagle3_jax.training import features
 from eagle3_jax.training.checkpoint import Checkpoints
 from eagle3_jax.training.config import TrainConfig
 from eagle3_jax.training.features import OfflineFeatures
-from eagle3_jax.training.step import init_state, jit_train_step, make_optimizer
+from eagle3_jax.training.step import (
+    global_batch,
+    init_state,
+    jit_train_step,
+    make_optimizer,
+    place,
+    process_rows,
+    replicate,
+)
 from eagle3_jax.training.tensorboard import SummaryWriter
 from eagle3_jax.training.validate import chain_tau, sample, score_head
 from eagle3_jax.vocab import DraftVocab, build_from_counts, identity
-
-
-def maybe_init_distributed() -> None:
-    """Multi-host launch (a coordinator address in the environment): join the cluster first."""
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("COORDINATOR_ADDRESS"):
-        jax.distributed.initialize()
 
 
 class MetricsWriter:
@@ -135,8 +139,6 @@ def prepare_validation(tc: TrainConfig, target, ds, out: Path):
 
     if not tc.val_data:
         return None
-    if jax.process_count() > 1:
-        raise Eagle3Error("val_data: held-out validation runs on one host for now; unset it")
     path = out / "val_dataset.npz"
     if path.exists():
         return dsm.load(path)
@@ -276,9 +278,21 @@ def start_trunk_from(path: str, dparams, dcfg, tcfg, dtype):
 
 
 def export_head(path: Path, state, dcfg, vocab, tc: TrainConfig, step: int, tokens: int) -> Path:
-    """The head at this step in the official format, plus training.json (step, tokens seen)."""
+    """The head at this step in the official format, plus training.json (step, tokens seen).
+    Across processes every process gathers the parameters, process 0 alone writes the head, and
+    every process returns once it is written."""
 
-    save_draft(path, jax.device_get(state.params), dcfg, vocab, dtype=tc.export_dtype)
+    if jax.process_count() > 1:
+        params = multihost_utils.process_allgather(state.params, tiled=True)
+        if distributed.is_primary():
+            _write_head(path, params, dcfg, vocab, tc, step, tokens)
+        distributed.barrier(f"export {path}")
+        return path
+    return _write_head(path, jax.device_get(state.params), dcfg, vocab, tc, step, tokens)
+
+
+def _write_head(path: Path, params, dcfg, vocab, tc: TrainConfig, step: int, tokens: int) -> Path:
+    save_draft(path, params, dcfg, vocab, dtype=tc.export_dtype)
     (path / "training.json").write_text(json.dumps({"step": step, "tokens": tokens}) + "\n")
     if tc.init_head:  # a continued head keeps its ids, so their order, checked against them:
         try:  # never export a head its own order file makes unloadable
@@ -299,7 +313,8 @@ def train(
     from tqdm.auto import tqdm
 
     tc = tc.validate()
-    maybe_init_distributed()
+    distributed.initialize()  # the command lines have joined already; a library call joins here
+    multi = jax.process_count() > 1
     out = Path(tc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoints(out / "checkpoints", keep=tc.keep_checkpoints)
@@ -318,17 +333,31 @@ def train(
                 f"--resume with a different config ({', '.join(diff)}): resume with the "
                 "run's own config, or start a new out_dir"
             )
-    cfg_path.write_text(json.dumps(tc.record(RESUMABLE), indent=1))
+    distributed.barrier("config read")  # before process 0 writes it
+    if distributed.is_primary():
+        cfg_path.write_text(json.dumps(tc.record(RESUMABLE), indent=1))
 
     n_dev = tc.mesh_data * tc.mesh_model
+    if multi and n_dev != jax.device_count():
+        raise Eagle3Error(
+            f"mesh {tc.mesh_data}x{tc.mesh_model} in a run of {jax.process_count()} processes: "
+            f"set mesh_data x mesh_model to all {jax.device_count()} devices"
+        )
+    if multi and tc.regenerate and not (out / "dataset.npz").exists():
+        raise Eagle3Error(
+            "regenerate=True in a multi-process run: answer the prompts first (`python -m "
+            "eagle3_jax regenerate`), then train on its output with --config.regenerate=False"
+        )
     mesh = make_mesh(tc.mesh_data, tc.mesh_model) if n_dev > 1 else None
     target = load_target(tc.target, dtype=DTYPES[tc.param_dtype], mesh=mesh)
     tcfg = target.cfg
-    ds = prepare_data(tc, target, out)
-    val = prepare_validation(tc, target, ds, out)
-    if tc.init_head and not (out / "vocab.npz").exists():
-        keep_vocab_of(tc.init_head, tcfg, out)  # a continued head keeps its draft vocabulary
-    vocab = prepare_vocab(tc, ds, tcfg.vocab_size, out)
+    # process 0 writes dataset.npz, val_dataset.npz and vocab.npz; the others read them after it
+    with distributed.primary_first("data"):
+        ds = prepare_data(tc, target, out)
+        val = prepare_validation(tc, target, ds, out)
+        if tc.init_head and not (out / "vocab.npz").exists():
+            keep_vocab_of(tc.init_head, tcfg, out)  # a continued head keeps its draft vocabulary
+        vocab = prepare_vocab(tc, ds, tcfg.vocab_size, out)
     aux_ids = tcfg.check_aux_layer_ids(tc.aux_layer_ids or tcfg.default_aux_layer_ids())
     if tcfg.num_layers in aux_ids:
         raise Eagle3Error(
@@ -347,6 +376,8 @@ def train(
     total = tc.max_steps or tc.epochs * per_epoch
     tx = make_optimizer(tc, total)
     dparams = drf.init_params(dcfg, jax.random.PRNGKey(tc.seed), DTYPES[tc.param_dtype])
+    if multi:  # global arrays before anything mixes them with the target's (global) params
+        dparams = place(dparams, drf.param_shardings(dcfg, mesh))
     if tc.init_head:
         dparams = start_from_head(tc.init_head, dcfg, vocab, tcfg, DTYPES[tc.param_dtype])
     elif tc.head_init == "target" and dcfg.lm_head_source == "own":
@@ -362,7 +393,11 @@ def train(
         dparams = start_trunk_from(tc.init_trunk, dparams, dcfg, tcfg, DTYPES[tc.param_dtype])
     state_sh = None
     if mesh is not None:
-        dparams = jax.tree.map(jax.device_put, dparams, drf.param_shardings(dcfg, mesh))
+        dparams = (
+            place(dparams, drf.param_shardings(dcfg, mesh))
+            if multi
+            else jax.tree.map(jax.device_put, dparams, drf.param_shardings(dcfg, mesh))
+        )
     # The step donates the head's state while it reads the target's params, so no leaf may share
     # a buffer with them: a start taken from the target (head_init=target: its final norm, which
     # astype to the same dtype returns as the same array) is copied here, once, for every start.
@@ -381,7 +416,7 @@ def train(
                 "raise max_steps (or epochs) to continue it, or start a new out_dir"
             )
         print(f"resumed from step {start}", file=sys.stderr)
-    t2d = jnp.asarray(vocab.t2d)
+    t2d = replicate(vocab.t2d, mesh) if multi else jnp.asarray(vocab.t2d)
     offline = None
     if tc.features == "offline":
         offline = OfflineFeatures(tc.features_dir, ds, aux_ids)
@@ -411,23 +446,32 @@ def train(
     )
     t_last, tokens_since = time.perf_counter(), 0
     last = {}
+    # every process walks the same global batches and reads only its rows of each (the feature
+    # store's among them); across processes they become global arrays sharded over `data`
+    mine = process_rows(mesh, tc.batch_size) if multi else slice(None)
     for batch in batches(
         ds,
         tc.batch_size,
         tc.seed,
         start_step=start,
         num_steps=total - start,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
         length_bucket=tc.length_bucket,
     ):
-        arrays = batch_arrays(batch)
+        local = batch._replace(
+            input_ids=batch.input_ids[mine],
+            loss_mask=batch.loss_mask[mine],
+            lengths=batch.lengths[mine],
+            rows=batch.rows[mine],
+        )
+        arrays = batch_arrays(local)
         if offline is not None:
-            arrays.update(offline.batch(batch.rows, batch.input_ids.shape[1]))
+            arrays.update(offline.batch(local.rows, batch.input_ids.shape[1]))
+        if multi:
+            arrays = global_batch(arrays, mesh, tc.batch_size)
         state, metrics = step_fn(state, target.params, arrays, t2d)
         step = batch.step + 1
-        tokens_since += int(batch.lengths.sum()) * jax.process_count()
-        tokens_seen += int(batch.lengths.sum()) * jax.process_count()
+        tokens_since += int(batch.lengths.sum())
+        tokens_seen += int(batch.lengths.sum())
         loss = float(metrics["loss"])
         if not math.isfinite(loss):
             writer.close()

@@ -12,11 +12,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.config import DTYPES, TargetConfig
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.training.config import TrainConfig
@@ -49,9 +51,14 @@ def init_state(dparams, tx: optax.GradientTransformation, mesh=None) -> TrainSta
     if mesh is None:
         return state
     rep = NamedSharding(mesh, P())
-    return jax.tree.map(
-        lambda x: x if len(x.sharding.device_set) == mesh.size else jax.device_put(x, rep), state
-    )
+
+    def put(x):
+        if len(x.sharding.device_set) == mesh.size:
+            return x
+        # across hosts, a global array made from the value every process holds alike
+        return replicate(x, mesh) if jax.process_count() > 1 else jax.device_put(x, rep)
+
+    return jax.tree.map(put, state)
 
 
 def target_features(
@@ -145,6 +152,51 @@ def train_step(
 def batch_sharding(mesh) -> NamedSharding:
     """Sequences over the `data` axis (the leading dimension of every batch array)."""
     return NamedSharding(mesh, P("data"))
+
+
+def process_rows(mesh, batch_size: int) -> slice:
+    """The rows of a global batch that this process's devices hold under `batch_sharding`: all of
+    them with one process (or a `data` axis inside one host), else this process's share of the
+    `data` axis. The rows a process reads, and hands to `global_batch`."""
+    shards = batch_sharding(mesh).addressable_devices_indices_map((batch_size,))
+    ranges = sorted({idx[0].indices(batch_size)[:2] for idx in shards.values()})
+    lo, hi = ranges[0][0], max(stop for _, stop in ranges)
+    if sum(stop - start for start, stop in ranges) != hi - lo:
+        raise Eagle3Error(
+            f"this process's devices hold rows {ranges} of the batch, not one block: order the "
+            "mesh's devices process by process"
+        )
+    return slice(lo, hi)
+
+
+def global_batch(arrays: dict[str, np.ndarray], mesh, batch_size: int) -> dict[str, jax.Array]:
+    """This process's rows (`process_rows`) of every batch array -> global arrays sharded over
+    `data`: what a step jitted with global shardings takes in a multi-process run (JAX refuses
+    host-local numpy there)."""
+    sh = batch_sharding(mesh)
+    return {
+        k: jax.make_array_from_process_local_data(sh, v, (batch_size, *v.shape[1:]))
+        for k, v in arrays.items()
+    }
+
+
+def replicate(x, mesh) -> jax.Array:
+    """A host value every process holds alike -> one array replicated over the whole mesh."""
+    x = np.asarray(x)
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, P()), x, x.shape)
+
+
+def place(tree, shardings):
+    """Host or single-device arrays every process holds alike -> global arrays laid out as
+    `shardings` (each process fills only its own devices' shards)."""
+
+    def put(x, sh):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(x, sh)  # a global array already: laid out anew
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree, shardings)
 
 
 def jit_train_step(

@@ -1,0 +1,241 @@
+"""Joining a multi-process JAX run: a TPU pod, a SLURM or Open MPI job, or processes started by hand.
+
+Every command line calls `initialize()` first (before anything touches a JAX device):
+
+* With `JAX_COORDINATOR_ADDRESS` (host:port of process 0), `JAX_NUM_PROCESSES` and
+  `JAX_PROCESS_ID` in the environment, it joins that cluster (a cluster JAX detects fills in
+  whichever of them is unset).
+* Otherwise, where JAX detects a cluster (a Cloud TPU pod slice; a SLURM job step; an Open MPI
+  `mpirun`) of more than one process, it joins it with JAX's detected address, count and id.
+* Otherwise (one process, none of these) it does nothing.
+
+A process that cannot reach the coordinator, or a coordinator the other processes do not join,
+within `timeout_s` (default `EAGLE3_JAX_DISTRIBUTED_TIMEOUT`, else 300 s) ends with one line
+naming the address and exit status 2. JAX itself aborts the process with a C++ stack trace there
+(jax 0.10: `client.connect()` fails with DEADLINE_EXCEEDED and LOG(FATAL)s), so a process that is
+not the coordinator first waits for the coordinator's port to accept connections (an
+`Eagle3Error`), and a watchdog ends the process with that one line before JAX's own deadline.
+See docs/multihost.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import sys
+import threading
+import time
+import warnings
+
+import jax
+
+# JAX's cluster detection (what jax.distributed.initialize uses), its client, its backends
+from jax._src import clusters, xla_bridge
+from jax._src import distributed as jax_distributed
+
+from eagle3_jax.errors import Eagle3Error
+
+ADDRESS = "JAX_COORDINATOR_ADDRESS"
+COUNT = "JAX_NUM_PROCESSES"
+ID = "JAX_PROCESS_ID"
+TIMEOUT = "EAGLE3_JAX_DISTRIBUTED_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+EXIT_STATUS = 2  # what the command lines return for an Eagle3Error
+
+
+def detected_cluster():
+    """The cluster environment JAX detects here (its `ClusterEnv` class), or None. Opt-in
+    methods (mpi4py) are left out, as JAX leaves them out; Kubernetes without its client package
+    is not a cluster (JAX warns about it; the warning is silenced here)."""
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                present = env.is_env_present()
+            except Exception:  # a detector that cannot run here (e.g. no metadata server)
+                present = False
+        if present:
+            return env
+    return None
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise Eagle3Error(f"{name}={value!r}: give an integer") from None
+
+
+def _timeout(timeout_s: float | None) -> float:
+    if timeout_s is not None:
+        return float(timeout_s)
+    value = os.environ.get(TIMEOUT, "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    try:
+        return float(value)
+    except ValueError:
+        raise Eagle3Error(f"{TIMEOUT}={value!r}: give seconds") from None
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise Eagle3Error(f"{ADDRESS}={address!r}: give HOST:PORT, e.g. 10.0.0.1:1234")
+    return host.strip("[]"), int(port)
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Returns once the coordinator's port at `address` accepts a connection; an Eagle3Error
+    naming the address after `timeout_s` seconds (process 0 may start a little later)."""
+    host, port = _host_port(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, left))):
+                return
+        except OSError as e:
+            if time.monotonic() + 0.25 >= deadline:
+                raise Eagle3Error(
+                    f"cannot reach the JAX coordinator at {address} within {timeout_s:g} s "
+                    f"({e.strerror or e}): start process 0 there, or check {ADDRESS}"
+                ) from None
+            time.sleep(0.25)
+
+
+def _watchdog(message: str, seconds: float) -> threading.Event:
+    """Ends the process with `message` (one line, exit status 2) unless the returned event is
+    set within `seconds`: JAX's own failure there is an abort with a stack trace."""
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(seconds):
+            sys.stderr.write(f"error: {message}\n")
+            sys.stderr.flush()
+            os._exit(EXIT_STATUS)
+
+    threading.Thread(target=watch, name="eagle3-distributed-watchdog", daemon=True).start()
+    return done
+
+
+def initialize(timeout_s: float | None = None) -> bool:
+    """Joins the cluster this process was launched in (see the module docstring); True when it
+    did (or had already), False for a single process. Call before any JAX computation."""
+    if jax.distributed.is_initialized():
+        return True
+    address = os.environ.get(ADDRESS, "").strip() or None
+    count, pid = _int_env(COUNT), _int_env(ID)
+    env = detected_cluster()
+    if address is None and count is None and pid is None and env is None:
+        return False
+    timeout = _timeout(timeout_s)
+    if env is not None and None in (address, count, pid):
+        try:
+            if count is None:
+                count = env.get_process_count()
+            if pid is None:
+                pid = env.get_process_id()
+            if address is None:
+                port = os.environ.get("JAX_COORDINATOR_PORT")
+                address = env.get_coordinator_address(
+                    timeout_secs=int(timeout), override_coordinator_port=port
+                )
+        except Exception as e:
+            raise Eagle3Error(
+                f"{env.__name__}: cannot read this job's coordinator, process count and id "
+                f"({e}); set {ADDRESS}, {COUNT} and {ID}"
+            ) from None
+    if count == 1 and not pid:
+        return False  # one process: nothing to join
+    missing = [n for n, v in ((ADDRESS, address), (COUNT, count), (ID, pid)) if v is None]
+    if missing:
+        raise Eagle3Error(
+            f"a multi-process run needs {ADDRESS}, {COUNT} and {ID} (no cluster detected); "
+            f"{', '.join(missing)} unset"
+        )
+    if count < 1 or not 0 <= pid < count:
+        raise Eagle3Error(f"{ID}={pid} with {COUNT}={count}: give an id in 0..{count - 1}")
+    _host_port(address)
+    if xla_bridge.backends_are_initialized():
+        raise Eagle3Error(
+            "eagle3_jax.distributed.initialize() must run before any JAX computation "
+            "(a device was already used in this process)"
+        )
+    start = time.monotonic()
+    if pid != 0:
+        wait_for_coordinator(address, timeout)
+    left = max(1.0, timeout - (time.monotonic() - start))
+    message = (
+        f"the JAX coordinator at {address} (this process, 0 of {count}) was not joined by all "
+        f"{count} processes within {timeout:g} s: start every process with the same "
+        f"{ADDRESS} and {COUNT}"
+        if pid == 0
+        else f"cannot join the JAX coordinator at {address} (process {pid} of {count}) within "
+        f"{timeout:g} s: check that every process uses the same {ADDRESS} and {COUNT}"
+    )
+    done = _watchdog(message, left)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=address,
+            num_processes=count,
+            process_id=pid,
+            initialization_timeout=int(left) + 30,  # past the watchdog's: it speaks first
+        )
+    except (RuntimeError, ValueError) as e:
+        raise Eagle3Error(f"joining the JAX coordinator at {address}: {e}") from None
+    finally:
+        done.set()
+    return True
+
+
+BARRIER_TIMEOUT_S = 24 * 3600.0  # process 0 may tokenise a large dataset while the others wait
+_barriers = itertools.count()
+
+
+def is_primary() -> bool:
+    """Process 0: the one that writes what a run writes once (metrics, heads, data files)."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """Every process waits here until all have arrived (the coordination service's barrier, no
+    device work); nothing with one process. Every process must pass the same barriers in the
+    same order."""
+    if jax.process_count() == 1:
+        return
+    client = jax_distributed.global_state.client
+    client.wait_at_barrier(f"eagle3_jax/{next(_barriers)}/{name}", int(timeout_s * 1000))
+
+
+@contextlib.contextmanager
+def primary_first(name: str, timeout_s: float = BARRIER_TIMEOUT_S):
+    """Process 0 runs the block first (writing the files it makes), then the others run it (and
+    find those files there): every process gets the same result, and only process 0 writes.
+    Where process 0 fails in the block, the others raise an Eagle3Error with its message
+    instead of waiting for it. With one process, just the block."""
+    if jax.process_count() == 1:
+        yield
+        return
+    client = jax_distributed.global_state.client
+    key = f"eagle3_jax/{next(_barriers)}/{name}"
+    if is_primary():
+        try:
+            yield
+        except BaseException as e:
+            text = str(e) if isinstance(e, Eagle3Error) else f"{type(e).__name__}: {e}"
+            client.key_value_set(key, "error " + text)
+            raise
+        client.key_value_set(key, "ok")
+        return
+    status = client.blocking_key_value_get(key, int(timeout_s * 1000))
+    if status != "ok":
+        raise Eagle3Error(f"process 0 stopped: {status.removeprefix('error ')}")
+    yield

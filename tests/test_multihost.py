@@ -1,0 +1,287 @@
+"""Several JAX processes on this machine, as a pod or a SLURM job runs them: a localhost coordinator
+(`eagle3_jax.distributed` reads JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID),
+JAX's CPU collectives (gloo, jax's default on CPU) and 2 host-platform devices per process, so
+the global mesh has 4 devices (2 data x 2 model). Every worker asserts `jax.process_count() == 2`,
+so a run that falls back to one process fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROCESSES = 2
+DEVICES = 2  # per process
+
+# the command line (eagle3_jax.cli), then the check that it really ran as one of two processes
+CLI_WORKER = (
+    "import sys, jax; from eagle3_jax.cli import main; rc = main(sys.argv[1:]); "
+    "assert jax.process_count() == 2, jax.process_count(); sys.exit(rc)"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _env(port: int, pid: int, **extra) -> dict:
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
+        "EAGLE3_JAX_COMPILATION_CACHE": "0",
+        "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+        "JAX_NUM_PROCESSES": str(PROCESSES),
+        "JAX_PROCESS_ID": str(pid),
+        "EAGLE3_JAX_DISTRIBUTED_TIMEOUT": "120",
+        **extra,
+    }
+    return env
+
+
+def _launch(code: str, args: list[str], logs: Path, **extra) -> list[subprocess.Popen]:
+    """The same command on every process (as on every worker of a pod), logs in logs.{i}."""
+    port = _free_port()
+    procs = []
+    for i in range(PROCESSES):
+        with open(f"{logs}.{i}", "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code, *args],
+                    cwd=ROOT,
+                    env=_env(port, i, **extra),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    return procs
+
+
+def _wait(procs, logs: Path, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1, deadline - time.time()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, Path(f"{logs}.{i}").read_text()[-3000:]
+
+
+def _conversations(path: Path, n: int, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    recs = []
+    for i in range(n):
+        q = " ".join(f"w{x}" for x in rng.integers(3, 97, 6))
+        a = " ".join(f"w{x}" for x in rng.integers(3, 97, 14))
+        turns = [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
+        recs.append({"id": f"c{seed}_{i}", "conversations": turns})
+    path.write_text(json.dumps(recs))
+    return path
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _head(run: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(run / "head" / "model.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------
+# joining a cluster
+
+
+def test_an_unreachable_coordinator_ends_with_one_line(tmp_path):
+    """A worker whose coordinator never comes up, and a coordinator whose peers never join, each
+    end with exit status 2 and one line naming the address, within the timeout (not a hang, and
+    not JAX's abort with a C++ stack trace)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "eagle3_jax", "train", "--config=configs/tiny.py"]
+    t0 = time.time()
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=_env(port + k, pid, EAGLE3_JAX_DISTRIBUTED_TIMEOUT="3"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k, pid in enumerate((1, 0))  # two different ports: neither meets the other
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    elapsed = time.time() - t0
+    for k, (p, (out, err)) in enumerate(zip(procs, outs)):
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert p.returncode == 2, err[-2000:]
+        assert len(lines) == 1 and lines[0].startswith("error: "), err[-2000:]
+        assert f"localhost:{port + k}" in lines[0]
+        assert out == ""
+    assert "cannot reach the JAX coordinator" in outs[0][1]
+    assert "was not joined by all 2 processes" in outs[1][1]
+    assert elapsed < 60  # 3 s of waiting, plus starting Python and JAX twice on 2 busy cores
+
+
+JOIN_WORKER = """
+import sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import multihost_utils
+from eagle3_jax import distributed
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.sharding import make_mesh
+from eagle3_jax.training.step import global_batch, process_rows, replicate
+
+assert distributed.initialize() and distributed.initialize()  # joins once; a second call is a no-op
+pid = jax.process_index()
+assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
+out = Path(sys.argv[1])
+with distributed.primary_first("write"):  # process 0 writes, the other reads after it
+    if pid == 0:
+        (out / "made.txt").write_text("by 0")
+    assert (out / "made.txt").read_text() == "by 0"
+try:  # process 0 failing there: the other process gets its message, it does not wait forever
+    with distributed.primary_first("fail"):
+        if pid == 0:
+            raise Eagle3Error("no training data here")
+    raise AssertionError("primary_first did not raise")
+except Eagle3Error as e:
+    assert "no training data here" in str(e), e
+glob = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+for data, model, want in ((2, 2, slice(4 * pid, 4 * pid + 4)), (4, 1, slice(4 * pid, 4 * pid + 4)),
+                          (1, 4, slice(0, 8))):
+    mesh = make_mesh(data, model)
+    rows = process_rows(mesh, 8)
+    assert rows == want, (data, model, rows)
+    x = global_batch({"x": glob[rows]}, mesh, 8)["x"]  # this process's rows only
+    assert x.shape == (8, 3) and not x.is_fully_addressable
+    total = jax.jit(lambda a, w: (a * w).sum(), out_shardings=jax.NamedSharding(mesh, jax.P()))(
+        x, replicate(np.float32(2.0), mesh))
+    assert float(total) == 2 * glob.sum()
+    back = multihost_utils.process_allgather(x, tiled=True)
+    np.testing.assert_array_equal(back, glob)
+distributed.barrier("done")
+print("ok", pid)
+"""
+
+
+def test_two_processes_join_and_build_global_batches(tmp_path):
+    """Two processes join through the environment variables; process 0 writes first and its
+    failure reaches the other; each reads only its rows of a global batch (which rows follows the
+    mesh: half of them on 2 x 2 and 4 x 1, all on 1 x 4), and the arrays they build together are
+    the global batch."""
+    logs = tmp_path / "join.log"
+    procs = _launch(JOIN_WORKER, [str(tmp_path)], logs)
+    _wait(procs, logs, timeout=240)
+    for i in range(PROCESSES):
+        assert f"ok {i}" in Path(f"{logs}.{i}").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# training
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target_dir, tmp_path_factory):
+    """Data, the common arguments, and the one-process run on a 2 x 2 mesh every run is held to."""
+    from eagle3_jax.training.config import load_config
+    from eagle3_jax.training.loop import train
+
+    d = tmp_path_factory.mktemp("multihost")
+    args = [
+        "--config=configs/tiny.py",
+        "--no-progress",
+        f"--config.target={tiny_target_dir}",
+        f"--config.data={_conversations(d / 'data.json', 12, 0)}",
+        f"--config.val_data={_conversations(d / 'held.json', 4, 5)}",
+        "--config.val_every=5",
+        "--config.max_steps=16",
+        "--config.save_every=2",
+        "--config.export_every=5",
+        "--config.mesh_data=2",
+        "--config.mesh_model=2",
+    ]
+    one = d / "one"
+    overrides = [a for a in args if a.startswith("--config.")] + [f"--config.out_dir={one}"]
+    train(load_config(ROOT / "configs/tiny.py", overrides), progress=False)
+    return d, args, one
+
+
+def _train_args(args: list[str], out: Path, *more: str) -> list[str]:
+    return ["train", *args, f"--config.out_dir={out}", *more]
+
+
+def _same_run(run: Path, one: Path) -> None:
+    got, want = _lines(run / "metrics.jsonl"), _lines(one / "metrics.jsonl")
+    assert [m["step"] for m in got] == list(range(1, 17))  # written once: no line twice
+    np.testing.assert_allclose([m["loss"] for m in got], [m["loss"] for m in want], rtol=1e-5)
+    assert [m["tokens"] for m in got] == [m["tokens"] for m in want]  # the global batches' tokens
+    head, ref = _head(run), _head(one)
+    assert sorted(head) == sorted(ref)
+    for k in ref:
+        np.testing.assert_allclose(head[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.slow  # ~60-100 s on 2 busy cores
+def test_training_on_two_processes_equals_one(setup):
+    """train on 2 processes x 2 devices (a 2 x 2 mesh over both): the losses of one process on
+    the same mesh and data, one exported head (written by process 0) equal to its head, and the
+    held-out validation and metrics written once."""
+    d, args, one = setup
+    run = d / "two"
+    logs = d / "two.log"
+    _wait(_launch(CLI_WORKER, _train_args(args, run), logs), logs)
+    _same_run(run, one)
+    got, want = _lines(run / "validation.jsonl"), _lines(one / "validation.jsonl")
+    assert [v["step"] for v in got] == [5, 10, 15, 16]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g["val_xent_0"], w["val_xent_0"], rtol=1e-5)
+    inter = json.loads((run / "heads/step_000005/training.json").read_text())
+    assert inter == json.loads((one / "heads/step_000005/training.json").read_text())
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["12", "14", "16"]
+
+
+@pytest.mark.slow  # ~90-150 s on 2 busy cores
+def test_sigkill_of_every_process_then_resume(setup):
+    """Both processes killed with SIGKILL after a checkpoint; started again with --resume they
+    continue from the last checkpoint to the losses and the head of an uninterrupted run."""
+    d, args, one = setup
+    run = d / "killed"
+    logs = d / "killed.log"
+    procs = _launch(CLI_WORKER, _train_args(args, run), logs)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.02)
+    assert all(p.poll() is None for p in procs), "a process ended before it could be killed"
+    for p in procs:
+        os.kill(p.pid, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+    done = len(metrics.read_text().splitlines())
+    assert done < 16 and not (run / "head").exists()
+    _wait(_launch(CLI_WORKER, _train_args(args, run, "--resume"), logs), logs)
+    for i in range(PROCESSES):  # every process restored the last checkpoint, at step 4 or past it
+        resumed = re.search(r"resumed from step (\d+)", Path(f"{logs}.{i}").read_text())
+        assert resumed and 4 <= int(resumed.group(1)) <= done, (i, done)
+    _same_run(run, one)
