@@ -512,3 +512,26 @@ def test_timed_run_fits_max_steps_to_the_budget(tiny_target_dir, tmp_path, capsy
     metrics.write_text(metrics.read_text().splitlines()[0])
     with pytest.raises(Eagle3Error, match="logged steps"):
         timed.seconds_per_step(metrics)
+
+
+def test_a_run_is_locked_and_resumes_only_on_the_same_inputs(tiny_target_dir, tmp_path):
+    """A second run on the same out_dir is refused while the first holds it; --resume after the
+    data file was edited at the same path is refused, naming it; restored, it resumes."""
+    import os
+
+    from eagle3_jax.checkpoints.atomic import exclusive
+
+    tc = _cfg(tiny_target_dir, tmp_path, "--config.max_steps=4", "--config.save_every=2")
+    out = Path(tc.out_dir)
+    out.mkdir(parents=True)
+    with exclusive(out / "process0", "out_dir"):
+        with pytest.raises(Eagle3Error, match="another process"):
+            train(tc, progress=False)
+    train(tc, progress=False, stop_after=2)
+    data = Path(tc.data)
+    st = data.stat()
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(Eagle3Error, match="data changed since the run started"):
+        train(tc, resume=True, progress=False)
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert train(tc, resume=True, progress=False)["steps"] == 4

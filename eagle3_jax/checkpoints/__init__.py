@@ -167,3 +167,18 @@ def target_digest(path: str | os.PathLike) -> str:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
+
+
+def files_digest(paths) -> str:
+    """A short digest of files and folders (recursively) by name, size and modification time:
+    an input replaced or edited at the same path digests differently, and nothing is read."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in paths:
+        p = Path(p)
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        for f in files:
+            st = f.stat() if f.exists() else None
+            h.update(f"{f.name}:{st.st_size if st else -1}:{st.st_mtime_ns if st else -1}".encode())
+    return h.hexdigest()[:16]

@@ -20,7 +20,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from eagle3_jax import distributed
-from eagle3_jax.checkpoints import load_target
+from eagle3_jax.checkpoints import files_digest, load_target, resolve_target, target_digest
+from eagle3_jax.checkpoints.atomic import exclusive
 from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
 from eagle3_jax.checkpoints.heads import VOCAB_ORDER_FILE, read_vocab_order
 from eagle3_jax.config import DTYPES
@@ -303,13 +304,58 @@ def _write_head(path: Path, params, dcfg, vocab, tc: TrainConfig, step: int, tok
     return path
 
 
+INPUTS = "inputs.json"  # what the run's results depend on beyond its config: the files' digests
+
+
+def run_inputs(tc: TrainConfig) -> dict[str, str]:
+    """Digests of the target's files, the data and validation files and any head the run starts
+    from (by name, size and modification time: `files_digest`)."""
+    split = lambda text: [p for p in text.split(",") if p]  # noqa: E731
+    out = {"target": target_digest(resolve_target(tc.target))}
+    for name, paths in (("data", split(tc.data)), ("val_data", split(tc.val_data)),
+                        ("init_head", split(tc.init_head)), ("init_trunk", split(tc.init_trunk))):  # fmt: skip
+        if paths:
+            out[name] = files_digest(paths)
+    return out
+
+
+def check_inputs(tc: TrainConfig, out: Path, resuming: bool) -> None:
+    """Records the run's inputs (`INPUTS`), or refuses to resume when one of them changed since
+    the run started, naming it. A run from before this record is resumed and recorded."""
+    path = out / INPUTS
+    now = run_inputs(tc)
+    if resuming and path.exists():
+        saved = json.loads(path.read_text())
+        diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+        if diff:
+            raise Eagle3Error(
+                f"--resume, but {', '.join(diff)} changed since the run started (files replaced or "
+                "edited at the same path): restore them, or start a new out_dir"
+            )
+    distributed.barrier("inputs read")
+    if distributed.is_primary():
+        path.write_text(json.dumps(now, indent=1) + "\n")
+
+
 def train(
     tc: TrainConfig, resume: bool = False, progress: bool = True, stop_after: int | None = None
 ) -> dict[str, Any]:
     """Runs (or resumes) a training run; returns a summary with the exported head's path.
 
     `stop_after` ends the run after that step without a final save or export, as a kill would
-    (tests use it to check that --resume reproduces the uninterrupted run)."""
+    (tests use it to check that --resume reproduces the uninterrupted run). A second run on the
+    same out_dir is refused while this one holds it (one lock per process of a run)."""
+    tc = tc.validate()
+    distributed.initialize()
+    out = Path(tc.out_dir)
+    if out.exists() and not out.is_dir():
+        raise Eagle3Error(f"out_dir {out} is a file: give a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    with exclusive(out / f"process{jax.process_index()}", "out_dir"):
+        return _train(tc, resume, progress, stop_after)
+
+
+def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     tc = tc.validate()
@@ -333,6 +379,7 @@ def train(
                 f"--resume with a different config ({', '.join(diff)}): resume with the "
                 "run's own config, or start a new out_dir"
             )
+    check_inputs(tc, out, resuming=ckpt.latest_step() is not None)
     distributed.barrier("config read")  # before process 0 writes it
     if distributed.is_primary():
         cfg_path.write_text(json.dumps(tc.record(RESUMABLE), indent=1))
