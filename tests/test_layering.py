@@ -22,6 +22,7 @@ PKG = Path(__file__).resolve().parents[1] / "eagle3_jax"
 RANKS = {
     "eagle3_jax.errors": 0,
     "eagle3_jax.config": 0,
+    "eagle3_jax.cost_model": 0,
     "eagle3_jax.paths": 0,
     "eagle3_jax.sharding": 0,
     "eagle3_jax.prompts": 0,

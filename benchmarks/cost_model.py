@@ -1,0 +1,284 @@
+#!/usr/bin/env python
+"""What a plain step and a speculative round cost on accelerators, predicted from the shapes
+(`eagle3_jax.cost_model`): tables per device x target x tree, the best tree per device, the
+calibration against published speedups and our CPU measurement, a JSON and a plot.
+
+  .venv/bin/python benchmarks/cost_model.py                 # tables, JSON, plot (~10 s)
+  .venv/bin/python benchmarks/cost_model.py --xla           # + XLA's own FLOP counts (~20 s more)
+
+No device is used: bytes and FLOPs are counted from the configs; --xla lowers the real programs
+(`eagle3_jax.accelerator`, Llama-3.1-8B shapes, on this CPU) and compares their
+`cost_analysis()` FLOPs with the model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eagle3_jax import cost_model as cm  # noqa: E402
+from eagle3_jax.config import TreeConfig  # noqa: E402
+
+TARGETS = ("llama31_8b", "olmo2_7b", "qwen3_4b", "olmo2_1b")
+TREES = {
+    "reporting 10/8/60": cm.REPORTING_TREE,
+    "chain 1/8/9": TreeConfig(1, 8, 9),
+    "tree 4/6/32": TreeConfig(4, 6, 32),
+    "tree 2/3/4": TreeConfig(2, 3, 4),
+}
+# published speedups (the issue's figures; hardware and τ as far as we know them)
+PUBLISHED = [
+    ("SpecVocab", "olmo2_1b", (1.32, 1.38), "OLMo 2 1B, 10/8/60; GPU and τ not verified here"),
+    ("SpecVocab", "olmo2_7b", (2.04, 2.20), "OLMo 2 7B, 10/8/60; GPU and τ not verified here"),
+    ("EAGLE-3", "llama31_8b", (3.0, 6.5), "8B targets, τ ~6-7 at 60 nodes; GPU not verified here"),
+]
+# measured: a 4-token target forward over a 1-token one, SmolLM2-135M fp32, 320 tokens in a
+# 512-slot cache (benchmarks/results/verify_cost_*.json)
+CPU_MEASURED = {
+    "Intel Xeon, XLA products (verify_cost_xeon.json)": 1.31,
+    "AMD EPYC, output layer as a reduction (verify_cost_logit_reduce.json)": 1.35,
+    "AMD EPYC, XLA products (verify_cost_logit_reduce.json)": 1.48,
+}
+LAYER_OVERHEAD_S = 50e-6  # an eager framework: ~10 kernel launches of ~5 us per layer (assumed)
+
+
+def us(s: float) -> str:
+    return f"{s * 1e6:,.0f}"
+
+
+def table(head: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def tree_name(t: TreeConfig) -> str:
+    return f"{t.top_k}/{t.depth}/{t.total_tokens}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--context", type=int, default=2048, help="prompt + new tokens (default 2048)")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--tau", type=float, default=cm.EAGLE3_LLAMA_TAU, help="τ at 10/8/60")
+    p.add_argument("--xla", action="store_true", help="compare with XLA's cost_analysis FLOPs")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/cost_model"))
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    acc = cm.llama_acceptance(args.tau)
+    res: dict = {
+        "context": args.context,
+        "acceptance": {
+            "smollm2": vars(cm.SMOLLM2_ACCEPTANCE),
+            "smollm2_rms_error": cm.rms_error(cm.SMOLLM2_ACCEPTANCE),
+            "assumed_head": vars(acc),
+        },
+        "devices": {k: vars(d) for k, d in cm.DEVICES.items()},
+    }
+
+    # 1. per device x target x tree
+    rows, recs = [], []
+    for b in batches:
+        for dname, dev in cm.DEVICES.items():
+            for tg in TARGETS:
+                for tname, tree in TREES.items():
+                    pr = cm.predict(dev, tg, tree, acc.tau(tree), b, args.context)
+                    recs.append({**pred_dict(pr), "tree_name": tname})
+                    rows.append([
+                        b, dname, tg, tname, pr.chips, us(pr.plain_s), us(pr.round_s),
+                        f"{pr.ratio:.2f}", f"{pr.tau:.2f}", f"{pr.speedup:.2f}",
+                    ])  # fmt: skip
+    res["predictions"] = recs
+    print(f"## Predicted cost, context {args.context} (τ from the assumed head: {acc.label})\n")
+    print(table(
+        ["B", "device", "target", "tree", "chips", "plain µs", "round µs", "round/plain", "τ",
+         "speedup"], rows,
+    ))  # fmt: skip
+
+    # 2. best tree per device (B = 1 and the largest batch)
+    best_rows, best = [], []
+    trees = cm.tree_grid()
+    chains = [t for t in trees if t.top_k == 1]
+    branching = [t for t in trees if t.top_k > 1]
+    for b in batches:
+        for dname, dev in cm.DEVICES.items():
+            for tg in TARGETS:
+                bc = cm.best_tree(dev, tg, acc, b, args.context, chains)
+                bt = cm.best_tree(dev, tg, acc, b, args.context, branching)
+                top = max(bc, bt, key=lambda x: x.speedup)
+                best.append({
+                    "batch": b, "device": dname, "target": tg, "best": pred_dict(top),
+                    "best_chain": pred_dict(bc), "best_branching": pred_dict(bt),
+                })  # fmt: skip
+                best_rows.append([
+                    b, dname, tg, tree_name(bc.tree), f"{bc.tau:.2f}", f"{bc.speedup:.2f}",
+                    tree_name(bt.tree), f"{bt.tau:.2f}", f"{bt.speedup:.2f}",
+                ])  # fmt: skip
+    res["best_trees"] = best
+    print(f"\n## Best tree per device ({len(trees)} shapes; τ from the acceptance model)\n")
+    print(table(
+        ["B", "device", "target", "best chain", "τ", "speedup", "best tree", "τ", "speedup"],
+        best_rows,
+    ))  # fmt: skip
+
+    # 3. where a round's time goes (Llama-3.1-8B, reporting tree, B = 1)
+    tcfg = cm.TARGETS["llama31_8b"]
+    dcfg = cm.draft_for(tcfg)
+    slots = cm.slots_for(args.context, cm.REPORTING_TREE)
+    rnd = cm.spec_round(tcfg, dcfg, cm.REPORTING_TREE, 1, slots)
+    br_rows = []
+    for dname, dev in cm.DEVICES.items():
+        chips = cm.chips_needed(dev, tcfg, dcfg, 1, slots)
+        parts = rnd.breakdown_s(dev, chips)
+        draft = sum(v for k, v in parts.items() if k.startswith("draft_"))
+        br_rows.append([
+            dname, us(draft), us(parts["verify"]), us(parts["bookkeeping"]),
+            us(parts["pending"]), us(dev.launch_s),
+        ])  # fmt: skip
+    res["round_breakdown_llama_10_8_60"] = br_rows
+    print("\n## Where a round's time goes (Llama-3.1-8B, 10/8/60, B 1), µs\n")
+    print(
+        table(["device", "8 draft steps", "verify", "tree loops", "pending K/V", "launch"], br_rows)
+    )
+
+    # 4. calibration
+    h100 = cm.DEVICES["H100"]
+    cal_rows, cal = [], []
+    for src, tg, (lo, hi), note in PUBLISHED:
+        pr = cm.predict(h100, tg, cm.REPORTING_TREE, args.tau, 1, args.context)
+        pe = cm.predict(
+            h100,
+            tg,
+            cm.REPORTING_TREE,
+            args.tau,
+            1,
+            args.context,
+            layer_overhead_s=LAYER_OVERHEAD_S,
+        )
+        rec = {
+            "source": src, "target": tg, "published": [lo, hi], "note": note,
+            "ratio": pr.ratio, "speedup_at_tau": pr.speedup, "tau": args.tau,
+            "implied_tau": [cm.implied_tau(pr, lo), cm.implied_tau(pr, hi)],
+            "eager_ratio": pe.ratio, "eager_speedup_at_tau": pe.speedup,
+        }  # fmt: skip
+        cal.append(rec)
+        cal_rows.append([
+            src, tg, f"{lo:.2f}-{hi:.2f}×", f"{pr.ratio:.2f}", f"{pr.speedup:.2f}×",
+            f"{rec['implied_tau'][0]:.1f}-{rec['implied_tau'][1]:.1f}", f"{pe.speedup:.2f}×", note,
+        ])  # fmt: skip
+    cpu = cm.cpu_verify_ratio()
+    res["calibration"] = {"published": cal, "cpu": {"model": cpu, "measured": CPU_MEASURED}}
+    print(f"\n## Calibration (H100, 10/8/60, B 1, context {args.context}, τ {args.tau})\n")
+    print(table(
+        ["source", "target", "published", "round/plain", f"model at τ {args.tau}",
+         "τ that gives the published", "model, eager (50 µs/layer)", "setting"], cal_rows,
+    ))  # fmt: skip
+    print(
+        "\nCPU: 4-token over 1-token target forward, SmolLM2-135M fp32 (assumed 20 GB/s, 100 GFLOP/s)"
+    )
+    print(table(
+        ["what", "T=4 / T=1"],
+        [["roofline max(bytes/bw, flops/peak)", f"{cpu['roofline']:.2f}"],
+         ["serial bytes/bw + flops/peak", f"{cpu['serial']:.2f}"],
+         *[[f"measured: {k}", v] for k, v in CPU_MEASURED.items()],
+         ["few-row product rate the serial model needs for 1.4x",
+          f"{cpu['rate_for_1.4x_gflops']:.0f} GFLOP/s"]],
+    ))  # fmt: skip
+
+    # 5. acceptance model against our measured τ
+    acc_rows = [
+        [tree_name(TreeConfig(*k)), v, f"{cm.SMOLLM2_ACCEPTANCE.tau(TreeConfig(*k)):.2f}"]
+        for k, v in cm.SMOLLM2_TAUS.items()
+    ]
+    print(f"\n## Acceptance model: {cm.SMOLLM2_ACCEPTANCE} against measured τ\n")
+    print(table(["tree", "measured τ", "model τ"], acc_rows))
+
+    if args.xla:
+        res["xla_check"] = xla_check()
+        print("\n## FLOPs: model against XLA's cost_analysis (Llama-3.1-8B, B 1, 1024 + 1024)\n")
+        print(table(
+            ["program", "XLA GFLOP", "model GFLOP", "model/XLA"],
+            [[r["program"], f"{r['xla']:.1f}", f"{r['model']:.1f}", f"{r['model'] / r['xla']:.3f}"]
+             for r in res["xla_check"]],
+        ))  # fmt: skip
+
+    (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    plot(out / "speedup_vs_tree.png", acc, args.context)
+    print(f"\nwrote {out / 'results.json'} and {out / 'speedup_vs_tree.png'}")
+    return 0
+
+
+def pred_dict(p: cm.Prediction) -> dict:
+    return {
+        "device": p.device, "target": p.target, "tree": tree_name(p.tree), "batch": p.batch,
+        "context": p.context, "chips": p.chips, "plain_us": p.plain_s * 1e6,
+        "round_us": p.round_s * 1e6, "ratio": p.ratio, "tau": p.tau, "speedup": p.speedup,
+    }  # fmt: skip
+
+
+def xla_check() -> list[dict]:
+    """XLA's FLOPs of the real programs (unoptimized HLO, lowered on this CPU) next to ours."""
+    from eagle3_jax import accelerator as acc
+
+    tcfg = acc.target_config("llama31_8b")
+    dcfg = acc.draft_config(tcfg)
+    rows = []
+    for name in ("decode_step", "round_tree", "round_chain"):
+        prog = acc.build(name, acc.Setup(target="llama31_8b", mesh=(1, 1)))
+        flops = prog.fn.lower(*prog.args, **prog.kwargs).cost_analysis()["flops"]
+        slots = prog.kwargs["shape"].slots
+        if name == "decode_step":
+            model = cm.plain_step(tcfg, 1, slots).flops
+        else:
+            model = cm.spec_round(tcfg, dcfg, prog.kwargs["tree"], 1, slots).flops
+        rows.append({"program": name, "xla": flops / 1e9, "model": model / 1e9})
+    return rows
+
+
+def speedup(dev: cm.Device, tree: TreeConfig, acc: cm.Acceptance, context: int) -> float:
+    return cm.predict(dev, "llama31_8b", tree, acc.tau(tree), 1, context).speedup
+
+
+def plot(path: Path, acc: cm.Acceptance, context: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [4, 8, 16, 24, 32, 48, 60, 64, 96, 128]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for dname, dev in cm.DEVICES.items():
+        ys = [speedup(dev, TreeConfig(10, 8, n), acc, context) for n in sizes]
+        ax.plot(sizes, ys, marker="o", label=dname)
+        ch = [speedup(dev, TreeConfig(1, d, d + 1), acc, context) for d in range(1, 9)]
+        ax.plot(range(2, 10), ch, ls="--", color=ax.lines[-1].get_color(), alpha=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens verified per round (top-k 10, depth 8; dashed: chains)")
+    ax.set_ylabel("predicted speedup over plain decoding")
+    ax.set_title(f"Llama-3.1-8B, batch 1, context {context}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    taus = [acc.tau(TreeConfig(10, 8, n)) for n in sizes]
+    small = [cm.SMOLLM2_ACCEPTANCE.tau(TreeConfig(10, 8, n)) for n in sizes]
+    ax2.plot(sizes, taus, marker="o", label=acc.label)
+    ax2.plot(sizes, small, marker="s", label=cm.SMOLLM2_ACCEPTANCE.label + " (fit)")
+    meas = [(k[2], v) for k, v in cm.SMOLLM2_TAUS.items()]
+    ax2.scatter(*zip(*meas), color="k", zorder=3, label="SmolLM2 GPU head, measured")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("tokens verified per round")
+    ax2.set_ylabel("τ (acceptance model)")
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
