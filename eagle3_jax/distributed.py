@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import socket
 import sys
@@ -239,3 +240,26 @@ def primary_first(name: str, timeout_s: float = BARRIER_TIMEOUT_S):
     if status != "ok":
         raise Eagle3Error(f"process 0 stopped: {status.removeprefix('error ')}")
     yield
+
+
+def from_primary(name: str, compute, timeout_s: float = BARRIER_TIMEOUT_S):
+    """`compute()` on process 0 alone, its result (JSON-able) handed to every process: one
+    decision (a plan, a measurement) that all processes then act on alike. An error on process 0
+    reaches the others as an Eagle3Error with its message. With one process, just `compute()`."""
+    if jax.process_count() == 1:
+        return compute()
+    client = jax_distributed.global_state.client
+    key = f"eagle3_jax/{next(_barriers)}/{name}"
+    if is_primary():
+        try:
+            value = compute()
+        except BaseException as e:
+            text = str(e) if isinstance(e, Eagle3Error) else f"{type(e).__name__}: {e}"
+            client.key_value_set(key, "error " + text)
+            raise
+        client.key_value_set(key, "ok " + json.dumps(value))
+        return value
+    status = client.blocking_key_value_get(key, int(timeout_s * 1000))
+    if not status.startswith("ok "):
+        raise Eagle3Error(f"process 0 stopped: {status.removeprefix('error ')}")
+    return json.loads(status[3:])

@@ -165,6 +165,13 @@ try:  # process 0 failing there: the other process gets its message, it does not
     raise AssertionError("primary_first did not raise")
 except Eagle3Error as e:
     assert "no training data here" in str(e), e
+# one decision for all: process 0 computes, every process gets its value (or its error)
+assert distributed.from_primary("plan", lambda: {"steps": 7 if pid == 0 else -1}) == {"steps": 7}
+try:
+    distributed.from_primary("bad plan", lambda: (_ for _ in ()).throw(Eagle3Error("no budget")))
+    raise AssertionError("from_primary did not raise")
+except Eagle3Error as e:
+    assert "no budget" in str(e), e
 glob = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
 for data, model, want in ((2, 2, slice(4 * pid, 4 * pid + 4)), (4, 1, slice(4 * pid, 4 * pid + 4)),
                           (1, 4, slice(0, 8))):

@@ -52,8 +52,9 @@ def main(argv=None) -> int:
                 "out_dir (or continue that run with train.py --resume)"
             )
         cal = Path(f"{tc.out_dir}_calibration")
-        if cal.exists():
+        if distributed.is_primary() and cal.exists():
             shutil.rmtree(cal)
+        distributed.barrier("calibration folder")
         log_every = max(1, args.calibrate_steps // 8)
         cal_tc = dataclasses.replace(
             tc,
@@ -66,38 +67,12 @@ def main(argv=None) -> int:
         )
         t_cal = time.monotonic()
         train(cal_tc, progress=not args.no_progress)
-        sps = seconds_per_step(cal / "metrics.jsonl")
-        # the real run pays the calibration run's fixed costs again (loading the target,
-        # compiling unless cached, exporting the head); counting the calibration's whole wall
-        # time less its steps also charges its data preparation (tokenising, a regeneration),
-        # which the real run reuses: conservative, so prepare the data first for a tight plan
-        fixed = max(0.0, time.monotonic() - t_cal - args.calibrate_steps * sps)
-        ds = dsm.load(cal / "dataset.npz")
-        cap = (tc.epochs * dsm.steps_per_epoch(ds, tc.batch_size)) if tc.epochs else tc.max_steps
-        if tc.max_steps:
-            cap = min(cap, tc.max_steps)
-        left = args.minutes * 60 - (time.monotonic() - t0) - fixed
-        if left * args.safety < sps:
-            raise Eagle3Error(
-                f"the budget of {args.minutes} min is used up: the calibration took "
-                f"{time.monotonic() - t0:.0f} s and a run costs {fixed:.0f} s before its first "
-                "step; give more minutes"
-            )
-        steps = plan_steps(left, sps, cap, args.safety)
-        out.mkdir(parents=True, exist_ok=True)
-        for name in ("dataset.npz", "vocab.npz"):  # the data the plan was made for
-            shutil.copy(cal / name, out / name)
-        plan = {
-            "seconds_per_step": sps,
-            "budget_s": args.minutes * 60,
-            "left_s": left,
-            "fixed_s": fixed,
-            "max_steps": steps,
-            "cap_steps": cap,
-            "calibrate_steps": args.calibrate_steps,
-        }
-        (out / "timed.json").write_text(json.dumps(plan, indent=1))
-        print(f"timed: {json.dumps(plan)}", file=sys.stderr)
+        # one plan for every process of a run (each timing its own would disagree on max_steps
+        # and leave the others waiting at a collective): process 0 measures and decides
+        plan = distributed.from_primary(
+            "timed plan", lambda: make_plan(args, tc, cal, out, t0, t_cal)
+        )
+        steps = plan["max_steps"]
         # rounded up: at most `exports` intermediate heads before the final one
         export_every = -(-steps // (args.exports + 1)) if args.exports else 0
         run_tc = dataclasses.replace(tc, max_steps=steps, export_every=export_every)
@@ -107,3 +82,41 @@ def main(argv=None) -> int:
         return 2
     print(json.dumps({**summary, "timed": plan}, indent=1))
     return 0
+
+
+def make_plan(args, tc, cal: Path, out: Path, t0: float, t_cal: float) -> dict:
+    """The run's max_steps from the calibration (process 0: it holds the metrics), with the data
+    the plan was made for copied into out_dir and the plan written to out_dir/timed.json."""
+    sps = seconds_per_step(cal / "metrics.jsonl")
+    # the real run pays the calibration run's fixed costs again (loading the target,
+    # compiling unless cached, exporting the head); counting the calibration's whole wall
+    # time less its steps also charges its data preparation (tokenising, a regeneration),
+    # which the real run reuses: conservative, so prepare the data first for a tight plan
+    fixed = max(0.0, time.monotonic() - t_cal - args.calibrate_steps * sps)
+    ds = dsm.load(cal / "dataset.npz")
+    cap = (tc.epochs * dsm.steps_per_epoch(ds, tc.batch_size)) if tc.epochs else tc.max_steps
+    if tc.max_steps:
+        cap = min(cap, tc.max_steps)
+    left = args.minutes * 60 - (time.monotonic() - t0) - fixed
+    if left * args.safety < sps:
+        raise Eagle3Error(
+            f"the budget of {args.minutes} min is used up: the calibration took "
+            f"{time.monotonic() - t0:.0f} s and a run costs {fixed:.0f} s before its first "
+            "step; give more minutes"
+        )
+    steps = plan_steps(left, sps, cap, args.safety)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("dataset.npz", "vocab.npz"):  # the data the plan was made for
+        shutil.copy(cal / name, out / name)
+    plan = {
+        "seconds_per_step": float(sps),
+        "budget_s": float(args.minutes * 60),
+        "left_s": float(left),
+        "fixed_s": float(fixed),
+        "max_steps": int(steps),
+        "cap_steps": int(cap),
+        "calibrate_steps": args.calibrate_steps,
+    }
+    (out / "timed.json").write_text(json.dumps(plan, indent=1))
+    print(f"timed: {json.dumps(plan)}", file=sys.stderr)
+    return plan
