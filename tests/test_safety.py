@@ -229,3 +229,20 @@ def test_an_ablation_grid_refuses_a_second_writer_and_a_users_folder(tmp_path):
     with pytest.raises(Eagle3Error, match="not an ablation run"):
         run_ablation(dataclasses.replace(ac, out_dir=str(tmp_path / "mine")), progress=False)
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["thesis.tex"]
+
+
+def test_training_never_writes_into_a_users_folder(tiny_target_dir, tmp_path):
+    from pathlib import Path
+
+    from eagle3_jax.training.config import load_config
+    from eagle3_jax.training.loop import train
+
+    root = Path(__file__).resolve().parents[1]
+    mine = tmp_path / "thesis"
+    mine.mkdir()
+    (mine / "chapter1.tex").write_text("keep")
+    tc = load_config(root / "configs/tiny.py", [f"--config.target={tiny_target_dir}",
+                                                  f"--config.out_dir={mine}"])  # fmt: skip
+    with pytest.raises(Eagle3Error, match="not a training run"):
+        train(tc, progress=False)
+    assert sorted(p.name for p in mine.iterdir()) == ["chapter1.tex"]

@@ -304,6 +304,10 @@ def _write_head(path: Path, params, dcfg, vocab, tc: TrainConfig, step: int, tok
     return path
 
 
+# what a run (or the ablation runner, or train-timed, before it) writes into its out_dir: a folder
+# holding none of these and something else is a user's, never trained into
+RUN_FILES = ("train_config.json", "inputs.json", "checkpoints", "dataset.npz", "vocab.npz",
+             "metrics.jsonl", "cell.json", "timed.json", "regenerated.jsonl")  # fmt: skip
 INPUTS = "inputs.json"  # what the run's results depend on beyond its config: the files' digests
 
 
@@ -350,6 +354,15 @@ def train(
     out = Path(tc.out_dir)
     if out.exists() and not out.is_dir():
         raise Eagle3Error(f"out_dir {out} is a file: give a directory")
+    if (
+        out.is_dir()
+        and not any((out / n).exists() for n in RUN_FILES)
+        and any(not p.name.startswith(".") and not p.name.endswith(".lock") for p in out.iterdir())
+    ):
+        raise Eagle3Error(
+            f"out_dir {out} holds files that are not a training run: use a new or empty one "
+            "(nothing there was changed)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     with exclusive(out / f"process{jax.process_index()}", "out_dir"):
         return _train(tc, resume, progress, stop_after)
