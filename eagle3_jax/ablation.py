@@ -28,7 +28,7 @@ from typing import Any
 from eagle3_jax.checkpoints import load_target_config
 from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.checkpoints.eagle_format import load_draft
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.errors import Eagle3Error, differing_keys
 from eagle3_jax.evaluation.metrics import tau
 from eagle3_jax.evaluation.report import strict_json
 from eagle3_jax.evaluation.runner import EvalOptions, run_eval
@@ -233,7 +233,7 @@ def check_cell_config(cell: Cell, cdir: Path, state: dict, tc: TrainConfig) -> N
     saved = {k: v for k, v in saved.items() if k not in _BOOKKEEPING}  # as recorded before
     defaults = cell_record(TrainConfig())
     saved = {**{k: defaults.get(k) for k in now.keys() - saved.keys()}, **saved}
-    diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    diff = differing_keys(saved, now)
     if diff:
         raise Eagle3Error(
             f"cell {cell.name!r} in {cdir} was trained with another config ({', '.join(diff)}): "

@@ -30,7 +30,7 @@ from eagle3_jax.checkpoints import Target, target_digest
 from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding.sampling import Sampling
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.errors import Eagle3Error, differing_keys
 from eagle3_jax.prompts import encode_chat
 
 
@@ -77,7 +77,7 @@ def claim(out_path: Path, target, sampling, seed: int, settings: dict) -> None:
             have = json.loads(meta_path.read_text())
         except ValueError as e:
             raise Eagle3Error(f"{meta_path} is not valid JSON: {e}; write to a new path") from e
-        diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+        diff = differing_keys(have, want)
         if diff:
             raise Eagle3Error(
                 f"{out_path} holds answers made with other settings (differs in "

@@ -29,7 +29,7 @@ from eagle3_jax.config import TreeConfig, default_dtype, default_tree
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.errors import Eagle3Error, differing_keys
 from eagle3_jax.evaluation import metrics
 from eagle3_jax.evaluation.questions import BENCHES, Question, load_questions
 from eagle3_jax.evaluation.report import write_outputs
@@ -236,7 +236,7 @@ def check_config(out: Path, config: dict) -> None:
         except ValueError as e:
             raise Eagle3Error(f"{path} is not valid JSON: {e}; use another --out") from e
         if old != config:
-            diff = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
+            diff = differing_keys(old, config)
             hint = (
                 " (a bare eagle3 or pld takes decode.py's default tree of this backend, which "
                 "differs between CPUs and accelerators; a run labels it with its shape, e.g. "

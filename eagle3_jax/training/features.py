@@ -17,7 +17,7 @@ import numpy as np
 
 from eagle3_jax.checkpoints.atomic import MARKER, check_destination, written_by_us
 from eagle3_jax.data.dataset import bucket_length
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.errors import Eagle3Error, differing_keys
 from eagle3_jax.training.step import target_features
 
 META = "features.json"
@@ -58,11 +58,6 @@ def target_fingerprint(target) -> str:
     return h.hexdigest()[:16]
 
 
-def _differs(have: dict, want: dict) -> str:
-    keys = sorted(k for k in want if have.get(k) != want[k])
-    return ", ".join(keys) or "nothing"
-
-
 def precompute(
     target,
     ds,
@@ -95,8 +90,9 @@ def precompute(
         meta = json.loads((out / META).read_text())
         if "inputs" in meta and meta["inputs"] != want:
             raise Eagle3Error(
-                f"features in {out} were computed from other inputs ({_differs(meta['inputs'], want)}"
-                " differ): point features_dir at a new directory"
+                f"features in {out} were computed from other inputs ("
+                f"{', '.join(differing_keys(meta['inputs'], want))} differ): point features_dir at "
+                "a new directory"
             )
         return out
     check_destination(out, overwrite=False, what="features_dir")  # empty or absent

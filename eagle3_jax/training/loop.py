@@ -29,7 +29,7 @@ from eagle3_jax.data import dataset as dsm
 from eagle3_jax.data.conversations import first_user_turns, read_conversations
 from eagle3_jax.data.dataset import batch_arrays, batches, steps_per_epoch, token_counts
 from eagle3_jax.data.regenerate import regenerate
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.errors import Eagle3Error, differing_keys
 from eagle3_jax.models import draft as drf
 from eagle3_jax.sharding import make_mesh
 from eagle3_jax.training import features
@@ -330,7 +330,7 @@ def check_inputs(tc: TrainConfig, out: Path, resuming: bool) -> None:
     now = run_inputs(tc)
     if resuming and path.exists():
         saved = json.loads(path.read_text())
-        diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+        diff = differing_keys(saved, now)
         if diff:
             raise Eagle3Error(
                 f"--resume, but {', '.join(diff)} changed since the run started (files replaced or "
@@ -371,11 +371,8 @@ def train(
 def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    tc = tc.validate()
-    distributed.initialize()  # the command lines have joined already; a library call joins here
-    multi = jax.process_count() > 1
+    multi = jax.process_count() > 1  # train() validated tc, joined the cluster, made out_dir
     out = Path(tc.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoints(out / "checkpoints", keep=tc.keep_checkpoints)
     cfg_path = out / "train_config.json"
     if ckpt.latest_step() is not None:
@@ -387,7 +384,7 @@ def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None
         saved = json.loads(cfg_path.read_text())
         now = tc.record(RESUMABLE)
         if saved != now:
-            diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+            diff = differing_keys(saved, now)
             raise Eagle3Error(
                 f"--resume with a different config ({', '.join(diff)}): resume with the "
                 "run's own config, or start a new out_dir"
