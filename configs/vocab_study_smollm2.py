@@ -18,7 +18,7 @@ tokens read. What differs between cells is the output layer alone:
 The trunk was trained with a reduced (Vd 8,192 then 16,384) output layer, which favours the reduced
 cells; docs/draft_vocab.md says so beside the table. FR-Spec and VocabTrim heads are derived from
 target_lm_head and full_vocab by `python -m eagle3_jax vocab trim` and measured with the rest by
-benchmarks/vocab_methods.py.
+benchmarks/vocab_study.py.
 """
 
 import dataclasses
@@ -69,5 +69,5 @@ def get_config() -> AblationConfig:
         questions=None,
         max_new_tokens=256,
         tree=(10, 8, 60),
-        evaluate=False,  # benchmarks/vocab_methods.py measures every head in one harness run
+        evaluate=False,  # benchmarks/vocab_study.py measures every head in one harness run
     )

@@ -66,6 +66,8 @@ RANKS = {
     "eagle3_jax.evaluation.metrics": 4,
     "eagle3_jax.evaluation.runner": 4,
     "eagle3_jax.evaluation.report": 4,
+    "eagle3_jax.evaluation.paired": 4,
+    "eagle3_jax.evaluation.study": 4,
     "eagle3_jax.ablation": 4,
     "eagle3_jax.accelerator": 4,
     "eagle3_jax.cli": 5,

@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""The draft-vocabulary study, end to end and resumable: train, cut, measure, report.
+
+  .venv/bin/python benchmarks/vocab_study.py                      # the SmolLM2 study (issue 33)
+  .venv/bin/python benchmarks/vocab_study.py --grid configs/X.py --sizes 8192 --trees 10,8,60
+
+Stages (rerun the same command after any stop; each stage resumes or skips what is done):
+  1. the grid's heads are trained (`python -m eagle3_jax ablate --config GRID`: one feature store,
+     the same data in the same order, the same step budget for every cell);
+  2. token counts: FR-Spec's from --frspec-corpus (a general corpus, every role), VocabTrim's from
+     target-generated text (the regenerated answers the heads were trained on);
+  3. FR-Spec and VocabTrim heads at every --sizes, cut from the target-lm_head and full-vocabulary
+     cells (`python -m eagle3_jax vocab trim`);
+  4. drafting time per step of every head at each tree's top-k (benchmarks/draft_cost.py);
+  5. one harness run per tree (--trees; `cpu` is decode.py's default tree on this machine):
+     plain decoding and every head, interleaved per question, each head at its own vocabulary;
+  6. SpecVocab's speculator recall on held-out answers (benchmarks/speculator_recall.py);
+  7. the report (eagle3_jax.evaluation.study): the paper-shaped table, per-question paired
+     intervals against --reference, drafting time per step and per round, training curves, plots.
+     With --publish DIR: report.md, summary.json, the plots, draft costs, the curves and one
+     results.json.gz per tree are copied there (the study's committed results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from eagle3_jax.ablation import load_ablation
+from eagle3_jax.evaluation import study
+from eagle3_jax.evaluation.runner import _parse_tree, default_tree_shape, shape_text
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+SHARED = ROOT.parent / "shared/data"
+
+
+def run(cmd: list[str]) -> None:
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--grid", default=str(ROOT / "configs/vocab_study_smollm2.py"))
+    ap.add_argument(
+        "--frspec-corpus",
+        default=str(SHARED / "sharegpt/ShareGPT_V3_unfiltered_cleaned_split_first5000.json"),
+    )
+    ap.add_argument(
+        "--generated", default=str(ROOT / "data/smollm2_135m_regenerated_cpu2.jsonl.gz"),
+        help="target-generated text for VocabTrim's counts",
+    )  # fmt: skip
+    ap.add_argument("--sizes", default="8192,16384", help="FR-Spec and VocabTrim sizes")
+    ap.add_argument("--reference", default="eagle3_vd8192", help="the head others are paired with")
+    ap.add_argument(
+        "--trees", default="10,8,60 cpu", help="space-separated tree shapes; cpu = decode's default"
+    )
+    ap.add_argument("--bench", default="spec_bench")
+    ap.add_argument(
+        "--questions", type=int, default=20,
+        help="per category (Spec-Bench: 20 gives all 80 MT-bench questions and 20 of each task)",
+    )  # fmt: skip
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--out", default=str(ROOT / "runs/vocab_study_eval"))
+    ap.add_argument("--publish", default=None, help="copy the report and results here")
+    ap.add_argument("--skip-train", action="store_true", help="the grid's heads exist: stage 1 off")
+    return ap.parse_args(argv)
+
+
+def tree_shapes(text: str) -> dict[str, tuple]:
+    """'10,8,60 cpu' -> {'10-8-60': (10, 8, 60), 'cpu': decode's default shape here}."""
+    out = {}
+    for t in text.split():
+        out[t if t == "cpu" else t.replace(",", "-")] = (
+            default_tree_shape() if t == "cpu" else _parse_tree(t, t)
+        )
+    return out
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    grid = load_ablation(args.grid)
+    root = Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.skip_train:  # 1
+        run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--no-progress"])
+    vocab_size = json.loads((root / "cells" / grid.cells[0].name / "head/config.json").read_text())[
+        "vocab_size"
+    ]
+    heads = [study.head_of_cell(c.name, c.overrides, vocab_size) for c in grid.cells]
+    paths = {c.name: root / "cells" / c.name / "head" for c in grid.cells}
+    counts = {"frspec": out / "counts_frspec.npy", "vocabtrim": out / "counts_generated.npy"}
+    if not counts["frspec"].exists():  # 2
+        run([PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", args.frspec_corpus,
+             "--roles", "all", "--out", str(counts["frspec"])])  # fmt: skip
+    if not counts["vocabtrim"].exists():
+        run([PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", args.generated,
+             "--roles", "assistant", "--out", str(counts["vocabtrim"])])  # fmt: skip
+    sources = {h.family: h.name for h in heads if h.family in ("target_lm_head", "full")}
+    for size in (int(s) for s in args.sizes.split(",")):  # 3
+        for family, src in (("frspec", "target_lm_head"), ("vocabtrim", "full")):
+            if src not in sources:
+                continue
+            name = f"{family}_{size}"
+            dst = out / "heads" / name
+            if not (dst / "config.json").exists():
+                run([PY, "-m", "eagle3_jax", "vocab", "trim", "--draft", str(paths[sources[src]]),
+                     "--counts", str(counts[family]), "--size", str(size), "--out", str(dst)])  # fmt: skip
+            heads.append(study.StudyHead(name, family, size, f"cut from {sources[src]}"))
+            paths[name] = dst
+    drafts = [f"{h.name}={paths[h.name]}" for h in heads]
+    trees = tree_shapes(args.trees)
+    costs, runs = {}, {}
+    for name, shape in trees.items():
+        cost = out / f"draft_cost_{name}.json"
+        if not cost.exists():  # 4
+            cmd = [PY, "benchmarks/draft_cost.py", "--out", str(cost), "--top-k", str(shape[0]),
+                   "--rows", ",".join(dict.fromkeys(["1", str(shape[0])]))]  # fmt: skip
+            for d in drafts:
+                cmd += ["--draft", d]
+            run(cmd)
+        costs[name] = {r["head"]: r for r in json.loads(cost.read_text())["rows"]}
+        ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{shape_text(shape)}",
+              "--bench", args.bench, "--questions", str(args.questions), "--draft-vocab", "full",
+              "--max-new-tokens", str(args.max_new_tokens), "--no-progress",
+              "--out", str(out / f"eval_{name}")]  # fmt: skip
+        for d in drafts:
+            ev += ["--draft", d]
+        run(ev)  # 5 (resumes from its records)
+        runs[name] = json.loads((out / f"eval_{name}" / "results.json").read_text())
+    recall = out / "speculator_recall.json"
+    spec_heads = [h.name for h in heads if h.family == "specvocab"]
+    if spec_heads and not recall.exists():  # 6
+        cmd = [PY, "benchmarks/speculator_recall.py", "--out", str(recall)]
+        for name in spec_heads:
+            cmd += ["--draft", f"{name}={paths[name]}"]
+        run(cmd)
+    curves = {c.name: study.read_curve(root / "cells" / c.name) for c in grid.cells}  # 7
+    text, summary = study.report(runs, heads, args.reference, costs, curves)
+    if recall.exists():
+        text += "\n## SpecVocab speculator recall (held-out answers, first draft step)\n\n"
+        text += recall.with_suffix(".md").read_text()
+    (out / "report.md").write_text(text + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    pngs = study.plot(summary, curves, out)
+    print(text)
+    if args.publish:
+        pub = Path(args.publish)
+        pub.mkdir(parents=True, exist_ok=True)
+        for p in [out / "report.md", out / "summary.json", *pngs, *out.glob("draft_cost_*.json")]:
+            shutil.copy2(p, pub / p.name)
+        for name in trees:
+            with gzip.open(pub / f"results_{name}.json.gz", "wt") as f:
+                f.write((out / f"eval_{name}" / "results.json").read_text())
+        for c in grid.cells:
+            (pub / "curves").mkdir(exist_ok=True)
+            (pub / "curves" / f"{c.name}.json").write_text(json.dumps(curves[c.name]) + "\n")
+        print(f"published to {pub}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""The draft-vocabulary study's report: every head against EAGLE-3 on the same questions, per tree.
+
+Input: one harness results.json per tree shape (the same heads and questions in each), the heads'
+drafting times (benchmarks/draft_cost.py) and their held-out training curves. Output: a table
+shaped like the SpecVocab paper's (tau per Spec-Bench task, throughput, speedup) with the paper's
+figures beside it, per-question paired differences against the reference head with 95 %
+intervals, drafting time per step and per round, and plots. Speed without the draft's cost is not
+the paper's measure, so every row carries both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from eagle3_jax.evaluation import metrics, paired
+from eagle3_jax.evaluation.questions import SPEC_BENCH_TASKS
+
+# The SpecVocab paper and README (H100, Spec-Bench, greedy, batch 1), as
+# ../shared/reference/draft-vocab-methods.md quotes them: tau on OLMo 2 1B, tokens/s on OLMo 2 7B.
+PAPER = {
+    "eagle3": {"tau_olmo2_1b": 4.31, "tps_olmo2_7b": 189.3},
+    "frspec": {"tps_olmo2_7b": 190.9},
+    "vocabtrim": {"tps_olmo2_7b": 194.2},
+    "specvocab": {"tau_olmo2_1b": 4.53, "tps_olmo2_7b": 204.7},
+}
+FAMILIES = ("eagle3", "frspec", "vocabtrim", "specvocab", "full", "target_lm_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyHead:
+    """One head of the study: its harness draft name, the method family it stands for (one of
+    FAMILIES), its draft vocabulary size (None: the full 49,152-id output) and how it was made."""
+
+    name: str
+    family: str
+    vocab: int | None
+    note: str = ""
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"head {self.name}: family {self.family!r} not in {FAMILIES}")
+
+
+def head_of_cell(name: str, overrides: dict, vocab_size: int) -> StudyHead:
+    """The study head a training cell stands for, from the overrides that define it: a
+    speculator is SpecVocab, the target's output embedding is FR-Spec's source, a reduced own
+    lm_head is EAGLE-3, a full own lm_head is VocabTrim's source."""
+    vd = overrides.get("draft_vocab_size", vocab_size)
+    if overrides.get("speculator_rank"):
+        aux = overrides.get("speculator_loss_weight")
+        return StudyHead(name, "specvocab", None, "no auxiliary loss" if aux == 0 else "")
+    if overrides.get("lm_head_source") == "target":
+        return StudyHead(name, "target_lm_head", None, "FR-Spec's source, untrimmed")
+    if vd < vocab_size:
+        return StudyHead(name, "eagle3", vd)
+    return StudyHead(name, "full", None, "VocabTrim's source, untrimmed")
+
+
+def label_of(results: dict, head: str) -> str | None:
+    """The harness's method label that ran draft `head` in this run (None if it did not)."""
+    for m in results["config"]["methods"]:
+        if m.get("draft") == head:
+            return m["label"]
+    return None
+
+
+def tree_of(results: dict) -> tuple:
+    """The one speculative tree shape of a run (every eagle3 method shares it)."""
+    shapes = {tuple(m["tree"]) for m in results["config"]["methods"] if m["kind"] == "eagle3"}
+    if len(shapes) != 1:
+        raise ValueError(f"a study run has one tree shape, this one has {sorted(shapes)}")
+    return shapes.pop()
+
+
+def round_draft_ms(cost: dict | None, tree: tuple) -> float:
+    """Drafting time of one round of `tree` = (top_k, depth, nodes, ...): the first level drafts
+    one row, each of the depth - 1 later levels top_k rows. NaN without a timing for those rows."""
+    if cost is None:
+        return float("nan")
+    k, depth = int(tree[0]), int(tree[1])
+    first, later = cost.get("step_ms_rows1"), cost.get(f"step_ms_rows{k}")
+    if first is None or (depth > 1 and later is None):
+        return float("nan")
+    return first + (depth - 1) * (later or 0.0)
+
+
+def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: dict) -> list[dict]:
+    """One row per head that ran: tau per task and overall, throughput, speedup, time per round,
+    paired tau difference and throughput ratio against `reference`, drafting times."""
+    recs = results["records"]
+    tasks = [t for t in SPEC_BENCH_TASKS if any(r["task"] == t for r in recs)]
+    vanilla = [r for r in recs if r["method"] == metrics.VANILLA]
+    ref = label_of(results, reference)
+    tree = tree_of(results)
+    rows = []
+    for h in heads:
+        label = label_of(results, h.name)
+        if label is None:
+            continue
+        mine = [r for r in recs if r["method"] == label]
+        rounds = sum(int(r["target_forwards"]) - int(r.get("num_generations", 1)) for r in mine)
+        row = {
+            "head": h.name,
+            "family": h.family,
+            "vocab": h.vocab,
+            "label": label,
+            "questions": len({str(r["question_id"]) for r in mine}),
+            "tau": metrics.tau(mine),
+            "tau_by_task": {t: metrics.tau([r for r in mine if r["task"] == t]) for t in tasks},
+            "tokens_per_s": metrics.throughput(mine),
+            "speedup": metrics.speedup(mine, vanilla),
+            "round_ms": 1e3 * sum(float(r["wall_time_s"]) for r in mine) / rounds
+            if rounds
+            else float("nan"),
+            "draft_step_ms": (costs.get(h.name) or {}).get("step_ms_rows1", float("nan")),
+            "draft_round_ms": round_draft_ms(costs.get(h.name), tree),
+        }
+        if ref is not None and label != ref:
+            cmp = paired.compare(recs, label, ref)
+            row["vs_reference"] = {k: v.as_dict() for k, v in cmp.items()}
+            row["vs_reference_by_task"] = {
+                t: paired.compare(recs, label, ref, task=t)["tau"].as_dict() for t in tasks
+            }
+        rows.append(row)
+    return rows
+
+
+def _f(x, digits=2, suffix=""):
+    return "-" if x is None or not math.isfinite(x) else f"{x:.{digits}f}{suffix}"
+
+
+def _vocab(v):
+    return "49,152 (all)" if v is None else f"{v:,}"
+
+
+def _paired_text(d: dict | None) -> str:
+    if not d:
+        return "reference"
+    return paired.Paired(d["mean"], d["lo"], d["hi"], d["n"], d["ratio"]).text()
+
+
+def _paper_cells(family: str) -> str:
+    p = PAPER.get(family, {})
+    return f"{_f(p.get('tau_olmo2_1b'))} | {_f(p.get('tps_olmo2_7b'), 1)}"
+
+
+def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> list[str]:
+    """The markdown for one tree's run: the paper-shaped table, then the paired table."""
+    tasks = list(rows[0]["tau_by_task"]) if rows else []
+    n_q = rows[0]["questions"] if rows else 0
+    out = [
+        f"## Tree {name}: {n_q} questions, "
+        + ", ".join(f"{t}" for t in tasks)
+        + f"; max {results['config'].get('max_new_tokens', '?')} new tokens a turn",
+        "",
+        "tau per task (tokens per target forward, bonus included), throughput and speedup over "
+        "plain decoding in the same run; drafting time of one round of this tree (ms). "
+        "The paper's columns are the SpecVocab paper's H100 figures for its own targets.",
+        "",
+        "| head | method | Vd | "
+        + " | ".join(tasks)
+        + " | tau | tokens/s | speedup | ms/round | draft ms/round "
+        "| paper tau (OLMo 2 1B) | paper tok/s (OLMo 2 7B) |",
+        "|" + " --- |" * (len(tasks) + 10),
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['head']} | {r['family']} | {_vocab(r['vocab'])} | "
+            + " | ".join(_f(r["tau_by_task"][t]) for t in tasks)
+            + f" | {_f(r['tau'])} | {_f(r['tokens_per_s'], 1)} | {_f(r['speedup'], 2, 'x')}"
+            f" | {_f(r['round_ms'], 1)} | {_f(r['draft_round_ms'], 1)} | {_paper_cells(r['family'])} |"
+        )
+    out += [
+        "",
+        f"Paired against `{reference}`, question by question (mean and 95 % t interval; * the "
+        "interval excludes no difference): tau difference, throughput ratio, and tau difference "
+        "per task.",
+        "",
+        "| head | tau - ref | throughput / ref | " + " | ".join(tasks) + " |",
+        "|" + " --- |" * (3 + len(tasks)),
+    ]
+    for r in rows:
+        vs = r.get("vs_reference")
+        by_task = r.get("vs_reference_by_task", {})
+        out.append(
+            f"| {r['head']} | {_paired_text(vs and vs['tau'])} | "
+            f"{_paired_text(vs and vs['throughput'])} | "
+            + " | ".join(_paired_text(by_task.get(t)) if vs else "-" for t in tasks)
+            + " |"
+        )
+    return out + [""]
+
+
+def read_curve(run: Path) -> list[dict]:
+    """A training run's held-out curve: step, tokens read by then, val acc_0 and the replayed
+    chain tau, from its validation.jsonl and metrics.jsonl ([] when it has not validated)."""
+
+    def jsonl(path: Path) -> list[dict]:
+        if not path.exists():
+            return []
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+    tokens = {r["step"]: r.get("tokens") for r in jsonl(run / "metrics.jsonl")}
+    return [
+        {
+            "step": v["step"],
+            "tokens": tokens.get(v["step"]),
+            "acc_0": v.get("val_acc_0"),
+            "chain_tau": v.get("val_replay_tau"),
+        }
+        for v in jsonl(run / "validation.jsonl")
+    ]
+
+
+def cost_section(name: str, costs: dict[str, dict], heads: Sequence[StudyHead]) -> list[str]:
+    """Drafting time per step of each head at one tree's row counts (medians, ms)."""
+    cols = sorted(
+        {k for c in costs.values() for k in c if k.startswith(("step_ms_rows", "output_ms_rows"))},
+        key=lambda k: (int(k.rsplit("rows", 1)[1]), k),
+    )
+    out = [
+        f"## Drafting time per step at tree {name} (ms): the layer and output top-k over r rows",
+        "",
+        "| head | output layer | " + " | ".join(c.replace("_ms_rows", " r") for c in cols) + " |",
+        "|" + " --- |" * (2 + len(cols)),
+    ]
+    for h in heads:
+        c = costs.get(h.name)
+        if c:
+            out.append(
+                f"| {h.name} | {c.get('kind', '-')} | "
+                + " | ".join(_f(c.get(k)) for k in cols)
+                + " |"
+            )
+    return out + [""]
+
+
+def curve_section(curves: dict[str, list[dict]]) -> list[str]:
+    """Held-out acc_0 and replayed chain tau at the last validation of each head's training."""
+    out = [
+        "## Training: held-out validation at the end of each head's budget",
+        "",
+        "| head | step | tokens | acc_0 | replayed chain tau | tau 100 steps earlier |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, pts in curves.items():
+        if not pts:
+            continue
+        last = pts[-1]
+        earlier = [p for p in pts if p["step"] <= last["step"] - 100]
+        prev = earlier[-1].get("chain_tau") if earlier else None
+        out.append(
+            f"| {name} | {last['step']} | {last.get('tokens', '-')} | {_f(last.get('acc_0'))} "
+            f"| {_f(last.get('chain_tau'))} | {_f(prev)} |"
+        )
+    return out + [""]
+
+
+def report(
+    runs: dict[str, dict],
+    heads: Sequence[StudyHead],
+    reference: str,
+    costs: dict[str, dict[str, dict]],
+    curves: dict[str, list[dict]] | None = None,
+) -> tuple[str, dict]:
+    """The study's report.md text and its JSON summary, from one harness results.json per tree
+    (`runs`: tree name -> results), the heads' drafting times at each tree's top-k (`costs`: tree
+    name -> head -> benchmarks/draft_cost.py row) and held-out curves (`curves`: head ->
+    `read_curve`)."""
+    summary = {"reference": reference, "trees": {}}
+    lines = [
+        "# The draft-vocabulary study",
+        "",
+        f"Every head against `{reference}` (EAGLE-3's reduced vocabulary) on the same questions.",
+        "",
+    ]
+    for name, results in runs.items():
+        rows = head_rows(results, heads, reference, costs.get(name, {}))
+        summary["trees"][name] = {"tree": list(tree_of(results)), "rows": rows}
+        lines += tree_section(name, results, rows, reference)
+    for name, tree_costs in costs.items():
+        lines += cost_section(name, tree_costs, heads)
+    if curves:
+        lines += curve_section(curves)
+        summary["curves"] = {k: v[-1] for k, v in curves.items() if v}
+    return "\n".join(lines), summary
+
+
+def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list[Path]:
+    """tau difference and throughput ratio against the reference with their intervals (one panel
+    per tree), draft time per round against tau, and the held-out training curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    trees = summary["trees"]
+    fig, axes = plt.subplots(len(trees), 2, figsize=(11, 0.5 + 3.2 * len(trees)), squeeze=False)
+    for ax_row, (name, t) in zip(axes, trees.items()):
+        rows = [r for r in t["rows"] if "vs_reference" in r]
+        ys = range(len(rows))
+        for ax, key, null in ((ax_row[0], "tau", 0.0), (ax_row[1], "throughput", 1.0)):
+            for y, r in zip(ys, rows):
+                d = r["vs_reference"][key]
+                ax.errorbar(
+                    d["mean"], y, xerr=[[d["mean"] - d["lo"]], [d["hi"] - d["mean"]]], fmt="o"
+                )
+            ax.axvline(null, color="grey", lw=0.8)
+            ax.set_yticks(list(ys), [r["head"] for r in rows])
+            ax.set_title(
+                f"tree {name}: " + ("tau - ref" if key == "tau" else "throughput / ref") + " (95 %)"
+            )
+    fig.tight_layout()
+    paths.append(out / "paired.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name, t in trees.items():
+        for r in t["rows"]:
+            ax.scatter(r["draft_round_ms"], r["tau"])
+            ax.annotate(f"{r['head']} ({name})", (r["draft_round_ms"], r["tau"]), fontsize=7)
+    ax.set_xlabel("drafting time per round (ms)")
+    ax.set_ylabel("tau")
+    fig.tight_layout()
+    paths.append(out / "tau_vs_draft_cost.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    if curves:
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for name, pts in curves.items():
+            pts = [p for p in pts if p.get("chain_tau") is not None]
+            ax.plot([p.get("tokens", p["step"]) for p in pts], [p["chain_tau"] for p in pts], "o-")
+            if pts:
+                ax.annotate(name, (pts[-1].get("tokens", pts[-1]["step"]), pts[-1]["chain_tau"]))
+        ax.set_xlabel("training tokens read")
+        ax.set_ylabel("held-out replayed chain tau")
+        fig.tight_layout()
+        paths.append(out / "training_curves.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths

@@ -1,0 +1,124 @@
+"""evaluation/study.py: the vocabulary study's report from harness results, costs and curves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3_jax.evaluation import study
+
+TREE = [10, 8, 60]
+
+
+def _results(tree=TREE, n=6):
+    methods = [{"label": "vanilla", "kind": "vanilla", "tree": [1, 1, 1], "draft": None}]
+    for d in ("ref", "spec"):
+        methods.append(
+            {"label": f"eagle3:{tree}@{d}", "kind": "eagle3", "tree": list(tree), "draft": d}
+        )
+    recs = []
+    for i in range(n):
+        task = "mt_bench" if i % 2 else "qa"
+        base = {"question_id": i, "task": task, "seed": 0, "num_generations": 1, "new_tokens": 41}
+        recs.append({**base, "method": "vanilla", "target_forwards": 41, "wall_time_s": 4.0})
+        # ref: tau 2, 2 s; spec: tau 4 on mt_bench and 2.5 on qa, 1 s
+        recs.append(
+            {**base, "method": methods[1]["label"], "target_forwards": 21, "wall_time_s": 2.0}
+        )
+        fw = 11 if task == "mt_bench" else 17
+        recs.append(
+            {**base, "method": methods[2]["label"], "target_forwards": fw, "wall_time_s": 1.0}
+        )
+    return {"config": {"methods": methods, "max_new_tokens": 256}, "records": recs}
+
+
+HEADS = [
+    study.StudyHead("ref", "eagle3", 8192),
+    study.StudyHead("spec", "specvocab", None),
+    study.StudyHead("absent", "frspec", 8192),
+]
+COSTS = {
+    "ref": {"kind": "own lm_head", "step_ms_rows1": 2.0, "step_ms_rows10": 5.0},
+    "spec": {"kind": "SpecVocab", "step_ms_rows1": 3.0, "step_ms_rows10": 6.0},
+}
+
+
+def test_a_round_drafts_one_row_then_top_k_rows_per_level():
+    assert study.round_draft_ms(COSTS["ref"], (10, 8, 60)) == pytest.approx(2.0 + 7 * 5.0)
+    assert study.round_draft_ms(COSTS["ref"], (1, 1, 2)) == pytest.approx(2.0)
+    assert study.round_draft_ms(None, (10, 8, 60)) != study.round_draft_ms(None, (10, 8, 60))
+    assert study.round_draft_ms({"step_ms_rows1": 1.0}, (4, 3, 8)) != 0  # NaN: no 4-row timing
+
+
+def test_rows_measure_each_head_against_the_reference():
+    rows = {r["head"]: r for r in study.head_rows(_results(), HEADS, "ref", COSTS)}
+    assert set(rows) == {"ref", "spec"}  # a head the run lacks gives no row
+    assert rows["ref"]["tau"] == pytest.approx(2.0) and "vs_reference" not in rows["ref"]
+    assert rows["ref"]["speedup"] == pytest.approx(2.0)
+    spec = rows["spec"]
+    assert spec["tau_by_task"] == pytest.approx({"mt_bench": 4.0, "qa": 2.5})
+    assert spec["vs_reference"]["throughput"]["mean"] == pytest.approx(2.0)
+    assert spec["vs_reference_by_task"]["mt_bench"]["mean"] == pytest.approx(2.0)
+    assert spec["vs_reference"]["tau"]["mean"] == pytest.approx((2.0 + 0.5) / 2)
+    assert spec["draft_round_ms"] == pytest.approx(3.0 + 7 * 6.0)
+    assert spec["round_ms"] == pytest.approx(1e3 * 6 / (3 * 10 + 3 * 16))
+
+
+def test_a_run_with_two_tree_shapes_is_refused():
+    res = _results()
+    res["config"]["methods"][2]["tree"] = [4, 4, 16]
+    with pytest.raises(ValueError, match="one tree shape"):
+        study.tree_of(res)
+
+
+def test_report_and_plots(tmp_path):
+    runs = {"10/8/60": _results(), "cpu": _results(tree=[2, 3, 4])}
+    curves = {"ref": [{"step": 50, "tokens": 100, "acc_0": 0.5, "chain_tau": 1.9},
+                      {"step": 200, "tokens": 400, "acc_0": 0.6, "chain_tau": 2.1}]}  # fmt: skip
+    costs = {"10/8/60": COSTS, "cpu": {"ref": {"step_ms_rows1": 2.0, "step_ms_rows2": 3.0}}}
+    text, summary = study.report(runs, HEADS, "ref", costs, curves)
+    assert "| spec | specvocab | 49,152 (all) |" in text
+    assert "4.53 | 204.7" in text and "4.31 | 189.3" in text  # the paper's columns
+    assert "+1.25 (" in text  # spec's paired tau difference
+    assert "| ref | 200 | 400 | 0.60 | 2.10 | 1.90 |" in text
+    assert summary["trees"]["cpu"]["tree"] == [2, 3, 4]
+    assert summary["trees"]["cpu"]["rows"][0]["draft_round_ms"] == pytest.approx(2.0 + 2 * 3.0)
+    assert "| head | output layer | step r1 | step r2 |" in text
+    json.dumps(summary)  # the summary is JSON
+    paths = study.plot(summary, curves, tmp_path)
+    assert [p.name for p in paths] == ["paired.png", "tau_vs_draft_cost.png", "training_curves.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_read_curve_joins_validation_with_tokens_read(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": s, "tokens": 10 * s}) for s in (25, 50, 75, 100)) + "\n"
+    )
+    (tmp_path / "validation.jsonl").write_text(
+        json.dumps({"step": 50, "val_acc_0": 0.5, "val_replay_tau": 1.8}) + "\n"
+        + json.dumps({"step": 100, "val_acc_0": 0.6, "val_replay_tau": 2.0}) + "\n"
+    )  # fmt: skip
+    assert study.read_curve(tmp_path) == [
+        {"step": 50, "tokens": 500, "acc_0": 0.5, "chain_tau": 1.8},
+        {"step": 100, "tokens": 1000, "acc_0": 0.6, "chain_tau": 2.0},
+    ]
+    assert study.read_curve(tmp_path / "missing") == []
+
+
+def test_cells_map_to_the_methods_they_stand_for():
+    v = 49152
+    assert study.head_of_cell("a", {"draft_vocab_size": 8192}, v) == study.StudyHead(
+        "a", "eagle3", 8192
+    )
+    full = {"draft_vocab_size": v, "remat": True}
+    assert study.head_of_cell("b", full, v).family == "full"
+    assert study.head_of_cell("c", {**full, "lm_head_source": "target"}, v).family == (
+        "target_lm_head"
+    )
+    spec = {**full, "lm_head_source": "target", "speculator_rank": 72}
+    assert study.head_of_cell("d", spec, v).family == "specvocab"
+    noaux = study.head_of_cell("e", {**spec, "speculator_loss_weight": 0.0}, v)
+    assert noaux.note == "no auxiliary loss"
+    with pytest.raises(ValueError, match="family"):
+        study.StudyHead("x", "medusa", None)
