@@ -1,7 +1,8 @@
 """The package is layered downward, and the import graph says so.
 
   0  errors, config, paths, sharding and the leaf helpers (file formats, prompts, the data readers,
-     tree shapes, sampling settings, benchmark questions and result files, training config)
+     tree shapes, sampling settings, benchmark questions, result files and their metrics (τ,
+     acceptance), training config)
   1  models/ (pure functions of params and a config) and the CPU product probes
   2  checkpoints/ and vocab/ (reading, writing and cutting heads and targets)
   3  decoding/, training/, and the data jobs built on them (regeneration, prompt selection)
@@ -41,6 +42,7 @@ RANKS = {
     "eagle3_jax.decoding.sampling": 0,
     "eagle3_jax.evaluation": 0,
     "eagle3_jax.evaluation.questions": 0,
+    "eagle3_jax.evaluation.metrics": 0,
     "eagle3_jax.evaluation.records": 0,
     "eagle3_jax.training": 0,
     "eagle3_jax.training.config": 0,
@@ -63,7 +65,6 @@ RANKS = {
     "eagle3_jax.training.timed": 3,
     "eagle3_jax.data.regenerate": 3,
     "eagle3_jax.data.select_prompts": 3,
-    "eagle3_jax.evaluation.metrics": 4,
     "eagle3_jax.evaluation.runner": 4,
     "eagle3_jax.evaluation.report": 4,
     "eagle3_jax.evaluation.paired": 4,

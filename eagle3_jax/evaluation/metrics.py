@@ -1,5 +1,9 @@
 """Metrics over per-question records: tau, throughput, speedup, acceptance by depth, exactness.
 
+τ (`tau_of`) and the acceptance rates by depth (`acceptance_rates`) are defined here once, for
+every reader: a `Generation`, decode.py, the harness, the ablation runner and the benchmarks.
+This module imports nothing of the package (layer 0), so decoding can use it.
+
 A record is one (question, method, seed) result, a dict with at least `question_id`, `task`,
 `method`, `seed`, `new_tokens`, `target_forwards`, `num_generations` (1 per turn; each generation
 has its own prefill), `wall_time_s`, `output_ids` (a list per turn) and, for speculative methods,
@@ -13,8 +17,6 @@ import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-
-from eagle3_jax.decoding.speculative import acceptance_rates
 
 VANILLA = "vanilla"
 
@@ -40,14 +42,38 @@ def mean_std(values: Sequence[float]) -> MeanStd:
     return MeanStd(float(np.mean(v)), std, len(v))
 
 
+def tau_of(
+    new_tokens: int, target_forwards: int, generations: int = 1, no_round: float = math.nan
+) -> float:
+    """τ: tokens per verification round, the bonus token included, over `generations`
+    generations that made `new_tokens` tokens in `target_forwards` target passes; each
+    generation's prefill (its first token, its pass) is left out. `no_round` when no round ran
+    (NaN: nothing to average; decode.py shows 1.0, one token for the prefill's one pass)."""
+    rounds = target_forwards - generations
+    return (new_tokens - generations) / rounds if rounds > 0 else no_round
+
+
 def tau(records: Iterable[dict]) -> float:
-    """Tokens per verification round, bonus included, over all records' generations: the prefill's
-    token and pass of every generation are excluded, as in `speculative.tau`. NaN when no round."""
+    """`tau_of` over all records' generations (`num_generations` each, default 1). NaN when no
+    round."""
     recs = list(records)
-    gens = sum(int(r.get("num_generations", 1)) for r in recs)
-    tokens = sum(int(r["new_tokens"]) for r in recs) - gens
-    rounds = sum(int(r["target_forwards"]) for r in recs) - gens
-    return tokens / rounds if rounds > 0 else float("nan")
+    return tau_of(
+        sum(int(r["new_tokens"]) for r in recs),
+        sum(int(r["target_forwards"]) for r in recs),
+        sum(int(r.get("num_generations", 1)) for r in recs),
+    )
+
+
+def acceptance_rates(hist) -> list[float]:
+    """Per-depth acceptance alpha_d = P(accept >= d+1 | accept >= d) from a rounds-by-length
+    histogram ([depth + 1] or [B, depth + 1], summed over rows). NaN where no round reached
+    depth d."""
+    h = np.asarray(hist).reshape(-1, np.shape(hist)[-1]).sum(0)
+    at_least = np.cumsum(h[::-1])[::-1]  # rounds accepting >= d
+    return [
+        float(at_least[d + 1] / at_least[d]) if at_least[d] else float("nan")
+        for d in range(len(h) - 1)
+    ]
 
 
 def verified_per_round(records: Iterable[dict]) -> float:
