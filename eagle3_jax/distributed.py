@@ -199,6 +199,65 @@ def initialize(timeout_s: float | None = None) -> bool:
 
 BARRIER_TIMEOUT_S = 24 * 3600.0  # process 0 may tokenise a large dataset while the others wait
 _barriers = itertools.count()
+_apart_depth = 0  # > 0 inside primary_first / from_primary blocks
+
+
+@contextlib.contextmanager
+def _apart():
+    """Marks a block each process runs on its own, at its own time (see `share`)."""
+    global _apart_depth
+    _apart_depth += 1
+    try:
+        yield
+    finally:
+        _apart_depth -= 1
+
+
+def share() -> tuple[int, int]:
+    """(processes, this process's index) that a data job (regeneration, feature precompute, the
+    evaluation harness) splits its work between: every process of the run when all of them call
+    the job together, as a command line does. (1, 0) with one process, and inside a
+    `primary_first` or `from_primary` block, where each process runs the job on its own (process
+    0 alone first): a collective there would wait for processes that never come."""
+    if jax.process_count() == 1 or _apart_depth:
+        return 1, 0
+    return jax.process_count(), jax.process_index()
+
+
+def all_gather(name: str, value, timeout_s: float = BARRIER_TIMEOUT_S, wait: bool = True):
+    """Every process's `value` (small and JSON-able: counts, a status), in process order, on every
+    process; a barrier too. With one process, `[value]`. Every process must call it, in the same
+    order as the other collectives; `wait=False` only posts this process's value (a process that
+    failed, on its way out: see `failure`) and returns None."""
+    if jax.process_count() == 1:
+        return [value] if wait else None
+    client = jax_distributed.global_state.client
+    key = f"eagle3_jax/{next(_barriers)}/{name}"
+    client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(value))
+    if not wait:
+        return None
+    ms = int(timeout_s * 1000)
+    return [
+        json.loads(client.blocking_key_value_get(f"{key}/{i}", ms))
+        for i in range(jax.process_count())
+    ]
+
+
+def failure(e: BaseException) -> dict:
+    """What a process that failed in shared work posts to `all_gather` (with wait=False) before it
+    re-raises: the others finish their own share (kept for a resumed run), then raise
+    `check_gathered`'s error naming it, instead of waiting for it for ever."""
+    text = str(e) if isinstance(e, Eagle3Error) else f"{type(e).__name__}: {e}"
+    return {"eagle3_jax_error": text or type(e).__name__}
+
+
+def check_gathered(parts: list) -> list:
+    """`parts` from `all_gather`, or an Eagle3Error naming the first process that posted a
+    `failure`."""
+    for i, p in enumerate(parts):
+        if isinstance(p, dict) and "eagle3_jax_error" in p:
+            raise Eagle3Error(f"process {i} stopped: {p['eagle3_jax_error']}")
+    return parts
 
 
 def is_primary() -> bool:
@@ -229,7 +288,8 @@ def primary_first(name: str, timeout_s: float = BARRIER_TIMEOUT_S):
     key = f"eagle3_jax/{next(_barriers)}/{name}"
     if is_primary():
         try:
-            yield
+            with _apart():
+                yield
         except BaseException as e:
             text = str(e) if isinstance(e, Eagle3Error) else f"{type(e).__name__}: {e}"
             client.key_value_set(key, "error " + text)
@@ -239,7 +299,8 @@ def primary_first(name: str, timeout_s: float = BARRIER_TIMEOUT_S):
     status = client.blocking_key_value_get(key, int(timeout_s * 1000))
     if status != "ok":
         raise Eagle3Error(f"process 0 stopped: {status.removeprefix('error ')}")
-    yield
+    with _apart():
+        yield
 
 
 def from_primary(name: str, compute, timeout_s: float = BARRIER_TIMEOUT_S):
@@ -252,7 +313,8 @@ def from_primary(name: str, compute, timeout_s: float = BARRIER_TIMEOUT_S):
     key = f"eagle3_jax/{next(_barriers)}/{name}"
     if is_primary():
         try:
-            value = compute()
+            with _apart():
+                value = compute()
         except BaseException as e:
             text = str(e) if isinstance(e, Eagle3Error) else f"{type(e).__name__}: {e}"
             client.key_value_set(key, "error " + text)

@@ -388,6 +388,26 @@ def test_regenerate_writes_records_and_resumes_without_duplicates(tiny_target, t
             assert row[m == 1].tolist() == words + [2]
 
 
+def test_regeneration_folds_in_what_a_killed_multi_process_run_left(tiny_target, tmp_path):
+    """Two processes killed mid-run leave their shards beside the answers: a resumed run (here
+    one process) appends their complete records, skips those prompts, answers the rest and
+    removes the shards; every record is an uninterrupted run's."""
+    from eagle3_jax.data.regenerate import shard_path
+
+    kw = dict(max_new_tokens=8, batch_size=2, max_prompt_tokens=30, progress=False)
+    ref = tmp_path / "ref.jsonl"
+    regenerate(tiny_target, PROMPTS, ref, **kw)
+    line = {json.loads(x)["id"]: x + "\n" for x in ref.read_text().splitlines()}
+    out = tmp_path / "out.jsonl"
+    regenerate(tiny_target, PROMPTS[:1], out, **kw)  # p0 answered (and the settings claimed)
+    shard_path(out, 0, 2).write_text(line["p1"])
+    shard_path(out, 1, 2).write_text(line["p2"] + line["p3"][:20])  # p3's write cut short
+    stats = regenerate(tiny_target, PROMPTS, out, **kw)
+    assert (stats.answered, stats.resumed) == (2, 3)
+    assert sorted(out.read_text().splitlines()) == sorted(ref.read_text().splitlines())
+    assert not list(tmp_path.glob("out.jsonl.part*"))
+
+
 def test_duplicate_prompt_ids_are_refused(tiny_target, tmp_path):
     with pytest.raises(Eagle3Error, match="twice"):
         regenerate(tiny_target, [("a", "w5"), ("a", "w6")], tmp_path / "d.jsonl", progress=False)

@@ -203,6 +203,223 @@ def test_two_processes_join_and_build_global_batches(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# data jobs and the evaluation harness, split between the processes
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["w5 w6 w7 w8 w5 w6 w7", "w9 w10 w11"]},
+    {"question_id": 2, "category": "qa", "turns": ["w40 w41 w12"]},
+    {"question_id": 3, "category": "qa", "turns": ["w20 w21 w22 w20 w21"]},
+]
+# plain products on every process and in the reference (the CPU probes' choice could differ)
+PRODUCTS = {"EAGLE3_JAX_ROW_PRODUCTS": "0", "EAGLE3_JAX_LOGIT_REDUCE": "0"}
+
+
+def _chats(path: Path, n: int) -> Path:
+    """Conversations of 1 to 3 user turns (--all-turns answers each in context)."""
+    rng = np.random.default_rng(7)
+    recs = []
+    for i in range(n):
+        turns = []
+        for _ in range(1 + i % 3):
+            turns += [{"from": "human", "value": " ".join(f"w{x}" for x in rng.integers(3, 97, 4))},
+                      {"from": "gpt", "value": "w5 w6"}]  # fmt: skip
+        recs.append({"id": f"t{i}", "conversations": turns})
+    path.write_text(json.dumps(recs))
+    return path
+
+
+def _records_dataset(n: int = 10, t: int = 16):
+    import types
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, t + 1, n)
+    ids = rng.integers(3, 97, (n, t)).astype(np.int32)
+    ids[np.arange(t)[None] >= lengths[:, None]] = 0
+    return types.SimpleNamespace(input_ids=ids, lengths=lengths, num_records=n)
+
+
+def data_jobs(target: str, inputs: Path, out: Path) -> None:
+    """Regeneration (first turns, then every turn) and feature precompute, as the command lines
+    run them: called alike by every process of a run, or by one process."""
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.cli import main
+    from eagle3_jax.training import features
+
+    common = ["--target", target, "--batch-size", "2", "--max-new-tokens", "6", "--no-progress"]
+    assert main(["regenerate", str(inputs / "prompts.json"), str(out / "first.jsonl"), *common,
+                 "--max-prompt-tokens", "12"]) == 0  # fmt: skip
+    assert main(["regenerate", str(inputs / "chats.json"), str(out / "turns.jsonl"), *common,
+                 "--all-turns", "--max-len", "40", "--chunk", "2"]) == 0  # fmt: skip
+    features.precompute(load_target(target), _records_dataset(), (1, 2, 3), out / "features",
+                        3, False, 4, dtype="bfloat16")  # fmt: skip
+
+
+def harness_job(target: str, inputs: Path, out: Path, mesh: str | None = None) -> None:
+    """`python -m eagle3_jax eval` on the tiny target (vanilla and prompt lookup)."""
+    from eagle3_jax.cli import main
+
+    assert main(["eval", "--target", target, "--bench", str(inputs / "q.jsonl"),
+                 "--methods", "vanilla,pld:1,3,4", "--max-new-tokens", "8",
+                 "--out", str(out / "eval"), "--no-progress",
+                 *(["--mesh", mesh] if mesh else [])]) == 0  # fmt: skip
+
+
+DATA_WORKER = """
+import sys
+from pathlib import Path
+import jax
+from eagle3_jax import distributed
+assert distributed.initialize() and jax.process_count() == 2
+from tests import test_multihost
+job = getattr(test_multihost, sys.argv[1])  # the same function the one-process reference runs
+job(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), *sys.argv[5:])
+print("ok", jax.process_index())
+"""
+
+
+def _untimed(rec: dict) -> dict:
+    from eagle3_jax.evaluation.runner import TIMING_KEYS
+
+    rec = {k: v for k, v in rec.items() if k not in TIMING_KEYS}
+    rec["turns"] = [{k: v for k, v in t.items() if k not in TIMING_KEYS} for t in rec["turns"]]
+    return rec
+
+
+def _inputs(d: Path) -> Path:
+    inputs = d / "inputs"
+    inputs.mkdir()
+    _conversations(inputs / "prompts.json", 7, 3)
+    _chats(inputs / "chats.json", 6)
+    (inputs / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return inputs
+
+
+def _both(job: str, target, d: Path, monkeypatch, *more: str) -> tuple[Path, Path]:
+    """`job` on two processes and, meanwhile, on this one (the reference): their out dirs."""
+    from tests import test_multihost
+
+    inputs, two, one, logs = _inputs(d), d / "two", d / "one", d / f"{job}.log"
+    t0 = time.time()
+    procs = _launch(DATA_WORKER, [job, str(target), str(inputs), str(two), *more], logs, **PRODUCTS)
+    for k, v in PRODUCTS.items():
+        monkeypatch.setenv(k, v)
+    getattr(test_multihost, job)(str(target), inputs, one)
+    _wait(procs, logs, timeout=300)
+    print(f"{job} on two processes and on one: {time.time() - t0:.0f} s")
+    return two, one
+
+
+def _files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if not p.name.endswith(".lock"))
+
+
+def test_data_jobs_on_two_processes_equal_one(tiny_target_dir, tmp_path, monkeypatch):
+    """Two processes split regeneration (first turns, and every turn in context) and the feature
+    precompute: the answers are one process's byte for byte, and the feature store (process 0's
+    features.json naming the two shards) reads as one process's, bit for bit; no shard of the
+    answers is left behind."""
+    from eagle3_jax.training.features import META, OfflineFeatures
+
+    two, one = _both("data_jobs", tiny_target_dir, tmp_path, monkeypatch)
+    for name in ("first.jsonl", "turns.jsonl"):
+        assert (two / name).read_bytes() == (one / name).read_bytes(), name
+        assert len(_lines(one / name)) > 2
+    assert _files(two) == _files(one)  # no shard is left
+    meta_two = json.loads((two / "features" / META).read_text())
+    meta_one = json.loads((one / "features" / META).read_text())
+    assert meta_two.pop("shards") == ["shard0", "shard1"] and "shards" not in meta_one
+    assert meta_two == meta_one
+    ds = _records_dataset()
+    rows = np.random.default_rng(1).permutation(ds.num_records)
+    for length in (None, 8):
+        got = OfflineFeatures(two / "features", ds, (3, 1)).batch(rows, length)
+        want = OfflineFeatures(one / "features", ds, (3, 1)).batch(rows, length)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.slow  # ~60-120 s on 2 busy cores
+def test_the_harness_on_two_processes_equals_one(tiny_target_dir, tmp_path, monkeypatch):
+    """Two processes split the harness's questions (each on `--mesh 1x2` over its own devices):
+    process 0 writes the one records.jsonl, the one process's records in its order, and the one
+    results.json and report; no shard is left behind."""
+    two, one = _both("harness_job", tiny_target_dir, tmp_path, monkeypatch, "1x2")
+    two, one = two / "eval", one / "eval"
+    got = [_untimed(r) for r in _lines(two / "records.jsonl")]
+    want = [_untimed(r) for r in _lines(one / "records.jsonl")]
+    assert len(want) == 3 * 2 and got == want
+    assert _files(two) == _files(one)
+    res = json.loads((two / "results.json").read_text())
+    assert [_untimed(r) for r in res["records"]] == [
+        _untimed(r) for r in json.loads((one / "results.json").read_text())["records"]
+    ]
+
+
+def test_a_feature_store_named_by_the_earlier_target_hash_is_reused_not_rebuilt(
+    tiny_target_dir, tmp_path, monkeypatch
+):
+    """A store names its target by the target's files (`target_digest`, what every other reuse
+    check uses; it reads no weight, so a target spread over hosts digests too). Stores written
+    before recorded a hash of the config and sampled weights: a finished one whose hash, computed
+    now, matches is reused (nothing recomputed) and relabelled with the digest, the old hash kept
+    beside it; a partial one resumes where it stopped; another target's store is refused."""
+    from eagle3_jax.checkpoints import load_target, target_digest
+    from eagle3_jax.errors import Eagle3Error
+    from eagle3_jax.training import features
+    from eagle3_jax.training.features import META, PROGRESS, OfflineFeatures
+
+    target = load_target(str(tiny_target_dir))
+    ds, layers = _records_dataset(), (1, 2)
+    store = features.precompute(target, ds, layers, tmp_path / "f", 3, False, 4)
+    want = OfflineFeatures(store, ds, layers).batch(np.arange(ds.num_records))
+    meta = json.loads((store / META).read_text())
+    old = features.legacy_target_fingerprint(target)
+    assert meta["inputs"]["target"] == target_digest(tiny_target_dir) != old
+    meta["inputs"]["target"] = old  # the store as the earlier version wrote it
+    (store / META).write_text(json.dumps(meta))
+    stamp = (store / "hidden.npy").stat().st_mtime_ns
+
+    def never(*a, **k):
+        raise AssertionError("recomputed")
+
+    with monkeypatch.context() as m:
+        m.setattr(features, "target_features", never)
+        assert features.precompute(target, ds, layers, store, 3, False, 4) == store
+    now = json.loads((store / META).read_text())
+    assert now["inputs"]["target"] == target_digest(tiny_target_dir)
+    assert now["legacy_target_fingerprint"] == old
+    assert (store / "hidden.npy").stat().st_mtime_ns == stamp
+    meta["inputs"]["target"] = "0123456789abcdef"  # another target's hash: refused
+    (store / META).write_text(json.dumps(meta))
+    with pytest.raises(Eagle3Error, match="target differ"):
+        features.precompute(target, ds, layers, store, 3, False, 4)
+
+    # a partial store of the earlier version, killed after two of its four batches, resumes
+    calls = {"n": 0}
+    real = features.bucket_length
+
+    def counted(*a):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(features, "bucket_length", counted)
+    with pytest.raises(KeyboardInterrupt):
+        features.precompute(target, ds, layers, tmp_path / "p", 3, False, 4, checkpoint_seconds=0)
+    progress = tmp_path / "p.partial" / PROGRESS
+    state = json.loads(progress.read_text())
+    progress.write_text(json.dumps({"inputs": {**state["inputs"], "target": old},
+                                    "done_batches": state["done_batches"]}))  # fmt: skip
+    calls["n"] = -100
+    out = features.precompute(target, ds, layers, tmp_path / "p", 3, False, 4)
+    assert calls["n"] == -100 + 2  # only the two batches left
+    got = OfflineFeatures(out, ds, layers).batch(np.arange(ds.num_records))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+# ---------------------------------------------------------------------------------------------
 # training
 
 

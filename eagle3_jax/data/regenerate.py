@@ -14,11 +14,23 @@ Answers are written as ShareGPT JSONL, one record per prompt, appended and flush
 An interrupted run resumes: ids already in the file are skipped, and a partially written last line
 (no trailing newline) is cut off before appending. With greedy decoding the resumed file equals an
 uninterrupted one; with sampling the draws depend on how prompts fall into batches.
+
+Across processes (a pod, a SLURM job: every process runs the same command, see docs/multihost.md)
+the batches (first turns) or chunks (all turns) are dealt out in turn: process p answers units p,
+p + P, p + 2P, ... of the one-process plan, each with a target on its own devices, into its shard
+`OUT.part{p}of{P}`; process 0 then appends the shards' records to OUT in the one-process order
+and removes them. Every unit is the one-process run's (same rows, same seed), so OUT equals a
+one-process run's byte for byte. Shards a killed run left behind are folded into OUT (their
+complete records, in shard order) before a resumed run plans its work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import glob
+import heapq
 import json
 import os
 from pathlib import Path
@@ -26,6 +38,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
+from eagle3_jax import distributed
 from eagle3_jax.checkpoints import Target, target_digest
 from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.decoding import plain
@@ -62,6 +75,64 @@ def prepare_resume(path: Path) -> set[str]:
         except (ValueError, KeyError, TypeError):
             continue
     return ids
+
+
+def shard_path(out_path: Path, index: int, count: int) -> Path:
+    """Where process `index` of `count` writes its answers before process 0 merges them."""
+    return out_path.with_name(f"{out_path.name}.part{index}of{count}")
+
+
+def _lines(path: Path):
+    """(id, the line's bytes) of each complete record line of a JSONL file (split at b"\\n"
+    only: U+2028 and friends occur raw inside JSON strings)."""
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                return  # a write cut short by a kill
+            try:
+                yield str(json.loads(line)["id"]), line
+            except (ValueError, KeyError, TypeError):
+                continue
+
+
+def fold_shards(out_path: Path) -> int:
+    """Appends to `out_path` the records that the shards of a killed multi-process run hold and
+    it lacks (in shard order), then removes the shards; returns how many. Idempotent: a kill
+    between the append and the removal leaves records that the next fold skips."""
+    shards = sorted(
+        Path(p) for p in glob.glob(glob.escape(str(out_path)) + ".part*of*") if Path(p).is_file()
+    )
+    if not shards:
+        return 0
+    have = prepare_resume(out_path)
+    added = 0
+    with open(out_path, "ab") as f:
+        for shard in shards:
+            for rid, line in _lines(shard):
+                if rid not in have:
+                    have.add(rid)
+                    f.write(line)
+                    added += 1
+        f.flush()
+        os.fsync(f.fileno())
+    for shard in shards:
+        shard.unlink()
+    return added
+
+
+def merge_shards(out_path: Path, count: int, order: dict[str, int]) -> None:
+    """Process 0: appends the `count` processes' shards to `out_path` in the one-process order
+    (`order`: record id -> its place in the plan; each shard is already in that order, so a
+    streaming merge), byte for byte, then removes them."""
+    shards = [shard_path(out_path, i, count) for i in range(count)]
+    streams = [((order[rid], line) for rid, line in _lines(p)) for p in shards]
+    with open(out_path, "ab") as f:
+        for _, line in heapq.merge(*streams, key=lambda x: x[0]):
+            f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+    for p in shards:
+        p.unlink()
 
 
 def claim(out_path: Path, target, sampling, seed: int, settings: dict) -> None:
@@ -179,15 +250,48 @@ def regenerate(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     settings = {"mode": "first_turns", "max_new_tokens": max_new_tokens,
                 "max_prompt_tokens": max_prompt_tokens}  # fmt: skip
-    with exclusive(out_path):
-        claim(out_path, target, sampling, seed, settings)
-        return _first_turns(target, prompts, out_path, max_new_tokens, batch_size, sampling,
-                            max_prompt_tokens, seed, progress)  # fmt: skip
+    run = functools.partial(_first_turns, target, prompts, out_path, max_new_tokens, batch_size,
+                            sampling, max_prompt_tokens, seed, progress)  # fmt: skip
+    return _shared(out_path, target, sampling, seed, settings, run)
+
+
+def _shared(out_path: Path, target, sampling, seed: int, settings: dict, run) -> RegenStats:
+    """Claims out_path and runs `run(done ids, (processes, index))` on this process's share of
+    the work (`distributed.share`): the whole of it with one process; with several, each
+    answers its units into its shard and process 0 merges them. `run` returns this process's
+    stats and the plan's record order; the stats returned are the run's, summed over processes."""
+    count, me = distributed.share()
+    # process 0 holds out_path's own lock, so a one-process run on the same file is refused too
+    lock = out_path if me == 0 else out_path.with_name(f"{out_path.name}.process{me}")
+    first = distributed.primary_first("regenerate: claim") if count > 1 else None
+    with exclusive(lock):
+        with first or contextlib.nullcontext():
+            # process 0 first: it writes the settings, folds a killed run's shards and cuts a
+            # torn last line; then every process reads the same answered ids, so all plan alike
+            claim(out_path, target, sampling, seed, settings)
+            if me == 0:
+                fold_shards(out_path)
+            done = prepare_resume(out_path)
+        try:
+            stats, order = run(done, (count, me))
+        except BaseException as e:
+            if count > 1:  # the others finish their shares, then stop naming this process
+                distributed.all_gather("regenerate: answered", distributed.failure(e), wait=False)
+            raise
+        if count == 1:
+            return stats
+        parts = distributed.check_gathered(
+            distributed.all_gather("regenerate: answered", list(stats))
+        )
+        with distributed.primary_first("regenerate: merge"):
+            if me == 0:
+                merge_shards(out_path, count, order)
+    return RegenStats(*(sum(p[i] for p in parts) for i in range(len(RegenStats._fields))))
 
 
 def _first_turns(target, prompts, out_path, max_new_tokens, batch_size, sampling,
-                 max_prompt_tokens, seed, progress) -> RegenStats:  # fmt: skip
-    done = prepare_resume(out_path)
+                 max_prompt_tokens, seed, progress, done, share) -> tuple[RegenStats, dict]:  # fmt: skip
+    count, me = share
     tok, cfg = target.tokenizer, target.cfg
     room = min(max_prompt_tokens, cfg.max_position_embeddings - max_new_tokens)
     if room < 1:
@@ -208,18 +312,20 @@ def _first_turns(target, prompts, out_path, max_new_tokens, batch_size, sampling
     # decoding the answers do not depend on the batching.
     pending.sort(key=lambda p: len(p[2]))
     resumed = sum(pid in done for pid, _ in prompts)
-
+    starts = range(0, len(pending), batch_size)[me::count]  # this process's batches
+    mine = sum(len(pending[s : s + batch_size]) for s in starts)
     bar = tqdm(
-        total=resumed + len(pending),
+        total=resumed + mine,
         initial=resumed,
         unit="prompt",
-        desc="regenerating",
-        disable=not progress,
+        desc="regenerating" if count == 1 else f"regenerating (process 0's share of {count})",
+        disable=not progress or me != 0,
         dynamic_ncols=True,
     )
     answered = cut = 0
-    with open(out_path, "a", encoding="utf-8") as f, bar:
-        for start in range(0, len(pending), batch_size):
+    sink = out_path if count == 1 else shard_path(out_path, me, count)
+    with open(sink, "a" if count == 1 else "w", encoding="utf-8") as f, bar:
+        for start in starts:
             chunk = pending[start : start + batch_size]
             rows = [ids for _, _, ids in chunk]
             answers = _answer(target, rows, batch_size, max_new_tokens, sampling, seed + start)
@@ -231,7 +337,9 @@ def _first_turns(target, prompts, out_path, max_new_tokens, batch_size, sampling
             answered += len(chunk)
             bar.update(len(chunk))
             bar.set_postfix(skipped=skipped, refresh=False)
-    return RegenStats(answered, skipped, resumed, cut)
+    if me != 0:  # the prompt-level counts are process 0's; the answers are each process's own
+        skipped = resumed = 0
+    return RegenStats(answered, skipped, resumed, cut), {p[0]: i for i, p in enumerate(pending)}
 
 
 def regenerate_turns(
@@ -274,15 +382,14 @@ def regenerate_turns(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _check_unique([(c.id, c) for c in convs])
     settings = {"mode": "all_turns", "max_new_tokens": max_new_tokens, "max_len": max_len}
-    with exclusive(out_path):
-        claim(out_path, target, sampling, seed, settings)
-        return _all_turns(target, convs, out_path, max_new_tokens, batch_size, max_len, sampling,
-                          seed, progress, chunk, max_batch_tokens, buckets)  # fmt: skip
+    run = functools.partial(_all_turns, target, convs, out_path, max_new_tokens, batch_size,
+                            max_len, sampling, seed, progress, chunk, max_batch_tokens, buckets)  # fmt: skip
+    return _shared(out_path, target, sampling, seed, settings, run)
 
 
 def _all_turns(target, convs, out_path, max_new_tokens, batch_size, max_len, sampling, seed,
-               progress, chunk, max_batch_tokens, buckets) -> RegenStats:  # fmt: skip
-    done = prepare_resume(out_path)
+               progress, chunk, max_batch_tokens, buckets, done, share) -> tuple[RegenStats, dict]:  # fmt: skip
+    count, me = share
     tok = target.tokenizer
     limit = min(max_len, target.cfg.max_position_embeddings)
     todo = []
@@ -295,12 +402,19 @@ def _all_turns(target, convs, out_path, max_new_tokens, batch_size, max_len, sam
     # generations as its longest conversation has turns), and a deadline leaves the most
     # conversations done. Only the order of the records in the file changes.
     todo.sort(key=lambda t: len(t[1]))
-    resumed = sum(c.id in done for c in convs)
+    resumed = sum(c.id in done for c in convs) if me == 0 else 0  # process 0 counts them
     chunk = chunk or 8 * batch_size
+    starts = range(0, len(todo), chunk)[me::count]  # this process's chunks
     answered = skipped = cut = 0
-    bar = tqdm(total=len(todo), unit="conv", desc="regenerating turns", disable=not progress)
-    with open(out_path, "a", encoding="utf-8") as f, bar:
-        for start in range(0, len(todo), chunk):
+    bar = tqdm(
+        total=sum(len(todo[s : s + chunk]) for s in starts),
+        unit="conv",
+        desc="regenerating turns" if count == 1 else f"regenerating turns (process 0 of {count})",
+        disable=not progress or me != 0,
+    )
+    sink = out_path if count == 1 else shard_path(out_path, me, count)
+    with open(sink, "a" if count == 1 else "w", encoding="utf-8") as f, bar:
+        for start in starts:
             part = todo[start : start + chunk]
             msgs = {cid: [] for cid, _ in part}
             outs = {cid: [] for cid, _ in part}
@@ -352,4 +466,4 @@ def _all_turns(target, convs, out_path, max_new_tokens, batch_size, max_len, sam
             _append(f, recs)
             answered += len(recs)
             bar.update(len(part))
-    return RegenStats(answered, skipped, resumed, cut)
+    return RegenStats(answered, skipped, resumed, cut), {t[0]: i for i, t in enumerate(todo)}

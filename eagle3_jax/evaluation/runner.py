@@ -6,21 +6,31 @@ Layout of OUT:
   results.json    every record of this run's questions + the summary
   report.md       the paper-shaped table (rows = methods, columns = tasks, cells "tau / speedup")
   *.png           tau_per_task, speedup_per_task, acceptance_by_depth
+
+On several processes (every process runs the same command; docs/multihost.md) the one-process
+run's batches are dealt out in turn: process p runs batches p, p + P, ... (every method on each),
+with the target on its own devices (`--mesh` is each process's mesh over them), into
+`records.part{p}of{P}.jsonl`; process 0 then appends those records to records.jsonl in the
+one-process order and writes results.json, report.md and the plots, once. A killed run's shards
+are folded into records.jsonl when it is resumed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import heapq
 import json
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
 
-from eagle3_jax import cpu_tuning
+from eagle3_jax import cpu_tuning, distributed
 from eagle3_jax.checkpoints import load_target, resolve_target, target_digest
 from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.checkpoints.heads import draft_vocab_sizes, load_head, parse_draft_vocab
@@ -34,7 +44,7 @@ from eagle3_jax.evaluation import metrics
 from eagle3_jax.evaluation.questions import BENCHES, Question, load_questions
 from eagle3_jax.evaluation.report import write_outputs
 from eagle3_jax.prompts import encode_chat
-from eagle3_jax.sharding import parse_mesh
+from eagle3_jax.sharding import make_mesh, parse_mesh
 
 TIMING_KEYS = ("wall_time_s", "tokens_per_s", "batch_wall_time_s")
 
@@ -264,7 +274,7 @@ def check_config(out: Path, config: dict) -> None:
                 f"{hint}: use another --out, or the same flags to resume"
             )
         return
-    if out.is_dir() and any(p.name != ".lock" for p in out.iterdir()):
+    if out.is_dir() and any(not p.name.endswith(".lock") for p in out.iterdir()):
         raise Eagle3Error(
             f"{out} already holds files that are not an evaluation run (no config.json): use a "
             "new or empty --out (nothing there was changed)"
@@ -298,6 +308,75 @@ def record_key(rec: dict) -> tuple[str, str, int]:
     return str(rec["question_id"]), rec["method"], int(rec["seed"])
 
 
+def process_mesh(text: str | None):
+    """`--mesh DATAxMODEL` over this process's own devices: with several processes each runs
+    its own batches, so its mesh spans only its devices; with one, `parse_mesh`."""
+    mesh = parse_mesh(text)
+    if mesh is None or jax.process_count() == 1:
+        return mesh
+    data, model = mesh.shape["data"], mesh.shape["model"]
+    local = jax.local_devices()
+    if data * model > len(local):
+        raise Eagle3Error(
+            f"--mesh {text}: each of the {jax.process_count()} processes runs its own questions "
+            f"on its own {len(local)} devices; give DATAxMODEL within them"
+        )
+    return make_mesh(data, model, local)
+
+
+def shard_path(out: Path, index: int, count: int) -> Path:
+    """Where process `index` of `count` writes its records before process 0 merges them."""
+    return out / f"records.part{index}of{count}.jsonl"
+
+
+def _complete_lines(path: Path) -> list[bytes]:
+    """The complete lines of a file (a write cut short by a kill is dropped), split at b"\\n"
+    only (U+2028 and friends sit raw inside JSON strings)."""
+    data = path.read_bytes()
+    return [line + b"\n" for line in data[: data.rfind(b"\n") + 1].split(b"\n")[:-1]]
+
+
+def fold_shards(out: Path) -> None:
+    """Appends the records a killed multi-process run left in its shards to records.jsonl (a
+    repeated record is dropped by `load_records`), then removes the shards."""
+    shards = sorted(out.glob("records.part*of*.jsonl"))
+    if not shards:
+        return
+    rec_path = out / "records.jsonl"
+    if rec_path.exists():
+        load_records(rec_path)  # a torn last line goes before anything is appended
+    with rec_path.open("ab") as f:
+        for shard in shards:
+            f.write(b"".join(_complete_lines(shard)))
+    load_records(rec_path)
+    for shard in shards:
+        shard.unlink()
+
+
+def merge_shards(out: Path, count: int, order: dict) -> None:
+    """Process 0: appends the processes' records to records.jsonl in the one-process order
+    (`order`: record key -> its place in the plan; each shard is in that order already), then
+    removes the shards."""
+    shards = [shard_path(out, i, count) for i in range(count)]
+    streams = [
+        ((order[record_key(json.loads(line))], line) for line in _complete_lines(p)) for p in shards
+    ]
+    with (out / "records.jsonl").open("ab") as f:
+        for _, line in heapq.merge(*streams, key=lambda x: x[0]):
+            f.write(line)
+    for p in shards:
+        p.unlink()
+
+
+def plan(pending, batch_size: int) -> list[tuple[int, list]]:
+    """The one-process run's batches, in its order: (seed, questions) for each."""
+    units = []
+    for seed in sorted({s for s, _ in pending}):
+        qs = [q for s, q in pending if s == seed]
+        units += [(seed, qs[b : b + batch_size]) for b in range(0, len(qs), batch_size)]
+    return units
+
+
 class Models:
     """The loaded target and drafts ({name: (params, cfg, vocab, embed)}), and one generation call
     per method."""
@@ -311,7 +390,7 @@ class Models:
         {name: --draft-vocab request} says; "auto" when not named)."""
 
         dtype = default_dtype(opts.dtype)
-        mesh = parse_mesh(opts.mesh)
+        mesh = process_mesh(opts.mesh)
         target = load_target(opts.target, dtype=dtype, mesh=mesh)
         # this machine's few-row products (measured once per CPU), for the target and its heads
         products = cpu_tuning.policy_for()
@@ -442,14 +521,26 @@ def run_eval(opts: EvalOptions) -> dict:
     target_path = str(Path(resolve_target(opts.target)).resolve())
     config = fingerprint(opts, target_path, drafts, methods, cuts)
     out.mkdir(parents=True, exist_ok=True)
-    with exclusive(out, "--out"):  # a second harness on the same --out is refused at once
-        check_config(out, config)
-        return _run_locked(opts, out, questions, methods, drafts, requests, cuts, sampling)
+    count, me = distributed.share()
+    # a second harness on the same --out is refused at once (process 0 holds --out's own lock)
+    lock = out if me == 0 else out / f".process{me}"
+    first = distributed.primary_first("eval: config") if count > 1 else None
+    with exclusive(lock, "--out"):
+        with first or contextlib.nullcontext():
+            # process 0 first: it writes config.json, folds a killed run's shards and repairs a
+            # torn line; then every process reads the same records, so all plan alike
+            check_config(out, config)
+            if me == 0:
+                fold_shards(out)
+            records = load_records(out / "records.jsonl")
+        return _run_locked(opts, out, questions, methods, drafts, requests, cuts, sampling,
+                           records, (count, me))  # fmt: skip
 
 
-def _run_locked(opts, out, questions, methods, drafts, requests, cuts, sampling) -> dict:
+def _run_locked(opts, out, questions, methods, drafts, requests, cuts, sampling, records,
+                share) -> dict:  # fmt: skip
+    count, me = share
     rec_path = out / "records.jsonl"
-    records = load_records(rec_path)
     done = {record_key(r) for r in records}
     seeds = list(range(num_seeds(opts)))
     pending = [
@@ -459,42 +550,65 @@ def _run_locked(opts, out, questions, methods, drafts, requests, cuts, sampling)
         if any((q.id, m.label, s) not in done for m in methods)
     ]
     cats = len({q.category for q in questions})
-    print(
+    print(  # (by every process: each names the run it joins)
         f"eval: {opts.bench}, {len(questions)} questions ({cats} categories"
         + (f", the first {opts.questions} of each" if opts.questions else "")
         + f"), {len(methods)} methods, {len(seeds)} seed(s); {len(pending)} questions to run"
         + "".join(f"; draft {n} cut to its first {k} ids (--draft-vocab)" for n, k in cuts.items()),
         file=sys.stderr,
     )
-    if pending:
-        models = Models.load(opts, drafts, requests)
-        _run_pending(models, methods, pending, sampling, opts, rec_path, records, done)
-    return write_outputs(out, records, questions, methods, seeds, opts)
+    units = plan(pending, opts.batch_size)
+    mine = units[me::count]  # this process's batches
+    if count == 1:
+        if mine:
+            models = Models.load(opts, drafts, requests)
+            _run_pending(models, methods, mine, sampling, opts, rec_path, records, done)
+        return write_outputs(out, records, questions, methods, seeds, opts)
+    order = {}  # record key -> its place in the one-process run's records.jsonl
+    for seed, batch in units:
+        for m in methods:
+            for q in batch:
+                if (q.id, m.label, seed) not in done:
+                    order[(str(q.id), m.label, seed)] = len(order)
+    try:
+        sink = shard_path(out, me, count)
+        sink.write_bytes(b"")
+        if mine:
+            models = Models.load(opts, drafts, requests)
+            _run_pending(models, methods, mine, sampling, opts, sink, records, done, me == 0)
+    except BaseException as e:  # the others finish their shares, then stop naming this process
+        distributed.all_gather("eval: run", distributed.failure(e), wait=False)
+        raise
+    distributed.check_gathered(distributed.all_gather("eval: run", len(mine)))
+
+    def finish() -> dict:
+        merge_shards(out, count, order)
+        return write_outputs(out, load_records(rec_path), questions, methods, seeds, opts)
+
+    return distributed.from_primary("eval: report", finish)  # written by process 0 alone
 
 
-def _run_pending(models, methods, pending, sampling, opts, rec_path, records, done) -> None:
+def _run_pending(models, methods, units, sampling, opts, rec_path, records, done,
+                 show: bool = True) -> None:  # fmt: skip
     from tqdm import tqdm
 
     bar = tqdm(
-        total=len(pending),
+        total=sum(len(batch) for _, batch in units),
         unit="q",
         desc="eval",
         file=sys.stderr,
-        disable=not opts.progress,
+        disable=not opts.progress or not show,
         dynamic_ncols=True,
     )
     with bar, rec_path.open("a", encoding="utf-8") as f:
-        for seed in sorted({s for s, _ in pending}):
-            qs = [q for s, q in pending if s == seed]
-            for b in range(0, len(qs), opts.batch_size):
-                batch = qs[b : b + opts.batch_size]
-                for m in methods:  # interleaved: vanilla, then each method, on the same questions
-                    todo = [q for q in batch if (q.id, m.label, seed) not in done]
-                    if not todo:
-                        continue
-                    for rec in run_questions(models, m, todo, sampling, seed, opts.max_new_tokens):
-                        f.write(json.dumps(rec) + "\n")
-                        f.flush()
-                        records.append(rec)
-                        done.add(record_key(rec))
-                bar.update(len(batch))
+        for seed, batch in units:
+            for m in methods:  # interleaved: vanilla, then each method, on the same questions
+                todo = [q for q in batch if (q.id, m.label, seed) not in done]
+                if not todo:
+                    continue
+                for rec in run_questions(models, m, todo, sampling, seed, opts.max_new_tokens):
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+                    records.append(rec)
+                    done.add(record_key(rec))
+            bar.update(len(batch))
