@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def worker(args) -> dict:
-    import dataclasses
 
     import jax
     import jax.numpy as jnp
@@ -38,16 +37,16 @@ def worker(args) -> dict:
     from eagle3_jax.vocab import build_from_counts
 
     tc = load_config(ROOT / "configs/smollm2_135m.py")
-    tc = dataclasses.replace(tc, batch_size=args.batch, mesh_data=args.data, mesh_model=args.model)
+    tc = tc.replace(batch_size=args.batch, mesh_data=args.data, mesh_model=args.model)
     mesh = make_mesh(args.data, args.model) if args.data * args.model > 1 else None
     target = load_target(None, mesh=mesh)
     cfg = target.cfg
     vocab = build_from_counts(
-        np.random.default_rng(0).integers(1, 100, cfg.vocab_size), tc.draft_vocab_size
+        np.random.default_rng(0).integers(1, 100, cfg.vocab_size), tc.head.draft_vocab_size
     )
-    dcfg = drf.DraftConfig.from_target(cfg, draft_vocab_size=tc.draft_vocab_size)
+    dcfg = drf.DraftConfig.from_target(cfg, draft_vocab_size=tc.head.draft_vocab_size)
     dparams = drf.init_params(dcfg, jax.random.PRNGKey(0))
-    tx = make_optimizer(tc, 1000)
+    tx = make_optimizer(tc.optim, 1000)
     state_sh = target_sh = None
     if mesh is not None:
         dparams = jax.tree.map(jax.device_put, dparams, drf.param_shardings(dcfg, mesh))
@@ -79,8 +78,8 @@ def worker(args) -> dict:
         "mesh": f"{args.data}x{args.model}",
         "batch": args.batch,
         "seq": args.seq,
-        "ttt_steps": tc.ttt_steps,
-        "draft_vocab": tc.draft_vocab_size,
+        "ttt_steps": tc.head.ttt_steps,
+        "draft_vocab": tc.head.draft_vocab_size,
         "step_s": dt,
         "target_tokens_per_s": args.batch * args.seq / dt,
         "compile_s": compile_s,

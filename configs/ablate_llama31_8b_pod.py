@@ -10,7 +10,6 @@ plan 4 bytes x 4096 x tokens per layer; 13 layers x 20M tokens is ~4 TB, so size
 to the disk). Multi-host: run the same command on every host.
 """
 
-import dataclasses
 from pathlib import Path
 
 from eagle3_jax.ablation import AblationConfig, Cell
@@ -20,8 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def get_config() -> AblationConfig:
-    base = dataclasses.replace(
-        load_config(ROOT / "configs/llama31_8b.py"),
+    base = load_config(ROOT / "configs/llama31_8b.py").replace(
         num_conversations=20000,
         epochs=2,
         length_bucket=256,

@@ -12,7 +12,6 @@ Training recipe: batch 1 at lr 1e-3, the fastest learner per token of configs/re
 Results: docs/ablations.md; the table lands in runs/ablate_smollm2/report.md.
 """
 
-import dataclasses
 from pathlib import Path
 
 from eagle3_jax.ablation import AblationConfig, Cell
@@ -22,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def get_config() -> AblationConfig:
-    base = dataclasses.replace(
-        load_config(ROOT / "configs/smollm2_135m.py"),
+    base = load_config(ROOT / "configs/smollm2_135m.py").replace(
         num_conversations=160,  # exactly the records 160 steps x batch 1 read, once
         epochs=0,
         batch_size=1,

@@ -17,7 +17,6 @@ come from the harness run on the exported heads (docs/ablations.md gives the com
 store (bfloat16) serves every cell.
 """
 
-import dataclasses
 from pathlib import Path
 
 from eagle3_jax.ablation import AblationConfig, Cell
@@ -27,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def get_config() -> AblationConfig:
-    base = dataclasses.replace(
-        load_config(ROOT / "configs/smollm2_135m.py"),
+    base = load_config(ROOT / "configs/smollm2_135m.py").replace(
         data=str(ROOT / "data/smollm2_135m_regenerated_cpu2.jsonl.gz"),
         num_conversations=1600,  # exactly the records 400 steps x batch 4 read, once
         epochs=0,

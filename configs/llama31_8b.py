@@ -9,29 +9,46 @@ Hyperparameters: AdamW (0.9, 0.95), wd 0, lr 5e-5, 1.5 % warmup then cosine, cli
 bf16 compute, max length 2048, Vd 32000 (the published head's draft vocabulary).
 """
 
-from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config import (
+    ComputeConfig,
+    CorpusConfig,
+    HeadConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+)
 
 
 def get_config() -> TrainConfig:
     return TrainConfig(
-        target="/ckpt/Llama-3.1-8B-Instruct",
-        data="/data/sharegpt_ultrachat.jsonl",
-        regenerate=True,
-        regen_max_new_tokens=2048,
-        regen_batch_size=64,
-        max_len=2048,
-        draft_vocab_size=32000,
-        ttt_steps=7,
-        lr=5e-5,
-        warmup_ratio=0.015,
-        epochs=10,
-        batch_size=16,
-        grad_accum=1,
-        param_dtype="bfloat16",
-        compute_dtype="bfloat16",
-        mesh_data=2,
-        mesh_model=4,
-        out_dir="runs/llama31_8b",
-        save_every=1000,
-        log_every=20,
+        corpus=CorpusConfig(
+            target="/ckpt/Llama-3.1-8B-Instruct",
+            data="/data/sharegpt_ultrachat.jsonl",
+            regenerate=True,
+            regen_max_new_tokens=2048,
+            regen_batch_size=64,
+            max_len=2048,
+        ),
+        head=HeadConfig(
+            draft_vocab_size=32000,
+            ttt_steps=7,
+        ),
+        optim=OptimConfig(
+            lr=5e-5,
+            warmup_ratio=0.015,
+            epochs=10,
+            batch_size=16,
+            grad_accum=1,
+        ),
+        compute=ComputeConfig(
+            param_dtype="bfloat16",
+            compute_dtype="bfloat16",
+            mesh_data=2,
+            mesh_model=4,
+        ),
+        run=RunConfig(
+            out_dir="runs/llama31_8b",
+            save_every=1000,
+            log_every=20,
+        ),
     )

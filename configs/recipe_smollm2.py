@@ -12,7 +12,6 @@ the feature store of configs/ablate_smollm2.py (link runs/recipe_smollm2/feature
 it precompute).
 """
 
-import dataclasses
 from pathlib import Path
 
 from eagle3_jax.ablation import AblationConfig, Cell
@@ -22,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def get_config() -> AblationConfig:
-    base = dataclasses.replace(
-        load_config(ROOT / "configs/smollm2_135m.py"),
+    base = load_config(ROOT / "configs/smollm2_135m.py").replace(
         num_conversations=160,
         epochs=0,
         batch_size=8,

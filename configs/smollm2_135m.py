@@ -26,35 +26,55 @@ does not spend its budget learning the output projection from noise.
 
 from pathlib import Path
 
-from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config import (
+    ComputeConfig,
+    CorpusConfig,
+    HeadConfig,
+    OptimConfig,
+    RunConfig,
+    StoreConfig,
+    TrainConfig,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def get_config() -> TrainConfig:
     return TrainConfig(
-        target=None,
-        data=str(ROOT / "data/smollm2_135m_regenerated.jsonl.gz"),
-        regenerate=False,
-        regen_max_new_tokens=256,
-        regen_batch_size=64,  # XLA:CPU: a 64-row step costs ~1.8x an 8-row one
-        num_conversations=0,
-        max_len=512,
-        length_bucket=64,
-        draft_vocab_size=8192,
-        ttt_steps=7,
-        head_init="target",
-        lr=1e-3,
-        warmup_ratio=0.015,
-        epochs=2,
-        batch_size=1,  # at a CPU budget the number of updates decides (configs/recipe_smollm2.py)
-        grad_accum=1,
-        param_dtype="float32",
-        compute_dtype="float32",
-        features="offline",
-        features_dir="runs/smollm2_135m/features",
-        out_dir="runs/smollm2_135m",
-        save_every=60,
-        export_every=180,
-        log_every=10,
+        corpus=CorpusConfig(
+            target=None,
+            data=str(ROOT / "data/smollm2_135m_regenerated.jsonl.gz"),
+            regenerate=False,
+            regen_max_new_tokens=256,
+            regen_batch_size=64,  # XLA:CPU: a 64-row step costs ~1.8x an 8-row one
+            num_conversations=0,
+            max_len=512,
+            length_bucket=64,
+        ),
+        store=StoreConfig(
+            features="offline",
+            features_dir="runs/smollm2_135m/features",
+        ),
+        head=HeadConfig(
+            draft_vocab_size=8192,
+            ttt_steps=7,
+            head_init="target",
+        ),
+        optim=OptimConfig(
+            lr=1e-3,
+            warmup_ratio=0.015,
+            epochs=2,
+            batch_size=1,  # on a CPU budget the number of updates decides (recipe_smollm2.py)
+            grad_accum=1,
+        ),
+        compute=ComputeConfig(
+            param_dtype="float32",
+            compute_dtype="float32",
+        ),
+        run=RunConfig(
+            out_dir="runs/smollm2_135m",
+            save_every=60,
+            export_every=180,
+            log_every=10,
+        ),
     )

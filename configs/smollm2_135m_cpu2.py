@@ -26,7 +26,6 @@ MT-bench answers 0.546 -> 0.553, MT-bench replayed chain d3 tau 1.87-1.89 across
 shipped, 1.89 final). Not shipped.
 """
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -38,8 +37,7 @@ HEAD = ROOT / "eagle3_jax" / "heads" / "smollm2_135m_instruct"  # continued: its
 
 def get_config() -> TrainConfig:
     shipped = load_config(ROOT / "configs" / "smollm2_135m_gpu.py")
-    return dataclasses.replace(
-        shipped,
+    return shipped.replace(
         data=str(ROOT / "data" / "smollm2_135m_regenerated_cpu2.jsonl.gz"),
         init_head=str(HEAD),
         draft_vocab_size=json.loads((HEAD / "config.json").read_text())["draft_vocab_size"],

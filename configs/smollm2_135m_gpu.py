@@ -27,7 +27,15 @@ holds U+2028.
 
 from pathlib import Path
 
-from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config import (
+    ComputeConfig,
+    CorpusConfig,
+    HeadConfig,
+    OptimConfig,
+    RunConfig,
+    StoreConfig,
+    TrainConfig,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ",".join(
@@ -42,25 +50,37 @@ DATA = ",".join(
 
 def get_config() -> TrainConfig:
     return TrainConfig(
-        target=None,
-        data=DATA,
-        regenerate=False,
-        num_conversations=0,
-        max_len=512,
-        length_bucket=0,
-        draft_vocab_size=8192,
-        ttt_steps=7,
-        head_init="target",
-        lr=1e-3,
-        warmup_ratio=0.02,
-        epochs=16,  # a cap: timed.py plans max_steps from the measured step time
-        batch_size=16,
-        grad_accum=1,
-        param_dtype="float32",
-        compute_dtype="float32",
-        features="online",
-        out_dir="runs/smollm2_135m_gpu",
-        save_every=250,
-        keep_checkpoints=2,
-        log_every=20,
+        corpus=CorpusConfig(
+            target=None,
+            data=DATA,
+            regenerate=False,
+            num_conversations=0,
+            max_len=512,
+            length_bucket=0,
+        ),
+        store=StoreConfig(
+            features="online",
+        ),
+        head=HeadConfig(
+            draft_vocab_size=8192,
+            ttt_steps=7,
+            head_init="target",
+        ),
+        optim=OptimConfig(
+            lr=1e-3,
+            warmup_ratio=0.02,
+            epochs=16,  # a cap: timed.py plans max_steps from the measured step time
+            batch_size=16,
+            grad_accum=1,
+        ),
+        compute=ComputeConfig(
+            param_dtype="float32",
+            compute_dtype="float32",
+        ),
+        run=RunConfig(
+            out_dir="runs/smollm2_135m_gpu",
+            save_every=250,
+            keep_checkpoints=2,
+            log_every=20,
+        ),
     )

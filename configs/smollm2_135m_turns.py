@@ -35,7 +35,6 @@ tokens: mean 761 tokens, 90th percentile 1,206); length_bucket 512 gives two com
 recipe's 8,192 tokens a step.
 """
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -51,9 +50,8 @@ HELD_OUT = ROOT / "data" / "smollm2_135m_regenerated_heldout.jsonl.gz"
 
 def get_config() -> TrainConfig:
     shipped = load_config(SHIPPED)
-    return dataclasses.replace(
-        shipped,
-        data=f"{TURNS},{shipped.data},{CPU2}",
+    return shipped.replace(
+        data=f"{TURNS},{shipped.corpus.data},{CPU2}",
         repeated_ids="first",
         max_len=1024,
         length_bucket=512,

@@ -36,7 +36,6 @@ after (--config.max_steps=600, 621,150 tokens): tau 3.019 at the reporting tree,
 over step 400; at the CPU default level with it (1.23x against its 1.19x on MT-bench's 80, one run).
 """
 
-import dataclasses
 from pathlib import Path
 
 from eagle3_jax.training.config import TrainConfig, load_config
@@ -46,8 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def get_config() -> TrainConfig:
     cpu2 = load_config(ROOT / "configs" / "smollm2_135m_cpu2.py")
-    return dataclasses.replace(
-        cpu2,
+    return cpu2.replace(
         init_head="runs/vocab16k/head",  # written by the extend command above (--size 16384)
         draft_vocab_size=16384,
         max_steps=300,

@@ -21,7 +21,6 @@ Full-vocabulary cells recompute each TTT step in the backward pass (remat): thei
 logits would not fit 24 GB seven times over.
 """
 
-import dataclasses
 from pathlib import Path
 
 from eagle3_jax.ablation import AblationConfig, Cell
@@ -31,8 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def get_config() -> AblationConfig:
-    base = dataclasses.replace(
-        load_config(ROOT / "configs/smollm2_135m.py"),
+    base = load_config(ROOT / "configs/smollm2_135m.py").replace(
         num_conversations=160,  # exactly the records 20 steps x batch 8 read: features for no more
         epochs=0,
         batch_size=8,  # the recipe this comparison was measured with (not the head's batch 1)

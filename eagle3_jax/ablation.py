@@ -32,10 +32,10 @@ from eagle3_jax.errors import Eagle3Error, differing_keys
 from eagle3_jax.evaluation.metrics import tau
 from eagle3_jax.evaluation.report import strict_json
 from eagle3_jax.evaluation.runner import EvalOptions, run_eval
-from eagle3_jax.training.config import TrainConfig, load_python_config
+from eagle3_jax.training.config import FIELDS, TrainConfig, flatten, load_python_config, resolve
 from eagle3_jax.training.loop import precompute_features, train
 
-CELL_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {
+CELL_FIELDS = set(FIELDS) - {
     "out_dir",
     "features",
     "features_dir",
@@ -48,7 +48,8 @@ CELL_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One grid cell: a name (a directory) and TrainConfig overrides."""
+    """One grid cell: a name (a directory) and TrainConfig overrides, each field by its name
+    (`lr`) or by group and name (`optim.lr`), as `TrainConfig.replace` takes them."""
 
     name: str
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -77,7 +78,7 @@ class AblationConfig:
     def acc_span(self, tc: TrainConfig) -> int | None:
         """The training steps whose logged acc_i a cell averages (None: the last acc_window
         logged steps)."""
-        return math.ceil(self.acc_records / tc.batch_size) if self.acc_records else None
+        return math.ceil(self.acc_records / tc.optim.batch_size) if self.acc_records else None
 
     def validate(self) -> AblationConfig:
         if not self.cells:
@@ -92,7 +93,7 @@ class AblationConfig:
         for c in self.cells:
             if not c.name or "/" in c.name or c.name.startswith("."):
                 raise Eagle3Error(f"cell name {c.name!r} is not a plain directory name")
-            bad = sorted(set(c.overrides) - CELL_FIELDS)
+            bad = sorted(k for k in c.overrides if _field_name(k) not in CELL_FIELDS)
             if bad:
                 raise Eagle3Error(
                     f"cell {c.name!r} overrides {', '.join(bad)}: a cell may change training "
@@ -100,6 +101,14 @@ class AblationConfig:
                 )
         self.base.validate()
         return self
+
+
+def _field_name(key: str) -> str | None:
+    """The field an override names (`lr` or `optim.lr` -> `lr`); None for no field."""
+    try:
+        return resolve(key)[1]
+    except Eagle3Error:
+        return None
 
 
 def vary(field: str, values, base: dict[str, Any] | None = None, fmt=None) -> list[Cell]:
@@ -117,8 +126,7 @@ def load_ablation(path: str | Path) -> AblationConfig:
 
 def cell_config(ac: AblationConfig, cell: Cell, out: Path, tcfg) -> TrainConfig:
     """The TrainConfig of one cell: base + overrides, offline features from the shared store."""
-    tc = dataclasses.replace(
-        ac.base,
+    tc = ac.base.replace(
         **cell.overrides,
         out_dir=str(out / "cells" / cell.name),
         features="offline",
@@ -129,14 +137,14 @@ def cell_config(ac: AblationConfig, cell: Cell, out: Path, tcfg) -> TrainConfig:
 
 
 def aux_ids_of(tc: TrainConfig, tcfg) -> tuple[int, ...]:
-    return tcfg.check_aux_layer_ids(tc.aux_layer_ids or tcfg.default_aux_layer_ids())
+    return tcfg.check_aux_layer_ids(tc.head.aux_layer_ids or tcfg.default_aux_layer_ids())
 
 
 def feature_layers(ac: AblationConfig, tcfg) -> tuple[int, ...]:
     """Sorted union of every cell's aux layers (what the shared feature store must hold)."""
     ids = set()
     for c in ac.cells:
-        ids |= set(aux_ids_of(dataclasses.replace(ac.base, **c.overrides), tcfg))
+        ids |= set(aux_ids_of(ac.base.replace(**c.overrides), tcfg))
     return tuple(sorted(ids))
 
 
@@ -210,28 +218,31 @@ _BOOKKEEPING = (
 
 
 def cell_record(tc: TrainConfig) -> dict:
+    """What cell.json records of a cell's config: nested by group, without `_BOOKKEEPING`."""
     return tc.record(_BOOKKEEPING)
 
 
 def check_cell_config(cell: Cell, cdir: Path, state: dict, tc: TrainConfig) -> None:
     """A cell trained (or started) under another config is refused, never silently reused.
 
-    A field missing from a saved record (added to TrainConfig since) counts as its default. Cells
-    from before records (train_config.json only, which omits max_steps) are checked on the fields
-    it has, and a finished one on its step count."""
-    now = cell_record(tc)
+    Records are compared field by field (`flatten`), so one written nested by group and one in
+    the flat layout of before the groups are the same config when their fields are. A field
+    missing from a saved record (added to TrainConfig since) counts as its default. Cells from
+    before records (train_config.json only, which omits max_steps) are checked on the fields it
+    has, and a finished one on its step count."""
+    now = flatten(cell_record(tc))
     saved = state.get("config")
     if saved is None:
         path = cdir / "train_config.json"
         if not path.exists():
             return
-        saved = json.loads(path.read_text())
+        saved = flatten(json.loads(path.read_text()))
         now = {k: v for k, v in now.items() if k in saved or k == "max_steps"}
         info = cdir / "head" / "training.json"
         steps = json.loads(info.read_text())["step"] if info.exists() else None
-        saved["max_steps"] = steps if steps is not None and tc.max_steps else now["max_steps"]
-    saved = {k: v for k, v in saved.items() if k not in _BOOKKEEPING}  # as recorded before
-    defaults = cell_record(TrainConfig())
+        saved["max_steps"] = steps if steps is not None and tc.optim.max_steps else now["max_steps"]
+    saved = {k: v for k, v in flatten(saved).items() if k not in _BOOKKEEPING}  # as recorded before
+    defaults = flatten(cell_record(TrainConfig()))
     saved = {**{k: defaults.get(k) for k in now.keys() - saved.keys()}, **saved}
     diff = differing_keys(saved, now)
     if diff:
@@ -268,19 +279,18 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
 
 
 def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
-    tcfg = load_target_config(ac.base.target)
+    tcfg = load_target_config(ac.base.corpus.target)
     layers = feature_layers(ac, tcfg)
     plan = []  # (cell, its TrainConfig, its cell.json state)
     for cell in cells:  # every cell's config first: a refusal must not come after hours of work
         tc = cell_config(ac, cell, out, tcfg)
-        path = Path(tc.out_dir) / "cell.json"
+        path = Path(tc.run.out_dir) / "cell.json"
         state = json.loads(path.read_text()) if path.exists() else {"train_wall_s": 0.0}
-        check_cell_config(cell, Path(tc.out_dir), state, tc)
+        check_cell_config(cell, Path(tc.run.out_dir), state, tc)
         plan.append((cell, tc, state))
 
     # 1. data and features, once
-    shared = dataclasses.replace(
-        ac.base,
+    shared = ac.base.replace(
         out_dir=str(out / "shared"),
         features="offline",
         features_dir=str(out / "features"),
@@ -303,7 +313,7 @@ def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
     # 2 + 3. each cell: train (resumable), then evaluate (resumable)
     rows = []
     for cell, tc, state in plan:
-        cdir = Path(tc.out_dir)
+        cdir = Path(tc.run.out_dir)
         cdir.mkdir(parents=True, exist_ok=True)
         if not (cdir / "dataset.npz").exists():
             shutil.copyfile(out / "shared" / "dataset.npz", cdir / "dataset.npz")
@@ -326,7 +336,7 @@ def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
             summary = run_eval(
                 EvalOptions(
                     out=cdir / "eval",
-                    target=ac.base.target,
+                    target=ac.base.corpus.target,
                     drafts=(f"head={cdir / 'head'}",),
                     methods=f"eagle3:{k},{d},{n}",
                     bench=ac.bench,
@@ -352,7 +362,7 @@ def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
             "acc_records": ac.acc_records,
             "evaluate": ac.evaluate,
             "feature_layers": list(layers),
-            "base": json.loads(json.dumps(dataclasses.asdict(ac.base))),
+            "base": ac.base.record(),
         },
         "cells": rows,
     }
@@ -379,18 +389,18 @@ def cell_row(
         "overrides": json.loads(json.dumps(cell.overrides)),
         "aux_layer_ids": list(dcfg.aux_layer_ids),
         "fc_input_width": int(params["fc"].shape[0]),
-        "ttt_steps": tc.ttt_steps,
-        "feature_loss_weight": tc.feature_loss_weight,
+        "ttt_steps": tc.head.ttt_steps,
+        "feature_loss_weight": tc.head.feature_loss_weight,
         "draft_vocab_size": dcfg.draft_vocab_size,
         "tau": s["overall"]["tau"]["mean"] if s else None,
         "tau_by_task": {t: g["tau"]["mean"] for t, g in s["tasks"].items()} if s else {},
         "acceptance_by_depth": s["overall"]["acceptance_by_depth"] if s else None,
-        "final_acc": [last.get(f"acc_{i}") for i in range(tc.ttt_steps)],
+        "final_acc": [last.get(f"acc_{i}") for i in range(tc.head.ttt_steps)],
         "final_loss": last.get("loss"),
         "steps": last.get("step"),
         "acc_steps": last.get("window"),  # logged steps acc_i averages
         "acc_by_step": last.get("acc_by_step", {}),
-        "batch_size": tc.batch_size,
+        "batch_size": tc.optim.batch_size,
         "tau_by_question": tau_by_question(cdir / "eval", summary["methods"][0]) if s else {},
         "tokens": last.get("tokens"),
         "train_wall_s": wall,

@@ -330,7 +330,7 @@ def build(name: str, s: Setup, sampling: Sampling = Sampling()) -> Program:
 
 def train_config(s: Setup) -> TrainConfig:
     data, model = s.train_mesh
-    return TrainConfig(
+    return TrainConfig().replace(
         max_len=s.train_len,
         draft_vocab_size=DRAFT_VOCAB,
         ttt_steps=s.ttt_steps,
@@ -361,7 +361,7 @@ def _train_program(s: Setup, tcfg: TargetConfig, dcfg: DraftConfig) -> Program:
     tc = train_config(s)
     mesh = _mesh(s.train_mesh)
     rep = NamedSharding(mesh, P())
-    tx = make_optimizer(tc, 1000)
+    tx = make_optimizer(tc.optim, 1000)
     tparams = abstract_target(tcfg, mesh, jnp.bfloat16)
     dparams = abstract_draft(dcfg, mesh, jnp.bfloat16)
     pshard = drf.param_shardings(dcfg, mesh)

@@ -169,7 +169,7 @@ def pack(args) -> int:
     from eagle3_jax.training.config import load_config
 
     # the config's data less the answers this job writes: the first-turn files it trains on
-    first_turns = [f for f in load_config(CONFIG).data.split(",") if Path(f) != TURNS]
+    first_turns = [f for f in load_config(CONFIG).corpus.data.split(",") if Path(f) != TURNS]
     subprocess.run(
         [sys.executable, "-m", "eagle3_jax", "vocab", "count",
          *[a for f in first_turns for a in ("--corpus", f)], "--out", str(COUNTS)],

@@ -10,7 +10,7 @@ import pytest
 from eagle3_jax.ablation import AblationConfig, Cell, vary
 from eagle3_jax.cli.ablate import main
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config import TrainConfig, flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,8 @@ def test_two_cell_grid_end_to_end_and_resume(tiny_target_dir, tmp_path, capsys):
     assert feats["layers"] == [2, 3, 5]
     for name in rows:
         cfg = json.loads((out / "cells" / name / "train_config.json").read_text())
-        assert cfg["features"] == "offline" and cfg["features_dir"] == str(out / "features")
+        assert cfg["store"]["features"] == "offline"
+        assert cfg["store"]["features_dir"] == str(out / "features")
     # rerun: nothing retrained or re-evaluated, same table
     stamp = {n: (out / "cells" / n / "head/model.safetensors").stat().st_mtime_ns for n in rows}
     capsys.readouterr()
@@ -112,7 +113,7 @@ def test_two_cell_grid_end_to_end_and_resume(tiny_target_dir, tmp_path, capsys):
 
 
 def test_bad_grids_are_refused(tiny_target_dir, tmp_path):
-    base = TrainConfig(data="x")
+    base = TrainConfig().replace(data="x")
     with pytest.raises(Eagle3Error, match="no cells"):
         AblationConfig(base, ()).validate()
     with pytest.raises(Eagle3Error, match="repeat"):
@@ -148,8 +149,8 @@ def test_final_metrics_average_the_last_logged_steps(tmp_path):
         AblationConfig(base=TrainConfig(), cells=(Cell("a"),), acc_window=0).validate()
     # acc_records: the logged steps among the last ceil(records / batch) training steps
     grid = AblationConfig(base=TrainConfig(), cells=(Cell("a"),), acc_window=3, acc_records=40)
-    assert grid.acc_span(TrainConfig(batch_size=8)) == 5
-    assert grid.acc_span(TrainConfig(batch_size=3)) == 14  # ceil(40 / 3)
+    assert grid.acc_span(TrainConfig().replace(batch_size=8)) == 5
+    assert grid.acc_span(TrainConfig().replace(batch_size=3)) == 14  # ceil(40 / 3)
     assert dataclasses.replace(grid, acc_records=0).acc_span(TrainConfig()) is None
     with pytest.raises(Eagle3Error, match="acc_records"):
         dataclasses.replace(grid, acc_records=-1).validate()
@@ -189,24 +190,32 @@ def test_paired_differences_cancel_what_cells_share():
 def test_a_cell_trained_under_another_config_is_refused(tmp_path):
     from eagle3_jax.ablation import cell_record, check_cell_config
 
-    cell, tc = Cell("c"), TrainConfig(data="d", max_steps=20, lr=1e-3)
+    cell, tc = Cell("c"), TrainConfig().replace(data="d", max_steps=20, lr=1e-3)
     check_cell_config(cell, tmp_path, {}, tc)  # a new cell: nothing to compare
-    state = {"config": cell_record(tc)}
-    check_cell_config(cell, tmp_path, state, dataclasses.replace(tc, save_every=7, mesh_data=1))
-    check_cell_config(cell, tmp_path, {"config": {**state["config"], "mesh_model": 4}}, tc)
+    rec = cell_record(tc)
+    state = {"config": rec}
+    check_cell_config(cell, tmp_path, state, tc.replace(save_every=7, mesh_data=1))
+    moved = {**rec, "compute": {**rec["compute"], "mesh_model": 4}}
+    check_cell_config(cell, tmp_path, {"config": moved}, tc)
     with pytest.raises(Eagle3Error, match=r"'c' .* another config \(lr, max_steps\)"):
-        check_cell_config(cell, tmp_path, state, dataclasses.replace(tc, lr=3e-4, max_steps=30))
+        check_cell_config(cell, tmp_path, state, tc.replace(lr=3e-4, max_steps=30))
+    # a record in the flat layout of before the groups is the same config field by field
+    flat = flatten(rec)
+    assert "lr" in flat and "optim" not in flat
+    check_cell_config(cell, tmp_path, {"config": flat}, tc)
+    with pytest.raises(Eagle3Error, match=r"\(lr\)"):
+        check_cell_config(cell, tmp_path, {"config": flat}, tc.replace(lr=3e-4))
     # a field added to TrainConfig after the cell was recorded counts as its default
-    old = {"config": {k: v for k, v in cell_record(tc).items() if k != "remat" and k != "seed"}}
+    old = {"config": {k: v for k, v in flat.items() if k != "remat" and k != "seed"}}
     check_cell_config(cell, tmp_path, old, tc)
     with pytest.raises(Eagle3Error, match=r"\(seed\)"):
-        check_cell_config(cell, tmp_path, old, dataclasses.replace(tc, seed=5))
+        check_cell_config(cell, tmp_path, old, tc.replace(seed=5))
     # a cell from before records: its train_config.json (no max_steps) and its head's step count
-    legacy = {k: v for k, v in cell_record(tc).items() if k != "max_steps"}
+    legacy = {k: v for k, v in flat.items() if k != "max_steps"}
     (tmp_path / "train_config.json").write_text(json.dumps({**legacy, "out_dir": "elsewhere"}))
     check_cell_config(cell, tmp_path, {}, tc)  # interrupted: the step budget is not known
     (tmp_path / "head").mkdir()
     (tmp_path / "head/training.json").write_text(json.dumps({"step": 20, "tokens": 99}))
     check_cell_config(cell, tmp_path, {}, tc)
     with pytest.raises(Eagle3Error, match=r"\(max_steps\)"):
-        check_cell_config(cell, tmp_path, {}, dataclasses.replace(tc, max_steps=160))
+        check_cell_config(cell, tmp_path, {}, tc.replace(max_steps=160))

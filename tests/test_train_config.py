@@ -1,14 +1,24 @@
-"""Every shipped config loads; overrides are typed; bad configs are refused clearly."""
+"""Every shipped config loads; overrides are typed; bad configs are refused clearly; records of
+the flat layout written before the config's groups still read, and still equal the same config."""
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.training.config import TrainConfig, load_config
+from eagle3_jax.training.config import (
+    FIELDS,
+    GROUPS,
+    OptimConfig,
+    TrainConfig,
+    flatten,
+    load_config,
+)
 
-ALL = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.py"))
+ROOT = Path(__file__).resolve().parents[1]
+ALL = sorted((ROOT / "configs").glob("*.py"))
 GRIDS = [p for p in ALL if "AblationConfig(" in p.read_text()]  # python -m eagle3_jax ablate
 CONFIGS = [p for p in ALL if p not in GRIDS]  # train.py
 
@@ -40,14 +50,18 @@ def test_overrides_use_field_types():
             "--config.ttt_steps=3",
         ],
     )
-    assert cfg.lr == 2e-4 and cfg.aux_layer_ids == (1, 5, 9) and cfg.regenerate is False
-    assert cfg.target is None and cfg.ttt_steps == 3
+    assert cfg.optim.lr == 2e-4 and cfg.head.aux_layer_ids == (1, 5, 9)
+    assert cfg.corpus.regenerate is False
+    assert cfg.corpus.target is None and cfg.head.ttt_steps == 3
 
 
 @pytest.mark.parametrize(
     "override,msg",
     [
         ("--config.nope=1", "unknown config field"),
+        ("--config.head.lr=1", r"unknown config field 'head.lr': lr is optim.lr"),
+        ("--config.optim=1", "optim is a group of fields"),
+        ("--config.optim.nope=1", "unknown config field"),
         ("--config.lr=fast", "not a valid"),
         ("--config.ttt_steps=0", "ttt_steps 0 < 1"),
         ("--config.features=disk", "use online or offline"),
@@ -79,9 +93,80 @@ def test_missing_config_file(tmp_path):
     ],
 )
 def test_non_finite_or_out_of_range_settings_are_refused(field, value, msg):
-    import dataclasses
-
-    from eagle3_jax.training.config import TrainConfig
-
     with pytest.raises(Eagle3Error, match=re.escape(msg)):
-        dataclasses.replace(TrainConfig(), **{field: value}).validate()
+        TrainConfig().replace(**{field: value}).validate()
+
+
+def test_field_names_are_unique_across_groups_and_never_a_group():
+    """What lets `--config.lr` name optim.lr, and a flat record be read field by field."""
+    names = [f for cls in GROUPS.values() for f in cls.__dataclass_fields__]
+    assert len(names) == len(set(names)) == len(FIELDS) == 50
+    assert not set(GROUPS) & set(FIELDS)
+
+
+def test_a_field_by_its_group_or_its_name_alone():
+    by_group = load_config(
+        CONFIGS[0], ["--config.optim.lr=2e-4", "--config.head.aux_layer_ids=1,2"]
+    )
+    by_name = load_config(CONFIGS[0], ["--config.lr=2e-4", "--config.aux_layer_ids=1,2"])
+    assert by_group == by_name and by_name.optim.lr == 2e-4
+    tc = TrainConfig().replace(lr=1e-3, **{"head.ttt_steps": 3}, run=TrainConfig().run)
+    assert tc.optim == OptimConfig(lr=1e-3) and tc.head.ttt_steps == 3
+    with pytest.raises(Eagle3Error, match="unknown config field 'nope'"):
+        TrainConfig().replace(nope=1)
+    with pytest.raises(Eagle3Error, match=r"must be OptimConfig\(...\)"):
+        TrainConfig(optim={"lr": 1.0}).validate()
+
+
+def test_records_read_back_in_either_layout():
+    """record() is nested by group; from_dict reads it, and the flat layout every record had
+    before the groups, to the same config."""
+    tc = load_config(ROOT / "configs/smollm2_135m.py", ["--config.feature_layers=2,15"])
+    rec = tc.record()
+    assert set(rec) == set(GROUPS) and rec["store"]["feature_layers"] == [2, 15]
+    assert TrainConfig.from_dict(rec) == tc
+    flat = flatten(rec)
+    assert set(flat) == set(FIELDS) and flat["feature_layers"] == [2, 15]
+    assert TrainConfig.from_dict(flat) == tc
+    assert TrainConfig.from_dict({"lr": 3e-4}) == TrainConfig().replace(lr=3e-4)  # defaults
+    with pytest.raises(Eagle3Error, match="unknown config field 'gone'"):
+        TrainConfig.from_dict({**flat, "gone": 1})
+
+
+FIXTURES = ROOT / "tests/fixtures/vocab_study"
+
+
+def _old_record(name: str) -> dict:
+    """A record the code before the groups wrote (flat), copied from the vocabulary study's
+    runs/vocab_study/cells/; its absolute paths were this checkout's, /work/main."""
+    return json.loads((FIXTURES / name).read_text().replace("/work/main", str(ROOT)))
+
+
+@pytest.mark.parametrize("cell_name", ["eagle3_vd8192", "specvocab"])
+def test_the_vocab_study_resumes_on_records_from_before_the_groups(cell_name, tmp_path):
+    """The records of a running study, written flat by the code before the groups: the ablation
+    runner accepts its cell.json, training accepts its train_config.json for --resume, and each
+    reads back as the config that configs/vocab_study_smollm2.py gives today."""
+    from eagle3_jax.ablation import cell_config, cell_record, check_cell_config, load_ablation
+    from eagle3_jax.checkpoints import load_target_config
+    from eagle3_jax.training.loop import RESUMABLE, config_changes
+
+    ac = load_ablation(ROOT / "configs/vocab_study_smollm2.py")
+    cell = next(c for c in ac.cells if c.name == cell_name)
+    tc = cell_config(ac, cell, Path(ac.out_dir), load_target_config(ac.base.corpus.target))
+    saved_cell = _old_record(f"{cell_name}_cell.json")
+    saved_run = _old_record(f"{cell_name}_train_config.json")
+    assert "optim" not in saved_run and "lr" in saved_run  # the flat layout
+    # the runner's own check, and the records field by field
+    check_cell_config(cell, tmp_path, saved_cell, tc)
+    assert flatten(cell_record(tc)) == saved_cell["config"]
+    # training's own --resume check, and from_dict of the old file
+    assert config_changes(saved_run, tc) == []
+    assert TrainConfig.from_dict(saved_run).record(RESUMABLE) == tc.record(RESUMABLE)
+    # what today's code writes reads back as the same config
+    assert config_changes(tc.record(RESUMABLE), tc) == []
+    assert TrainConfig.from_dict(tc.record()) == tc
+    # and a changed field is still named
+    with pytest.raises(Eagle3Error, match=r"another config \(lr\)"):
+        check_cell_config(cell, tmp_path, saved_cell, tc.replace(lr=1e-3))
+    assert config_changes(saved_run, tc.replace(ttt_steps=3)) == ["ttt_steps"]

@@ -1,6 +1,5 @@
 """Training end to end on a tiny target: it learns, resumes exactly, shards, online == offline."""
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -95,7 +94,7 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
     out = tmp_path / "scores.json"
     held = _conversations(tmp_path / "held.json", n=5, seed=7)
     argv = ["--draft", summary["head"], "--target", str(sharp_target_dir), "--ttt-steps", "2"]
-    regen = Path(tc.out_dir) / "regenerated.jsonl"  # what it trained on: the target's answers
+    regen = Path(tc.run.out_dir) / "regenerated.jsonl"  # what it trained on: the target's answers
     argv += ["--data", f"train={regen}", "--data", str(held), "--json", str(out), "--no-progress"]
     assert validate.main(argv) == 0
     sets = json.loads(out.read_text())["sets"]
@@ -137,7 +136,7 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
             ids[i, : len(r)], mask[i, len(p) : len(r)] = r, 1
         lengths = np.array([len(r) for r in rows], np.int32)
         ds = TokenizedDataset(ids, mask, lengths, 0, 0)
-        loss = validation._jitted_loss(target.cfg, dcfg, dataclasses.replace(tc, max_len=40))
+        loss = validation._jitted_loss(target.cfg, dcfg, tc.replace(max_len=40))
         arrays = {
             "input_ids": ids,
             "loss_mask": mask.astype(np.float32),
@@ -167,8 +166,7 @@ def test_init_head_continues_a_head_with_its_vocabulary(tiny_target_dir, tmp_pat
     write_vocab_order(head, order, cpu_size=2)  # the continued head keeps its ids' order
     # lr 0 for one step: the continued run exports exactly the head it started from
     # (save_every 0: one checkpoint, at the last step)
-    cont = dataclasses.replace(
-        first,
+    cont = first.replace(
         out_dir=str(tmp_path / "b"),
         init_head=head,
         lr=0.0,
@@ -182,9 +180,9 @@ def test_init_head_continues_a_head_with_its_vocabulary(tiny_target_dir, tmp_pat
     jax.tree.map(np.testing.assert_array_equal, p1, p0)
     assert read_vocab_order(again, v1)["order"].tolist() == order.tolist()
     write_vocab_order(head, order[:-1], cpu_size=2)  # not the head's ids: not passed on
-    stale = train(dataclasses.replace(cont, out_dir=str(tmp_path / "d")), progress=False)["head"]
+    stale = train(cont.replace(out_dir=str(tmp_path / "d")), progress=False)["head"]
     assert not (Path(stale) / "vocab_order.json").exists()
-    other = dataclasses.replace(cont, out_dir=str(tmp_path / "c"), ttt_steps=2, aux_layer_ids=(1,))
+    other = cont.replace(out_dir=str(tmp_path / "c"), ttt_steps=2, aux_layer_ids=(1,))
     with pytest.raises(Eagle3Error, match="aux_layer_ids"):
         train(other, progress=False)
 
@@ -201,8 +199,8 @@ def test_init_trunk_takes_fc_layer_and_norm_and_leaves_the_output_layer(tiny_tar
         tiny_target_dir, tmp_path, "--config.max_steps=3", f"--config.out_dir={tmp_path / 'a'}"
     )
     head = train(first, progress=False)["head"]
-    spec = dataclasses.replace(
-        first, out_dir=str(tmp_path / "b"), init_trunk=head, lr=0.0, max_steps=1,
+    spec = first.replace(
+        out_dir=str(tmp_path / "b"), init_trunk=head, lr=0.0, max_steps=1,
         draft_vocab_size=10**6, lm_head_source="target", speculator_rank=4,
         speculator_loss_weight=0.1, export_dtype="float32",
     )  # fmt: skip
@@ -218,11 +216,11 @@ def test_init_trunk_takes_fc_layer_and_norm_and_leaves_the_output_layer(tiny_tar
     )
     for k in ("spec_a", "spec_b"):
         np.testing.assert_allclose(got[k], svd[k], rtol=1e-5, atol=1e-6)
-    other = dataclasses.replace(spec, out_dir=str(tmp_path / "c"), aux_layer_ids=(1,))
+    other = spec.replace(out_dir=str(tmp_path / "c"), aux_layer_ids=(1,))
     with pytest.raises(Eagle3Error, match="init_trunk .* aux_layer_ids"):
         train(other, progress=False)
     with pytest.raises(Eagle3Error, match="choose one"):
-        dataclasses.replace(spec, init_head=head).validate()
+        spec.replace(init_head=head).validate()
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
@@ -248,9 +246,9 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
     assert all(0 <= v["val_acc_0"] <= 1 and v["val_chain_tau"] >= 1 for v in vals)
     assert all(1 <= v["val_replay_tau"] <= 4 for v in vals)  # a depth-3 chain: 3 + the bonus
     assert vals[0]["val_xent_0"] != vals[-1]["val_xent_0"]  # it scores the head of that step
-    part = dataclasses.replace(full, out_dir=str(tmp_path / "b"))
+    part = full.replace(out_dir=str(tmp_path / "b"))
     # an interruption after the step-4 checkpoint: run to step 6, then drop the checkpoints past 4
-    train(dataclasses.replace(part, max_steps=10), progress=False, stop_after=6)
+    train(part.replace(max_steps=10), progress=False, stop_after=6)
     train(part, resume=True, progress=False)
     np.testing.assert_allclose(_losses(tmp_path / "b"), _losses(tmp_path / "a"), rtol=1e-5)
     # the resumed run's validation file reads as the uninterrupted one (step 6 of the killed run,
@@ -281,8 +279,7 @@ def test_online_and_offline_features_give_the_same_losses(tiny_target_dir, tmp_p
         f"--config.out_dir={tmp_path / 'on'}",
     )
     train(online, progress=False)
-    offline = dataclasses.replace(
-        online,
+    offline = online.replace(
         out_dir=str(tmp_path / "off"),
         features="offline",
         features_dir=str(tmp_path / "feats"),
@@ -291,10 +288,10 @@ def test_online_and_offline_features_give_the_same_losses(tiny_target_dir, tmp_p
     precompute_features(offline, progress=False)
     train(offline, progress=False)
     np.testing.assert_allclose(_losses(tmp_path / "off"), _losses(tmp_path / "on"), rtol=1e-5)
-    bad = dataclasses.replace(offline, out_dir=str(tmp_path / "bad"), aux_layer_ids=(0, 2, 3))
+    bad = offline.replace(out_dir=str(tmp_path / "bad"), aux_layer_ids=(0, 2, 3))
     with pytest.raises(Eagle3Error, match="not \\[0\\]"):
         train(bad, progress=False)
-    final = dataclasses.replace(bad, aux_layer_ids=(2, 6))  # 6 = the final normed state
+    final = bad.replace(aux_layer_ids=(2, 6))  # 6 = the final normed state
     with pytest.raises(Eagle3Error, match="final NORMED state"):
         train(final, progress=False)
 
@@ -304,7 +301,7 @@ def test_length_buckets_leave_the_loss_unchanged(tiny_target_dir, tmp_path):
     base = ["--config.batch_size=12", "--config.max_steps=3"]
     full = _cfg(tiny_target_dir, tmp_path, *base, f"--config.out_dir={tmp_path / 'full'}")
     train(full, progress=False)
-    cut = dataclasses.replace(full, out_dir=str(tmp_path / "cut"), length_bucket=4)
+    cut = full.replace(out_dir=str(tmp_path / "cut"), length_bucket=4)
     train(cut, progress=False)
     np.testing.assert_allclose(_losses(tmp_path / "cut"), _losses(tmp_path / "full"), rtol=1e-5)
 
@@ -331,7 +328,7 @@ def test_sharded_loss_and_gradients_equal_single_device(tiny_target_dir):
         "attention_mask": (np.arange(24)[None] < lengths[:, None]).astype(np.int32),
     }
     t2d = jnp.ones((cfg.vocab_size,), bool)
-    tc = TrainConfig(ttt_steps=3)
+    tc = TrainConfig().replace(ttt_steps=3)
     grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=(4, 5, 6))
     (l1, _), g1 = grad(dparams, params, batch, t2d, cfg, dcfg, tc)
     sb = jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh)), batch)
@@ -351,9 +348,7 @@ def test_tensorboard_events_and_nan_stop(tiny_target_dir, tmp_path):
     events = read_scalars(event_file)
     assert [s for s, _ in events] == [1, 2, 3]
     assert abs(events[-1][1]["loss"] - _losses(tmp_path / "run")[-1]) < 1e-5
-    boom = dataclasses.replace(
-        tc, out_dir=str(tmp_path / "nan"), lr=1e38, save_every=1, max_steps=8
-    )
+    boom = tc.replace(out_dir=str(tmp_path / "nan"), lr=1e38, save_every=1, max_steps=8)
     with pytest.raises(
         Eagle3Error, match=r"loss is nan at step \d+: stopped; the last good checkpoint"
     ):
@@ -433,7 +428,7 @@ def test_a_run_on_a_mesh_matches_one_device(tiny_target_dir, tmp_path):
         f"--config.out_dir={tmp_path / 'one'}",
     )
     train(one, progress=False)
-    mesh = dataclasses.replace(one, out_dir=str(tmp_path / "mesh"), mesh_data=2, mesh_model=4)
+    mesh = one.replace(out_dir=str(tmp_path / "mesh"), mesh_data=2, mesh_model=4)
     train(mesh, progress=False, stop_after=3)
     train(mesh, resume=True, progress=False)
     np.testing.assert_allclose(_losses(tmp_path / "mesh"), _losses(tmp_path / "one"), rtol=1e-5)
@@ -522,13 +517,13 @@ def test_a_run_is_locked_and_resumes_only_on_the_same_inputs(tiny_target_dir, tm
     from eagle3_jax.checkpoints.atomic import exclusive
 
     tc = _cfg(tiny_target_dir, tmp_path, "--config.max_steps=4", "--config.save_every=2")
-    out = Path(tc.out_dir)
+    out = Path(tc.run.out_dir)
     out.mkdir(parents=True)
     with exclusive(out / "process0", "out_dir"):
         with pytest.raises(Eagle3Error, match="another process"):
             train(tc, progress=False)
     train(tc, progress=False, stop_after=2)
-    data = Path(tc.data)
+    data = Path(tc.corpus.data)
     st = data.stat()
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     with pytest.raises(Eagle3Error, match="data changed since the run started"):

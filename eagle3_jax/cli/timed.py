@@ -8,7 +8,6 @@ What it does, and every flag: `--help` and eagle3_jax/training/timed.py.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import sys
@@ -43,21 +42,20 @@ def main(argv=None) -> int:
     try:
         distributed.initialize()  # a pod / SLURM / multi-process job: join it first
         tc = load_config(args.config.removeprefix("="), overrides)
-        if tc.grad_accum != 1:
+        if tc.optim.grad_accum != 1:
             raise Eagle3Error("timed runs plan optimizer steps with grad_accum 1")
-        out = Path(tc.out_dir)
+        out = Path(tc.run.out_dir)
         if (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
             raise Eagle3Error(
                 f"{out} already holds checkpoints: a timed run starts fresh; choose another "
                 "out_dir (or continue that run with train.py --resume)"
             )
-        cal = Path(f"{tc.out_dir}_calibration")
+        cal = Path(f"{tc.run.out_dir}_calibration")
         if distributed.is_primary() and cal.exists():
             shutil.rmtree(cal)
         distributed.barrier("calibration folder")
         log_every = max(1, args.calibrate_steps // 8)
-        cal_tc = dataclasses.replace(
-            tc,
+        cal_tc = tc.replace(
             out_dir=str(cal),
             max_steps=args.calibrate_steps,
             save_every=0,
@@ -75,7 +73,7 @@ def main(argv=None) -> int:
         steps = plan["max_steps"]
         # rounded up: at most `exports` intermediate heads before the final one
         export_every = -(-steps // (args.exports + 1)) if args.exports else 0
-        run_tc = dataclasses.replace(tc, max_steps=steps, export_every=export_every)
+        run_tc = tc.replace(max_steps=steps, export_every=export_every)
         summary = train(run_tc, progress=not args.no_progress)
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
@@ -94,9 +92,10 @@ def make_plan(args, tc, cal: Path, out: Path, t0: float, t_cal: float) -> dict:
     # which the real run reuses: conservative, so prepare the data first for a tight plan
     fixed = max(0.0, time.monotonic() - t_cal - args.calibrate_steps * sps)
     ds = dsm.load(cal / "dataset.npz")
-    cap = (tc.epochs * dsm.steps_per_epoch(ds, tc.batch_size)) if tc.epochs else tc.max_steps
-    if tc.max_steps:
-        cap = min(cap, tc.max_steps)
+    oc = tc.optim
+    cap = (oc.epochs * dsm.steps_per_epoch(ds, oc.batch_size)) if oc.epochs else oc.max_steps
+    if oc.max_steps:
+        cap = min(cap, oc.max_steps)
     left = args.minutes * 60 - (time.monotonic() - t0) - fixed
     if left * args.safety < sps:
         raise Eagle3Error(

@@ -34,7 +34,7 @@ from eagle3_jax.models import draft as drf
 from eagle3_jax.sharding import make_mesh
 from eagle3_jax.training import features
 from eagle3_jax.training.checkpoint import Checkpoints
-from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config import TrainConfig, flatten
 from eagle3_jax.training.features import OfflineFeatures
 from eagle3_jax.training.step import (
     global_batch,
@@ -107,27 +107,28 @@ def prepare_data(tc: TrainConfig, target, out: Path):
     ds_path = out / "dataset.npz"
     if ds_path.exists():
         return dsm.load(ds_path)
-    if not tc.data:
+    corpus = tc.corpus
+    if not corpus.data:
         raise Eagle3Error("no training data: set --config.data=FILE (ShareGPT JSON/JSONL)")
-    convs, skipped = read_conversations(tc.data, tc.repeated_ids)
+    convs, skipped = read_conversations(corpus.data, corpus.repeated_ids)
     if skipped:
-        print(f"skipped {skipped} empty or malformed records in {tc.data}", file=sys.stderr)
-    if tc.num_conversations:
-        convs = convs[: tc.num_conversations]
-    if tc.regenerate:
+        print(f"skipped {skipped} empty or malformed records in {corpus.data}", file=sys.stderr)
+    if corpus.num_conversations:
+        convs = convs[: corpus.num_conversations]
+    if corpus.regenerate:
         regen = out / "regenerated.jsonl"
         prompts = first_user_turns(convs)
         stats = regenerate(
             target,
             prompts,
             regen,
-            max_new_tokens=tc.regen_max_new_tokens,
-            batch_size=tc.regen_batch_size,
-            max_prompt_tokens=tc.max_len // 2,
+            max_new_tokens=corpus.regen_max_new_tokens,
+            batch_size=corpus.regen_batch_size,
+            max_prompt_tokens=corpus.max_len // 2,
         )
         print(f"regeneration: {stats}", file=sys.stderr)
         convs, _ = read_conversations(regen)
-    ds = dsm.build_dataset(target.tokenizer, convs, tc.max_len)
+    ds = dsm.build_dataset(target.tokenizer, convs, corpus.max_len)
     if ds.skipped:
         print(f"dropped {ds.skipped} conversations without assistant tokens", file=sys.stderr)
     dsm.save(ds, ds_path)
@@ -138,14 +139,15 @@ def prepare_validation(tc: TrainConfig, target, ds, out: Path):
     """val_data -> a tokenised held-out set (cached as out_dir/val_dataset.npz), without any
     conversation whose tokens equal a training record's; None without val_data."""
 
-    if not tc.val_data:
+    run = tc.run
+    if not run.val_data:
         return None
     path = out / "val_dataset.npz"
     if path.exists():
         return dsm.load(path)
-    convs, _ = read_conversations(tc.val_data)
-    convs = sample(convs, tc.val_conversations, [tc.seed, 1])
-    val = dsm.build_dataset(target.tokenizer, convs, tc.max_len, progress=False)
+    convs, _ = read_conversations(run.val_data)
+    convs = sample(convs, run.val_conversations, [tc.optim.seed, 1])
+    val = dsm.build_dataset(target.tokenizer, convs, tc.corpus.max_len, progress=False)
     seen = {ds.input_ids[i, : ds.lengths[i]].tobytes() for i in range(ds.num_records)}
     keep = [
         i
@@ -159,7 +161,7 @@ def prepare_validation(tc: TrainConfig, target, ds, out: Path):
             file=sys.stderr,
         )
     if not keep:
-        raise Eagle3Error(f"val_data {tc.val_data}: every conversation is also a training record")
+        raise Eagle3Error(f"val_data {run.val_data}: every conversation is also a training record")
     val = dsm.TokenizedDataset(
         val.input_ids[keep], val.loss_mask[keep], val.lengths[keep], val.pad_id, val.skipped
     )
@@ -177,17 +179,17 @@ def validate_now(tc: TrainConfig, target, state, dcfg, vocab, val, step: int) ->
         dcfg,
         vocab,
         val,
-        steps=tc.ttt_steps,
-        batch_size=tc.batch_size,
-        length_bucket=tc.length_bucket or 64,
-        compute_dtype=tc.compute_dtype,
+        steps=tc.head.ttt_steps,
+        batch_size=tc.optim.batch_size,
+        length_bucket=tc.corpus.length_bucket or 64,
+        compute_dtype=tc.compute.compute_dtype,
         progress=False,
     )
     rec = {"step": step, "val_records": sc.records, "val_supervised": sc.supervised}
     for name in ("acc", "chain", "xent"):
         for i, v in enumerate(getattr(sc, name)):
             rec[f"val_{name}_{i}"] = v
-    d3 = min(3, tc.ttt_steps)
+    d3 = min(3, tc.head.ttt_steps)
     rec["val_chain_tau"] = chain_tau(sc.chain, d3)  # a depth-3 chain's, rooted everywhere
     # a depth-3 chain's rounds replayed: exactly decoding's tau where val_data is the target's
     # own greedy text (regenerated answers)
@@ -204,8 +206,8 @@ def prepare_vocab(tc: TrainConfig, ds, vocab_size: int, out: Path):
         return DraftVocab(z["d2t"], z["t2d"])
     vocab = (
         identity(vocab_size)
-        if tc.draft_vocab_size >= vocab_size or tc.lm_head_source == "target"
-        else build_from_counts(token_counts(ds, vocab_size), tc.draft_vocab_size)
+        if tc.head.draft_vocab_size >= vocab_size or tc.head.lm_head_source == "target"
+        else build_from_counts(token_counts(ds, vocab_size), tc.head.draft_vocab_size)
     )
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d))
@@ -214,17 +216,23 @@ def prepare_vocab(tc: TrainConfig, ds, vocab_size: int, out: Path):
 
 
 def precompute_features(tc: TrainConfig, progress: bool = True) -> Path:
-    """Data preparation + the target's features of every record, written to tc.features_dir."""
+    """Data preparation + the target's features of every record, written to features_dir."""
 
-    if not tc.features_dir:
+    store = tc.store
+    if not store.features_dir:
         raise Eagle3Error("set --config.features_dir=DIR for the precomputed features")
-    out = Path(tc.out_dir)
+    out = Path(tc.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    target = load_target(tc.target, dtype=DTYPES[tc.param_dtype])
+    target = load_target(tc.corpus.target, dtype=DTYPES[tc.compute.param_dtype])
     ds = prepare_data(tc, target, out)
-    layers = tc.feature_layers or tc.aux_layer_ids or target.cfg.default_aux_layer_ids()
+    layers = store.feature_layers or tc.head.aux_layer_ids
     return features.precompute(
-        target, ds, tuple(layers), tc.features_dir, progress=progress, dtype=tc.feature_dtype
+        target,
+        ds,
+        tuple(layers or target.cfg.default_aux_layer_ids()),
+        store.features_dir,
+        progress=progress,
+        dtype=store.feature_dtype,
     )
 
 
@@ -293,12 +301,13 @@ def export_head(path: Path, state, dcfg, vocab, tc: TrainConfig, step: int, toke
 
 
 def _write_head(path: Path, params, dcfg, vocab, tc: TrainConfig, step: int, tokens: int) -> Path:
-    save_draft(path, params, dcfg, vocab, dtype=tc.export_dtype)
+    save_draft(path, params, dcfg, vocab, dtype=tc.run.export_dtype)
     (path / "training.json").write_text(json.dumps({"step": step, "tokens": tokens}) + "\n")
-    if tc.init_head:  # a continued head keeps its ids, so their order, checked against them:
+    init_head = tc.head.init_head
+    if init_head:  # a continued head keeps its ids, so their order, checked against them:
         try:  # never export a head its own order file makes unloadable
-            if read_vocab_order(tc.init_head, vocab) is not None:
-                shutil.copyfile(Path(tc.init_head) / VOCAB_ORDER_FILE, path / VOCAB_ORDER_FILE)
+            if read_vocab_order(init_head, vocab) is not None:
+                shutil.copyfile(Path(init_head) / VOCAB_ORDER_FILE, path / VOCAB_ORDER_FILE)
         except Eagle3Error as e:
             print(f"note: {VOCAB_ORDER_FILE} of init_head not copied: {e}", file=sys.stderr)
     return path
@@ -315,9 +324,10 @@ def run_inputs(tc: TrainConfig) -> dict[str, str]:
     """Digests of the target's files, the data and validation files and any head the run starts
     from (by name, size and modification time: `files_digest`)."""
     split = lambda text: [p for p in text.split(",") if p]  # noqa: E731
-    out = {"target": target_digest(resolve_target(tc.target))}
-    for name, paths in (("data", split(tc.data)), ("val_data", split(tc.val_data)),
-                        ("init_head", split(tc.init_head)), ("init_trunk", split(tc.init_trunk))):  # fmt: skip
+    out = {"target": target_digest(resolve_target(tc.corpus.target))}
+    for name, paths in (("data", split(tc.corpus.data)), ("val_data", split(tc.run.val_data)),
+                        ("init_head", split(tc.head.init_head)),
+                        ("init_trunk", split(tc.head.init_trunk))):  # fmt: skip
         if paths:
             out[name] = files_digest(paths)
     return out
@@ -351,7 +361,7 @@ def train(
     same out_dir is refused while this one holds it (one lock per process of a run)."""
     tc = tc.validate()
     distributed.initialize()
-    out = Path(tc.out_dir)
+    out = Path(tc.run.out_dir)
     if out.exists() and not out.is_dir():
         raise Eagle3Error(f"out_dir {out} is a file: give a directory")
     if (
@@ -368,87 +378,98 @@ def train(
         return _train(tc, resume, progress, stop_after)
 
 
-def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
-    multi = jax.process_count() > 1  # train() validated tc, joined the cluster, made out_dir
-    out = Path(tc.out_dir)
-    ckpt = Checkpoints(out / "checkpoints", keep=tc.keep_checkpoints)
-    cfg_path = out / "train_config.json"
-    if ckpt.latest_step() is not None:
-        if not resume:
-            raise Eagle3Error(
-                f"{out} already holds checkpoints (step {ckpt.latest_step()}): pass "
-                "--resume to continue that run, or choose another out_dir"
-            )
-        saved = json.loads(cfg_path.read_text())
-        now = tc.record(RESUMABLE)
-        if saved != now:
-            diff = differing_keys(saved, now)
+def check_run_config(tc: TrainConfig, out: Path, resuming: bool) -> None:
+    """Refuses to resume a run under another config than its train_config.json (in either
+    layout, `flatten`), naming the fields; then records the config (`RESUMABLE` left out)."""
+    path = out / "train_config.json"
+    if resuming:
+        diff = config_changes(json.loads(path.read_text()), tc)
+        if diff:
             raise Eagle3Error(
                 f"--resume with a different config ({', '.join(diff)}): resume with the "
                 "run's own config, or start a new out_dir"
             )
-    check_inputs(tc, out, resuming=ckpt.latest_step() is not None)
+    check_inputs(tc, out, resuming=resuming)
     distributed.barrier("config read")  # before process 0 writes it
     if distributed.is_primary():
-        cfg_path.write_text(json.dumps(tc.record(RESUMABLE), indent=1))
+        path.write_text(json.dumps(tc.record(RESUMABLE), indent=1))
 
-    n_dev = tc.mesh_data * tc.mesh_model
-    if multi and n_dev != jax.device_count():
-        raise Eagle3Error(
-            f"mesh {tc.mesh_data}x{tc.mesh_model} in a run of {jax.process_count()} processes: "
-            f"set mesh_data x mesh_model to all {jax.device_count()} devices"
-        )
-    if multi and tc.regenerate and not (out / "dataset.npz").exists():
-        raise Eagle3Error(
-            "regenerate=True in a multi-process run: answer the prompts first (`python -m "
-            "eagle3_jax regenerate`), then train on its output with --config.regenerate=False"
-        )
-    mesh = make_mesh(tc.mesh_data, tc.mesh_model) if n_dev > 1 else None
-    target = load_target(tc.target, dtype=DTYPES[tc.param_dtype], mesh=mesh)
-    tcfg = target.cfg
-    # process 0 writes dataset.npz, val_dataset.npz and vocab.npz; the others read them after it
+
+def config_changes(saved: dict, tc: TrainConfig) -> list[str]:
+    """The fields in which a run's saved train_config.json (nested by group, or the flat layout
+    written before the groups) differs from `tc`, leaving out the `RESUMABLE` ones."""
+    return differing_keys(flatten(saved), flatten(tc.record(RESUMABLE)))
+
+
+def _mesh_for(tc: TrainConfig, out: Path):
+    """The (data, model) mesh of the run (None on one device), refused where processes could not
+    share it: a mesh short of the cluster's devices, or answers still to regenerate."""
+    cp = tc.compute
+    n_dev = cp.mesh_data * cp.mesh_model
+    if jax.process_count() > 1:
+        if n_dev != jax.device_count():
+            raise Eagle3Error(
+                f"mesh {cp.mesh_data}x{cp.mesh_model} in a run of {jax.process_count()} "
+                f"processes: set mesh_data x mesh_model to all {jax.device_count()} devices"
+            )
+        if tc.corpus.regenerate and not (out / "dataset.npz").exists():
+            raise Eagle3Error(
+                "regenerate=True in a multi-process run: answer the prompts first (`python -m "
+                "eagle3_jax regenerate`), then train on its output with --config.regenerate=False"
+            )
+    return make_mesh(cp.mesh_data, cp.mesh_model) if n_dev > 1 else None
+
+
+def _prepare_all(tc: TrainConfig, target, out: Path):
+    """(dataset, held-out set or None, draft vocabulary): process 0 writes dataset.npz,
+    val_dataset.npz and vocab.npz; the others read them after it."""
     with distributed.primary_first("data"):
         ds = prepare_data(tc, target, out)
         val = prepare_validation(tc, target, ds, out)
-        if tc.init_head and not (out / "vocab.npz").exists():
-            keep_vocab_of(tc.init_head, tcfg, out)  # a continued head keeps its draft vocabulary
-        vocab = prepare_vocab(tc, ds, tcfg.vocab_size, out)
-    aux_ids = tcfg.check_aux_layer_ids(tc.aux_layer_ids or tcfg.default_aux_layer_ids())
+        if tc.head.init_head and not (out / "vocab.npz").exists():
+            # a continued head keeps its draft vocabulary
+            keep_vocab_of(tc.head.init_head, target.cfg, out)
+        vocab = prepare_vocab(tc, ds, target.cfg.vocab_size, out)
+    return ds, val, vocab
+
+
+def draft_config(tc: TrainConfig, tcfg, vocab) -> drf.DraftConfig:
+    """The head this run trains: its aux layers (checked against the target), output layer and
+    draft vocabulary size."""
+    aux_ids = tcfg.check_aux_layer_ids(tc.head.aux_layer_ids or tcfg.default_aux_layer_ids())
     if tcfg.num_layers in aux_ids:
         raise Eagle3Error(
             f"aux layer id {tcfg.num_layers} is the target's final NORMED state, which a head "
             "cannot be decoded with (check_compatible refuses it): use ids below "
             f"{tcfg.num_layers}, e.g. {tcfg.num_layers - 1} for the input to the last layer"
         )
-    dcfg = drf.DraftConfig.from_target(
+    return drf.DraftConfig.from_target(
         tcfg,
         draft_vocab_size=vocab.draft_size,
         aux_layer_ids=aux_ids,
-        lm_head_source=tc.lm_head_source,
-        speculator_rank=tc.speculator_rank,
+        lm_head_source=tc.head.lm_head_source,
+        speculator_rank=tc.head.speculator_rank,
     )
-    per_epoch = steps_per_epoch(ds, tc.batch_size)
-    total = tc.max_steps or tc.epochs * per_epoch
-    tx = make_optimizer(tc, total)
-    dparams = drf.init_params(dcfg, jax.random.PRNGKey(tc.seed), DTYPES[tc.param_dtype])
+
+
+def start_params(tc: TrainConfig, dcfg, target, vocab, mesh):
+    """The head's parameters at step 0: initialised, then taken from a head, the target or a
+    trunk as `tc.head` says, laid out on the mesh."""
+    head, dtype, tcfg = tc.head, DTYPES[tc.compute.param_dtype], target.cfg
+    multi = jax.process_count() > 1
+    dparams = drf.init_params(dcfg, jax.random.PRNGKey(tc.optim.seed), dtype)
     if multi:  # global arrays before anything mixes them with the target's (global) params
         dparams = place(dparams, drf.param_shardings(dcfg, mesh))
-    if tc.init_head:
-        dparams = start_from_head(tc.init_head, dcfg, vocab, tcfg, DTYPES[tc.param_dtype])
-    elif tc.head_init == "target" and dcfg.lm_head_source == "own":
+    if head.init_head:
+        dparams = start_from_head(head.init_head, dcfg, vocab, tcfg, dtype)
+    elif head.head_init == "target" and dcfg.lm_head_source == "own":
         dparams = drf.init_output_from_target(dparams, target.params, tcfg, vocab, dcfg)
-    elif tc.head_init == "target":  # the lm_head IS the target's: start the norm as its too
-        dparams = {
-            **dparams,
-            "final_norm": target.params["final_norm"].astype(DTYPES[tc.param_dtype]),
-        }
-    if dcfg.speculator_rank and tc.speculator_init == "svd" and not tc.init_head:
+    elif head.head_init == "target":  # the lm_head IS the target's: start the norm as its too
+        dparams = {**dparams, "final_norm": target.params["final_norm"].astype(dtype)}
+    if dcfg.speculator_rank and head.speculator_init == "svd" and not head.init_head:
         dparams = drf.init_speculator_svd(dparams, target.params, tcfg, dcfg)
-    if tc.init_trunk:
-        dparams = start_trunk_from(tc.init_trunk, dparams, dcfg, tcfg, DTYPES[tc.param_dtype])
-    state_sh = None
+    if head.init_trunk:
+        dparams = start_trunk_from(head.init_trunk, dparams, dcfg, tcfg, dtype)
     if mesh is not None:
         dparams = (
             place(dparams, drf.param_shardings(dcfg, mesh))
@@ -458,62 +479,106 @@ def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None
     # The step donates the head's state while it reads the target's params, so no leaf may share
     # a buffer with them: a start taken from the target (head_init=target: its final norm, which
     # astype to the same dtype returns as the same array) is copied here, once, for every start.
-    dparams = jax.tree.map(jnp.copy, dparams)
-    state = init_state(dparams, tx, mesh)
-    if mesh is not None:
-        state_sh = jax.tree.map(lambda x: x.sharding, state)
+    return jax.tree.map(jnp.copy, dparams)
+
+
+def _restore(ckpt: Checkpoints, state, total: int, out: Path) -> tuple[Any, int, int]:
+    """(state, first step, tokens seen) of the run's last checkpoint."""
+    state, saved_meta = ckpt.restore(state)
+    start = int(state.step)
+    if start > total:
+        raise Eagle3Error(
+            f"{out} holds a checkpoint at step {start}, past this run's {total} steps: "
+            "raise max_steps (or epochs) to continue it, or start a new out_dir"
+        )
+    print(f"resumed from step {start}", file=sys.stderr)
+    return state, start, int(saved_meta.get("tokens_seen", 0))
+
+
+def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None) -> dict[str, Any]:
+    out = Path(tc.run.out_dir)  # train() validated tc, joined the cluster, made out_dir
+    ckpt = Checkpoints(out / "checkpoints", keep=tc.run.keep_checkpoints)
+    if ckpt.latest_step() is not None and not resume:
+        raise Eagle3Error(
+            f"{out} already holds checkpoints (step {ckpt.latest_step()}): pass "
+            "--resume to continue that run, or choose another out_dir"
+        )
+    check_run_config(tc, out, resuming=ckpt.latest_step() is not None)
+    mesh = _mesh_for(tc, out)
+    target = load_target(tc.corpus.target, dtype=DTYPES[tc.compute.param_dtype], mesh=mesh)
+    ds, val, vocab = _prepare_all(tc, target, out)
+    dcfg = draft_config(tc, target.cfg, vocab)
+    total = tc.optim.max_steps or tc.optim.epochs * steps_per_epoch(ds, tc.optim.batch_size)
+    tx = make_optimizer(tc.optim, total)
+    state = init_state(start_params(tc, dcfg, target, vocab, mesh), tx, mesh)
+    state_sh = None if mesh is None else jax.tree.map(lambda x: x.sharding, state)
     start, tokens_seen = 0, 0
     if resume and ckpt.latest_step() is not None:
-        state, saved_meta = ckpt.restore(state)
-        start = int(state.step)
-        tokens_seen = int(saved_meta.get("tokens_seen", 0))
-        if start > total:
-            raise Eagle3Error(
-                f"{out} holds a checkpoint at step {start}, past this run's {total} steps: "
-                "raise max_steps (or epochs) to continue it, or start a new out_dir"
-            )
-        print(f"resumed from step {start}", file=sys.stderr)
-    t2d = replicate(vocab.t2d, mesh) if multi else jnp.asarray(vocab.t2d)
-    offline = None
-    if tc.features == "offline":
-        offline = OfflineFeatures(tc.features_dir, ds, aux_ids)
-    step_fn = jit_train_step(
-        tcfg,
-        dcfg,
-        tc,
-        tx,
-        mesh,
-        state_sh,
-        None if mesh is None else jax.tree.map(lambda x: x.sharding, target.params),
-    )
+        state, start, tokens_seen = _restore(ckpt, state, total, out)
+    target_sh = None if mesh is None else jax.tree.map(lambda x: x.sharding, target.params)
+    inputs = _Inputs(ds, mesh, dcfg.aux_layer_ids, tc, vocab)
+    step_fn = jit_train_step(target.cfg, dcfg, tc, tx, mesh, state_sh, target_sh)
     writer = MetricsWriter(out / "metrics.jsonl", start)
     val_writer = None if val is None else MetricsWriter(out / "validation.jsonl", start, writer.tb)
-    meta = {
-        "vocab_size": tcfg.vocab_size,
-        "draft_vocab_size": vocab.draft_size,
-        "aux_layer_ids": list(aux_ids),
-        "total_steps": total,
-    }
-    bar = tqdm(
+    meta = {"vocab_size": target.cfg.vocab_size, "draft_vocab_size": vocab.draft_size,
+            "aux_layer_ids": list(dcfg.aux_layer_ids), "total_steps": total}  # fmt: skip
+    bar = _progress_bar(total, start, progress)
+    run = _Run(tc, out, target, dcfg, vocab, val, ckpt, total, writer, val_writer, meta, bar)
+    return _steps(run, inputs, step_fn, state, start, tokens_seen, stop_after)
+
+
+def _progress_bar(total: int, start: int, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(
         total=total,
         initial=start,
         disable=not progress or jax.process_index() != 0,
         desc="train",
         dynamic_ncols=True,
     )
-    t_last, tokens_since = time.perf_counter(), 0
-    last = {}
-    # every process walks the same global batches and reads only its rows of each (the feature
-    # store's among them); across processes they become global arrays sharded over `data`
-    mine = process_rows(mesh, tc.batch_size) if multi else slice(None)
-    for batch in batches(
-        ds,
-        tc.batch_size,
-        tc.seed,
-        start_step=start,
-        num_steps=total - start,
-        length_bucket=tc.length_bucket,
-    ):
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the step loop reports to and writes: the run's config, folder, head, held-out set,
+    checkpoints, metrics writers and progress bar."""
+
+    tc: TrainConfig
+    out: Path
+    target: Any
+    dcfg: drf.DraftConfig
+    vocab: DraftVocab
+    val: Any  # the held-out dataset, or None
+    ckpt: Checkpoints
+    total: int
+    writer: MetricsWriter
+    val_writer: MetricsWriter | None
+    meta: dict
+    bar: Any
+
+    def close(self) -> None:
+        self.bar.close()
+        self.writer.close()
+
+
+class _Inputs:
+    """The step's inputs, batch by batch: this process's rows of each global batch (the feature
+    store's among them, offline) as the jitted step takes them, and the draft vocabulary map."""
+
+    def __init__(self, ds, mesh, aux_ids, tc: TrainConfig, vocab: DraftVocab):
+        self.multi = jax.process_count() > 1
+        self.ds, self.mesh, self.batch_size = ds, mesh, tc.optim.batch_size
+        # every process walks the same global batches and reads only its rows of each; across
+        # processes they become global arrays sharded over `data`
+        self.mine = process_rows(mesh, self.batch_size) if self.multi else slice(None)
+        self.offline = None
+        if tc.store.features == "offline":
+            self.offline = OfflineFeatures(tc.store.features_dir, ds, aux_ids)
+        self.t2d = replicate(vocab.t2d, mesh) if self.multi else jnp.asarray(vocab.t2d)
+
+    def arrays(self, batch) -> dict[str, Any]:
+        mine = self.mine
         local = batch._replace(
             input_ids=batch.input_ids[mine],
             loss_mask=batch.loss_mask[mine],
@@ -521,69 +586,96 @@ def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None
             rows=batch.rows[mine],
         )
         arrays = batch_arrays(local)
-        if offline is not None:
-            arrays.update(offline.batch(local.rows, batch.input_ids.shape[1]))
-        if multi:
-            arrays = global_batch(arrays, mesh, tc.batch_size)
-        state, metrics = step_fn(state, target.params, arrays, t2d)
+        if self.offline is not None:
+            arrays.update(self.offline.batch(local.rows, batch.input_ids.shape[1]))
+        if self.multi:
+            arrays = global_batch(arrays, self.mesh, self.batch_size)
+        return arrays
+
+
+def _steps(run: _Run, inputs: _Inputs, step_fn, state, start: int, tokens_seen: int,
+           stop_after: int | None) -> dict[str, Any]:  # fmt: skip
+    """The training steps from `start` to the run's end (or `stop_after`), then the head."""
+    tc, total = run.tc, run.total
+    t_last, tokens_since = time.perf_counter(), 0
+    last = {}
+    for batch in batches(inputs.ds, tc.optim.batch_size, tc.optim.seed, start_step=start,
+                         num_steps=total - start, length_bucket=tc.corpus.length_bucket):  # fmt: skip
+        state, metrics = step_fn(state, run.target.params, inputs.arrays(batch), inputs.t2d)
         step = batch.step + 1
         tokens_since += int(batch.lengths.sum())
         tokens_seen += int(batch.lengths.sum())
         loss = float(metrics["loss"])
         if not math.isfinite(loss):
-            writer.close()
-            kept = ckpt.latest_step()
-            raise Eagle3Error(
-                f"loss is {loss} at step {step}: stopped; "
-                + (
-                    f"the last good checkpoint (step {kept}) is kept"
-                    if kept is not None
-                    else "no checkpoint was saved before it"
-                )
-                + ". Lower lr or check the data"
-            )
-        if step % tc.log_every == 0 or step == total:
+            _stop_on_nan(run, loss, step)
+        if step % tc.run.log_every == 0 or step == total:
             now = time.perf_counter()
-            m = jax.device_get(metrics)
-            rec = {
-                "step": step,
-                "epoch": batch.epoch,
-                "loss": loss,
-                "grad_norm": float(m["grad_norm"]),
-                "tokens": tokens_seen,
-                "tokens_per_s": tokens_since / (now - t_last),
-            }
-            for name in ("acc", "chain", "xent", "ploss", "sloss", "sacc"):
-                if name not in m:
-                    continue
-                for i, v in enumerate(np.asarray(m[name]).reshape(-1)):
-                    rec[f"{name}_{i}"] = float(v)
-            writer.write(rec)
-            last = rec
+            last = _log(run, step, batch.epoch, loss, metrics, tokens_seen,
+                        tokens_since / (now - t_last))  # fmt: skip
             t_last, tokens_since = now, 0
-            accs = " ".join(f"{rec[f'acc_{i}']:.2f}" for i in range(tc.ttt_steps))
-            bar.set_postfix_str(f"loss {loss:.3f} acc {accs} {rec['tokens_per_s']:.0f} tok/s")
-        bar.update(1)
-        if (tc.save_every and step % tc.save_every == 0) or step == total:
-            ckpt.save(step, state, {**meta, "data_step": step, "tokens_seen": tokens_seen})
-        if val is not None and ((tc.val_every and step % tc.val_every == 0) or step == total):
-            v = validate_now(tc, target, state, dcfg, vocab, val, step)
-            val_writer.write(v)
-            accs = " ".join(f"{v[f'val_acc_{i}']:.2f}" for i in range(tc.ttt_steps))
-            bar.write(
-                f"step {step}: held-out acc {accs}, chain tau {v['val_replay_tau']:.2f} (replayed)"
-            )
-        if tc.export_every and step % tc.export_every == 0 and step != total:
-            export_head(
-                out / "heads" / f"step_{step:06d}", state, dcfg, vocab, tc, step, tokens_seen
-            )
+        run.bar.update(1)
+        _after_step(run, state, step, tokens_seen)
         if stop_after is not None and step >= stop_after:
-            bar.close()
-            writer.close()
-            return {"stopped_at": step, "out_dir": str(out)}
-    bar.close()
-    writer.close()
-    head = out / "head"
-    export_head(head, state, dcfg, vocab, tc, total, tokens_seen)
-    ckpt.close()
-    return {"head": str(head), "steps": total, "last_metrics": last, "out_dir": str(out)}
+            run.close()
+            return {"stopped_at": step, "out_dir": str(run.out)}
+    run.close()
+    head = run.out / "head"
+    export_head(head, state, run.dcfg, run.vocab, tc, total, tokens_seen)
+    run.ckpt.close()
+    return {"head": str(head), "steps": total, "last_metrics": last, "out_dir": str(run.out)}
+
+
+def _stop_on_nan(run: _Run, loss: float, step: int) -> None:
+    run.writer.close()
+    kept = run.ckpt.latest_step()
+    raise Eagle3Error(
+        f"loss is {loss} at step {step}: stopped; "
+        + (
+            f"the last good checkpoint (step {kept}) is kept"
+            if kept is not None
+            else "no checkpoint was saved before it"
+        )
+        + ". Lower lr or check the data"
+    )
+
+
+def _log(run: _Run, step: int, epoch: int, loss: float, metrics, tokens: int,
+         tokens_per_s: float) -> dict:  # fmt: skip
+    """Writes a metrics.jsonl record of this step (per-TTT-step metrics as name_i) and returns it."""
+    m = jax.device_get(metrics)
+    rec = {
+        "step": step,
+        "epoch": epoch,
+        "loss": loss,
+        "grad_norm": float(m["grad_norm"]),
+        "tokens": tokens,
+        "tokens_per_s": tokens_per_s,
+    }
+    for name in ("acc", "chain", "xent", "ploss", "sloss", "sacc"):
+        if name not in m:
+            continue
+        for i, v in enumerate(np.asarray(m[name]).reshape(-1)):
+            rec[f"{name}_{i}"] = float(v)
+    run.writer.write(rec)
+    accs = " ".join(f"{rec[f'acc_{i}']:.2f}" for i in range(run.tc.head.ttt_steps))
+    run.bar.set_postfix_str(f"loss {loss:.3f} acc {accs} {rec['tokens_per_s']:.0f} tok/s")
+    return rec
+
+
+def _after_step(run: _Run, state, step: int, tokens_seen: int) -> None:
+    """The checkpoint, held-out validation and intermediate export due at this step."""
+    tc, total, r = run.tc, run.total, run.tc.run
+    if (r.save_every and step % r.save_every == 0) or step == total:
+        run.ckpt.save(step, state, {**run.meta, "data_step": step, "tokens_seen": tokens_seen})
+    if run.val is not None and ((r.val_every and step % r.val_every == 0) or step == total):
+        v = validate_now(tc, run.target, state, run.dcfg, run.vocab, run.val, step)
+        run.val_writer.write(v)
+        accs = " ".join(f"{v[f'val_acc_{i}']:.2f}" for i in range(tc.head.ttt_steps))
+        run.bar.write(
+            f"step {step}: held-out acc {accs}, chain tau {v['val_replay_tau']:.2f} (replayed)"
+        )
+    if r.export_every and step % r.export_every == 0 and step != total:
+        export_head(
+            run.out / "heads" / f"step_{step:06d}", state, run.dcfg, run.vocab, tc, step,
+            tokens_seen,
+        )  # fmt: skip

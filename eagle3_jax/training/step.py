@@ -21,7 +21,7 @@ from eagle3_jax.config import DTYPES, TargetConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
-from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config import OptimConfig, TrainConfig
 from eagle3_jax.training.ttt import ttt_loss
 
 
@@ -31,17 +31,17 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-def make_optimizer(tc: TrainConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(oc: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     """AdamW (beta 0.9/0.95, no weight decay by default), linear warmup then cosine, clip 0.5,
     gradient accumulation over `grad_accum` micro-steps."""
-    updates = max(1, total_steps // tc.grad_accum)
-    warmup = max(1, int(round(updates * tc.warmup_ratio)))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, max(updates, warmup + 1), 0.0)
+    updates = max(1, total_steps // oc.grad_accum)
+    warmup = max(1, int(round(updates * oc.warmup_ratio)))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, oc.lr, warmup, max(updates, warmup + 1), 0.0)
     tx = optax.chain(
-        optax.clip_by_global_norm(tc.clip_norm),
-        optax.adamw(schedule, b1=tc.beta1, b2=tc.beta2, weight_decay=tc.weight_decay),
+        optax.clip_by_global_norm(oc.clip_norm),
+        optax.adamw(schedule, b1=oc.beta1, b2=oc.beta2, weight_decay=oc.weight_decay),
     )
-    return optax.MultiSteps(tx, every_k_schedule=tc.grad_accum) if tc.grad_accum > 1 else tx
+    return optax.MultiSteps(tx, every_k_schedule=oc.grad_accum) if oc.grad_accum > 1 else tx
 
 
 def init_state(dparams, tx: optax.GradientTransformation, mesh=None) -> TrainState:
@@ -92,7 +92,7 @@ def loss_fn(
 ):
     """TTT loss of a batch; `batch` has input_ids, loss_mask, attention_mask and, offline, aux/hidden.
     per_position adds the [B, T] "streak" metric (ttt_loss)."""
-    compute = DTYPES[tc.compute_dtype]
+    compute = DTYPES[tc.compute.compute_dtype]
     if "aux" in batch:
         aux, hidden = batch["aux"], batch["hidden"]
     else:
@@ -119,12 +119,12 @@ def loss_fn(
         ttt_batch,
         dcfg,
         t2d,
-        steps=tc.ttt_steps,
-        decay=tc.ttt_decay,
-        feature_loss_weight=tc.feature_loss_weight,
-        remat=tc.remat,
-        mean_len=tc.max_len,
-        speculator_loss_weight=tc.speculator_loss_weight if dcfg.speculator_rank else 0.0,
+        steps=tc.head.ttt_steps,
+        decay=tc.head.ttt_decay,
+        feature_loss_weight=tc.head.feature_loss_weight,
+        remat=tc.compute.remat,
+        mean_len=tc.corpus.max_len,
+        speculator_loss_weight=tc.head.speculator_loss_weight if dcfg.speculator_rank else 0.0,
         per_position=per_position,
     )
 

@@ -152,7 +152,7 @@ def score_head(
         raise Eagle3Error(f"batch size {batch_size} < 1")
     if steps < 1:
         raise Eagle3Error(f"ttt steps {steps} < 1")
-    tc = TrainConfig(ttt_steps=steps, max_len=ds.max_len, compute_dtype=compute_dtype)
+    tc = TrainConfig().replace(ttt_steps=steps, max_len=ds.max_len, compute_dtype=compute_dtype)
     loss = _jitted_loss(target.cfg, dcfg, tc)
     order = np.argsort(ds.lengths, kind="stable")  # similar lengths together: little padding
 
