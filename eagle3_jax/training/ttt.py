@@ -45,7 +45,7 @@ rest in the backward pass.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -233,16 +233,81 @@ def ttt_loss(
         decoding's rounds with it).
     """
     _check(batch, dcfg, vocab_t2d, steps, feature_loss_weight)
-    f32 = jnp.float32
+    feature_loss = feature_loss_weight > 0
+    speculator = speculator_loss_weight > 0
+    vd = dcfg.draft_vocab_size
+    if speculator and (not dcfg.speculator_rank or vd != dcfg.vocab_size):
+        raise Eagle3Error(
+            "speculator_loss_weight > 0 needs a SpecVocab head (speculator_rank > 0, "
+            "full vocabulary)"
+        )
     ids_BT = batch["input_ids"].astype(jnp.int32)
     b, t = ids_BT.shape
     mean_len = t if mean_len is None else mean_len
-    vd = dcfg.draft_vocab_size
-    t2d_V = jnp.asarray(vocab_t2d).astype(bool)
-    draft_cols = jnp.nonzero(t2d_V, size=vd)[0]  # ascending: column c is draft id c
+    tch = _teacher(batch, ids_BT, jnp.asarray(vocab_t2d).astype(bool), vd, steps, feature_loss)
 
-    # The teacher, computed once on the unshifted target and then shifted: the fill rows are what
-    # the official zero-filled target logits give (uniform target_p, argmax 0).
+    positions_BT = batch.get("position_ids")
+    if positions_BT is None:
+        positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions_BT = positions_BT.astype(jnp.int32)
+    key_valid_BT = batch["attention_mask"].astype(bool)
+    inv_freq = rope_inv_freq(dcfg.rope, dcfg.head_dim)
+
+    h0_BTD = fuse(dparams, batch["aux"])
+    kv_dtype = jnp.result_type(h0_BTD.dtype, dparams["layer"]["wk"].dtype)
+    buf_shape = (steps, b, t, dcfg.num_kv_heads, dcfg.head_dim)
+    # streak_BT: 1 where every step so far drafted the target's token (a chain from t still alive)
+    carry0 = (
+        h0_BTD,
+        jnp.zeros(buf_shape, kv_dtype),
+        jnp.zeros(buf_shape, kv_dtype),
+        jnp.ones((b, t), jnp.float32),
+        jnp.ones((b, t), jnp.float32),  # the same streak without the loss mask (per_position only)
+    )
+    opts = _LossOptions(mean_len, per_position, feature_loss, speculator)
+
+    def body(carry, i):
+        h_BTD, k_JBTGK, v_JBTGK, streak_BT, run_BT = carry
+        h_new, k_JBTGK, v_JBTGK = _layer_step(
+            dparams, embed_VD, dcfg, (h_BTD, k_JBTGK, v_JBTGK), i,
+            _at(tch.ids, i, t), positions_BT, inv_freq, key_valid_BT, kv_dtype,
+        )  # fmt: skip
+        with jax.named_scope("ttt_step_loss"):
+            streak_BT, run_BT, out = _step_loss(
+                dparams, h_new, dcfg, tch, i, streak_BT, run_BT, opts
+            )
+        return (h_new, k_JBTGK, v_JBTGK, streak_BT, run_BT), out
+
+    if remat:
+        body = jax.checkpoint(body)
+    _, per_step = jax.lax.scan(body, carry0, jnp.arange(steps, dtype=jnp.int32))
+    return _totals(
+        per_step, steps, decay, b * mean_len, feature_loss_weight, speculator_loss_weight, opts
+    )
+
+
+class _Teacher(NamedTuple):
+    """The teacher and the masks, each extended by `steps` positions past T (`_shift_ext`,
+    `_pad_ext`) so that step i reads its [B, T] view with one dynamic slice (`_at`)."""
+
+    tp: jax.Array  # [B, T+J, Vd] target_p: softmax over the draft columns of the target logits
+    top: jax.Array  # [B, T+J] int32 argmax of target_p
+    in_draft: jax.Array  # [B, T+J] bool: the target's argmax over its full vocabulary is a draft id
+    valid_next: jax.Array  # [B, T+J] the teacher row is a real token (attention_mask, shifted)
+    lm: jax.Array  # [B, T+J] loss_mask_i before the start mask
+    pm: jax.Array  # [B, T+J] position_mask_i (lm and in_draft) before the start mask
+    start_ok: jax.Array  # [B, T] a chain may start at t (not a padding position)
+    ids: jax.Array  # [B, T+J] int32 the token input at step i
+    hidden: jax.Array | None  # [B, T+J, D] the target's final hidden state (feature loss only)
+    has_next: jax.Array | None  # [B, T+J] a teacher row exists inside T (feature loss only)
+
+
+def _teacher(batch, ids_BT, t2d_V, vd: int, steps: int, feature_loss: bool) -> _Teacher:
+    """The teacher, computed once on the unshifted target and then shifted: the fill rows are what
+    the official zero-filled target logits give (uniform target_p, argmax 0)."""
+    f32 = jnp.float32
+    b, t = ids_BT.shape
+    draft_cols = jnp.nonzero(t2d_V, size=vd)[0]  # ascending: column c is draft id c
     with jax.named_scope("teacher"):
         target_BTV = jax.lax.stop_gradient(batch["target_logits"]).astype(f32)
         in_draft_BT = t2d_V[jnp.argmax(target_BTV, axis=-1)]
@@ -262,108 +327,107 @@ def ttt_loss(
         # right padding (loss_mask[t+i] = 1 implies t is valid), where this changes nothing.
         start_ok_BT = batch["attention_mask"].astype(f32)
         ids_ext = _shift_ext(ids_BT, steps, 0)
-        feature_loss = feature_loss_weight > 0
-        speculator = speculator_loss_weight > 0
-        if speculator and (not dcfg.speculator_rank or vd != dcfg.vocab_size):
-            raise Eagle3Error(
-                "speculator_loss_weight > 0 needs a SpecVocab head (speculator_rank > 0, "
-                "full vocabulary)"
-            )
+        th_ext = has_next_ext = None
         if feature_loss:
             th_ext = _shift_ext(
                 jax.lax.stop_gradient(batch["target_hidden"]).astype(f32), steps, 0.0
             )
             has_next_ext = _shift_ext(jnp.ones((b, t), f32), steps, 0.0)
+    return _Teacher(tp_ext, tp_top_ext, in_draft_ext, valid_next_ext, lm_ext, pm_ext, start_ok_BT,
+                    ids_ext, th_ext, has_next_ext)  # fmt: skip
 
-    positions_BT = batch.get("position_ids")
-    if positions_BT is None:
-        positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    positions_BT = positions_BT.astype(jnp.int32)
-    key_valid_BT = batch["attention_mask"].astype(bool)
-    inv_freq = rope_inv_freq(dcfg.rope, dcfg.head_dim)
+
+class _LossOptions(NamedTuple):
+    mean_len: int  # positions per row that ploss averages over
+    per_position: bool  # also the [B, T] streaks (validation)
+    feature_loss: bool  # also vloss (feature_loss_weight > 0)
+    speculator: bool  # also sloss and scorrect (speculator_loss_weight > 0)
+
+
+def _at(x_ext: jax.Array, i, t: int) -> jax.Array:
+    """Step i's [B, T, ...] view of an extended [B, T+J, ...] array."""
+    return jax.lax.dynamic_slice_in_dim(x_ext, i, t, axis=1)
+
+
+def _layer_step(dparams, embed_VD, dcfg, carry, i, ids_BT, positions_BT, inv_freq, key_valid_BT,
+                kv_dtype):  # fmt: skip
+    """The draft layer at TTT step i: (h_new [B, T, D], K and V buffers with slot i written).
+    Its inputs are the true tokens `ids_BT` of step i and the previous step's output h."""
+    h_BTD, k_JBTGK, v_JBTGK = carry
     lp = dparams["layer"]
+    emb_BTD = embed_VD[ids_BT].astype(h_BTD.dtype)
+    cos, sin = rope_cos_sin(positions_BT + i, inv_freq)
+    q, k, v = project_qkv(lp, emb_BTD, h_BTD, cos, sin, dcfg)
+    k_JBTGK = jax.lax.dynamic_update_index_in_dim(k_JBTGK, k.astype(kv_dtype), i, 0)
+    v_JBTGK = jax.lax.dynamic_update_index_in_dim(v_JBTGK, v.astype(kv_dtype), i, 0)
+    with jax.named_scope("ttt_attention"):
+        o = ttt_attention(q, k_JBTGK, v_JBTGK, i, key_valid_BT)
+    h_new = finish_layer(lp, h_BTD, o, dcfg).astype(h_BTD.dtype)
+    return h_new, k_JBTGK, v_JBTGK
 
-    h0_BTD = fuse(dparams, batch["aux"])
-    kv_dtype = jnp.result_type(h0_BTD.dtype, lp["wk"].dtype)
-    buf_shape = (steps, b, t, dcfg.num_kv_heads, dcfg.head_dim)
-    # streak_BT: 1 where every step so far drafted the target's token (a chain from t still alive)
-    carry0 = (
-        h0_BTD,
-        jnp.zeros(buf_shape, kv_dtype),
-        jnp.zeros(buf_shape, kv_dtype),
-        jnp.ones((b, t), f32),
-        jnp.ones((b, t), f32),  # the same streak without the loss mask (per_position only)
-    )
 
-    def at(x_ext, i):
-        return jax.lax.dynamic_slice_in_dim(x_ext, i, t, axis=1)
+def _step_loss(dparams, h_new, dcfg, tch: _Teacher, i, streak_BT, run_BT, opts: _LossOptions):
+    """The losses and counts of TTT step i: (streak_BT, run_BT, {ploss, correct, ...})."""
+    f32 = jnp.float32
+    b, t = streak_BT.shape
+    # the product in the parameters' dtype, so that its backward products stay there
+    logits_BTC = head_logits(dparams, h_new, dcfg, out_dtype=None).astype(f32)
+    logp = jax.nn.log_softmax(logits_BTC, axis=-1)
+    pm_BT = _at(tch.pm, i, t) * tch.start_ok
+    lm_BT = _at(tch.lm, i, t) * tch.start_ok
+    tp_BTC = _at(tch.tp, i, t)
+    # Official: -sum(position_mask * target_p * logp, vocab).mean() over all B*T (here
+    # B * mean_len, so that cutting a batch's padding leaves the loss unchanged).
+    ploss = -jnp.sum(pm_BT[..., None] * tp_BTC * logp) / (b * opts.mean_len)
+    top_BT = _at(tch.top, i, t)
+    hit = (jnp.argmax(logits_BTC, axis=-1) == top_BT).astype(f32)
+    correct = jax.lax.stop_gradient(jnp.sum(hit * pm_BT))
+    denom = jnp.sum(lm_BT)
+    # the draft's inputs at step i are the true tokens, which a decoded chain only sees
+    # while every earlier draft was right: so a chain from t accepts step i exactly when
+    # steps 0..i all hit (the TTT attention is the decoding one; see the docstring)
+    streak_BT = jax.lax.stop_gradient(streak_BT * hit * pm_BT)
+    out = {
+        "ploss": ploss,
+        "correct": correct,
+        "denom": denom,
+        "chain_correct": jnp.sum(streak_BT),
+        "pcount": jax.lax.stop_gradient(jnp.sum(pm_BT)),
+    }
+    if opts.per_position:  # validation only: the training step carries it unchanged
+        ok_BT = _at(tch.in_draft, i, t).astype(f32) * _at(tch.valid_next, i, t) * tch.start_ok
+        run_BT = jax.lax.stop_gradient(run_BT * hit * ok_BT)
+        out["run"] = run_BT
+    if opts.feature_loss:
+        fm_BT = lm_BT * _at(tch.has_next, i, t)
+        diff = h_new.astype(f32) - _at(tch.hidden, i, t)
+        ad = jnp.abs(diff)
+        sl1 = jnp.where(ad < 1.0, 0.5 * diff * diff, ad - 0.5)  # torch SmoothL1, beta 1
+        out["vloss"] = jnp.sum(sl1.mean(-1) * fm_BT) / (jnp.sum(fm_BT) + VLOSS_EPS)
+    if opts.speculator:
+        normed = rms_norm(h_new, dparams["final_norm"], dcfg.rms_norm_eps)
+        s_BTV = speculator_logits(dparams, normed).astype(f32)
+        slogp = jax.nn.log_softmax(s_BTV, axis=-1)
+        out["sloss"] = -jnp.sum(pm_BT[..., None] * tp_BTC * slogp) / (b * opts.mean_len)
+        shit = (jnp.argmax(s_BTV, axis=-1) == top_BT).astype(f32)
+        out["scorrect"] = jax.lax.stop_gradient(jnp.sum(shit * pm_BT))
+    return streak_BT, run_BT, out
 
-    def body(carry, i):
-        h_BTD, k_JBTGK, v_JBTGK, streak_BT, run_BT = carry
-        emb_BTD = embed_VD[at(ids_ext, i)].astype(h_BTD.dtype)
-        cos, sin = rope_cos_sin(positions_BT + i, inv_freq)
-        q, k, v = project_qkv(lp, emb_BTD, h_BTD, cos, sin, dcfg)
-        k_JBTGK = jax.lax.dynamic_update_index_in_dim(k_JBTGK, k.astype(kv_dtype), i, 0)
-        v_JBTGK = jax.lax.dynamic_update_index_in_dim(v_JBTGK, v.astype(kv_dtype), i, 0)
-        with jax.named_scope("ttt_attention"):
-            o = ttt_attention(q, k_JBTGK, v_JBTGK, i, key_valid_BT)
-        h_new = finish_layer(lp, h_BTD, o, dcfg).astype(h_BTD.dtype)
 
-        with jax.named_scope("ttt_step_loss"):
-            # the product in the parameters' dtype, so that its backward products stay there
-            logits_BTC = head_logits(dparams, h_new, dcfg, out_dtype=None).astype(f32)
-            logp = jax.nn.log_softmax(logits_BTC, axis=-1)
-            pm_BT = at(pm_ext, i) * start_ok_BT
-            lm_BT = at(lm_ext, i) * start_ok_BT
-            # Official: -sum(position_mask * target_p * logp, vocab).mean() over all B*T (here
-            # B * mean_len, so that cutting a batch's padding leaves the loss unchanged).
-            ploss = -jnp.sum(pm_BT[..., None] * at(tp_ext, i) * logp) / (b * mean_len)
-            hit = (jnp.argmax(logits_BTC, axis=-1) == at(tp_top_ext, i)).astype(f32)
-            correct = jax.lax.stop_gradient(jnp.sum(hit * pm_BT))
-            denom = jnp.sum(lm_BT)
-            # the draft's inputs at step i are the true tokens, which a decoded chain only sees
-            # while every earlier draft was right: so a chain from t accepts step i exactly when
-            # steps 0..i all hit (the TTT attention is the decoding one; see the docstring)
-            streak_BT = jax.lax.stop_gradient(streak_BT * hit * pm_BT)
-            out = {
-                "ploss": ploss,
-                "correct": correct,
-                "denom": denom,
-                "chain_correct": jnp.sum(streak_BT),
-                "pcount": jax.lax.stop_gradient(jnp.sum(pm_BT)),
-            }
-            if per_position:  # validation only: the training step carries it unchanged
-                ok_BT = at(in_draft_ext, i).astype(f32) * at(valid_next_ext, i) * start_ok_BT
-                run_BT = jax.lax.stop_gradient(run_BT * hit * ok_BT)
-                out["run"] = run_BT
-            if feature_loss:
-                fm_BT = lm_BT * at(has_next_ext, i)
-                diff = h_new.astype(f32) - at(th_ext, i)
-                ad = jnp.abs(diff)
-                sl1 = jnp.where(ad < 1.0, 0.5 * diff * diff, ad - 0.5)  # torch SmoothL1, beta 1
-                out["vloss"] = jnp.sum(sl1.mean(-1) * fm_BT) / (jnp.sum(fm_BT) + VLOSS_EPS)
-            if speculator:
-                normed = rms_norm(h_new, dparams["final_norm"], dcfg.rms_norm_eps)
-                s_BTV = speculator_logits(dparams, normed).astype(f32)
-                slogp = jax.nn.log_softmax(s_BTV, axis=-1)
-                out["sloss"] = -jnp.sum(pm_BT[..., None] * at(tp_ext, i) * slogp) / (b * mean_len)
-                shit = (jnp.argmax(s_BTV, axis=-1) == at(tp_top_ext, i)).astype(f32)
-                out["scorrect"] = jax.lax.stop_gradient(jnp.sum(shit * pm_BT))
-        return (h_new, k_JBTGK, v_JBTGK, streak_BT, run_BT), out
-
-    if remat:
-        body = jax.checkpoint(body)
-    _, per_step = jax.lax.scan(body, carry0, jnp.arange(steps, dtype=jnp.int32))
-
+def _totals(per_step, steps: int, decay, positions: int, feature_loss_weight: float,
+            speculator_loss_weight: float, opts: _LossOptions):  # fmt: skip
+    """(loss, metrics) from the per-step outputs of the scan ([steps] each); `positions` is
+    B * mean_len, what ploss is divided by."""
+    f32 = jnp.float32
     weights = jnp.power(jnp.asarray(decay, f32), jnp.arange(steps, dtype=f32))
     step_loss = per_step["ploss"]
-    if feature_loss:
+    if opts.feature_loss:
         step_loss = step_loss + feature_loss_weight * per_step["vloss"]
-    if speculator:
+    if opts.speculator:
         step_loss = step_loss + speculator_loss_weight * per_step["sloss"]
     loss = jnp.sum(weights * step_loss)
     metrics = dict(per_step)
-    if per_position:  # a streak's length: the steps in a row, from step 0, its chain was alive
+    if opts.per_position:  # a streak's length: the steps in a row, from step 0, its chain was alive
         metrics["streak"] = metrics.pop("run").sum(axis=0)
     metrics["acc"] = per_step["correct"] / (per_step["denom"] + ACC_EPS)
     # chain_i: of the chains that could start (positions supervised at step 0), the share whose
@@ -372,10 +436,10 @@ def ttt_loss(
     metrics["ploss"] = jax.lax.stop_gradient(per_step["ploss"])
     # cross-entropy per supervised position: ploss is scaled by B * mean_len so that padding
     # leaves it unchanged, hence it grows with a batch's supervised tokens; xent does not
-    metrics["xent"] = metrics["ploss"] * (b * mean_len) / (per_step["pcount"] + ACC_EPS)
-    if feature_loss:
+    metrics["xent"] = metrics["ploss"] * positions / (per_step["pcount"] + ACC_EPS)
+    if opts.feature_loss:
         metrics["vloss"] = jax.lax.stop_gradient(per_step["vloss"])
-    if speculator:
+    if opts.speculator:
         metrics["sloss"] = jax.lax.stop_gradient(per_step["sloss"])
         metrics["sacc"] = per_step["scorrect"] / (per_step["denom"] + ACC_EPS)
     return loss, metrics
