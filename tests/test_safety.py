@@ -246,3 +246,31 @@ def test_training_never_writes_into_a_users_folder(tiny_target_dir, tmp_path):
     with pytest.raises(Eagle3Error, match="not a training run"):
         train(tc, progress=False)
     assert sorted(p.name for p in mine.iterdir()) == ["chapter1.tex"]
+
+
+def test_a_second_feature_precompute_is_refused_naming_the_holder(tmp_path, capsys):
+    """`train --precompute-features` holds a lock beside its features_dir: a second one into the
+    same store gets one line naming the holder's pid, exit 2, before any work; the lock never
+    sits inside the store's folder (a user's empty folder there stays empty)."""
+    import os
+    from pathlib import Path
+
+    from eagle3_jax.cli import train as train_cli
+    from eagle3_jax.training.loop import store_lock
+
+    root = Path(__file__).resolve().parents[1]
+    feats, run = tmp_path / "feats", tmp_path / "run"
+    feats.mkdir()
+    argv = ["--config", str(root / "configs/tiny.py"), "--precompute-features", "--no-progress",
+            f"--config.features_dir={feats}", f"--config.out_dir={run}"]  # fmt: skip
+    with store_lock(feats):
+        assert train_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert (
+        f"features_dir {feats} is being precomputed by another process (pid {os.getpid()})" in err
+    )
+    assert list(feats.iterdir()) == [] and not run.exists()
+    assert (tmp_path / ".feats.process0.lock").is_file()  # one per process of a run
+    with store_lock(feats):  # released with its holder
+        pass

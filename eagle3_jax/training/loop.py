@@ -4,6 +4,7 @@ format. Every stage's output lands in `out_dir`, so an interrupted run resumes w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -11,6 +12,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -216,24 +218,45 @@ def prepare_vocab(tc: TrainConfig, ds, vocab_size: int, out: Path):
 
 
 def precompute_features(tc: TrainConfig, progress: bool = True) -> Path:
-    """Data preparation + the target's features of every record, written to features_dir."""
+    """Data preparation + the target's features of every record, written to features_dir. A
+    second precompute into the same features_dir is refused while this one runs."""
 
     store = tc.store
     if not store.features_dir:
         raise Eagle3Error("set --config.features_dir=DIR for the precomputed features")
-    out = Path(tc.run.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    target = load_target(tc.corpus.target, dtype=DTYPES[tc.compute.param_dtype])
-    ds = prepare_data(tc, target, out)
-    layers = store.feature_layers or tc.head.aux_layer_ids
-    return features.precompute(
-        target,
-        ds,
-        tuple(layers or target.cfg.default_aux_layer_ids()),
-        store.features_dir,
-        progress=progress,
-        dtype=store.feature_dtype,
-    )
+    with store_lock(Path(store.features_dir)):
+        out = Path(tc.run.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        target = load_target(tc.corpus.target, dtype=DTYPES[tc.compute.param_dtype])
+        ds = prepare_data(tc, target, out)
+        layers = store.feature_layers or tc.head.aux_layer_ids
+        return features.precompute(
+            target,
+            ds,
+            tuple(layers or target.cfg.default_aux_layer_ids()),
+            store.features_dir,
+            progress=progress,
+            dtype=store.feature_dtype,
+        )
+
+
+@contextlib.contextmanager
+def store_lock(path: Path) -> Iterator[None]:
+    """`exclusive` on a feature store, one lock per process of a run (as out_dir's: the processes
+    of one run share the store), held in a dot-file beside the store (`.NAME.process0.lock`),
+    never inside: the store is built in a sibling and renamed into place, and a folder already at
+    that path (empty, or a user's, which the precompute refuses) is left exactly as it was."""
+    beside = path.parent / f".{path.name}.process{jax.process_index()}"  # exclusive adds .lock
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(exclusive(beside, "features_dir"))
+        except Eagle3Error:  # named by the store, not by its lock file
+            holder = beside.with_name(beside.name + ".lock").read_text().strip() or "unknown"
+            raise Eagle3Error(
+                f"features_dir {path} is being precomputed by another process (pid {holder}): "
+                "wait for it to finish, or choose another features_dir"
+            ) from None
+        yield
 
 
 def keep_vocab_of(path: str, tcfg, out: Path) -> None:
