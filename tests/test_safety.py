@@ -248,6 +248,41 @@ def test_training_never_writes_into_a_users_folder(tiny_target_dir, tmp_path):
     assert sorted(p.name for p in mine.iterdir()) == ["chapter1.tex"]
 
 
+@pytest.mark.parametrize(
+    "record, field, said",
+    [
+        ({"question_id": 1, "turns": "a single string"}, "turns", "is a string; give a list"),
+        ({"question_id": 1, "turns": ["fine", 7]}, "turns", "item 1 is an integer"),
+        ({"question_id": 1, "turns": ["fine"], "category": ["writing"]}, "category", "is a list"),
+        ({"question_id": 1, "question": {"text": "x"}}, "question", "is an object"),
+        ({"question_id": 1, "prompt": 42}, "prompt", "is an integer; give a string"),
+        ({"question_id": True, "turns": ["fine"]}, "question_id", "true/false"),
+    ],
+)
+def test_question_fields_of_the_wrong_type_are_one_line(tmp_path, capsys, record, field, said):
+    """A question file's record whose field has the wrong JSON type is refused before any work:
+    one line naming the file, the line and record number, and the field; exit 2."""
+    import json
+
+    from eagle3_jax.cli import eval as eval_cli
+    from eagle3_jax.evaluation.questions import read_questions
+
+    path = tmp_path / "questions.jsonl"
+    good = {"question_id": 0, "category": "qa", "turns": ["w5 w6"]}
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps(record) + "\n")
+    with pytest.raises(Eagle3Error, match=rf"questions.jsonl:3 \(record 2\): field `{field}`"):
+        read_questions(path)
+    out = tmp_path / "eval"
+    argv = ["--bench", str(path), "--target", str(tmp_path / "absent"), "--out", str(out)]
+    assert eval_cli.main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and str(path) in err and f"`{field}`" in err and said in err
+    assert not out.exists()
+    # the same fields with their types are read: a `prompt` is a one-turn question
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"id": "p", "prompt": "w7"}) + "\n")
+    assert [q.turns for q in read_questions(path)] == [("w5 w6",), ("w7",)]
+
+
 def test_a_second_feature_precompute_is_refused_naming_the_holder(tmp_path, capsys):
     """`train --precompute-features` holds a lock beside its features_dir: a second one into the
     same store gets one line naming the holder's pid, exit 2, before any work; the lock never

@@ -38,12 +38,50 @@ def task_of(category: str | None) -> str:
     return "mt_bench" if category in MT_BENCH_CATEGORIES else category
 
 
+# the fields a question record may hold, and the JSON types each takes (a wrong one is refused,
+# naming the file, the record and the field, never turned into a question by str())
+FIELD_TYPES = {
+    "turns": (list,),
+    "question": (str,),  # GSM8K: one turn
+    "prompt": (str,),  # one turn, as decode.py's prompt files write it
+    "category": (str,),
+    "question_id": (str, int),
+    "id": (str, int),
+}
+_JSON_NAMES = {str: "a string", int: "an integer", list: "a list", dict: "an object",
+               bool: "true/false", float: "a number"}  # fmt: skip
+
+
+def _json_type(value) -> str:
+    return _JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def check_fields(rec: dict, where: str) -> None:
+    """Each known field of a record has its type (None counts as absent); `where` names the file,
+    the line and the record."""
+    for name, types in FIELD_TYPES.items():
+        value = rec.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, types):
+            want = " or ".join(_JSON_NAMES[t] for t in types)
+            raise Eagle3Error(f"{where}: field `{name}` is {_json_type(value)}; give {want}")
+    for k, turn in enumerate(rec.get("turns") or []):
+        if not isinstance(turn, str):
+            raise Eagle3Error(
+                f"{where}: field `turns` item {k} is {_json_type(turn)}; give a list of strings"
+            )
+
+
 def parse_record(rec: dict, n: int, where: str, default_task: str | None = None) -> Question:
-    """A FastChat (`turns`) or GSM8K (`question`) JSON record -> Question."""
+    """A FastChat (`turns`) or GSM8K (`question`) JSON record, or one `prompt`, -> Question.
+    `n` is its line, `where` the file (and record) named by a refusal."""
+    check_fields(rec, f"{where}:{n}")
     turns = rec.get("turns")
-    if turns is None and rec.get("question") is not None:
-        turns = [rec["question"]]
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+    for single in ("question", "prompt"):
+        if turns is None and rec.get(single) is not None:
+            turns = [rec[single]]
+    if not turns:
         raise Eagle3Error(f"{where}:{n} has no `turns` list of strings (or `question` string)")
     if not all(t.strip() for t in turns):
         raise Eagle3Error(f"{where}:{n} has an empty turn")
@@ -69,6 +107,7 @@ def read_questions(path: str | Path, default_task: str | None = None) -> list[Qu
             raise Eagle3Error(f"{path}:{n} is not valid JSON: {e}") from e
         if not isinstance(rec, dict):
             raise Eagle3Error(f"{path}:{n} is not a JSON object")
+        check_fields(rec, f"{path}:{n} (record {len(out) + 1})")
         out.append(parse_record(rec, n, str(path), default_task))
     if not out:
         raise Eagle3Error(f"question file {path} holds no questions")
