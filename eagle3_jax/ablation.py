@@ -10,7 +10,8 @@ draft_vocab_size, ...). `run_ablation`:
      for cells of one batch size)
      (offline features; resumes a cell interrupted mid-run, skips a finished one);
   3. evaluates each head with the harness (tau only, no vanilla) on the same questions and tree;
-  4. writes OUT/results.json, OUT/report.md, OUT/tau_per_cell.png and OUT/acc_by_ttt_step.png.
+  4. writes OUT/results.json, OUT/report.md, OUT/tau_per_cell.png and OUT/acc_by_ttt_step.png,
+     again as each cell finishes (a partial report names the cells still to come).
 Every stage is resumable: rerunning the same command continues where it stopped.
 """
 
@@ -310,8 +311,24 @@ def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
         f"features ready ({time.perf_counter() - t0:.0f}s): layers {list(layers)}", file=sys.stderr
     )
 
-    # 2 + 3. each cell: train (resumable), then evaluate (resumable)
+    # 2 + 3. each cell: train (resumable), then evaluate (resumable); the results so far are
+    # written as each cell finishes, so a grid stopped or failed midway keeps what it finished
     rows = []
+    result = {
+        "config": {
+            "bench": ac.bench,
+            "questions": ac.questions,
+            "max_new_tokens": ac.max_new_tokens,
+            "tree": list(ac.tree),
+            "acc_window": ac.acc_window,
+            "acc_records": ac.acc_records,
+            "evaluate": ac.evaluate,
+            "feature_layers": list(layers),
+            "base": ac.base.record(),
+        },
+        "planned": [cell.name for cell, _, _ in plan],
+        "cells": rows,
+    }
     for cell, tc, state in plan:
         cdir = Path(tc.run.out_dir)
         cdir.mkdir(parents=True, exist_ok=True)
@@ -352,21 +369,7 @@ def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
                 cell, tc, cdir, summary, state["train_wall_s"], tcfg, ac.acc_window, ac.acc_span(tc)
             )
         )
-    result = {
-        "config": {
-            "bench": ac.bench,
-            "questions": ac.questions,
-            "max_new_tokens": ac.max_new_tokens,
-            "tree": list(ac.tree),
-            "acc_window": ac.acc_window,
-            "acc_records": ac.acc_records,
-            "evaluate": ac.evaluate,
-            "feature_layers": list(layers),
-            "base": ac.base.record(),
-        },
-        "cells": rows,
-    }
-    write_outputs(out, result)
+        write_outputs(out, result)
     return result
 
 
@@ -411,13 +414,29 @@ def _f(x, digits=2):
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def missing_cells(result: dict) -> list[str]:
+    """The planned cells a (partial) result does not hold yet, in grid order."""
+    done = {r["cell"] for r in result["cells"]}
+    return [c for c in result.get("planned", []) if c not in done]
+
+
 def report_markdown(result: dict) -> str:
     cfg, rows = result["config"], result["cells"]
+    missing = missing_cells(result)
     tasks = list(dict.fromkeys(t for r in rows for t in r["tau_by_task"]))
     steps = max((len(r["final_acc"]) for r in rows), default=0)
     lines = [
         "# Ablation",
         "",
+        *(
+            [
+                f"**Partial:** {len(rows)} of {len(rows) + len(missing)} cells finished; still to "
+                f"come: {', '.join(missing)} (rerun the same command to continue).",
+                "",
+            ]
+            if missing
+            else []
+        ),
         f"Every cell trained from the same precomputed features (layers {cfg['feature_layers']}), "
         f"records, seed and step budget (in one order per batch size); "
         + (
@@ -511,8 +530,9 @@ def write_outputs(out: Path, result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (out / "results.json").write_text(json.dumps(strict_json(result), indent=1) + "\n")
-    (out / "report.md").write_text(report_markdown(result))
+    # rewritten as each cell finishes: a kill mid-write leaves the previous complete files
+    write_text_atomic(out / "results.json", json.dumps(strict_json(result), indent=1) + "\n")
+    write_text_atomic(out / "report.md", report_markdown(result))
     rows = result["cells"]
     fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows) + 2), 4))
     ax.bar(range(len(rows)), [r["tau"] or 0 for r in rows])  # 0: a cell not evaluated

@@ -219,3 +219,49 @@ def test_a_cell_trained_under_another_config_is_refused(tmp_path):
     check_cell_config(cell, tmp_path, {}, tc)
     with pytest.raises(Eagle3Error, match=r"\(max_steps\)"):
         check_cell_config(cell, tmp_path, {}, tc.replace(max_steps=160))
+
+
+def test_results_are_written_as_cells_finish(tiny_target_dir, tmp_path, monkeypatch):
+    """A grid stopped after its first cell keeps that cell's row in results.json and a report
+    marked partial, naming the cells still to come; the complete grid's report is not marked."""
+    import eagle3_jax.ablation as abl
+
+    ac = abl.load_ablation(ROOT / "configs/ablate_tiny.py")
+    ac = dataclasses.replace(
+        ac, out_dir=str(tmp_path / "g"), evaluate=False,
+        base=ac.base.replace(target=str(tiny_target_dir)),
+    )  # fmt: skip
+    out = tmp_path / "g"
+
+    def precompute(tc, progress=True):
+        Path(tc.run.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(tc.run.out_dir) / "dataset.npz").write_bytes(b"")
+
+    def train(tc, resume=False, progress=True):
+        if Path(tc.run.out_dir).name == "top_layer_only":
+            raise Eagle3Error("stopped")
+        (Path(tc.run.out_dir) / "head").mkdir()
+        (Path(tc.run.out_dir) / "head/config.json").write_text("{}")
+
+    def row(cell, tc, *args):
+        return {"cell": cell.name, "aux_layer_ids": [1], "fc_input_width": 64, "ttt_steps": 3,
+                "feature_loss_weight": 0.0, "draft_vocab_size": 64, "tau": None,
+                "tau_by_task": {}, "final_acc": [0.5, 0.2, 0.1], "train_wall_s": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(abl, "precompute_features", precompute)
+    monkeypatch.setattr(abl, "train", train)
+    monkeypatch.setattr(abl, "cell_row", row)
+    with pytest.raises(Eagle3Error, match="stopped"):
+        abl.run_ablation(ac, progress=False)
+    res = json.loads((out / "results.json").read_text())
+    assert [r["cell"] for r in res["cells"]] == ["default"]
+    assert res["planned"] == ["default", "top_layer_only"]
+    report = (out / "report.md").read_text()
+    assert "**Partial:** 1 of 2 cells finished; still to come: top_layer_only" in report
+    assert "| default |" in report and (out / "tau_per_cell.png").is_file()
+    (out / "cells/top_layer_only/head").mkdir()  # that cell trained since: the grid completes
+    (out / "cells/top_layer_only/head/config.json").write_text("{}")
+    abl.run_ablation(ac, progress=False)
+    res = json.loads((out / "results.json").read_text())
+    assert [r["cell"] for r in res["cells"]] == ["default", "top_layer_only"]
+    assert "Partial" not in (out / "report.md").read_text()
