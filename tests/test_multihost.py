@@ -355,6 +355,72 @@ def test_the_harness_on_two_processes_equals_one(tiny_target_dir, tmp_path, monk
     ]
 
 
+@pytest.mark.slow  # ~2-3 min on 2 busy cores
+def test_training_with_regeneration_on_two_processes_equals_one(tiny_target_dir, tmp_path):
+    """train with regenerate=True on 2 processes: the processes answer the prompts together
+    (split, merged by process 0) before process 0 tokenises them, and the answers and the
+    losses equal one process's."""
+    from eagle3_jax.training.config import load_config
+    from eagle3_jax.training.loop import train
+
+    overrides = [
+        f"--config.target={tiny_target_dir}",
+        f"--config.data={_conversations(tmp_path / 'data.json', 12, 0)}",
+        "--config.regenerate=True", "--config.regen_max_new_tokens=6",
+        "--config.regen_batch_size=2", "--config.max_steps=4",
+        "--config.mesh_data=2", "--config.mesh_model=2",
+    ]  # fmt: skip
+    one, two, logs = tmp_path / "one", tmp_path / "two", tmp_path / "regen.log"
+    args = ["--config=configs/tiny.py", "--no-progress", *overrides]
+    procs = _launch(CLI_WORKER, _train_args(args, two), logs)
+    one_run = load_config(ROOT / "configs/tiny.py", [*overrides, f"--config.out_dir={one}"])
+    train(one_run, progress=False)
+    _wait(procs, logs)
+    got = (two / "regenerated.jsonl").read_bytes()
+    assert got == (one / "regenerated.jsonl").read_bytes() and got.count(b"\n") == 12
+    assert not list(two.glob("regenerated.jsonl.part*"))
+    a, b = _lines(two / "metrics.jsonl"), _lines(one / "metrics.jsonl")
+    assert [m["step"] for m in a] == [1, 2, 3, 4]
+    np.testing.assert_allclose([m["loss"] for m in a], [m["loss"] for m in b], rtol=1e-5)
+
+
+@pytest.mark.slow  # ~60-80 s on 2 busy cores
+def test_train_precompute_features_on_two_processes_equals_one(tiny_target_dir, tmp_path):
+    """`train --precompute-features` with regenerate=True on 2 processes: the answers
+    (regenerated.jsonl), the token dataset and the feature store equal one process's."""
+    from eagle3_jax.cli import main
+    from eagle3_jax.data import dataset as dsm
+    from eagle3_jax.training.features import OfflineFeatures
+
+    args = [
+        "train", "--precompute-features", "--config=configs/tiny.py", "--no-progress",
+        f"--config.target={tiny_target_dir}",
+        f"--config.data={_conversations(tmp_path / 'data.json', 9, 0)}",
+        "--config.regenerate=True", "--config.regen_max_new_tokens=6",
+        "--config.regen_batch_size=2", "--config.feature_dtype=bfloat16",
+    ]  # fmt: skip
+    runs = {n: (tmp_path / n, tmp_path / f"{n}_features") for n in ("one", "two")}
+    where = lambda n: [f"--config.out_dir={runs[n][0]}", f"--config.features_dir={runs[n][1]}"]  # noqa: E731
+    logs = tmp_path / "pre.log"
+    procs = _launch(CLI_WORKER, [*args, *where("two")], logs)
+    assert main([*args, *where("one")]) == 0
+    _wait(procs, logs)
+    (one, fone), (two, ftwo) = runs["one"], runs["two"]
+    got = (two / "regenerated.jsonl").read_bytes()
+    assert got == (one / "regenerated.jsonl").read_bytes() and got.count(b"\n") == 9
+    a, b = dsm.load(two / "dataset.npz"), dsm.load(one / "dataset.npz")
+    np.testing.assert_array_equal(a.input_ids, b.input_ids)
+    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+    layers = tuple(json.loads((fone / "features.json").read_text())["layers"])
+    rows = np.arange(b.num_records)
+    x, y = (
+        OfflineFeatures(ftwo, a, layers).batch(rows),
+        OfflineFeatures(fone, b, layers).batch(rows),
+    )
+    for k in y:
+        np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
 def test_a_feature_store_named_by_the_earlier_target_hash_is_reused_not_rebuilt(
     tiny_target_dir, tmp_path, monkeypatch
 ):

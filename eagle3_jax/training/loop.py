@@ -424,9 +424,9 @@ def config_changes(saved: dict, tc: TrainConfig) -> list[str]:
     return differing_keys(flatten(saved), flatten(tc.record(RESUMABLE)))
 
 
-def _mesh_for(tc: TrainConfig, out: Path):
+def _mesh_for(tc: TrainConfig):
     """The (data, model) mesh of the run (None on one device), refused where processes could not
-    share it: a mesh short of the cluster's devices, or answers still to regenerate."""
+    share it: a mesh short of the cluster's devices."""
     cp = tc.compute
     n_dev = cp.mesh_data * cp.mesh_model
     if jax.process_count() > 1:
@@ -434,11 +434,6 @@ def _mesh_for(tc: TrainConfig, out: Path):
             raise Eagle3Error(
                 f"mesh {cp.mesh_data}x{cp.mesh_model} in a run of {jax.process_count()} "
                 f"processes: set mesh_data x mesh_model to all {jax.device_count()} devices"
-            )
-        if tc.corpus.regenerate and not (out / "dataset.npz").exists():
-            raise Eagle3Error(
-                "regenerate=True in a multi-process run: answer the prompts first (`python -m "
-                "eagle3_jax regenerate`), then train on its output with --config.regenerate=False"
             )
     return make_mesh(cp.mesh_data, cp.mesh_model) if n_dev > 1 else None
 
@@ -527,7 +522,12 @@ def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None
             "--resume to continue that run, or choose another out_dir"
         )
     check_run_config(tc, out, resuming=ckpt.latest_step() is not None)
-    mesh = _mesh_for(tc, out)
+    mesh = _mesh_for(tc)
+    if jax.process_count() > 1 and tc.corpus.regenerate and not (out / "dataset.npz").exists():
+        # the answers first, by every process together: regeneration deals the prompts out, each
+        # process answering with a target on its own devices (the mesh's target below needs all
+        # processes in every step), and process 0 merges them; _prepare_all then reads them
+        prepare_data(tc, load_target(tc.corpus.target, dtype=DTYPES[tc.compute.param_dtype]), out)
     target = load_target(tc.corpus.target, dtype=DTYPES[tc.compute.param_dtype], mesh=mesh)
     ds, val, vocab = _prepare_all(tc, target, out)
     dcfg = draft_config(tc, target.cfg, vocab)
