@@ -421,6 +421,60 @@ def test_train_precompute_features_on_two_processes_equals_one(tiny_target_dir, 
         np.testing.assert_array_equal(x[k], y[k], err_msg=k)
 
 
+FAIL_WORKER = """
+import sys
+from pathlib import Path
+import jax
+from eagle3_jax import distributed
+assert distributed.initialize() and jax.process_count() == 2
+from eagle3_jax.checkpoints import load_target
+from eagle3_jax.data import regenerate as regen
+from eagle3_jax.data.conversations import first_user_turns, read_conversations
+from eagle3_jax.errors import Eagle3Error
+
+target, prompts = load_target(sys.argv[1]), first_user_turns(read_conversations(sys.argv[2])[0])
+if jax.process_index() == 1:  # its first batch fails
+    def broken(*a, **k):
+        raise Eagle3Error("disk full")
+    regen._answer = broken
+try:
+    regen.regenerate(target, prompts, Path(sys.argv[3]), max_new_tokens=6, batch_size=2,
+                     progress=False)
+except Eagle3Error as e:
+    print("stopped:", e)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.slow  # ~30-60 s on 2 busy cores
+def test_a_process_that_fails_stops_the_other_and_its_work_is_resumed(tiny_target_dir, tmp_path):
+    """Process 1 fails in its first batch: it exits with its error, process 0 answers its own
+    batches and then stops naming process 1 (no hang); a resumed run (here one process) folds
+    process 0's shard in, answers the rest, and holds an uninterrupted run's records."""
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.data.conversations import first_user_turns, read_conversations
+    from eagle3_jax.data.regenerate import regenerate, shard_path
+
+    data = _conversations(tmp_path / "prompts.json", 7, 3)
+    out, logs = tmp_path / "answers.jsonl", tmp_path / "fail.log"
+    procs = _launch(FAIL_WORKER, [str(tiny_target_dir), str(data), str(out)], logs)
+    for p in procs:
+        p.wait(timeout=300)
+    text = [Path(f"{logs}.{i}").read_text() for i in range(PROCESSES)]
+    assert [p.returncode for p in procs] == [3, 3], text
+    assert "stopped: process 1 stopped: disk full" in text[0] and "stopped: disk full" in text[1]
+    assert len(_lines(shard_path(out, 0, 2))) == 4  # batches 0 and 2 of 4, kept
+    assert not out.exists()  # nothing merged
+    target = load_target(str(tiny_target_dir))
+    prompts = first_user_turns(read_conversations(data)[0])
+    stats = regenerate(target, prompts, out, max_new_tokens=6, batch_size=2, progress=False)
+    assert (stats.resumed, stats.answered) == (4, 3)
+    ref = tmp_path / "ref.jsonl"
+    regenerate(target, prompts, ref, max_new_tokens=6, batch_size=2, progress=False)
+    assert sorted(out.read_text().splitlines()) == sorted(ref.read_text().splitlines())
+    assert not list(tmp_path.glob("answers.jsonl.part*"))
+
+
 def test_a_feature_store_named_by_the_earlier_target_hash_is_reused_not_rebuilt(
     tiny_target_dir, tmp_path, monkeypatch
 ):
