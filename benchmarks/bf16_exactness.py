@@ -38,8 +38,7 @@ from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
 from eagle3_jax.config import default_tree
-from eagle3_jax.decoding import plain
-from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.evaluation.metrics import common_prefix
 from eagle3_jax.evaluation.questions import load_questions
@@ -141,15 +140,10 @@ def main() -> int:
         verify[name] = verify_against_steps(target)
         for q in qs:
             ids = [encode_chat(target.tokenizer, [{"role": "user", "content": q.turns[0]}], True)]
-            run = dict(pad_id=target.cfg.pad_token_id or 0)
             a = answers[q.id]
-            a[f"plain_{name}"] = plain.generate(
-                target.params, target.cfg, ids, args.new, Sampling(), 0, **run
-            ).rows()[0]["output_ids"]
-            a[f"speculative_{name}"] = spec.generate(
-                target.params, target.cfg, *head[:3], ids, args.new, tree, Sampling(), 0,
-                embed=head[3], **run,
-            ).rows()[0]["output_ids"]  # fmt: skip
+            for method, m in (("plain", "vanilla"), ("speculative", "eagle3")):
+                opts = DecodeOptions(m, args.new, tree, Sampling(), 0)
+                a[f"{method}_{name}"] = generate_ids(target, head, ids, opts).output_ids[0]
             print(f"  {name} question {q.id} ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
 
     print(f"\n1. One verification of 4 tokens against 4 decode steps ({TEXT[:30]}...)\n")

@@ -111,15 +111,15 @@ def end_to_end(target, packed, args) -> list[dict]:
     head, each with the target's products by XLA and by the kernel: compiled, then `reps` (at
     most 3) alternating timed runs; medians. `dense` is patched by the caller."""
     from eagle3_jax.checkpoints.heads import load_head
-    from eagle3_jax.decoding import plain
-    from eagle3_jax.decoding import speculative as spec
+    from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
     from eagle3_jax.evaluation.questions import load_questions
     from eagle3_jax.heads import default_head
     from eagle3_jax.prompts import encode_chat
 
-    dparams, dcfg, vocab, embed = load_head(default_head(), target, draft_vocab="auto")
+    head = load_head(default_head(), target, draft_vocab="auto")
     f = [float(x) for x in args.tree.split(",")]
     tree = TreeConfig(int(f[0]), int(f[1]), int(f[2]), f[3] if len(f) > 3 else 0.0)
+    plain_opts, spec_opts = (DecodeOptions(m, args.new, tree) for m in ("vanilla", "eagle3"))
     questions = load_questions("mt_bench")
     print(f"\nMT-bench first turns, {args.new} new tokens, tree {args.tree}; ms per token")
     print(
@@ -131,10 +131,9 @@ def end_to_end(target, packed, args) -> list[dict]:
         ids = [encode_chat(target.tokenizer, [{"role": "user", "content": questions[q].turns[0]}])]
         runs = {}
         for name, p in (("xla", target.params), ("kernel", packed)):
-            runs[f"plain_{name}"] = lambda p=p: plain.generate(p, target.cfg, ids, args.new)
-            runs[f"spec_{name}"] = lambda p=p: spec.generate(
-                p, target.cfg, dparams, dcfg, vocab, ids, args.new, tree, embed=embed
-            )
+            t = target._replace(params=p)
+            runs[f"plain_{name}"] = lambda t=t: generate_ids(t, None, ids, plain_opts)
+            runs[f"spec_{name}"] = lambda t=t: generate_ids(t, head, ids, spec_opts)
         first = {k: fn() for k, fn in runs.items()}  # compiles
         outs = {k: list(r.output_ids[0]) for k, r in first.items()}
         walls: dict[str, list[float]] = {k: [] for k in runs}

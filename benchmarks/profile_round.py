@@ -38,8 +38,8 @@ from eagle3_jax import cpu_tuning  # noqa: E402
 from eagle3_jax.checkpoints import load_target  # noqa: E402
 from eagle3_jax.checkpoints.heads import load_head  # noqa: E402
 from eagle3_jax.config import TreeConfig
-from eagle3_jax.decoding import plain  # noqa: E402
-from eagle3_jax.decoding import speculative as spec  # noqa: E402
+from eagle3_jax.decoding.generate import DecodeOptions, generate_ids  # noqa: E402
+from eagle3_jax.evaluation import metrics  # noqa: E402
 from eagle3_jax.evaluation.questions import load_questions  # noqa: E402
 from eagle3_jax.heads import default_head  # noqa: E402
 from eagle3_jax.paths import cpu_model  # noqa: E402
@@ -91,17 +91,15 @@ def main() -> None:
     # cpu_size on a CPU
     products = cpu_tuning.policy_for()
     target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
-    dparams, dcfg, vocab, embed = load_head(default_head(), target, draft_vocab="auto")
+    head = load_head(default_head(), target, draft_vocab="auto")
     question = load_questions("mt_bench")[args.question]
     ids = [encode_chat(target.tokenizer, [{"role": "user", "content": question.turns[0]}])]
     f = [float(x) for x in args.tree.split(",")]
     tree = TreeConfig(int(f[0]), int(f[1]), int(f[2]), f[3] if len(f) > 3 else 0.0)
 
     runs = {
-        "plain": lambda: plain.generate(target.params, target.cfg, ids, args.new),
-        "speculative": lambda: spec.generate(
-            target.params, target.cfg, dparams, dcfg, vocab, ids, args.new, tree, embed=embed
-        ),
+        name: lambda m=m: generate_ids(target, head, ids, DecodeOptions(m, args.new, tree))
+        for name, m in (("plain", "vanilla"), ("speculative", "eagle3"))
     }
     rows = {}
     for name, fn in runs.items():
@@ -117,7 +115,7 @@ def main() -> None:
         rest = sum(v for k, v in kinds.items() if k not in PRODUCTS)
         rows[name] = {
             "tokens": tokens,
-            "target_forwards": int(res.target_forwards[0]) if name != "plain" else tokens,
+            "target_forwards": int(res.target_forwards[0]),  # plain: one pass per token
             "wall_ms_per_token": 1e3 * sorted(walls)[1] / tokens,
             "traced_wall_ms_per_token": 1e3 * res.wall_time_s / tokens,
             "products_ms_per_token": products / 1e3 / tokens,
@@ -134,7 +132,7 @@ def main() -> None:
     print("products may run on two cores); tau as the harness counts it (prefill left out)")
     print(f"{'':12} {'wall':>7} {'products':>9} {'the rest':>9} {'tau':>5}")
     for name, r in rows.items():
-        tau = spec.tau(r["tokens"], r["target_forwards"]) if name != "plain" else 1.0
+        tau = metrics.tau_of(r["tokens"], r["target_forwards"], no_round=1.0)
         print(
             f"{name:12} {r['wall_ms_per_token']:7.2f} {r['products_ms_per_token']:9.2f} "
             f"{r['rest_ms_per_token']:9.2f} {tau:5.2f}"

@@ -25,8 +25,7 @@ from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
 from eagle3_jax.config import TreeConfig
-from eagle3_jax.decoding import plain
-from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.paths import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,29 +56,20 @@ def main() -> None:
     # as decode.py: this machine's few-row products, the head cut to its vocab_order.json's cpu_size on a CPU
     products = cpu_tuning.policy_for()
     target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
-    dparams, dcfg, vocab, embed = load_head(HEAD, target, draft_vocab="auto")
+    head = load_head(HEAD, target, draft_vocab="auto")
     rng = np.random.default_rng(0)
     prompt = [list(map(int, rng.integers(100, 20000, args.context)))]
     configs = [("vanilla", "vanilla", TreeConfig(1, 1, 2))] + parse(args.configs)
     times: dict[str, list] = {"plain": []}
     for rep in range(args.reps + 1):  # rep 0 compiles
-        res = plain.generate(target.params, target.cfg, prompt, args.new, eos_ids=())
+        plain = DecodeOptions("vanilla", args.new, eos_ids=())
+        res = generate_ids(target, None, prompt, plain)
         if rep:
             times["plain"].append(res.wall_time_s / args.new)
         for label, kind, tree in configs:
-            out = spec.generate(
-                target.params,
-                target.cfg,
-                dparams,
-                dcfg,
-                vocab,
-                prompt,
-                args.new,
-                tree,
-                eos_ids=(),
-                embed=embed,
-                method=kind,
-            )
+            # vanilla here: the root-only round, through the speculative engine
+            opts = DecodeOptions(kind, args.new, tree, eos_ids=(), same_engine=True)
+            out = generate_ids(target, head, prompt, opts)
             rounds = out.target_forwards[0] - 1
             if rep:
                 times.setdefault(label, []).append(

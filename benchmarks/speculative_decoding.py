@@ -24,9 +24,10 @@ import numpy as np
 
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
+from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.config import TreeConfig
-from eagle3_jax.decoding import plain
-from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
+from eagle3_jax.evaluation import metrics
 from eagle3_jax.models import draft as drf
 from eagle3_jax.prompts import encode_chat
 from eagle3_jax.vocab import build_from_counts
@@ -66,29 +67,26 @@ def main() -> None:
     products = cpu_tuning.policy_for()  # as decode.py: this machine's few-row products
     target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
     cfg = target.cfg
-    embed = None
     if args.draft:
         from eagle3_jax.checkpoints.heads import load_head
 
-        dparams, dcfg, vocab, embed = load_head(args.draft, target)
+        head = load_head(args.draft, target)
     else:
         counts = np.random.default_rng(0).integers(1, 1000, cfg.vocab_size)
         vocab = build_from_counts(counts, args.draft_vocab)
         dcfg = drf.DraftConfig.from_target(
             cfg, draft_vocab_size=args.draft_vocab, products=products
         )
-        dparams = drf.init_params(dcfg, jax.random.PRNGKey(0))
+        head = Head(drf.init_params(dcfg, jax.random.PRNGKey(0)), dcfg, vocab)
     prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     n = args.new_tokens
 
     def run(method, tree, ids):
-        if tree is None:
-            r = plain.generate(target.params, cfg, [ids], n)
-            return r.output_ids[0], r.target_forwards, r.wall_time_s, None
-        r = spec.generate(
-            target.params, cfg, dparams, dcfg, vocab, [ids], n, tree, embed=embed, method=method
-        )
-        return r.output_ids[0], r.target_forwards[0], r.wall_time_s, r.accept_hist[0]
+        # no tree: plain decoding's loop; a tree: the speculative engine (vanilla's root alone)
+        opts = DecodeOptions(method, n, tree or TreeConfig(), same_engine=tree is not None)
+        r = generate_ids(target, head, [ids], opts)
+        hist = None if r.accept_hist is None else r.accept_hist[0]
+        return r.output_ids[0], r.target_forwards[0], r.wall_time_s, hist
 
     for _, method, tree in CONFIGS:  # warm-up: compile every program (each prompt-length bucket)
         for ids in prompts:
@@ -122,9 +120,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, method, tree in CONFIGS:
         s = stats[name]
-        rounds = s["forwards"] - len(prompts) * args.reps
-        tau = (s["tokens"] - len(prompts) * args.reps) / max(rounds, 1)
-        alphas = spec.acceptance_rates(s["hist"]) if s["hist"] is not None else []
+        tau = metrics.tau_of(s["tokens"], s["forwards"], len(prompts) * args.reps)
+        alphas = metrics.acceptance_rates(s["hist"]) if s["hist"] is not None else []
         row = {
             "name": name,
             "method": method,

@@ -198,9 +198,11 @@ def spec_state_shardings(state, tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mes
     """A SpecState's layout: both caches over (batch, kv heads), pending K/V likewise, rows over
     data, the key replicated."""
     rest = jax.tree.map(
-        lambda x: _rows(mesh, x), state._replace(tcache=None, dcache=None, pending_kv=None)
+        lambda x: _rows(mesh, x),
+        dataclasses.replace(state, tcache=None, dcache=None, pending_kv=None),
     )
-    return rest._replace(
+    return dataclasses.replace(
+        rest,
         tcache=tgt.cache_sharding(tcfg, mesh, batch),
         dcache=drf.cache_sharding(dcfg, mesh, batch),
         pending_kv=jax.tree.map(lambda x: _new_kv(mesh, x), state.pending_kv),

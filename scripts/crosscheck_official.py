@@ -19,7 +19,7 @@ the output tokens; it prints a table and writes JSON (--out).
 The three prompts at 96-128 new tokens take ~2-3 minutes on a 2-core CPU (both sides, ours
 compiling its round once).
 
-What is compared. Our side: `eagle3_jax.decoding.speculative.stream` (the engine's own round
+What is compared. Our side: `eagle3_jax.decoding.generate.stream_ids` (the engine's own round
 step; it yields the prefill's token, then each round's emitted tokens: the accepted drafts and the
 bonus), float32, the head with all its draft ids (`load_head(..., "full")`: decode.py would cut the
 shipped head to 8,192 ids on a CPU; the official code knows no cut), and every tree node verified
@@ -542,33 +542,25 @@ def run_ours(args, head: Path, prompt_texts: list[tuple[str, str]]):
     from eagle3_jax import compile_cache
     from eagle3_jax.checkpoints import load_target
     from eagle3_jax.checkpoints.heads import load_head
-    from eagle3_jax.decoding.speculative import stream
+    from eagle3_jax.decoding.generate import DecodeOptions, stream_ids
     from eagle3_jax.prompts import encode_chat
 
     compile_cache.enable()
     t0 = time.perf_counter()
     target = load_target(args.target_hf, dtype=jnp.float32)
-    dparams, dcfg, vocab, embed = load_head(str(head), target, jnp.float32, "full")
+    loaded = load_head(str(head), target, jnp.float32, "full")
+    dcfg = loaded.cfg
     print(f"ours: loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     tree = TreeConfig(top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens)
     tree = tree.validate(dcfg.draft_vocab_size)
+    opts = DecodeOptions("eagle3", args.max_new_tokens, tree)
     eos = tuple(target.cfg.eos_token_ids)
     prompts, runs = [], []
     for pid, text in prompt_texts:
         ids = encode_chat(target.tokenizer, [{"role": "user", "content": text}])
         prompts.append({"id": pid, "text": text, "ids": ids})
         chunks, t0 = [], time.perf_counter()
-        for chunk in stream(
-            target.params,
-            target.cfg,
-            dparams,
-            dcfg,
-            vocab,
-            ids,
-            args.max_new_tokens,
-            tree,
-            embed=embed,
-        ):
+        for chunk in stream_ids(target, loaded, ids, opts):
             chunks.append(chunk)
         wall = time.perf_counter() - t0
         tokens = [t for c in chunks for t in c]

@@ -59,22 +59,20 @@ def test_the_shipped_head_speculates_exactly_and_accepts(smollm2, draft_vocab):
     import jax
 
     from eagle3_jax.checkpoints.heads import load_head
-    from eagle3_jax.decoding import speculative
+    from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
     from eagle3_jax.heads import default_head
 
     target, _ = smollm2
-    dparams, dcfg, vocab, embed = load_head(str(default_head()), target, None, draft_vocab)
+    head = load_head(str(default_head()), target, None, draft_vocab)
     cut = draft_vocab == "auto" and jax.default_backend() == "cpu"
-    assert dcfg.draft_vocab_size == (8192 if cut else 16384)
+    assert head.cfg.draft_vocab_size == (8192 if cut else 16384)
     ids = [encode_chat(target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     want = plain.generate(target.params, target.cfg, ids, 48, pad_id=2).output_ids
     tree = TreeConfig(top_k=1, depth=3, total_tokens=4)
-    # summed per row as speculative.tau counts them: the prefill's token and pass left out
+    # summed per row as metrics.tau_of counts them: the prefill's token and pass left out
     new = rounds = 0
     for p, ref in zip(ids, want):
-        got = speculative.generate(
-            target.params, target.cfg, dparams, dcfg, vocab, [p], 48, tree, pad_id=2, embed=embed
-        )
+        got = generate_ids(target, head, [p], DecodeOptions("eagle3", 48, tree, pad_id=2))
         assert got.output_ids[0] == ref
         new, rounds = new + len(ref) - 1, rounds + got.target_forwards[0] - 1
     assert new / rounds > 1.1, new / rounds

@@ -5,17 +5,28 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eagle3_jax.checkpoints import Target
+from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.drafters import eagle3_drafter
+from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.verify import forward_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.vocab import build_from_counts
 
 CHAIN = TreeConfig(top_k=1, depth=4, total_tokens=5)
 TREE = TreeConfig(top_k=3, depth=3, total_tokens=9)
+
+
+def spec_generate(params, cfg, dparams, dcfg, vocab, prompts, new, tree, method="eagle3", **kw):
+    """The speculative engine through the one entry (`generate_ids`), on raw params."""
+    opts = DecodeOptions(method, new, tree, same_engine=True, **kw)
+    return generate_ids(Target(params, cfg, None, None), Head(dparams, dcfg, vocab), prompts, opts)
 
 
 def _prompts(v, lengths, seed=0):
@@ -40,7 +51,7 @@ def test_greedy_output_is_identical_to_plain_decoding(setup, tree, lengths):
     params, cfg, dparams, dcfg, vocab = setup
     prompts = _prompts(cfg.vocab_size, lengths, seed=len(lengths))
     ref = plain.generate(params, cfg, prompts, 40, eos_ids=())
-    out = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 40, tree, eos_ids=())
+    out = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 40, tree, eos_ids=())
     assert out.output_ids == ref.output_ids
     assert out.finish_reasons == ["max_tokens"] * len(lengths)
     for row, n in zip(out.accept_hist, out.target_forwards):
@@ -54,7 +65,7 @@ def test_baselines_in_the_same_engine_are_exact(setup, method):
     base = _prompts(cfg.vocab_size, [6], seed=7)[0]
     prompts = [base * 3, _prompts(cfg.vocab_size, [9], seed=8)[0]]
     ref = plain.generate(params, cfg, prompts, 30, eos_ids=())
-    out = spec.generate(
+    out = spec_generate(
         params,
         cfg,
         None,
@@ -97,7 +108,7 @@ def _oracle_run(params, cfg, prompts, new, tree, noise_every, wrap=lambda d: d):
     for i, r in enumerate(ref.output_ids):
         table[i, : len(r)] = r
     drafter = wrap(_oracle_drafter(noise_every))
-    out = spec.generate(
+    out = spec_generate(
         params,
         cfg,
         {"ref": jnp.asarray(table)},
@@ -137,8 +148,8 @@ def test_adaptive_verification_is_exact_and_verifies_fewer_tokens(setup, tree):
     ref = plain.generate(params, cfg, prompts, 40, eos_ids=())
     adaptive = dataclasses.replace(tree, verify_threshold=0.05)
     assert adaptive.verify_sizes == ((1, 2, 4, 5) if tree.top_k == 1 else (1, 2, 4, 8, 9))
-    full = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 40, tree, eos_ids=())
-    out = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 40, adaptive, eos_ids=())
+    full = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 40, tree, eos_ids=())
+    out = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 40, adaptive, eos_ids=())
     assert out.output_ids == ref.output_ids == full.output_ids
     rounds = [f - 1 for f in out.target_forwards]
     assert full.verified_tokens == [r * tree.total_tokens for r in rounds]
@@ -194,7 +205,7 @@ def test_trees_deeper_than_their_node_count_keep_room_for_the_path(setup):
     for n, new in ((5, 40), (57, 3)):
         prompts = _prompts(cfg.vocab_size, [n], seed=n)
         ref = plain.generate(params, cfg, prompts, new, eos_ids=())
-        out = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, new, tree, eos_ids=())
+        out = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, new, tree, eos_ids=())
         assert out.output_ids == ref.output_ids
 
 
@@ -222,8 +233,8 @@ def test_tree_logits_equal_path_forward(setup):
         Sampling(),
         (),
     )
-    trees, _ = spec.eagle3_drafter(dparams, params["embed"], vocab, state, dcfg, shape, TREE)
-    out = spec.verify(params, trees, state, cfg, dcfg, shape)
+    trees, _ = eagle3_drafter(dparams, params["embed"], vocab, state, dcfg, shape, TREE)
+    out = forward_tree(params, trees, state, cfg, dcfg, shape)
     tokens, parent = np.asarray(trees.tokens[0]), np.asarray(trees.parent[0])
     assert len(set(map(tuple, np.asarray(trees.mask[0]).astype(int)))) == TREE.total_tokens
     for node in range(TREE.total_tokens):
@@ -294,7 +305,7 @@ def test_one_compilation_for_a_whole_generation(setup):
     params, cfg, dparams, dcfg, vocab = setup
     before = spec.decode_loop._cache_size(), spec.prefill._cache_size()
     for n, new in ((4, 20), (13, 33), (30, 50)):  # same prompt / cache / max-new buckets
-        spec.generate(
+        spec_generate(
             params,
             cfg,
             dparams,
@@ -321,9 +332,9 @@ def test_bad_tree_shapes_are_refused(setup):
         (TreeConfig(2, 2, 4, verify_threshold=1.0), "verify threshold 1.0 must be"),
     ]:
         with pytest.raises(Eagle3Error, match=msg):
-            spec.generate(params, cfg, dparams, dcfg, vocab, p, 8, tree)
-    with pytest.raises(Eagle3Error, match="needs a draft head"):
-        spec.generate(params, cfg, None, None, None, p, 8, TREE)
+            spec_generate(params, cfg, dparams, dcfg, vocab, p, 8, tree)
+    with pytest.raises(Eagle3Error, match="needs a head"):
+        spec_generate(params, cfg, None, None, None, p, 8, TREE)
 
 
 def test_eos_stops_a_row_inside_a_round(setup):
@@ -332,7 +343,7 @@ def test_eos_stops_a_row_inside_a_round(setup):
     ref = plain.generate(params, cfg, prompts, 24, eos_ids=())
     eos = ref.output_ids[0][7]
     want = plain.generate(params, cfg, prompts, 24, eos_ids=(eos,))
-    got = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=(eos,))
+    got = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=(eos,))
     assert got.output_ids == want.output_ids and got.finish_reasons == want.finish_reasons
 
 
@@ -347,8 +358,8 @@ def test_sharded_target_gives_the_same_tokens(setup, hf_checkpoint):
     assert len(sharded["layers"][0]["w_gate"].sharding.device_set) == 8
     dsharded = jax.device_put(dparams, replicated(mesh))
     prompts = _prompts(cfg.vocab_size, [6, 11], seed=4)
-    ref = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=())
-    out = spec.generate(sharded, cfg, dsharded, dcfg, vocab, prompts, 24, TREE, eos_ids=())
+    ref = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=())
+    out = spec_generate(sharded, cfg, dsharded, dcfg, vocab, prompts, 24, TREE, eos_ids=())
     assert out.output_ids == ref.output_ids
 
 
@@ -392,8 +403,8 @@ def test_caches_are_laid_out_on_the_target_mesh(setup, hf_checkpoint):
     want = NamedSharding(mesh, P("data", "model", None, None))
     for cache in state.tcache["k"] + state.tcache["v"]:
         assert cache.sharding.is_equivalent_to(want, 4), cache.sharding
-    ref = spec.generate(params, cfg, dparams, dcfg, vocab, prompts, 16, TREE, eos_ids=())
-    out = spec.generate(sharded, cfg, dsharded, dcfg, vocab, prompts, 16, TREE, eos_ids=())
+    ref = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 16, TREE, eos_ids=())
+    out = spec_generate(sharded, cfg, dsharded, dcfg, vocab, prompts, 16, TREE, eos_ids=())
     assert out.output_ids == ref.output_ids
     assert plain.generate(sharded, cfg, prompts, 16, eos_ids=()).output_ids == ref.output_ids
 
@@ -411,12 +422,12 @@ def test_heads_reading_the_target_output_embedding_are_exact(setup, rank):
     dcfg = drf.DraftConfig.from_target(cfg, **kw)
     dparams = drf.init_params(dcfg, jax.random.PRNGKey(5), scale=0.2)
     with pytest.raises(Exception, match="output embedding"):
-        spec.generate(params, cfg, dparams, dcfg, identity(cfg.vocab_size), [[5, 6]], 4, CHAIN)
+        spec_generate(params, cfg, dparams, dcfg, identity(cfg.vocab_size), [[5, 6]], 4, CHAIN)
     dparams = drf.attach_target_head(dparams, dcfg, params, cfg)
     prompts = _prompts(cfg.vocab_size, [5, 12, 9], seed=11)
     ref = plain.generate(params, cfg, prompts, 30, eos_ids=())
     for tree in (CHAIN, TREE):
-        out = spec.generate(
+        out = spec_generate(
             params, cfg, dparams, dcfg, identity(cfg.vocab_size), prompts, 30, tree, eos_ids=()
         )
         assert out.output_ids == ref.output_ids

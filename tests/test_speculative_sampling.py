@@ -7,9 +7,11 @@ import jax
 import numpy as np
 import pytest
 
+from eagle3_jax.checkpoints import Target
+from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.config import TargetConfig, TreeConfig
-from eagle3_jax.decoding import acceptance, plain
-from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding import plain, verify
+from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
@@ -67,9 +69,8 @@ def _run(tiny, sampling, seed, tree=TREE):
     params, cfg, dparams, dcfg, vocab = tiny
     prompts = [[1, 3, 2, 4]] * ROWS
     ref = plain.generate(params, cfg, prompts, 3, sampling, seed=seed, eos_ids=())
-    out = spec.generate(
-        params, cfg, dparams, dcfg, vocab, prompts, 3, tree, sampling, seed=seed + 1, eos_ids=()
-    )
+    opts = DecodeOptions("eagle3", 3, tree, sampling, seed=seed + 1, eos_ids=())
+    out = generate_ids(Target(params, cfg, None, None), Head(dparams, dcfg, vocab), prompts, opts)
     return (
         _pair_counts(ref.output_ids, cfg.vocab_size),
         _pair_counts(out.output_ids, cfg.vocab_size),
@@ -105,12 +106,12 @@ def test_adaptive_verification_keeps_sampling_lossless(tiny):
 @pytest.mark.slow  # ~40-75 s on 2 cores; CI runs it (make test-slow)
 def test_a_broken_rule_is_detected(tiny, monkeypatch):
     """Accepting the first child with probability 1 skews the distribution: the test must see it."""
-    orig = acceptance.sample_accept
+    orig = verify.sample_accept
 
     def broken(tree, logp, key, depth, max_children):
         return orig(tree, logp.at[:, :].set(0.0), key, depth, max_children)  # p(x) = 1 for every x
 
-    monkeypatch.setattr(acceptance, "sample_accept", broken)
+    monkeypatch.setattr(verify, "sample_accept", broken)
     jax.clear_caches()
     try:
         a, b, _ = _run(tiny, Sampling(temperature=1.0), seed=0)

@@ -119,16 +119,16 @@ def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
 
     # replayed from the TTT streaks over the target's own greedy text, chain decoding's rounds
     # are exactly those speculative decoding takes: same tokens, same rounds, row by row
+    from eagle3_jax.checkpoints.heads import Head
     from eagle3_jax.data.dataset import TokenizedDataset
-    from eagle3_jax.decoding import speculative as spec
+    from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 
     # the prompts it was trained on (the head knows their answers: long acceptances)
     prompts = [json.loads(x)["prompt_ids"] for x in regen.read_text().splitlines()[:4]]
     for depth in (1, 2):
         tree = TreeConfig(top_k=1, depth=depth, total_tokens=depth + 1)
-        out = spec.generate(
-            target.params, target.cfg, dparams, dcfg, vocab, prompts, 24, tree, eos_ids=()
-        )
+        opts = DecodeOptions("eagle3", 24, tree, eos_ids=())
+        out = generate_ids(target, Head(dparams, dcfg, vocab), prompts, opts)
         rows = [p + o for p, o in zip(prompts, out.output_ids)]
         ids = np.zeros((len(rows), 40), np.int32)
         mask = np.zeros((len(rows), 40), np.int8)

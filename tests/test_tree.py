@@ -3,7 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.decoding.tree import chain_tree, greedy_accept, prune_tree, select_tree
+from eagle3_jax.decoding.tree import chain_tree, prune_tree, select_tree
+from eagle3_jax.decoding.verify import greedy_accept
 
 
 def _pool():

@@ -10,11 +10,11 @@ import pytest
 from eagle3_jax import vocab as vocab_lib
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
-from eagle3_jax.checkpoints.heads import load_head
+from eagle3_jax.checkpoints.heads import Head, load_head
 from eagle3_jax.cli.vocab import main
 from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain
-from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.vocab.methods import extend_head, top_ids, trim_head
@@ -83,8 +83,8 @@ def test_count_and_trim_end_to_end(target, tiny_target_dir, tmp_path):
         assert {ids["w5"], ids["w6"], ids["w9"], ids["w10"]} <= chosen
         assert set(target.cfg.eos_token_ids) <= chosen  # EOS forced in
         # lossless: the trimmed head decodes exactly what plain decoding does
-        out = spec.generate(target.params, target.cfg, p, c, v, prompts, 24,
-                            TreeConfig(2, 3, 6), eos_ids=())  # fmt: skip
+        opts = DecodeOptions("eagle3", 24, TreeConfig(2, 3, 6), eos_ids=())
+        out = generate_ids(target, Head(p, c, v), prompts, opts)
         assert out.output_ids == ref.output_ids
     bad = np.zeros(7)
     np.save(tmp_path / "bad.npy", bad)
@@ -216,8 +216,8 @@ def test_extend_end_to_end_is_lossless(target, tiny_target_dir, tmp_path, capsys
     assert set(target.cfg.eos_token_ids) <= chosen  # EOS forced in
     prompts = [[50, 51, 50, 52], [40, 41, 12]]
     ref = plain.generate(target.params, target.cfg, prompts, 20, eos_ids=())
-    out = spec.generate(target.params, target.cfg, p, c, v, prompts, 20,
-                        TreeConfig(2, 3, 6), eos_ids=())  # fmt: skip
+    opts = DecodeOptions("eagle3", 20, TreeConfig(2, 3, 6), eos_ids=())
+    out = generate_ids(target, Head(p, c, v), prompts, opts)
     assert out.output_ids == ref.output_ids
     argv[argv.index("--size") + 1] = str(ids.size)
     assert main(argv) == 2  # does not grow: a clear error, exit 2
@@ -323,8 +323,8 @@ def test_vocab_order_cuts_a_head_at_load_to_the_head_it_was_grown_from(
     # the cut head is lossless like any other
     prompts = [[5, 9, 11, 5, 9], [40, 41, 12]]
     ref = plain.generate(target.params, target.cfg, prompts, 16, eos_ids=())
-    out = spec.generate(target.params, target.cfg, *cut[:3], prompts, 16,
-                        TreeConfig(2, 3, 6), eos_ids=())  # fmt: skip
+    opts = DecodeOptions("eagle3", 16, TreeConfig(2, 3, 6), eos_ids=())
+    out = generate_ids(target, Head(*cut[:3]), prompts, opts)
     assert out.output_ids == ref.output_ids
     # trim --size N by the order, no counts: the same file as trimming --like the small head
     for flag, val, out_dir in (("--size", "6", "a"), ("--like", str(small), "b")):

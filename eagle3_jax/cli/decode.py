@@ -21,20 +21,19 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from eagle3_jax import compile_cache, cpu_tuning, distributed
-from eagle3_jax.checkpoints import load_target
+from eagle3_jax.checkpoints import Target, load_target
 from eagle3_jax.checkpoints.atomic import write_text_atomic
-from eagle3_jax.checkpoints.heads import load_head, parse_draft_vocab
+from eagle3_jax.checkpoints.heads import Head, load_head, parse_draft_vocab
 from eagle3_jax.config import default_dtype, default_tree
-from eagle3_jax.decoding import plain
-from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.generate import DecodeOptions, Generation, generate_ids, stream_ids
 from eagle3_jax.decoding.sampling import Sampling
-from eagle3_jax.decoding.speculative import acceptance_rates, tau
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.evaluation.metrics import common_prefix
+from eagle3_jax.evaluation import metrics
 from eagle3_jax.heads import default_head
 from eagle3_jax.prompts import Prompt, encode_chat, read_prompt_file
 from eagle3_jax.sharding import parse_mesh
@@ -112,25 +111,25 @@ def _draft_vocab(args):
     return parse_draft_vocab(getattr(args, "draft_vocab", None) or "auto")
 
 
-def load_draft_for(args, target, mesh=None):
-    """--draft PATH -> (params, cfg, vocab, embed), checked against the target before any compute."""
+def load_draft_for(args, target, mesh=None) -> Head | None:
+    """--draft PATH -> its `Head`, checked against the target before any compute (None for a
+    method that drafts without one)."""
     if args.method != "eagle3":
-        return None, None, None, None
+        return None
     if not args.draft:
         raise Eagle3Error(
             "--method eagle3 needs --draft PATH (an EAGLE-3 head: config.json + "
             "model.safetensors), or use --method vanilla / pld"
         )
 
-    request = _draft_vocab(args)
-    params, cfg, vocab, embed = load_head(
-        args.draft, target, default_dtype(args.dtype), request, mesh
-    )
+    head = load_head(args.draft, target, default_dtype(args.dtype), _draft_vocab(args), mesh)
     if getattr(args, "spec_candidates", None):
-        if not cfg.speculator_rank:
+        if not head.cfg.speculator_rank:
             raise Eagle3Error("--spec-candidates applies to SpecVocab heads only")
-        cfg = dataclasses.replace(cfg, spec_candidates=args.spec_candidates)
-    return params, cfg, vocab, embed
+        head = head._replace(
+            cfg=dataclasses.replace(head.cfg, spec_candidates=args.spec_candidates)
+        )
+    return head
 
 
 def _tree(args):
@@ -163,52 +162,21 @@ def _check_tree(args) -> None:
         ) from None
 
 
-def _run_batch(args, target, draft, ids, sampling, max_context, warmup):
-    """One batch through the chosen method -> (per-row dicts, wall time)."""
-
-    pad = target.cfg.pad_token_id or 0
-    if args.method == "vanilla" and not args.same_engine:
-        res = plain.generate(
-            target.params,
-            target.cfg,
-            ids,
-            args.max_new_tokens,
-            sampling,
-            args.seed,
-            max_context=max_context,
-            pad_id=pad,
-            warmup=warmup,
-        )
-        return res.rows(), res.wall_time_s
-    dparams, dcfg, vocab, embed = draft
-    res = spec.generate(
-        target.params,
-        target.cfg,
-        dparams,
-        dcfg,
-        vocab,
-        ids,
-        args.max_new_tokens,
-        _tree(args),
-        sampling,
-        args.seed,
-        max_context=max_context,
-        pad_id=pad,
-        embed=embed,
-        warmup=warmup,
+def decode_options(args, max_context: int) -> DecodeOptions:
+    """The flags as the one `DecodeOptions` every batch and the chat decode with."""
+    return DecodeOptions(
         method=args.method,
+        max_new_tokens=args.max_new_tokens,
+        tree=_tree(args),
+        sampling=Sampling(args.temperature, args.sample_top_k, args.top_p),
+        seed=args.seed,
+        max_context=max_context,
+        same_engine=args.same_engine,
     )
-    return res.rows(), res.wall_time_s
 
 
-def _as_plain(args):
-    import argparse
-
-    return argparse.Namespace(**{**vars(args), "method": "vanilla", "same_engine": False})
-
-
-def _decode(args) -> int:
-
+def _prompts(args) -> list[Prompt]:
+    """The flags checked (before the slow load) and the prompts they name (none for --chat)."""
     if args.batch_size < 1:
         raise Eagle3Error(f"--batch-size {args.batch_size} < 1")
     if args.timing_runs < 1:
@@ -217,7 +185,7 @@ def _decode(args) -> int:
     if args.compare_plain and (args.method == "vanilla" or args.chat):
         raise Eagle3Error("--compare-plain compares eagle3/pld with plain decoding, not in --chat")
     check_settings(args)
-    sampling = Sampling(args.temperature, args.sample_top_k, args.top_p)
+    Sampling(args.temperature, args.sample_top_k, args.top_p)  # its errors before the load too
     if args.method != "vanilla":
         _check_tree(args)  # shape errors before the (slow) load; Vd is checked later
     if args.method == "eagle3":
@@ -233,15 +201,18 @@ def _decode(args) -> int:
     for p in prompts:
         if not p.text.strip():
             raise Eagle3Error(f"prompt {p.id} is empty: give some text")
+    return prompts
 
+
+def _load(args) -> tuple[Target, Head | None, int]:
+    """The target (with this machine's few-row products), the head, and the context limit."""
     mesh = parse_mesh(getattr(args, "mesh", None))
     t0 = time.perf_counter()
     target = load_target(args.target, dtype=default_dtype(args.dtype), mesh=mesh)
     # this machine's few-row products (measured once per CPU), for the target and so the head
     products = cpu_tuning.policy_for()
     target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
-    draft = load_draft_for(args, target, mesh)
-    tok = target.tokenizer
+    head = load_draft_for(args, target, mesh)
     max_context = args.max_context or target.cfg.max_position_embeddings
     if max_context > target.cfg.max_position_embeddings:
         raise Eagle3Error(
@@ -249,8 +220,8 @@ def _decode(args) -> int:
             f"({target.cfg.max_position_embeddings} positions): give at most that"
         )
     what = ""
-    if draft[0] is not None:
-        vd = draft[1].draft_vocab_size
+    if head is not None:
+        vd = head.cfg.draft_vocab_size
         whole = json.loads((Path(args.draft) / "config.json").read_text()).get("draft_vocab_size")
         cut = (
             f" of its {whole}, --draft-vocab {_draft_vocab(args)}" if whole and whole != vd else ""
@@ -261,93 +232,116 @@ def _decode(args) -> int:
         f"in {time.perf_counter() - t0:.1f}s",
         file=sys.stderr,
     )
-    encode = lambda msgs: encode_chat(tok, msgs, not args.no_chat_template)
+    return target, head, max_context
 
+
+def _decode(args) -> int:
+    prompts = _prompts(args)
+    target, head, max_context = _load(args)
+    opts = decode_options(args, max_context)
+    encode = lambda msgs: encode_chat(target.tokenizer, msgs, not args.no_chat_template)  # noqa
     if args.chat:
-        return _chat(args, target, draft, encode, sampling, max_context)
-
+        return _chat(args, target, head, encode, opts)
     records = []
     for batch in _batches(prompts, args.batch_size):
         ids = [encode(_messages(p.text, args.system)) for p in batch]
-        # --timing-runs N: the batch N times, the methods alternating so they see the same machine;
-        # the median wall time of each (outputs do not change: same seed, same programs)
-        walls, plain_walls, plain_rows = [], [], None
-        for rep in range(args.timing_runs):
-            first = not records and rep == 0
-            rows, wall = _run_batch(
-                args, target, draft, ids, sampling, max_context, warmup=not args.no_warmup and first
-            )
-            walls.append(wall)
-            if args.compare_plain:
-                plain_rows, plain_wall = _run_batch(
-                    _as_plain(args), target, None, ids, sampling, max_context, warmup=first
-                )
-                plain_walls.append(plain_wall)
-        wall = float(np.median(walls))
-        plain_wall = float(np.median(plain_walls)) if plain_walls else None
-        runs = f", median of {len(walls)} runs" if len(walls) > 1 else ""
-        for i, (p, pids, row) in enumerate(zip(batch, ids, rows)):
-            out = row["output_ids"]
-            text = tok.decode(out, skip_special_tokens=True)
-            rec = {
-                "id": p.id,
-                "method": args.method,
-                "prompt_ids": pids,
-                "output_ids": out,
-                "text": text,
-                "new_tokens": len(out),
-                "target_forwards": row["target_forwards"],
-                "wall_time_s": wall,
-                "finish_reason": row["finish_reason"],
-                "tokens_per_s": len(out) / wall,
-                "tau": tau(len(out), row["target_forwards"]),
-            }
-            if row.get("verified_tokens") is not None and row["target_forwards"] > 1:
-                rec["verified_per_round"] = row["verified_tokens"] / (row["target_forwards"] - 1)
-            if row["accept_hist"] is not None:
-                rec["accept_hist"] = row["accept_hist"]
-                rec["acceptance_by_depth"] = acceptance_rates(np.asarray(row["accept_hist"]))
-            if plain_rows is not None:
-                plain_out = plain_rows[i]["output_ids"]
-                rec["plain_tokens_per_s"] = len(plain_out) / plain_wall
-                rec["plain_wall_time_s"] = plain_wall
-                rec["speedup"] = rec["tokens_per_s"] / rec["plain_tokens_per_s"]
-                rec["identical_to_plain"] = plain_out == out
+        runs = _run_batch(args, target, head, opts, ids, first=not records)
+        for i, (p, pids) in enumerate(zip(batch, ids)):
+            rec = _record(args, p, pids, runs, i)
             records.append(rec)
             if args.json:  # as they come: an interrupted run keeps the prompts it finished
                 write_records(args.json, records)
-            extra = ""
-            if "acceptance_by_depth" in rec:
-                extra = " alpha by depth " + " ".join(
-                    f"{a:.2f}" for a in rec["acceptance_by_depth"]
-                )
-            if (
-                "verified_per_round" in rec
-                and args.method == "eagle3"
-                and _tree(args).verify_threshold > 0
-            ):
-                extra += f", {rec['verified_per_round']:.2f} tokens verified per round"
-            print(
-                f"### [{p.id}] {p.text[:80]}\n{text}\n"
-                f"--- {args.method}: {len(out)} tokens in {wall:.2f}s = "
-                f"{rec['tokens_per_s']:.1f} tokens/s, tau {rec['tau']:.2f}{extra} "
-                f"(batch {len(batch)}, {row['finish_reason']}{runs})"
-            )
-            if plain_rows is not None:
-                same = "identical" if rec["identical_to_plain"] else "DIFFERENT"
-                if sampling.temperature > 0:
-                    same += " (sampling: outputs differ by design)"
-                elif not rec["identical_to_plain"]:
-                    same += _why_different(plain_rows[i]["output_ids"], out, target)
-                print(
-                    f"--- plain: {rec['plain_tokens_per_s']:.1f} tokens/s in the same run -> "
-                    f"speedup {rec['speedup']:.2f}x, outputs {same}"
-                )
-            print()
+            _show(args, p, rec, runs, i, len(batch), target)
     if args.json:
         write_records(args.json, records)
         print(f"wrote {len(records)} records to {args.json}", file=sys.stderr)
     return 0
+
+
+class _Runs(NamedTuple):
+    """A batch's generation and median wall time over --timing-runs, and plain decoding's
+    (--compare-plain; else None)."""
+
+    gen: Generation
+    wall: float
+    plain: Generation | None
+    plain_wall: float | None
+    count: int
+
+
+def _run_batch(args, target, head, opts: DecodeOptions, ids, first: bool) -> _Runs:
+    """--timing-runs N: the batch N times, the methods alternating so they see the same machine;
+    the median wall time of each (outputs do not change: same seed, same programs). Only the
+    first batch's first run warms up (compiles) first, unless --no-warmup."""
+    plain_opts = dataclasses.replace(opts, method="vanilla", same_engine=False)
+    walls, plain_walls, plain = [], [], None
+    for rep in range(args.timing_runs):
+        warm = first and rep == 0
+        gen = generate_ids(target, head, ids, opts, warmup=not args.no_warmup and warm)
+        walls.append(gen.wall_time_s)
+        if args.compare_plain:
+            plain = generate_ids(target, None, ids, plain_opts, warmup=warm)
+            plain_walls.append(plain.wall_time_s)
+    plain_wall = float(np.median(plain_walls)) if plain_walls else None
+    return _Runs(gen, float(np.median(walls)), plain, plain_wall, len(walls))
+
+
+def _record(args, p: Prompt, pids: list[int], runs: _Runs, i: int) -> dict:
+    """Row i of the batch as its --json record."""
+    row, wall = runs.gen.rows()[i], runs.wall
+    out = row.output_ids
+    rec = {
+        "id": p.id,
+        "method": args.method,
+        "prompt_ids": pids,
+        "output_ids": out,
+        "text": row.text,
+        "new_tokens": len(out),
+        "target_forwards": row.target_forwards,
+        "wall_time_s": wall,
+        "finish_reason": row.finish_reason,
+        "tokens_per_s": len(out) / wall,
+        "tau": row.tau,
+    }
+    if row.verified_tokens is not None and row.target_forwards > 1:
+        rec["verified_per_round"] = row.verified_tokens / (row.target_forwards - 1)
+    if row.accept_hist is not None:
+        rec["accept_hist"] = row.accept_hist
+        rec["acceptance_by_depth"] = metrics.acceptance_rates(np.asarray(row.accept_hist))
+    if runs.plain is not None:
+        plain_out = runs.plain.output_ids[i]
+        rec["plain_tokens_per_s"] = len(plain_out) / runs.plain_wall
+        rec["plain_wall_time_s"] = runs.plain_wall
+        rec["speedup"] = rec["tokens_per_s"] / rec["plain_tokens_per_s"]
+        rec["identical_to_plain"] = plain_out == out
+    return rec
+
+
+def _show(args, p: Prompt, rec: dict, runs: _Runs, i: int, batch: int, target) -> None:
+    """Row i's text and figures on stdout (and how it compares with plain decoding)."""
+    extra = ""
+    if "acceptance_by_depth" in rec:
+        extra = " alpha by depth " + " ".join(f"{a:.2f}" for a in rec["acceptance_by_depth"])
+    if "verified_per_round" in rec and args.method == "eagle3" and _tree(args).verify_threshold > 0:
+        extra += f", {rec['verified_per_round']:.2f} tokens verified per round"
+    times = f", median of {runs.count} runs" if runs.count > 1 else ""
+    print(
+        f"### [{p.id}] {p.text[:80]}\n{rec['text']}\n"
+        f"--- {args.method}: {rec['new_tokens']} tokens in {runs.wall:.2f}s = "
+        f"{rec['tokens_per_s']:.1f} tokens/s, tau {rec['tau']:.2f}{extra} "
+        f"(batch {batch}, {rec['finish_reason']}{times})"
+    )
+    if runs.plain is not None:
+        same = "identical" if rec["identical_to_plain"] else "DIFFERENT"
+        if args.temperature > 0:
+            same += " (sampling: outputs differ by design)"
+        elif not rec["identical_to_plain"]:
+            same += _why_different(runs.plain.output_ids[i], rec["output_ids"], target)
+        print(
+            f"--- plain: {rec['plain_tokens_per_s']:.1f} tokens/s in the same run -> "
+            f"speedup {rec['speedup']:.2f}x, outputs {same}"
+        )
+    print()
 
 
 def _why_different(plain_out: list[int], out: list[int], target) -> str:
@@ -355,7 +349,7 @@ def _why_different(plain_out: list[int], out: list[int], target) -> str:
     import jax
     import jax.numpy as jnp
 
-    at = common_prefix(plain_out, out)
+    at = metrics.common_prefix(plain_out, out)
     dtype = jax.tree.leaves(target.params)[0].dtype
     why = f" from new token {at} (0-based)"
     if dtype != jnp.float32:
@@ -368,9 +362,9 @@ def _why_different(plain_out: list[int], out: list[int], target) -> str:
     return why
 
 
-def _chat(args, target, draft, encode, sampling, max_context) -> int:
-
-    tok = target.tokenizer
+def _chat(args, target, head, encode, opts: DecodeOptions) -> int:
+    # plain decoding's own loop for vanilla, --same-engine or not (one token a step)
+    opts = dataclasses.replace(opts, same_engine=False) if opts.method == "vanilla" else opts
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("chat: type a message, empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -381,43 +375,12 @@ def _chat(args, target, draft, encode, sampling, max_context) -> int:
         if not line.strip():
             return 0
         history.append({"role": "user", "content": line})
-        ids = encode(history)
         out, shown, rounds, t0 = [], "", 0, time.perf_counter()
-        if args.method == "vanilla":
-            chunks = (
-                [t]
-                for t in plain.stream(
-                    target.params,
-                    target.cfg,
-                    ids,
-                    args.max_new_tokens,
-                    sampling,
-                    args.seed,
-                    max_context=max_context,
-                )
-            )
-        else:
-            dparams, dcfg, vocab, embed = draft
-            chunks = spec.stream(
-                target.params,
-                target.cfg,
-                dparams,
-                dcfg,
-                vocab,
-                ids,
-                args.max_new_tokens,
-                _tree(args),
-                sampling,
-                args.seed,
-                max_context=max_context,
-                embed=embed,
-                method=args.method,
-            )
         try:
-            for chunk in chunks:
+            for chunk in stream_ids(target, head, encode(history), opts):
                 rounds += 1
                 out.extend(chunk)
-                text = tok.decode(out, skip_special_tokens=True)
+                text = target.tokenizer.decode(out, skip_special_tokens=True)
                 print(text[len(shown) :], end="", flush=True)
                 shown = text
         except Eagle3Error as e:  # e.g. the conversation outgrew the context: say so, keep chatting
@@ -425,10 +388,9 @@ def _chat(args, target, draft, encode, sampling, max_context) -> int:
             history.pop()
             continue
         dt = time.perf_counter() - t0
+        tau = metrics.tau_of(len(out), rounds, no_round=1.0)
         print(
-            f"\n[{len(out)} tokens, {len(out) / dt:.1f} tokens/s, "
-            f"tau {spec.tau(len(out), rounds):.2f}]",
-            file=sys.stderr,
+            f"\n[{len(out)} tokens, {len(out) / dt:.1f} tokens/s, tau {tau:.2f}]", file=sys.stderr
         )
         history.append({"role": "assistant", "content": shown})
 

@@ -1,8 +1,8 @@
-"""Draft trees with static shapes: candidate pools, top-N selection, masks, greedy acceptance.
+"""Draft trees with static shapes: candidate pools, top-N selection, masks, pruning.
 
 A tree has N + 1 nodes: node 0 is the root (the token the target produced last, not yet in its cache),
 nodes 1..N are drafted tokens sorted so that every parent precedes its children. Everything here works
-on one row; vmap it over the batch.
+on one row; vmap it over the batch. Which nodes the target accepts is verify.py's.
 """
 
 from __future__ import annotations
@@ -72,37 +72,6 @@ def chain_tree(root: jax.Array, tokens: jax.Array, scores: jax.Array) -> Tree:
         mask,
         jnp.concatenate([jnp.zeros((1,), scores.dtype), scores]),
     )
-
-
-class Accepted(NamedTuple):
-    length: jax.Array  # [] number of accepted drafted tokens (0..max depth)
-    path: jax.Array  # [D+1] node indices root..deepest accepted, padded by repeating the last
-    last: jax.Array  # [] the deepest accepted node (its target output gives the bonus token)
-
-
-def accepted_path(tree: Tree, ok: jax.Array, max_depth: int) -> Accepted:
-    """The deepest node whose whole root path is accepted (the first such node on ties)."""
-    ok = _propagate(tree.parent, ok)
-    best = jnp.argmax(jnp.where(ok, tree.depth, -1)).astype(jnp.int32)
-    length = tree.depth[best]
-    on_path = tree.mask[best]
-    # node at depth d of the path; padding slots (d > length) repeat the deepest accepted node
-    slot = jnp.where(on_path, tree.depth, max_depth + 1)
-    path = (
-        jnp.full((max_depth + 2,), best, jnp.int32).at[slot].set(jnp.arange(tree.parent.shape[0]))
-    )
-    return Accepted(length, path[: max_depth + 1], best)
-
-
-def _propagate(parent: jax.Array, ok: jax.Array) -> jax.Array:
-    """ok[i] &= ok[parent[i]] down the tree (parents precede children); the root is always ok."""
-    ok = ok.at[0].set(True)
-    return jax.lax.fori_loop(1, parent.shape[0], lambda i, o: o.at[i].set(o[i] & o[parent[i]]), ok)
-
-
-def greedy_accept(tree: Tree, target_tokens: jax.Array, max_depth: int) -> Accepted:
-    """Greedy verification: node i matches if it equals the target's argmax at its parent."""
-    return accepted_path(tree, tree.tokens == target_tokens[tree.parent], max_depth)
 
 
 def prune_tree(tree: Tree, size: int) -> Tree:

@@ -36,8 +36,7 @@ from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.checkpoints.heads import draft_vocab_sizes, load_head, parse_draft_vocab
 from eagle3_jax.compile_cache import release_if_crowded
 from eagle3_jax.config import TreeConfig, default_dtype, default_tree
-from eagle3_jax.decoding import plain
-from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.generate import DecodeOptions, Generation, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.errors import Eagle3Error, differing_keys
 from eagle3_jax.evaluation import metrics
@@ -401,36 +400,14 @@ class Models:
             {n: load_head(p, target, dtype, req.get(n, "auto"), mesh) for n, p in drafts.items()},
         )
 
-    def generate(self, m: MethodSpec, ids, sampling, seed: int, max_new: int):
-        """One batch -> (per-row dicts of the result's `rows()`, wall time);
-        each call first runs a warm-up generation (compilation), excluded from the time."""
+    def generate(self, m: MethodSpec, ids, sampling, seed: int, max_new: int) -> Generation:
+        """One batch of token-id prompts with method m (`generate_ids`); each call first runs a
+        warm-up generation (compilation), excluded from the time."""
 
         release_if_crowded()  # many methods x prompt lengths: keep under the kernel's map limit
-        t = self.target
-        pad = t.cfg.pad_token_id or 0
-        if m.kind == "vanilla":
-            res = plain.generate(
-                t.params, t.cfg, ids, max_new, sampling, seed, pad_id=pad, warmup=True
-            )
-            return res.rows(), res.wall_time_s
-        dparams, dcfg, vocab, embed = self.drafts[m.draft] if m.draft else (None,) * 4
-        res = spec.generate(
-            t.params,
-            t.cfg,
-            dparams,
-            dcfg,
-            vocab,
-            ids,
-            max_new,
-            TreeConfig(*m.tree),
-            sampling,
-            seed,
-            pad_id=pad,
-            embed=embed,
-            warmup=True,
-            method=m.kind,
-        )
-        return res.rows(), res.wall_time_s
+        opts = DecodeOptions(m.kind, max_new, TreeConfig(*m.tree), sampling, seed)
+        head = self.drafts[m.draft] if m.draft else None
+        return generate_ids(self.target, head, ids, opts, warmup=True)
 
 
 def run_questions(
@@ -447,10 +424,10 @@ def run_questions(
         for i in active:
             history[i].append({"role": "user", "content": batch[i].turns[t]})
         ids = [encode_chat(tok, history[i]) for i in active]
-        rows, wall = models.generate(m, ids, sampling, seed, max_new)
-        for i, pids, row in zip(active, ids, rows):
-            out = row["output_ids"]
-            text = tok.decode(out, skip_special_tokens=True)
+        res = models.generate(m, ids, sampling, seed, max_new)
+        wall = res.wall_time_s
+        for i, pids, row in zip(active, ids, res.rows()):
+            out, text = row.output_ids, row.text
             history[i].append({"role": "assistant", "content": text})
             turns[i].append(
                 {
@@ -458,10 +435,10 @@ def run_questions(
                     "output_ids": out,
                     "text": text,
                     "new_tokens": len(out),
-                    "target_forwards": row["target_forwards"],
-                    "finish_reason": row["finish_reason"],
-                    "accept_hist": row["accept_hist"],
-                    "verified_tokens": row["verified_tokens"],  # tree tokens over its rounds
+                    "target_forwards": row.target_forwards,
+                    "finish_reason": row.finish_reason,
+                    "accept_hist": row.accept_hist,
+                    "verified_tokens": row.verified_tokens,  # tree tokens over its rounds
                     "wall_time_s": wall / len(active),  # this row's share of the batch
                     "batch_wall_time_s": wall,
                 }
