@@ -30,9 +30,11 @@ from eagle3_jax.checkpoints import load_target_config
 from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.checkpoints.eagle_format import load_draft
 from eagle3_jax.errors import Eagle3Error, differing_keys
+from eagle3_jax.evaluation import paired
 from eagle3_jax.evaluation.metrics import tau
 from eagle3_jax.evaluation.report import strict_json
 from eagle3_jax.evaluation.runner import EvalOptions, run_eval
+from eagle3_jax.evaluation.study import read_curve
 from eagle3_jax.training.config import FIELDS, TrainConfig, flatten, load_python_config, resolve
 from eagle3_jax.training.loop import precompute_features, train
 
@@ -189,16 +191,6 @@ def tau_by_question(eval_dir: Path, method: str | None = None) -> dict[str, floa
         if method in (None, r.get("method")) and math.isfinite(t := tau([r])):
             out[str(r["question_id"])] = t
     return out
-
-
-def paired_difference(a: dict, b: dict) -> tuple[float, float, int] | None:
-    """Mean and standard error of a[k] - b[k] over the keys both hold (None under two)."""
-    d = [a[k] - b[k] for k in a if k in b and a[k] is not None and b[k] is not None]
-    if len(d) < 2:
-        return None
-    m = sum(d) / len(d)
-    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1))
-    return m, sd / math.sqrt(len(d)), len(d)
 
 
 # what a cell's result depends on: every TrainConfig field but where and how often it writes,
@@ -406,6 +398,7 @@ def cell_row(
         "batch_size": tc.optim.batch_size,
         "tau_by_question": tau_by_question(cdir / "eval", summary["methods"][0]) if s else {},
         "tokens": last.get("tokens"),
+        "curve": read_curve(cdir),  # held-out acc_0 and replayed chain τ against tokens read
         "train_wall_s": wall,
     }
 
@@ -425,6 +418,8 @@ def report_markdown(result: dict) -> str:
     missing = missing_cells(result)
     tasks = list(dict.fromkeys(t for r in rows for t in r["tau_by_task"]))
     steps = max((len(r["final_acc"]) for r in rows), default=0)
+    held = [r["curve"][-1] if r.get("curve") else {} for r in rows]
+    held_cols = ["held-out acc_0", "held-out chain τ"] if any(held) else []
     lines = [
         "# Ablation",
         "",
@@ -454,6 +449,12 @@ def report_markdown(result: dict) -> str:
             else f"mean of the last {cfg['acc_window']} logged steps."
             if cfg.get("acc_window", 1) > 1
             else "at the last logged step."
+        )
+        + (
+            " Held-out acc_0 and chain τ: the last validation of the cell's exported head on "
+            "held-out conversations (each cell's curve against tokens read is in results.json)."
+            if held_cols
+            else ""
         ),
         "",
         "| "
@@ -462,12 +463,13 @@ def report_markdown(result: dict) -> str:
             + [f"τ {t}" for t in tasks]
             + ["τ"]
             + [f"acc_{i}" for i in range(steps)]
+            + held_cols
             + ["train s"]
         )
         + " |",
-        "|" + " --- |" * (8 + len(tasks) + steps),
+        "|" + " --- |" * (8 + len(tasks) + steps + len(held_cols)),
     ]
-    for r in rows:
+    for r, h in zip(rows, held):
         accs = [_f(a) for a in r["final_acc"]] + [""] * (steps - len(r["final_acc"]))
         cells = [
             r["cell"],
@@ -479,6 +481,7 @@ def report_markdown(result: dict) -> str:
             *(_f(r["tau_by_task"].get(t)) for t in tasks),
             _f(r["tau"]),
             *accs,
+            *([_f(h.get("acc_0"), 3), _f(h.get("chain_tau"))] if held_cols else []),
             f"{r['train_wall_s']:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -488,40 +491,53 @@ def report_markdown(result: dict) -> str:
 PAIRED_ACC = 3  # acc_0..acc_2 in the paired table
 
 
+def _present(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v is not None}
+
+
 def paired_table(rows: list[dict]) -> list[str]:
     """Each cell against the first, paired: acc_i step by step over the same records (only
     between cells of one batch size, which read the records in one order), τ question by
-    question. Record difficulty and question difficulty cancel; what is left is the head."""
+    question. Record difficulty and question difficulty cancel; what is left is the head. Each
+    difference carries its 95 % Student's t interval (`evaluation.paired`), and the lines below
+    the table name the differences whose interval excludes zero."""
     if len(rows) < 2:
         return []
     ref = rows[0]
     lines = [
         "",
-        f"Paired differences against `{ref['cell']}` (mean ± standard error; acc_i over the "
-        "same records, τ over the same questions; a difference inside ±2 se is noise):",
+        f"Paired differences against `{ref['cell']}`: mean (95 % t interval); acc_i over the "
+        "same training records step by step, τ over the same questions; * the interval excludes "
+        "no difference.",
         "",
         "| cell | " + " | ".join(f"Δacc_{i}" for i in range(PAIRED_ACC)) + " | Δτ |",
         "|" + " --- |" * (PAIRED_ACC + 2),
     ]
 
-    def fmt(d):
-        return "–" if d is None else f"{d[0]:+.3f} ± {d[1]:.3f}"
-
     def step_column(row: dict, i: int) -> dict:
         return {k: v[i] if i < len(v) else None for k, v in row.get("acc_by_step", {}).items()}
 
-    ref_cols = [step_column(ref, i) for i in range(PAIRED_ACC)]
+    ref_cols = [_present(step_column(ref, i)) for i in range(PAIRED_ACC)]
+    real = []
     for r in rows[1:]:
         same_order = r.get("batch_size") == ref.get("batch_size")
-        cols = []
-        for i in range(PAIRED_ACC):
-            d = paired_difference(step_column(r, i), ref_cols[i]) if same_order else None
-            cols.append(fmt(d))
-        cols.append(
-            fmt(paired_difference(r.get("tau_by_question", {}), ref.get("tau_by_question", {})))
+        diffs = {
+            f"acc_{i}": paired.paired_difference(_present(step_column(r, i)), ref_cols[i])
+            for i in range(PAIRED_ACC)
+            if same_order
+        }
+        diffs["τ"] = paired.paired_difference(
+            _present(r.get("tau_by_question", {})), _present(ref.get("tau_by_question", {}))
         )
-        lines.append(f"| {r['cell']} | " + " | ".join(cols) + " |")
-    return lines
+        cols = [diffs[f"acc_{i}"].text(3) if same_order else "–" for i in range(PAIRED_ACC)]
+        lines.append(f"| {r['cell']} | " + " | ".join([*cols, diffs["τ"].text(3)]) + " |")
+        real += [f"{r['cell']} {k} {d.mean:+.3f}" for k, d in diffs.items() if d.real]
+    verdict = (
+        f"Real differences (95 %): {'; '.join(real)}."
+        if real
+        else "No difference is real at 95 %: every interval includes zero."
+    )
+    return lines + ["", verdict]
 
 
 def write_outputs(out: Path, result: dict) -> None:

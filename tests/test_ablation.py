@@ -70,7 +70,8 @@ def test_two_cell_grid_end_to_end_and_resume(tiny_target_dir, tmp_path, capsys):
         assert len(r["acc_by_step"]) == r["acc_steps"]
     assert "Paired differences against `default`" in report
     paired = report.split("Paired differences")[1]
-    assert "| top_layer_only | " in paired and paired.count("± ") >= 1  # Δτ over 2 questions
+    assert "| top_layer_only | " in paired and "% t interval" in paired
+    assert paired.count(" (") >= 2  # Δτ over 2 questions, with its interval
     # features are computed once, in one shared store; both cells read it
     feats = json.loads((out / "features/features.json").read_text())
     assert feats["layers"] == [2, 3, 5]
@@ -159,32 +160,34 @@ def test_final_metrics_average_the_last_logged_steps(tmp_path):
 
 
 def test_paired_differences_cancel_what_cells_share():
-    from eagle3_jax.ablation import paired_difference, paired_table
+    from eagle3_jax.ablation import paired_table
 
-    # record difficulty varies 0.1..0.9 and is the same for both cells; cell b is 0.05 better
+    # record difficulty varies 0.1..0.9 and is the same for every cell: pairing cancels it
     hard = {str(i): 0.1 + 0.8 * i / 9 for i in range(10)}
-    better = {k: v + 0.05 + (0.01 if int(k) % 2 else -0.01) for k, v in hard.items()}
-    m, se, n = paired_difference(better, hard)
-    assert n == 10 and m == pytest.approx(0.05) and se == pytest.approx(0.01 / 3)
-    assert paired_difference({"a": 1.0}, {"a": 0.5}) is None  # one pair: no standard error
-    assert paired_difference({"a": 1.0, "b": None}, {"a": 0.5, "b": 0.5}) is None
+    jitter = {k: (0.01 if int(k) % 2 else -0.01) for k in hard}
 
-    def row(name, shift, batch=1, steps=3):
+    def row(name, shift, batch=1, steps=3, noise=0.0):
         return {
             "cell": name,
             "batch_size": batch,
-            "acc_by_step": {k: [v + shift] * steps for k, v in hard.items()},
+            "acc_by_step": {k: [v + shift + noise * jitter[k]] * steps for k, v in hard.items()},
             "tau_by_question": {"q1": 1.2 + shift, "q2": 1.5 + shift, "q3": 1.1 + 2 * shift},
         }
 
-    lines = paired_table([row("ref", 0.0), row("up", 0.1), row("b8", 0.1, batch=8),
-                          row("one_step", 0.1, steps=1)])  # fmt: skip
+    lines = paired_table([row("ref", 0.0), row("up", 0.05, noise=1.0), row("b8", 0.1, batch=8),
+                          row("one_step", 0.1, steps=1), row("same", 0.0, noise=1.0)])  # fmt: skip
     table = {ln.split(" | ")[0][2:]: ln.split(" | ")[1:] for ln in lines if ln.startswith("| ")}
-    assert table["up"][0] == "+0.100 ± 0.000" and table["up"][2] == "+0.100 ± 0.000"
-    assert table["up"][3].startswith("+0.133 ± 0.033")
+    # +0.05 with per-record noise 0.01: t(9) 2.262 x 0.01 / sqrt(10) x sqrt(10/9) half-width
+    half = 2.2622 * 0.01 * (10 / 9) ** 0.5 / 10**0.5
+    assert table["up"][0] == f"+0.050 ({0.05 - half:.3f}, {0.05 + half:.3f})*"
+    # tau: +0.05, +0.05, +0.10 over three questions: mean 0.067, sd 0.029, t(2) 4.303
+    assert table["up"][3].startswith("+0.067 (-0.005, 0.138)")  # includes zero: not real
     assert table["b8"][:3] == ["–"] * 3  # another batch size reads the records in another order
-    assert table["one_step"][1] == "–" and table["one_step"][0] == "+0.100 ± 0.000"
+    assert table["one_step"][1] == "-" and table["one_step"][0].endswith("*")
+    assert table["same"][0].startswith("+0.000 (") and not table["same"][0].endswith("*")
+    assert "up acc_0 +0.050" in lines[-1] and "same" not in lines[-1] and "up τ" not in lines[-1]
     assert paired_table([row("alone", 0.0)]) == []
+    assert paired_table([row("ref", 0.0), row("same", 0.0, noise=1.0)])[-1].startswith("No diff")
 
 
 def test_a_cell_trained_under_another_config_is_refused(tmp_path):
