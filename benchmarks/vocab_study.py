@@ -32,8 +32,11 @@ import sys
 from pathlib import Path
 
 from eagle3_jax.ablation import load_ablation
+from eagle3_jax.checkpoints import files_digest
+from eagle3_jax.checkpoints.atomic import exclusive, made_from, record_inputs
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import study
-from eagle3_jax.evaluation.runner import _parse_tree, default_tree_shape, shape_text
+from eagle3_jax.evaluation.runner import _parse_tree, default_tree_shape, head_digest, shape_text
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -83,12 +86,33 @@ def tree_shapes(text: str) -> dict[str, tuple]:
     return out
 
 
-def main(argv=None) -> None:
+def made(path: Path, inputs: dict, make) -> None:
+    """make() unless `path` was made from these inputs already; a `path` made from others is
+    refused, naming what differs (a resumed study never mixes old and new artefacts)."""
+    if not made_from(path, inputs, what="study artefact"):
+        make()
+        record_inputs(path, inputs)
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
-    grid = load_ablation(args.grid)
-    root = Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        with exclusive(out, what="vocabulary study"):
+            study_stages(args, out)
+    except (Eagle3Error, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as e:  # the stage printed its own message
+        print(f"error: stage failed (exit {e.returncode}): {' '.join(e.cmd)}", file=sys.stderr)
+        return e.returncode
+    return 0
+
+
+def study_stages(args: argparse.Namespace, out: Path) -> None:
+    grid = load_ablation(args.grid)
+    root = Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
     if not args.skip_train:  # 1
         run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--no-progress"])
     vocab_size = json.loads((root / "cells" / grid.cells[0].name / "head/config.json").read_text())[
@@ -97,12 +121,12 @@ def main(argv=None) -> None:
     heads = [study.head_of_cell(c.name, c.overrides, vocab_size) for c in grid.cells]
     paths = {c.name: root / "cells" / c.name / "head" for c in grid.cells}
     counts = {"frspec": out / "counts_frspec.npy", "vocabtrim": out / "counts_generated.npy"}
-    if not counts["frspec"].exists():  # 2
-        run([PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", args.frspec_corpus,
-             "--roles", "all", "--out", str(counts["frspec"])])  # fmt: skip
-    if not counts["vocabtrim"].exists():
-        run([PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", args.generated,
-             "--roles", "assistant", "--out", str(counts["vocabtrim"])])  # fmt: skip
+    for family, corpus, roles in (("frspec", args.frspec_corpus, "all"),
+                                  ("vocabtrim", args.generated, "assistant")):  # fmt: skip
+        made(counts[family], {"corpus": files_digest([corpus]), "roles": roles},  # 2
+             lambda c=corpus, r=roles, f=family: run(
+                 [PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", c, "--roles", r,
+                  "--out", str(counts[f])]))  # fmt: skip
     sources = {h.family: h.name for h in heads if h.family in ("target_lm_head", "full")}
     for size in (int(s) for s in args.sizes.split(",")):  # 3
         for family, src in (("frspec", "target_lm_head"), ("vocabtrim", "full")):
@@ -110,22 +134,24 @@ def main(argv=None) -> None:
                 continue
             name = f"{family}_{size}"
             dst = out / "heads" / name
-            if not (dst / "config.json").exists():
-                run([PY, "-m", "eagle3_jax", "vocab", "trim", "--draft", str(paths[sources[src]]),
-                     "--counts", str(counts[family]), "--size", str(size), "--out", str(dst)])  # fmt: skip
+            made(dst, {"source": head_digest(paths[sources[src]]), "size": size,
+                       "counts": files_digest([counts[family]])},
+                 lambda s=sources[src], f=family, n=size, d=dst: run(
+                     [PY, "-m", "eagle3_jax", "vocab", "trim", "--draft", str(paths[s]),
+                      "--counts", str(counts[f]), "--size", str(n), "--out", str(d)]))  # fmt: skip
             heads.append(study.StudyHead(name, family, size, f"cut from {sources[src]}"))
             paths[name] = dst
     drafts = [f"{h.name}={paths[h.name]}" for h in heads]
+    digests = {h.name: head_digest(paths[h.name]) for h in heads}
     trees = tree_shapes(args.trees)
     costs, runs = {}, {}
     for name, shape in trees.items():
         cost = out / f"draft_cost_{name}.json"
-        if not cost.exists():  # 4
-            cmd = [PY, "benchmarks/draft_cost.py", "--out", str(cost), "--top-k", str(shape[0]),
-                   "--rows", ",".join(dict.fromkeys(["1", str(shape[0])]))]  # fmt: skip
-            for d in drafts:
-                cmd += ["--draft", d]
-            run(cmd)
+        cmd = [PY, "benchmarks/draft_cost.py", "--out", str(cost), "--top-k", str(shape[0]),
+               "--rows", ",".join(dict.fromkeys(["1", str(shape[0])]))]  # fmt: skip
+        for d in drafts:
+            cmd += ["--draft", d]
+        made(cost, {"heads": digests, "tree": list(shape)}, lambda c=cmd: run(c))  # 4
         costs[name] = {r["head"]: r for r in json.loads(cost.read_text())["rows"]}
         ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{shape_text(shape)}",
               "--bench", args.bench, "--questions", str(args.questions), "--draft-vocab", "full",
@@ -137,11 +163,11 @@ def main(argv=None) -> None:
         runs[name] = json.loads((out / f"eval_{name}" / "results.json").read_text())
     recall = out / "speculator_recall.json"
     spec_heads = [h.name for h in heads if h.family == "specvocab"]
-    if spec_heads and not recall.exists():  # 6
+    if spec_heads:  # 6
         cmd = [PY, "benchmarks/speculator_recall.py", "--out", str(recall)]
         for name in spec_heads:
             cmd += ["--draft", f"{name}={paths[name]}"]
-        run(cmd)
+        made(recall, {"heads": {n: digests[n] for n in spec_heads}}, lambda: run(cmd))
     curves = {c.name: study.read_curve(root / "cells" / c.name) for c in grid.cells}  # 7
     text, summary = study.report(runs, heads, args.reference, costs, curves)
     if recall.exists():
@@ -166,4 +192,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

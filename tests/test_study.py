@@ -122,3 +122,35 @@ def test_cells_map_to_the_methods_they_stand_for():
     assert noaux.note == "no auxiliary loss"
     with pytest.raises(ValueError, match="family"):
         study.StudyHead("x", "medusa", None)
+
+
+def test_study_artefacts_are_remade_only_from_the_same_inputs(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from eagle3_jax.checkpoints.atomic import made_from
+    from eagle3_jax.errors import Eagle3Error
+
+    spec = importlib.util.spec_from_file_location(
+        "vocab_study", Path(__file__).resolve().parents[1] / "benchmarks/vocab_study.py"
+    )
+    vs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs)
+    counts, calls = tmp_path / "counts.npy", []
+
+    def make():
+        calls.append(1)
+        counts.write_bytes(b"counts")
+
+    inputs = {"corpus": "abc", "roles": "all"}
+    vs.made(counts, inputs, make)
+    vs.made(counts, inputs, make)  # resumed with the same inputs: reused, not remade
+    assert calls == [1] and made_from(counts, inputs)
+    with pytest.raises(Eagle3Error, match=r"other inputs \(corpus differ\)"):
+        vs.made(counts, {**inputs, "corpus": "edited"}, make)
+    assert counts.read_bytes() == b"counts" and calls == [1]  # refused, left as it was
+    theirs = tmp_path / "theirs.npy"
+    theirs.write_bytes(b"a user's file")
+    with pytest.raises(Eagle3Error, match="no record of what it was made from"):
+        vs.made(theirs, inputs, make)
+    assert theirs.read_bytes() == b"a user's file"

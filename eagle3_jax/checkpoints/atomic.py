@@ -11,13 +11,14 @@ left exactly as it was.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.errors import Eagle3Error, differing_keys
 
 MARKER = ".eagle3_jax"  # in every directory atomic_directory writes
 
@@ -130,3 +131,36 @@ def exclusive(path: str | os.PathLike, what: str = "output") -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def made_from(path: str | os.PathLike, inputs: dict, what: str = "output") -> bool:
+    """Whether `path`, a derived file or directory, exists and was made from `inputs` (a record
+    of digests and settings that decide it, kept beside it in `<path>.inputs.json` by `record_inputs`).
+
+    False: it does not exist yet (make it, then `record_inputs`). An existing `path` made from
+    other inputs, or with no record of them, is refused with one line naming what differs: a
+    resumed job never mixes what it made before with what it would make now."""
+    path = Path(path)
+    stamp = path.with_name(path.name + ".inputs.json")
+    if not path.exists():
+        return False
+    if not stamp.is_file():
+        raise Eagle3Error(
+            f"{what} {path} exists with no record of what it was made from ({stamp.name}): "
+            "move it away, or choose another output directory"
+        )
+    have = json.loads(stamp.read_text())
+    if have != inputs:
+        raise Eagle3Error(
+            f"{what} {path} was made from other inputs ({', '.join(differing_keys(have, inputs))} "
+            "differ): move it away to remake it, or choose another output directory"
+        )
+    return True
+
+
+def record_inputs(path: str | os.PathLike, inputs: dict) -> None:
+    """Writes `<path>.inputs.json` once `path` is complete (see `made_from`)."""
+    path = Path(path)
+    write_text_atomic(
+        path.with_name(path.name + ".inputs.json"), json.dumps(inputs, indent=1) + "\n"
+    )
