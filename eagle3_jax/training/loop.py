@@ -23,7 +23,12 @@ from jax.experimental import multihost_utils
 
 from eagle3_jax import distributed
 from eagle3_jax.checkpoints import files_digest, load_target, resolve_target, target_digest
-from eagle3_jax.checkpoints.atomic import exclusive
+from eagle3_jax.checkpoints.atomic import (
+    check_destination,
+    exclusive,
+    write_text_atomic,
+    written_by_us,
+)
 from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
 from eagle3_jax.checkpoints.heads import VOCAB_ORDER_FILE, read_vocab_order
 from eagle3_jax.config import DTYPES
@@ -103,13 +108,31 @@ RESUMABLE = (
 )
 
 
-def prepare_data(tc: TrainConfig, target, out: Path):
+# the corpus settings a tokenised dataset depends on (beyond the data and the target's files)
+DATASET_FIELDS = ("max_len", "num_conversations", "repeated_ids", "regenerate",
+                  "regen_max_new_tokens")  # fmt: skip
+
+
+def prepare_data(tc: TrainConfig, target, out: Path, progress: bool = True):
     """Conversations -> (regenerated) -> tokenised dataset, cached in out_dir."""
 
-    ds_path = out / "dataset.npz"
-    if ds_path.exists():
+    ds_path, corpus = out / "dataset.npz", tc.corpus
+    inputs = {
+        "target": target_digest(resolve_target(corpus.target)),
+        "data": files_digest([p for p in corpus.data.split(",") if p]),
+        **{k: getattr(corpus, k) for k in DATASET_FIELDS},
+    }
+    stamp = out / "dataset.inputs.json"
+    if ds_path.exists():  # reused only for the data, target and settings it was made from
+        have = json.loads(stamp.read_text()) if stamp.exists() else inputs  # older runs: trusted
+        if differing_keys(have, inputs):
+            raise Eagle3Error(
+                f"{ds_path} was made from other inputs ({', '.join(differing_keys(have, inputs))} "
+                "differ): restore them, or use a new out_dir"
+            )
+        if not stamp.exists() and distributed.is_primary():
+            write_text_atomic(stamp, json.dumps(inputs, indent=1) + "\n")
         return dsm.load(ds_path)
-    corpus = tc.corpus
     if not corpus.data:
         raise Eagle3Error("no training data: set --config.data=FILE (ShareGPT JSON/JSONL)")
     convs, skipped = read_conversations(corpus.data, corpus.repeated_ids)
@@ -130,10 +153,11 @@ def prepare_data(tc: TrainConfig, target, out: Path):
         )
         print(f"regeneration: {stats}", file=sys.stderr)
         convs, _ = read_conversations(regen)
-    ds = dsm.build_dataset(target.tokenizer, convs, corpus.max_len)
+    ds = dsm.build_dataset(target.tokenizer, convs, corpus.max_len, progress=progress)
     if ds.skipped:
         print(f"dropped {ds.skipped} conversations without assistant tokens", file=sys.stderr)
     dsm.save(ds, ds_path)
+    write_text_atomic(stamp, json.dumps(inputs, indent=1) + "\n")
     return ds
 
 
@@ -224,11 +248,13 @@ def precompute_features(tc: TrainConfig, progress: bool = True) -> Path:
     store = tc.store
     if not store.features_dir:
         raise Eagle3Error("set --config.features_dir=DIR for the precomputed features")
+    if not written_by_us(store.features_dir):  # a user's folder or file: refused before any work
+        check_destination(store.features_dir, what="features_dir")
     with store_lock(Path(store.features_dir)):
         out = Path(tc.run.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         target = load_target(tc.corpus.target, dtype=DTYPES[tc.compute.param_dtype])
-        ds = prepare_data(tc, target, out)
+        ds = prepare_data(tc, target, out, progress)
         layers = store.feature_layers or tc.head.aux_layer_ids
         return features.precompute(
             target,

@@ -221,7 +221,14 @@ def extend_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray, ridge:
 
 
 def load_counts(path: str, v: int) -> np.ndarray:
-    counts = np.load(path)
+    """Token counts from `vocab count` (one per target id), checked against the vocabulary."""
+    try:
+        counts = np.load(path)
+    except (OSError, ValueError) as e:
+        raise Eagle3Error(
+            f"counts {path} cannot be read ({e.__class__.__name__}): give the .npy that "
+            "`vocab count` wrote"
+        ) from None
     if counts.shape != (v,):
         raise Eagle3Error(
             f"counts {path} have shape {counts.shape}, the target's vocabulary "
