@@ -31,10 +31,12 @@ import time
 import warnings
 
 import jax
+import numpy as np
 
 # JAX's cluster detection (what jax.distributed.initialize uses), its client, its backends
 from jax._src import clusters, xla_bridge
 from jax._src import distributed as jax_distributed
+from jax.experimental import multihost_utils
 
 from eagle3_jax.errors import Eagle3Error
 
@@ -258,6 +260,22 @@ def check_gathered(parts: list) -> list:
         if isinstance(p, dict) and "eagle3_jax_error" in p:
             raise Eagle3Error(f"process {i} stopped: {p['eagle3_jax_error']}")
     return parts
+
+
+def to_host(tree):
+    """`jax.device_get` of a tree of arrays some of which may span other processes' devices (a
+    batch laid over a mesh's `data` axis across hosts): those leaves are gathered from every
+    process first (`process_allgather`), so in a multi-process run every process calls it with
+    the same tree, in the same order as its other collectives. With one process, `jax.device_get`."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+
+    def fetch(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.device_get(x)
+
+    return jax.tree.map(fetch, tree)
 
 
 def is_primary() -> bool:

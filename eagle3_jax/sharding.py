@@ -83,6 +83,17 @@ def put(array: np.ndarray, sharding: NamedSharding | None, dtype) -> jax.Array:
     )
 
 
+def put_batch(mesh: Mesh | None, *arrays: np.ndarray) -> tuple:
+    """Host arrays of B rows as global arrays on `mesh`, rows over `data` where B divides it
+    (else replicated), built from the same host values on every process; unchanged without a
+    mesh. Each process keeps only its devices' rows."""
+    if mesh is None:
+        return arrays
+    return tuple(
+        put(a, named(mesh, ("batch",) + (None,) * (a.ndim - 1), a.shape), a.dtype) for a in arrays
+    )
+
+
 def shard_tree(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(jax.device_put, tree, shardings)
 

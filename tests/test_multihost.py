@@ -1,8 +1,9 @@
 """Several JAX processes on this machine, as a pod or a SLURM job runs them: a localhost coordinator
 (`eagle3_jax.distributed` reads JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID),
 JAX's CPU collectives (gloo, jax's default on CPU) and 2 host-platform devices per process, so
-the global mesh has 4 devices (2 data x 2 model). Every worker asserts `jax.process_count() == 2`,
-so a run that falls back to one process fails."""
+the global mesh has 4 devices (2 data x 2 model); decoding takes 4 per process, an 8-device
+2 data x 4 model mesh. Every worker asserts `jax.process_count() == 2`, so a run that falls back
+to one process fails."""
 
 from __future__ import annotations
 
@@ -36,11 +37,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(port: int, pid: int, **extra) -> dict:
+def _env(port: int, pid: int, devices: int = DEVICES, **extra) -> dict:
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "EAGLE3_JAX_COMPILATION_CACHE": "0",
         "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
         "JAX_NUM_PROCESSES": str(PROCESSES),
@@ -51,8 +52,11 @@ def _env(port: int, pid: int, **extra) -> dict:
     return env
 
 
-def _launch(code: str, args: list[str], logs: Path, **extra) -> list[subprocess.Popen]:
-    """The same command on every process (as on every worker of a pod), logs in logs.{i}."""
+def _launch(
+    code: str, args: list[str], logs: Path, devices: int = DEVICES, **extra
+) -> list[subprocess.Popen]:
+    """The same command on every process (as on every worker of a pod), `devices` CPU devices
+    each, logs in logs.{i}."""
     port = _free_port()
     procs = []
     for i in range(PROCESSES):
@@ -61,7 +65,7 @@ def _launch(code: str, args: list[str], logs: Path, **extra) -> list[subprocess.
                 subprocess.Popen(
                     [sys.executable, "-c", code, *args],
                     cwd=ROOT,
-                    env=_env(port, i, **extra),
+                    env=_env(port, i, devices, **extra),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
@@ -537,6 +541,99 @@ def test_a_feature_store_named_by_the_earlier_target_hash_is_reused_not_rebuilt(
     got = OfflineFeatures(out, ds, layers).batch(np.arange(ds.num_records))
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding on one mesh over both processes
+
+
+@pytest.fixture(scope="module")
+def decode_head(tiny_target_dir, tmp_path_factory):
+    """A tiny random EAGLE-3 head for the tiny target (as tests/test_cli.py builds it)."""
+    import jax
+
+    from eagle3_jax.checkpoints.eagle_format import save_draft
+    from eagle3_jax.checkpoints.hf import load_hf
+    from eagle3_jax.models import draft as drf
+    from eagle3_jax.vocab import identity
+
+    _, cfg = load_hf(tiny_target_dir)
+    dcfg = drf.DraftConfig.from_target(cfg)
+    d = tmp_path_factory.mktemp("decode_head")
+    params = drf.init_params(dcfg, jax.random.PRNGKey(3), scale=0.2)
+    save_draft(d, params, dcfg, identity(cfg.vocab_size), dtype="float32")
+    return d
+
+
+DECODE_PROMPTS = ["w5 w6 w7 w8 w5 w6 w7", "w40 w41 w12", "w20 w21 w22 w20 w21", "w9 w10"]
+# the command line once per argument list (JSON), in one process (as run twice by hand)
+DECODE_WORKER = """
+import json, sys, jax
+from eagle3_jax.cli import main
+for argv in json.loads(sys.argv[1]):
+    assert main(argv) == 0, argv
+    assert jax.process_count() == 2, jax.process_count()
+"""
+
+
+def _decode_runs(target, head, out: Path, *more: str) -> list[list[str]]:
+    """EAGLE-3 with the head (and plain decoding beside it), then prompt lookup, which accepts
+    drafted tokens from these repetitive outputs where the random head accepts none."""
+    common = ["decode", "--target", str(target), "--max-new-tokens", "10", "--batch-size", "2",
+              "--compare-plain", *more, *[a for p in DECODE_PROMPTS for a in ("--prompt", p)]]  # fmt: skip
+    tree = ["--top-k", "2", "--depth", "3", "--total-tokens", "6"]
+    return [
+        [*common, "--draft", str(head), *tree, "--json", str(out / "eagle3.json")],
+        [*common, "--method", "pld", "--depth", "3", "--json", str(out / "pld.json")],
+    ]
+
+
+@pytest.mark.slow  # ~2-3 min on 2 busy cores
+def test_decode_on_a_mesh_over_two_processes_equals_one_device(
+    tiny_target_dir, decode_head, tmp_path, monkeypatch
+):
+    """`decode --mesh 2x4` on 2 processes of 4 devices each (the target and head tensor-parallel
+    over each process's 4 devices, each batch's rows over the 2 processes): EAGLE-3, prompt
+    lookup and plain decoding give the tokens, target passes and acceptance of one device;
+    process 0 alone prints the answers and writes --json."""
+    from eagle3_jax.cli import main
+
+    two, one, logs = tmp_path / "two", tmp_path / "one", tmp_path / "decode.log"
+    two.mkdir(), one.mkdir()
+    t0 = time.time()
+    runs = json.dumps(_decode_runs(tiny_target_dir, decode_head, two, "--mesh", "2x4"))
+    procs = _launch(DECODE_WORKER, [runs], logs, devices=4, **PRODUCTS)
+    for k, v in PRODUCTS.items():
+        monkeypatch.setenv(k, v)
+    for argv in _decode_runs(tiny_target_dir, decode_head, one):
+        assert main(argv) == 0
+    _wait(procs, logs, timeout=500)
+    print(f"decode on two processes and on one: {time.time() - t0:.0f} s")
+    for name in ("eagle3.json", "pld.json"):
+        got, want = json.loads((two / name).read_text()), json.loads((one / name).read_text())
+        assert len(want) == 4
+        for key in ("id", "output_ids", "target_forwards", "accept_hist", "identical_to_plain"):
+            assert [r[key] for r in got] == [r[key] for r in want], (name, key)
+        assert all(r["identical_to_plain"] for r in got)
+    accepted = [sum(r["accept_hist"][1:]) for r in json.loads((two / "pld.json").read_text())]
+    assert sum(accepted) > 0  # rounds that accepted drafted tokens, not only the root
+    out = [Path(f"{logs}.{i}").read_text() for i in range(PROCESSES)]
+    assert out[0].count("### [") == 8 and out[0].count("wrote 4 records") == 2
+    assert "### [" not in out[1] and "wrote" not in out[1], out[1][-2000:]
+
+
+def test_decode_on_two_processes_needs_a_mesh_over_both(tiny_target_dir, tmp_path):
+    """On several processes decode runs each batch on one mesh over all of them: a mesh over
+    fewer devices (or none) is one line and exit status 2 on every process, before the load."""
+    logs = tmp_path / "part.log"
+    base = ["decode", "--target", str(tiny_target_dir), "--method", "vanilla", "--prompt", "w5"]
+    code = CLI_WORKER.replace("sys.exit(rc)", "print('rc', rc)")
+    _wait(_launch(code, [*base, "--mesh", "1x4"], logs, devices=4), logs, timeout=200)
+    for i in range(PROCESSES):
+        text = Path(f"{logs}.{i}").read_text()
+        errors = [x for x in text.splitlines() if x.startswith("error:")]
+        assert "rc 2" in text and len(errors) == 1, text[-2000:]
+        assert "--mesh 1x4 covers 4 of the 8 devices of 2 processes" in errors[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,13 +23,14 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from eagle3_jax import compile_cache, cpu_tuning, distributed
 from eagle3_jax.checkpoints import Target, load_target
 from eagle3_jax.checkpoints.atomic import write_text_atomic
 from eagle3_jax.checkpoints.heads import Head, load_head, parse_draft_vocab
-from eagle3_jax.config import default_dtype, default_tree
+from eagle3_jax.config import ProductPolicy, default_dtype, default_tree
 from eagle3_jax.decoding.generate import DecodeOptions, Generation, generate_ids, stream_ids
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.errors import Eagle3Error
@@ -76,8 +77,8 @@ def check_settings(args) -> None:
             raise Eagle3Error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
     if args.max_context is not None and args.max_context < 2:
         raise Eagle3Error(f"--max-context {args.max_context}: give 2 or more positions")
-    if args.json:
-        check_writable(args.json, "--json")
+    if args.json:  # process 0 writes it, so checks it; the others get its error
+        distributed.from_primary("decode: --json", lambda: check_writable(args.json, "--json"))
 
 
 def check_writable(path: str | Path, what: str) -> None:
@@ -184,6 +185,10 @@ def _prompts(args) -> list[Prompt]:
     resolve_method(args)
     if args.compare_plain and (args.method == "vanilla" or args.chat):
         raise Eagle3Error("--compare-plain compares eagle3/pld with plain decoding, not in --chat")
+    if args.chat and jax.process_count() > 1:
+        raise Eagle3Error(
+            f"--chat reads this terminal: run it as one process ({jax.process_count()} joined)"
+        )
     check_settings(args)
     Sampling(args.temperature, args.sample_top_k, args.top_p)  # its errors before the load too
     if args.method != "vanilla":
@@ -204,13 +209,37 @@ def _prompts(args) -> list[Prompt]:
     return prompts
 
 
+def _mesh(text: str | None):
+    """--mesh as a mesh; on several processes it must span every process's devices, over which
+    they decode each batch together."""
+    mesh = parse_mesh(text)
+    n, devices = jax.process_count(), jax.device_count()
+    if n > 1 and (mesh is None or mesh.size != devices):
+        given = f"--mesh {text} covers {mesh.size}" if mesh is not None else "no --mesh uses one"
+        raise Eagle3Error(
+            f"{given} of the {devices} devices of {n} processes: give --mesh DATAxMODEL over "
+            f"all of them (DATA x MODEL = {devices}, MODEL at most one process's "
+            f"{jax.local_device_count()})"
+        )
+    return mesh
+
+
+def _products():
+    """This machine's few-row products (measured once per CPU); on several processes process
+    0's, so that every process compiles the same programs."""
+    fields = distributed.from_primary(
+        "decode: products", lambda: dataclasses.asdict(cpu_tuning.policy_for())
+    )
+    return ProductPolicy(**fields)
+
+
 def _load(args) -> tuple[Target, Head | None, int]:
     """The target (with this machine's few-row products), the head, and the context limit."""
-    mesh = parse_mesh(getattr(args, "mesh", None))
+    mesh = _mesh(getattr(args, "mesh", None))
     t0 = time.perf_counter()
     target = load_target(args.target, dtype=default_dtype(args.dtype), mesh=mesh)
-    # this machine's few-row products (measured once per CPU), for the target and so the head
-    products = cpu_tuning.policy_for()
+    # the few-row products for the target and so the head
+    products = _products()
     target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
     head = load_draft_for(args, target, mesh)
     max_context = args.max_context or target.cfg.max_position_embeddings
@@ -227,11 +256,12 @@ def _load(args) -> tuple[Target, Head | None, int]:
             f" of its {whole}, --draft-vocab {_draft_vocab(args)}" if whole and whole != vd else ""
         )
         what = f" + draft {args.draft} (Vd {vd}{cut})"
-    print(
-        f"loaded {target.path} ({target.cfg.family}, {target.cfg.num_layers} layers){what} "
-        f"in {time.perf_counter() - t0:.1f}s",
-        file=sys.stderr,
-    )
+    if distributed.is_primary():
+        print(
+            f"loaded {target.path} ({target.cfg.family}, {target.cfg.num_layers} layers){what} "
+            f"in {time.perf_counter() - t0:.1f}s",
+            file=sys.stderr,
+        )
     return target, head, max_context
 
 
@@ -242,17 +272,19 @@ def _decode(args) -> int:
     encode = lambda msgs: encode_chat(target.tokenizer, msgs, not args.no_chat_template)  # noqa
     if args.chat:
         return _chat(args, target, head, encode, opts)
-    records = []
+    records, primary = [], distributed.is_primary()  # every process decodes, process 0 tells
     for batch in _batches(prompts, args.batch_size):
         ids = [encode(_messages(p.text, args.system)) for p in batch]
         runs = _run_batch(args, target, head, opts, ids, first=not records)
         for i, (p, pids) in enumerate(zip(batch, ids)):
             rec = _record(args, p, pids, runs, i)
             records.append(rec)
+            if not primary:
+                continue
             if args.json:  # as they come: an interrupted run keeps the prompts it finished
                 write_records(args.json, records)
             _show(args, p, rec, runs, i, len(batch), target)
-    if args.json:
+    if args.json and primary:
         write_records(args.json, records)
         print(f"wrote {len(records)} records to {args.json}", file=sys.stderr)
     return 0
@@ -346,13 +378,10 @@ def _show(args, p: Prompt, rec: dict, runs: _Runs, i: int, batch: int, target) -
 
 def _why_different(plain_out: list[int], out: list[int], target) -> str:
     """Where greedy outputs part, and why that can happen below fp32."""
-    import jax
-    import jax.numpy as jnp
-
     at = metrics.common_prefix(plain_out, out)
     dtype = jax.tree.leaves(target.params)[0].dtype
     why = f" from new token {at} (0-based)"
-    if dtype != jnp.float32:
+    if dtype != np.float32:
         why += (
             f" ({dtype.name} parameters: a verification sums over several tokens in another "
             "order than a decode step over one, and each rounding to "

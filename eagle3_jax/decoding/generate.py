@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from eagle3_jax import distributed
 from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.config import TreeConfig, default_tree
@@ -32,7 +33,7 @@ from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import metrics
 from eagle3_jax.prompts import encode_chat
-from eagle3_jax.sharding import mesh_of
+from eagle3_jax.sharding import mesh_of, put_batch
 
 METHODS = ("eagle3", "pld", "vanilla")
 
@@ -219,17 +220,18 @@ def _speculative(target: Target, head, prompts, opts: DecodeOptions, warmup: boo
     """The speculative engine over a batch: prefill, then rounds on device until every row ends."""
     eng = _engine(target, head, prompts, opts)
     req, key, mesh = eng.req, jax.random.PRNGKey(opts.seed), mesh_of(target.params)
+    # on a mesh, global arrays: the rows over `data`, on every process from the same request
+    prompt, lengths, limit, ones = put_batch(mesh, req.tokens, req.lengths, req.limit,
+                                             np.ones_like(req.limit))  # fmt: skip
     if warmup:
-        st = spec.prefill(*eng.models, req.tokens, req.lengths, np.ones_like(req.limit), key,
-                          *eng.static, mesh=mesh)  # fmt: skip
+        st = spec.prefill(*eng.models, prompt, lengths, ones, key, *eng.static, mesh=mesh)
         jax.block_until_ready(spec.decode_loop(*eng.models, st, *eng.static, eng.method))
     t0 = time.perf_counter()
-    state = spec.prefill(*eng.models, req.tokens, req.lengths, req.limit, key, *eng.static,
-                         mesh=mesh)  # fmt: skip
+    state = spec.prefill(*eng.models, prompt, lengths, limit, key, *eng.static, mesh=mesh)
     state = spec.decode_loop(*eng.models, state, *eng.static, eng.method)
     fields = (state.tokens, state.num_new, state.finish, state.forwards, state.accept_hist,
               state.verified)  # fmt: skip
-    tokens, n, finish, fw, hist, ver = jax.device_get(fields)
+    tokens, n, finish, fw, hist, ver = distributed.to_host(fields)  # every process's rows
     wall = time.perf_counter() - t0
     return _result(
         target, opts, [list(map(int, tokens[i, : n[i]])) for i in range(len(n))],

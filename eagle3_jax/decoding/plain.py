@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax import distributed
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.sampling import Sampling, sample
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
-from eagle3_jax.sharding import mesh_of
+from eagle3_jax.sharding import mesh_of, put_batch
 
 PROMPT_BUCKET = 64
 SLOT_BUCKET = 256
@@ -256,7 +257,7 @@ class Result(NamedTuple):
 
 
 def _collect(state: DecodeState) -> tuple[list[list[int]], list[str]]:
-    tokens, n, finish = jax.device_get((state.tokens, state.num_new, state.finish))
+    tokens, n, finish = distributed.to_host((state.tokens, state.num_new, state.finish))
     return [list(map(int, tokens[i, : n[i]])) for i in range(len(n))], [
         FINISH_REASONS[f] for f in finish
     ]
@@ -284,16 +285,17 @@ def generate(
     args = (cfg, req.shape, sampling, req.eos)
     key = jax.random.PRNGKey(seed)
     mesh = mesh_of(params)
+    tokens, lengths, limit, ones = put_batch(mesh, req.tokens, req.lengths, req.limit,
+                                             np.ones_like(req.limit))  # fmt: skip
     if warmup:
-        ones = np.ones_like(req.limit)
-        state = prefill(params, req.tokens, req.lengths, ones, key, *args, mesh=mesh)
+        state = prefill(params, tokens, lengths, ones, key, *args, mesh=mesh)
         jax.block_until_ready(decode_loop(params, state, *args))
     t0 = time.perf_counter()
-    state = prefill(params, req.tokens, req.lengths, req.limit, key, *args, mesh=mesh)
+    state = prefill(params, tokens, lengths, limit, key, *args, mesh=mesh)
     state = decode_loop(params, state, *args)
     out, reasons = _collect(state)
     wall = time.perf_counter() - t0
-    return Result(out, reasons, int(state.forwards), wall)
+    return Result(out, reasons, int(distributed.to_host(state.forwards)), wall)
 
 
 def stream(
