@@ -31,7 +31,7 @@ from eagle3_jax.decoding.drafters import DRAFTERS
 from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.sampling import Sampling, sample
 from eagle3_jax.decoding.state import SpecState, eos_mask, map_cache, write_pending
-from eagle3_jax.decoding.verify import Verdict, verify_tree
+from eagle3_jax.decoding.verify import Verdict, forward_tree, verify_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
@@ -201,21 +201,27 @@ def _round(
     sampling: Sampling,
     eos_ids,
     method="eagle3",
+    target_pass=forward_tree,
 ) -> SpecState:
     """One round for every row (finished rows ride along unchanged). `method` names a drafter
-    (`drafters.DRAFTERS`); tests may pass a drafter function."""
+    (`drafters.DRAFTERS`); tests may pass a drafter function. `target_pass` is the target's
+    pass over the tree (`verify.verify_tree`); replay.py passes its oracle there, as tparams,
+    with a state that holds no target cache."""
     drafter = DRAFTERS[method] if isinstance(method, str) else method
-    # last round's accepted K/V first: from here on this round only reads the target cache
-    state = dataclasses.replace(
-        state, tcache=write_pending(state.tcache, state.pending_kv, state.pending_at)
-    )
+    if state.tcache:
+        # last round's accepted K/V first: from here on this round only reads the target cache
+        state = dataclasses.replace(
+            state, tcache=write_pending(state.tcache, state.pending_kv, state.pending_at)
+        )
     trees, dcache = drafter(dparams, embed, vocab, state, dcfg, shape, tree)
     key, sub = jax.random.split(state.key)
-    verdict = verify_tree(tparams, trees, state, sub, tcfg, dcfg, shape, tree, sampling)
+    verdict = verify_tree(
+        tparams, trees, state, sub, tcfg, dcfg, shape, tree, sampling, target_pass
+    )
     return _commit(state, verdict, dcache, key, shape, tree, eos_ids)
 
 
-_STATIC = ("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids", "method")
+_STATIC = ("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids", "method", "target_pass")
 round_step = jax.jit(_round, static_argnames=_STATIC, donate_argnums=4)
 
 
@@ -233,12 +239,12 @@ def decode_loop(
     sampling: Sampling,
     eos_ids,
     method="eagle3",
+    target_pass=forward_tree,
 ) -> SpecState:
     """Rounds until every row has finished, on device."""
+    models, static = (tparams, dparams, embed, vocab), (tcfg, dcfg, shape, tree, sampling, eos_ids)
     return jax.lax.while_loop(
         lambda st: jnp.any(st.finish == 0),
-        lambda st: _round(
-            tparams, dparams, embed, vocab, st, tcfg, dcfg, shape, tree, sampling, eos_ids, method
-        ),
+        lambda st: _round(*models, st, *static, method, target_pass),
         state,
     )

@@ -124,10 +124,15 @@ def accept(
     max_children: int,
 ) -> tuple[Accepted, jax.Array]:
     """Batched: (Accepted with [B]-leading fields, bonus [B]), greedy or sampled as `sampling`
-    says. max_children bounds any node's child count (the tree's top_k)."""
+    says. max_children bounds any node's child count (the tree's top_k). Greedy also takes the
+    target's tokens themselves, int [B, N+1], in place of logits (replay.py's oracle)."""
     b = logits_BNV.shape[0]
     if sampling.greedy:
-        target_tokens = jnp.argmax(logits_BNV, axis=-1).astype(jnp.int32)
+        target_tokens = (
+            logits_BNV
+            if jnp.issubdtype(logits_BNV.dtype, jnp.integer)
+            else jnp.argmax(logits_BNV, axis=-1).astype(jnp.int32)
+        )
         acc = jax.vmap(greedy_accept, in_axes=(0, 0, None))(trees, target_tokens, depth)
         return acc, target_tokens[jnp.arange(b), acc.last]
     logp = log_probs(logits_BNV, sampling)
@@ -175,16 +180,17 @@ class Verdict(NamedTuple):
 
 
 def _check(
-    tparams, trees: Tree, state: SpecState, key, size: int, tcfg, dcfg, shape, tree, sampling
-):
+    tparams, trees: Tree, state: SpecState, key, size: int, tcfg, dcfg, shape, tree, sampling,
+    target_pass,
+):  # fmt: skip
     """Steps 3-4 on the tree's best `size` nodes: verify, accept, gather the path's K/V.
     Returns the Verdict's fields but `verified`."""
     e = tree.depth + 1
     if size < trees.tokens.shape[1]:
         trees = jax.vmap(prune_tree, in_axes=(0, None))(trees, size)
-    tout = forward_tree(tparams, trees, state, tcfg, dcfg, shape)
+    tout = target_pass(tparams, trees, state, tcfg, dcfg, shape)
     acc, bonus = accept(trees, tout.logits, key, sampling, tree.depth, tree.top_k)
-    path_kv = map_cache(
+    path_kv = tout.cache and map_cache(  # a replay's oracle has no cache: {}
         lambda new: jnp.take_along_axis(new, acc.path[:, :, None, None], axis=1), tout.cache
     )
     path_next = jnp.take_along_axis(
@@ -209,15 +215,17 @@ def verify_tree(
     shape: Shape,
     tree: TreeConfig,
     sampling: Sampling,
+    target_pass=forward_tree,
 ) -> Verdict:
     """Steps 3-4 of a round on the B trees (N + 1 nodes each): the target's pass, acceptance and
     the accepted path. With adaptive verification on the full tree, one `lax.switch` branch per
     compiled size runs the smallest that holds every node at or above the threshold, over the
-    running rows."""
+    running rows. `target_pass` is `forward_tree`, or a function of its arguments giving what
+    acceptance reads from it (replay.py's oracle: the target's greedy tokens and features)."""
     n1 = trees.tokens.shape[1]
     check = functools.partial(
         _check, tparams, trees, state, key, tcfg=tcfg, dcfg=dcfg, shape=shape, tree=tree,
-        sampling=sampling,
+        sampling=sampling, target_pass=target_pass,
     )  # fmt: skip
     sizes = tree.verify_sizes if n1 == tree.total_tokens else (n1,)
     if len(sizes) == 1:
