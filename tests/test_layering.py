@@ -59,6 +59,7 @@ RANKS = {
     "eagle3_jax.decoding.verify": 3,
     "eagle3_jax.decoding.speculative": 3,
     "eagle3_jax.decoding.generate": 3,
+    "eagle3_jax.decoding.replay": 3,
     "eagle3_jax.training.features": 3,
     "eagle3_jax.training.step": 3,
     "eagle3_jax.training.ttt": 3,
