@@ -81,6 +81,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="skip the vanilla runs: tau and acceptance only (no speedup, no exactness)",
     )
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="greedy only: replay pld and eagle3 over vanilla's answers (run first) instead of "
+        "decoding them: the same tau and acceptance from draft-only rounds; no timing, no "
+        "speedup (docs/replay.md)",
+    )
     return p.parse_args(argv)
 
 
@@ -112,6 +119,7 @@ def main(argv=None) -> int:
         progress=not args.no_progress,
         baseline=not args.no_baseline,
         draft_vocab=tuple(args.draft_vocab),
+        replay=args.replay,
     )
     try:
         distributed.initialize()  # a pod / SLURM / multi-process job: join it first

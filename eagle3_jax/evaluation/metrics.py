@@ -163,15 +163,21 @@ def group_stats(records: Sequence[dict], method: str, task: str | None) -> dict:
 def summarize(
     records: Sequence[dict], methods: Sequence[str], tasks: Sequence[str], greedy: bool
 ) -> dict:
-    """Per method: stats per task and overall, plus exactness vs vanilla (greedy runs only)."""
+    """Per method: stats per task and overall, plus exactness vs vanilla (greedy runs only);
+    `replayed` when its records were replayed over vanilla's answers (τ and acceptance only:
+    no speedup, and no exactness, their outputs being vanilla's by construction)."""
     out = {}
     for m in methods:
         mine = _select(records, method=m)
+        replayed = bool(mine) and all(r.get("replayed") for r in mine)
         out[m] = {
             "tasks": {t: group_stats(records, m, t) for t in tasks},
             "overall": group_stats(records, m, None),
             "exactness": (
-                exactness(mine, _select(records, method=VANILLA)) if greedy and mine else None
+                exactness(mine, _select(records, method=VANILLA))
+                if greedy and mine and not replayed
+                else None
             ),
+            "replayed": replayed,
         }
     return {"methods": list(methods), "tasks": list(tasks), "by_method": out}

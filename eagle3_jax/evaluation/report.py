@@ -78,6 +78,12 @@ def report_markdown(summary: dict, opts, n_questions: int, n_seeds: int, cuts=No
         "Cells: τ (tokens per verification round) / speedup over vanilla (throughput ratio, "
         "same run); mean ± std over seeds. Exact: fraction of questions whose greedy output equals "
         "vanilla's."
+        + (
+            " A method marked (τ replayed) was replayed over vanilla's greedy answers "
+            "(--replay, docs/replay.md): decoding's τ and acceptance, no timing."
+            if any(summary["by_method"][m].get("replayed") for m in methods)
+            else ""
+        )
         + "".join(
             f" Draft `{n}` cut to its first {k} ids (--draft-vocab)."
             for n, k in (cuts or {}).items()
@@ -93,7 +99,8 @@ def report_markdown(summary: dict, opts, n_questions: int, n_seeds: int, cuts=No
             for g in [s["tasks"][t] for t in tasks] + [s["overall"]]
         ]
         ex = "–" if s["exactness"] is None else f"{s['exactness']:.2f}"
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {ex} |")
+        name = f"{m} (τ replayed)" if s.get("replayed") else m
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {ex} |")
     lines += [
         "",
         "## Throughput (tokens/s, overall) and tree tokens verified per round",

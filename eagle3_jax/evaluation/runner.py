@@ -37,6 +37,7 @@ from eagle3_jax.checkpoints.heads import draft_vocab_sizes, load_head, parse_dra
 from eagle3_jax.compile_cache import release_if_crowded
 from eagle3_jax.config import TreeConfig, default_dtype, default_tree
 from eagle3_jax.decoding.generate import DecodeOptions, Generation, generate_ids
+from eagle3_jax.decoding.replay import replay_ids
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.errors import Eagle3Error, differing_keys
 from eagle3_jax.evaluation import metrics
@@ -45,7 +46,7 @@ from eagle3_jax.evaluation.report import write_outputs
 from eagle3_jax.prompts import encode_chat
 from eagle3_jax.sharding import make_mesh, parse_mesh
 
-TIMING_KEYS = ("wall_time_s", "tokens_per_s", "batch_wall_time_s")
+TIMING_KEYS = ("wall_time_s", "tokens_per_s", "batch_wall_time_s", "replay_time_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,7 @@ class EvalOptions:
     baseline: bool = True  # run vanilla too (speedup, exactness); False: tau only
     draft_vocab: tuple[str, ...] = ()  # --draft-vocab [NAME=]auto|full|N; unnamed: every draft
     mesh: str | None = None  # --mesh DATAxMODEL; records do not depend on it (not fingerprinted)
+    replay: bool = False  # speculative methods' τ replayed over vanilla's answers (decoding.replay)
 
 
 def parse_drafts(specs: Sequence[str]) -> dict[str, str]:
@@ -217,6 +219,8 @@ def fingerprint(
     extra["questions_digest"] = hashlib.sha256(qfile.read_bytes()).hexdigest()[:16]
     if drafts:
         extra["draft_digests"] = {n: head_digest(p) for n, p in drafts.items()}
+    if opts.replay:
+        extra["replay"] = True
     return {
         "target": target_path,
         "drafts": drafts,
@@ -409,12 +413,25 @@ class Models:
         head = self.drafts[m.draft] if m.draft else None
         return generate_ids(self.target, head, ids, opts, warmup=True)
 
+    def replay(self, m: MethodSpec, ids, answers, max_new: int) -> Generation:
+        """Method m's greedy generation replayed over the target's greedy `answers` (`replay_ids`:
+        its τ and acceptance; no timing)."""
+
+        release_if_crowded()
+        opts = DecodeOptions(m.kind, max_new, TreeConfig(*m.tree))
+        head = self.drafts[m.draft] if m.draft else None
+        return replay_ids(self.target, head, ids, answers, opts)
+
 
 def run_questions(
-    models: Models, m: MethodSpec, batch: Sequence[Question], sampling, seed: int, max_new: int
-) -> list[dict]:
+    models: Models, m: MethodSpec, batch: Sequence[Question], sampling, seed: int, max_new: int,
+    answers: Sequence[dict] | None = None,
+) -> list[dict]:  # fmt: skip
     """Every turn of a batch of questions with one method; turn t+1 is conditioned on the model's
-    own answer to turn t (chat template history). Both turns are timed and counted."""
+    own answer to turn t (chat template history). Both turns are timed and counted. `answers`
+    (vanilla's records of the batch): the method is replayed over their answers, turn by turn
+    (`replay_ids`): its records say `replayed`, decoding's time in them is 0 and the replay's
+    own is `replay_time_s`."""
 
     tok = models.target.tokenizer
     history: list[list[dict[str, str]]] = [[] for _ in batch]
@@ -424,7 +441,10 @@ def run_questions(
         for i in active:
             history[i].append({"role": "user", "content": batch[i].turns[t]})
         ids = [encode_chat(tok, history[i]) for i in active]
-        res = models.generate(m, ids, sampling, seed, max_new)
+        if answers is None:
+            res = models.generate(m, ids, sampling, seed, max_new)
+        else:
+            res = models.replay(m, ids, [answers[i]["output_ids"][t] for i in active], max_new)
         wall = res.wall_time_s
         for i, pids, row in zip(active, ids, res.rows()):
             out, text = row.output_ids, row.text
@@ -443,6 +463,9 @@ def run_questions(
                     "batch_wall_time_s": wall,
                 }
             )
+            if answers is not None:  # not decoding's time: the replay's own, apart
+                turns[i][-1].update(wall_time_s=0.0, batch_wall_time_s=0.0,
+                                    replay_time_s=wall / len(active))  # fmt: skip
     recs = []
     for q, ts in zip(batch, turns):
         hists = [x["accept_hist"] for x in ts if x["accept_hist"] is not None]
@@ -464,6 +487,9 @@ def run_questions(
             ),
             "turns": ts,
         }
+        if answers is not None:
+            rec["replayed"] = True
+            rec["replay_time_s"] = sum(x["replay_time_s"] for x in ts)
         rec["tau"] = metrics.tau([rec])
         rec["tokens_per_s"] = metrics.throughput([rec])
         if hists:
@@ -487,6 +513,11 @@ def run_eval(opts: EvalOptions) -> dict:
     methods = parse_methods(opts.methods, drafts, opts.baseline)
     if not methods:
         raise Eagle3Error("no method to run: --no-baseline needs pld or eagle3 in --methods")
+    if opts.replay and (not opts.baseline or opts.temperature != 0):
+        raise Eagle3Error(
+            "--replay replays greedy decoding over vanilla's answers: it needs temperature 0 "
+            "and vanilla (drop --no-baseline)"
+        )
     unused = set(drafts) - {m.draft for m in methods}
     if unused:
         raise Eagle3Error(f"--draft {', '.join(sorted(unused))} is used by no method")
@@ -583,7 +614,12 @@ def _run_pending(models, methods, units, sampling, opts, rec_path, records, done
                 todo = [q for q in batch if (q.id, m.label, seed) not in done]
                 if not todo:
                     continue
-                for rec in run_questions(models, m, todo, sampling, seed, opts.max_new_tokens):
+                answers = None  # --replay: vanilla's records of these questions (run first)
+                if opts.replay and m.kind != "vanilla":
+                    base = {record_key(r): r for r in records if r["method"] == "vanilla"}
+                    answers = [base[(str(q.id), "vanilla", seed)] for q in todo]
+                for rec in run_questions(models, m, todo, sampling, seed, opts.max_new_tokens,
+                                         answers):  # fmt: skip
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
                     records.append(rec)
