@@ -116,7 +116,7 @@ def test_speculative_methods_reproduce_vanilla(method, tiny_target_dir, head_dir
 
 
 def test_method_defaults():
-    from eagle3_jax.cli.decode import resolve_method
+    from eagle3_jax.cli.decode_flags import resolve_method
     from eagle3_jax.heads import DEFAULT_HEAD
 
     def resolved(*argv):
@@ -132,7 +132,7 @@ def test_method_defaults():
 
 
 def test_tree_defaults_follow_the_backend():
-    from eagle3_jax.cli.decode import _tree
+    from eagle3_jax.cli.decode_flags import tree_of as _tree
 
     cpu, gpu = default_tree("cpu"), default_tree("gpu")
     assert cpu == TreeConfig(top_k=2, depth=3, total_tokens=4, verify_threshold=0.3)

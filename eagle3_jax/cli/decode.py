@@ -9,6 +9,8 @@
 
 Every flag's default runs on the embedded SmolLM2-135M-Instruct with its shipped EAGLE-3 head. See
 docs/cli.md for the --json schema. `python decode.py` (the checkout's script) is the same command.
+Several processes (a pod slice, a SLURM job) run the same command with --mesh DATAxMODEL over all
+their devices and decode each batch together; process 0 prints and writes (docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,14 +29,13 @@ import numpy as np
 from eagle3_jax import compile_cache, cpu_tuning, distributed
 from eagle3_jax.checkpoints import Target, load_target
 from eagle3_jax.checkpoints.atomic import write_text_atomic
-from eagle3_jax.checkpoints.heads import Head, load_head, parse_draft_vocab
-from eagle3_jax.config import ProductPolicy, default_dtype, default_tree
+from eagle3_jax.checkpoints.heads import Head, load_head
+from eagle3_jax.cli import decode_flags
+from eagle3_jax.config import ProductPolicy, default_dtype
 from eagle3_jax.decoding.generate import DecodeOptions, Generation, generate_ids, stream_ids
-from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import metrics
-from eagle3_jax.heads import default_head
-from eagle3_jax.prompts import Prompt, encode_chat, read_prompt_file
+from eagle3_jax.prompts import Prompt, encode_chat
 from eagle3_jax.sharding import parse_mesh
 
 
@@ -63,53 +62,9 @@ def decode_main(args) -> int:
         return 130
 
 
-def check_settings(args) -> None:
-    """Every numeric flag finite and in range, and the --json path writable, before any work."""
-    for name in ("temperature", "top_p", "verify_threshold"):
-        v = getattr(args, name, None)
-        if v is not None and not math.isfinite(v):
-            raise Eagle3Error(f"--{name.replace('_', '-')} {v}: give a finite number")
-    v = getattr(args, "verify_threshold", None)
-    if v is not None and not 0.0 <= v <= 1.0:
-        raise Eagle3Error(f"--verify-threshold {v}: give a probability in [0, 1]")
-    for name in ("max_new_tokens", "batch_size", "timing_runs"):
-        if getattr(args, name, 1) < 1:
-            raise Eagle3Error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
-    if args.max_context is not None and args.max_context < 2:
-        raise Eagle3Error(f"--max-context {args.max_context}: give 2 or more positions")
-    if args.json:  # process 0 writes it, so checks it; the others get its error
-        distributed.from_primary("decode: --json", lambda: check_writable(args.json, "--json"))
-
-
-def check_writable(path: str | Path, what: str) -> None:
-    """Refuses an output file that cannot be written, before the work that would fill it."""
-    path = Path(path)
-    if path.is_dir():
-        raise Eagle3Error(f"{what} {path} is a directory: give a file name")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise Eagle3Error(f"{what} {path}: the folder {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise Eagle3Error(f"{what} {path} cannot be written here (permissions)")
-
-
 def write_records(path: str | Path, records: list[dict]) -> None:
     """A JSON list, one record per line (easy to read and to diff), replaced atomically."""
     write_text_atomic(path, "[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n")
-
-
-def resolve_method(args) -> None:
-    """Fills --method / --draft defaults: the embedded target decodes with its shipped head."""
-    if args.method is None:
-        args.method = "eagle3" if args.draft or args.target is None else "vanilla"
-    if args.method == "eagle3" and not args.draft and args.target is None:
-        args.draft = str(default_head())
-
-
-def _draft_vocab(args):
-    """--draft-vocab parsed: "auto" (also when the namespace has no such flag), "full" or N."""
-
-    return parse_draft_vocab(getattr(args, "draft_vocab", None) or "auto")
 
 
 def load_draft_for(args, target, mesh=None) -> Head | None:
@@ -123,7 +78,9 @@ def load_draft_for(args, target, mesh=None) -> Head | None:
             "model.safetensors), or use --method vanilla / pld"
         )
 
-    head = load_head(args.draft, target, default_dtype(args.dtype), _draft_vocab(args), mesh)
+    head = load_head(
+        args.draft, target, default_dtype(args.dtype), decode_flags.draft_vocab(args), mesh
+    )
     if getattr(args, "spec_candidates", None):
         if not head.cfg.speculator_rank:
             raise Eagle3Error("--spec-candidates applies to SpecVocab heads only")
@@ -131,82 +88,6 @@ def load_draft_for(args, target, mesh=None) -> Head | None:
             cfg=dataclasses.replace(head.cfg, spec_candidates=args.spec_candidates)
         )
     return head
-
-
-def _tree(args):
-    """The tree from --top-k/--depth/--total-tokens/--verify-threshold, each unset one from the
-    backend's default (`default_tree`: a small adaptive tree on the CPU, EAGLE-3's
-    60-token tree on accelerators)."""
-
-    return default_tree(
-        top_k=getattr(args, "top_k", None),
-        depth=getattr(args, "depth", None),
-        total_tokens=getattr(args, "total_tokens", None),
-        verify_threshold=getattr(args, "verify_threshold", None),
-    )
-
-
-def _check_tree(args) -> None:
-    """The tree's shape, checked; an error says which flags were left to the backend's default."""
-
-    try:
-        _tree(args).validate(10**9)
-    except Eagle3Error as e:
-        fields = ("top_k", "depth", "total_tokens")
-        unset = [f"--{f.replace('_', '-')}" for f in fields if getattr(args, f, None) is None]
-        if not unset:
-            raise
-        d = default_tree()
-        raise Eagle3Error(
-            f"{e}; unset, {' '.join(unset)} took this backend's default tree (--top-k {d.top_k} "
-            f"--depth {d.depth} --total-tokens {d.total_tokens}): give them too"
-        ) from None
-
-
-def decode_options(args, max_context: int) -> DecodeOptions:
-    """The flags as the one `DecodeOptions` every batch and the chat decode with."""
-    return DecodeOptions(
-        method=args.method,
-        max_new_tokens=args.max_new_tokens,
-        tree=_tree(args),
-        sampling=Sampling(args.temperature, args.sample_top_k, args.top_p),
-        seed=args.seed,
-        max_context=max_context,
-        same_engine=args.same_engine,
-    )
-
-
-def _prompts(args) -> list[Prompt]:
-    """The flags checked (before the slow load) and the prompts they name (none for --chat)."""
-    if args.batch_size < 1:
-        raise Eagle3Error(f"--batch-size {args.batch_size} < 1")
-    if args.timing_runs < 1:
-        raise Eagle3Error(f"--timing-runs {args.timing_runs} < 1")
-    resolve_method(args)
-    if args.compare_plain and (args.method == "vanilla" or args.chat):
-        raise Eagle3Error("--compare-plain compares eagle3/pld with plain decoding, not in --chat")
-    if args.chat and jax.process_count() > 1:
-        raise Eagle3Error(
-            f"--chat reads this terminal: run it as one process ({jax.process_count()} joined)"
-        )
-    check_settings(args)
-    Sampling(args.temperature, args.sample_top_k, args.top_p)  # its errors before the load too
-    if args.method != "vanilla":
-        _check_tree(args)  # shape errors before the (slow) load; Vd is checked later
-    if args.method == "eagle3":
-        _draft_vocab(args)  # its errors before the (slow) load, too
-    if args.prompt_file:
-        prompts = read_prompt_file(args.prompt_file)
-    elif args.prompt:
-        prompts = [Prompt(str(i), t) for i, t in enumerate(args.prompt)]
-    elif args.chat:
-        prompts = []
-    else:
-        prompts = [Prompt("0", "What is speculative decoding? Answer in three sentences.")]
-    for p in prompts:
-        if not p.text.strip():
-            raise Eagle3Error(f"prompt {p.id} is empty: give some text")
-    return prompts
 
 
 def _mesh(text: str | None):
@@ -248,27 +129,27 @@ def _load(args) -> tuple[Target, Head | None, int]:
             f"--max-context {max_context} is more than {target.path} holds "
             f"({target.cfg.max_position_embeddings} positions): give at most that"
         )
-    what = ""
-    if head is not None:
-        vd = head.cfg.draft_vocab_size
-        whole = json.loads((Path(args.draft) / "config.json").read_text()).get("draft_vocab_size")
-        cut = (
-            f" of its {whole}, --draft-vocab {_draft_vocab(args)}" if whole and whole != vd else ""
-        )
-        what = f" + draft {args.draft} (Vd {vd}{cut})"
     if distributed.is_primary():
-        print(
-            f"loaded {target.path} ({target.cfg.family}, {target.cfg.num_layers} layers){what} "
-            f"in {time.perf_counter() - t0:.1f}s",
-            file=sys.stderr,
-        )
+        print(f"loaded {_what(args, target, head)} in {time.perf_counter() - t0:.1f}s",
+              file=sys.stderr)  # fmt: skip
     return target, head, max_context
 
 
+def _what(args, target: Target, head: Head | None) -> str:
+    """The target and head loaded, as the line after the load names them."""
+    what = f"{target.path} ({target.cfg.family}, {target.cfg.num_layers} layers)"
+    if head is None:
+        return what
+    vd = head.cfg.draft_vocab_size
+    whole = json.loads((Path(args.draft) / "config.json").read_text()).get("draft_vocab_size")
+    cut = f" of its {whole}, --draft-vocab {decode_flags.draft_vocab(args)}"
+    return f"{what} + draft {args.draft} (Vd {vd}{cut if whole and whole != vd else ''})"
+
+
 def _decode(args) -> int:
-    prompts = _prompts(args)
+    prompts = decode_flags.read_prompts(args)
     target, head, max_context = _load(args)
-    opts = decode_options(args, max_context)
+    opts = decode_flags.decode_options(args, max_context)
     encode = lambda msgs: encode_chat(target.tokenizer, msgs, not args.no_chat_template)  # noqa
     if args.chat:
         return _chat(args, target, head, encode, opts)
@@ -354,7 +235,11 @@ def _show(args, p: Prompt, rec: dict, runs: _Runs, i: int, batch: int, target) -
     extra = ""
     if "acceptance_by_depth" in rec:
         extra = " alpha by depth " + " ".join(f"{a:.2f}" for a in rec["acceptance_by_depth"])
-    if "verified_per_round" in rec and args.method == "eagle3" and _tree(args).verify_threshold > 0:
+    if (
+        "verified_per_round" in rec
+        and args.method == "eagle3"
+        and decode_flags.tree_of(args).verify_threshold > 0
+    ):
         extra += f", {rec['verified_per_round']:.2f} tokens verified per round"
     times = f", median of {runs.count} runs" if runs.count > 1 else ""
     print(
@@ -425,131 +310,8 @@ def _chat(args, target, head, encode, opts: DecodeOptions) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--target",
-        default=None,
-        help="transformers checkpoint dir, .gguf file or eagle3_jax converted dir "
-        "(default: the embedded SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--method",
-        default=None,
-        choices=["eagle3", "pld", "vanilla"],
-        help="eagle3: draft tree from --draft; pld: prompt lookup chain; vanilla: plain "
-        "(default: eagle3 with --draft or on the embedded default target, else vanilla)",
-    )
-    p.add_argument(
-        "--draft",
-        default=None,
-        help="EAGLE-3 head directory in the official format (config.json + safetensors); "
-        "default on the embedded target: the head shipped in eagle3_jax/heads",
-    )
-    p.add_argument(
-        "--draft-vocab",
-        default="auto",
-        metavar="auto|full|N",
-        help="draft ids the head proposes from: full (all), N (the first N its vocab_order.json "
-        "lists: a smaller output layer, cheaper rounds on a CPU) or auto (default: on the CPU "
-        "the size its vocab_order.json names, if any, else all; the shipped head: 8,192 of "
-        "16,384 on the CPU)",
-    )
-    p.add_argument(
-        "--compare-plain",
-        action="store_true",
-        help="also decode each batch plainly and report the speedup and whether outputs match",
-    )
-    # Unset tree flags come from the backend's default (eagle3_jax.decoding.default_tree):
-    # on the CPU the best shape measured with the Vd 8,192 GPU head (4 nodes, the 2 best tokens at each
-    # depth, 3 deep, verify threshold 0.3); on GPUs/TPUs, where verifying more tokens is nearly free,
-    # EAGLE-3's reporting tree (top-k 10, depth 8 = EAGLE's 7, 60 tokens). See BENCHMARKS.md.
-    p.add_argument(
-        "--top-k",
-        type=int,
-        default=None,
-        help="children per expanded tree node (1 = a chain); default 2 on the CPU, 10 elsewhere",
-    )
-    p.add_argument(
-        "--depth",
-        type=int,
-        default=None,
-        help="max drafted tokens per path (pld: chain length); default 3 on the CPU, 8 elsewhere",
-    )
-    p.add_argument(
-        "--total-tokens",
-        type=int,
-        default=None,
-        help="tree nodes verified per round, root included; default 4 on the CPU, 60 elsewhere "
-        "(capped at what --top-k and --depth hold: --top-k 1 alone is a chain)",
-    )
-    p.add_argument(
-        "--verify-threshold",
-        type=float,
-        default=None,
-        help="adaptive verification: verify only the nodes whose cumulative draft probability is "
-        "at least this (rounded up to a compiled size: 1, 2, 4, ..., total), and skip draft levels "
-        "none could pass; 0 = every node every round. Default: 0.3 on the CPU, where verifying "
-        "costs (docs/cli.md), 0 on accelerators",
-    )
-    p.add_argument(
-        "--spec-candidates",
-        type=int,
-        default=None,
-        help="SpecVocab heads: exact-logit candidates per drafted row (default: the head's, 2048)",
-    )
-    p.add_argument(
-        "--same-engine",
-        action="store_true",
-        help="run vanilla through the speculative engine's verification step",
-    )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", action="append", help="a user message (repeatable)")
-    src.add_argument(
-        "--prompt-file", help="one prompt per line, or FastChat/Spec-Bench JSONL (first turn)"
-    )
-    src.add_argument("--chat", action="store_true", help="interactive chat with streamed output")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument(
-        "--sample-top-k", type=int, default=0, help="sampling: keep the k most likely (0 = off)"
-    )
-    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass (1.0 = off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument(
-        "--max-context",
-        type=int,
-        default=None,
-        help="context limit in tokens (default: the model's max_position_embeddings)",
-    )
-    p.add_argument(
-        "--mesh",
-        default=None,
-        help="DATAxMODEL devices (e.g. 1x8): the target and head tensor-parallel over MODEL, the "
-        "batch over DATA (default: one device)",
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
-    )
-    p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
-    p.add_argument("--system", default=None, help="system message (default: the template's own)")
-    p.add_argument("--json", default=None, help="write one record per prompt to this file")
-    p.add_argument(
-        "--timing-runs",
-        type=int,
-        default=1,
-        help="run each batch N times (with --compare-plain alternating with plain decoding) and "
-        "report the median wall time: a steadier speedup on a noisy machine",
-    )
-    p.add_argument(
-        "--no-warmup", action="store_true", help="time the first batch including compilation"
-    )
-    return p.parse_args(argv)
+    """decode's flags (decode_flags.py), with this module's usage atop --help."""
+    return decode_flags.parse_args(argv, __doc__)
 
 
 def main(argv=None) -> int:
