@@ -588,7 +588,7 @@ def _decode_runs(target, head, out: Path, *more: str) -> list[list[str]]:
     ]
 
 
-@pytest.mark.slow  # ~2-3 min on 2 busy cores
+@pytest.mark.slow  # over the default suite's time on 2 busy cores (measured in the commit)
 def test_decode_on_a_mesh_over_two_processes_equals_one_device(
     tiny_target_dir, decode_head, tmp_path, monkeypatch
 ):
