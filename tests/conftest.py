@@ -11,6 +11,34 @@ os.environ.setdefault("EAGLE3_JAX_COMPILATION_CACHE", "0")
 
 import pytest  # noqa: E402
 
+_maps = {"peak": 0, "cleared": 0}
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_mappings():
+    """The default suite runs in one process, and XLA:CPU maps every compiled kernel into it
+    separately: ~370 tests' programs pass Linux's vm.max_map_count (65,530), and the next
+    compilation then crashes the process (a segfault inside XLA's compiler, as CI saw). After
+    each test the programs held in memory are dropped once the mappings pass half the limit
+    (compile_cache.release_if_crowded, what the long-lived tools do)."""
+    yield
+    from eagle3_jax import compile_cache
+
+    counts = compile_cache._map_counts()
+    if counts:
+        _maps["peak"] = max(_maps["peak"], counts[0])
+        _maps["limit"] = counts[1]
+    _maps["cleared"] += compile_cache.release_if_crowded(0.5)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _maps["peak"]:
+        terminalreporter.write_line(
+            f"memory mappings: peak {_maps['peak']:,} of {_maps['limit']:,} allowed; compiled "
+            f"programs dropped {_maps['cleared']} times"
+        )
+
+
 FAMILY_CONFIGS = {
     "llama": dict(
         cls="LlamaConfig",
