@@ -14,6 +14,10 @@ Stages (rerun the same command after any stop; each stage resumes or skips what 
   4. drafting time per step of every head at each tree's top-k (benchmarks/draft_cost.py);
   5. one harness run per tree (--trees; `cpu` is decode.py's default tree on this machine):
      plain decoding and every head, interleaved per question, each head at its own vocabulary;
+     at the `cpu` tree every head decodes for real (τ and speedup), at the other trees each head
+     is replayed over plain decoding's greedy answers (`eval --replay`: the same τ as decoding,
+     draft-only rounds, so ten heads at the 60-node tree cost hours less; their speed is stage
+     4's drafting time);
   6. SpecVocab's speculator recall on held-out answers (benchmarks/speculator_recall.py);
   7. the report (eagle3_jax.evaluation.study): the paper-shaped table, per-question paired
      intervals against --reference, drafting time per step and per round, training curves, plots.
@@ -157,6 +161,8 @@ def study_stages(args: argparse.Namespace, out: Path) -> None:
               "--bench", args.bench, "--questions", str(args.questions), "--draft-vocab", "full",
               "--max-new-tokens", str(args.max_new_tokens), "--no-progress",
               "--out", str(out / f"eval_{name}")]  # fmt: skip
+        if name != "cpu":  # τ only: each head replayed over plain decoding's answers (exact)
+            ev.append("--replay")
         for d in drafts:
             ev += ["--draft", d]
         run(ev)  # 5 (resumes from its records)

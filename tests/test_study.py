@@ -65,6 +65,35 @@ def test_rows_measure_each_head_against_the_reference():
     assert spec["round_ms"] == pytest.approx(1e3 * 6 / (3 * 10 + 3 * 16))
 
 
+def _replayed(res: dict) -> dict:
+    """The run as `eval --replay` writes it: the heads' records replayed, decoding time 0."""
+    for r in res["records"]:
+        if r["method"] != "vanilla":
+            r.update(replayed=True, wall_time_s=0.0, replay_time_s=0.5)
+    return res
+
+
+def test_replayed_heads_have_tau_and_no_speed(tmp_path):
+    """A tree measured by replay gives each head its tau and paired tau differences, and no
+    throughput, speedup or time per round (the run timed none of its rounds); the report says
+    so and the plots leave the throughput panel empty."""
+    res = _replayed(_results())
+    rows = {r["head"]: r for r in study.head_rows(res, HEADS, "ref", COSTS)}
+    spec = rows["spec"]
+    assert spec["replayed"] and spec["tau_by_task"] == pytest.approx({"mt_bench": 4.0, "qa": 2.5})
+    assert spec["tokens_per_s"] is None and spec["speedup"] is None and spec["round_ms"] is None
+    assert set(spec["vs_reference"]) == {"tau"}
+    assert spec["vs_reference"]["tau"]["mean"] == pytest.approx((2.0 + 0.5) / 2)
+    text, summary = study.report({"10/8/60": res, "cpu": _results(tree=[2, 3, 4])}, HEADS, "ref",
+                                 {"10/8/60": COSTS}, None)  # fmt: skip
+    assert "| spec (replayed) | specvocab |" in text and "timed none of their rounds" in text
+    assert "| spec | specvocab |" in text  # the cpu tree decoded for real
+    assert any(
+        line.startswith("| spec | +1.25 (") and " | - | " in line for line in text.splitlines()
+    )
+    assert all(p.stat().st_size > 1000 for p in study.plot(summary, None, tmp_path))
+
+
 def test_a_run_with_two_tree_shapes_is_refused():
     res = _results()
     res["config"]["methods"][2]["tree"] = [4, 4, 16]

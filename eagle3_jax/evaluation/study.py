@@ -103,6 +103,9 @@ def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: 
             continue
         mine = [r for r in recs if r["method"] == label]
         rounds = sum(int(r["target_forwards"]) - int(r.get("num_generations", 1)) for r in mine)
+        # replayed over vanilla's answers (eval --replay): τ and acceptance, no decoding time
+        replayed = bool(mine) and all(r.get("replayed") for r in mine)
+        timed = not replayed and rounds > 0
         row = {
             "head": h.name,
             "family": h.family,
@@ -111,17 +114,20 @@ def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: 
             "questions": len({str(r["question_id"]) for r in mine}),
             "tau": metrics.tau(mine),
             "tau_by_task": {t: metrics.tau([r for r in mine if r["task"] == t]) for t in tasks},
-            "tokens_per_s": metrics.throughput(mine),
-            "speedup": metrics.speedup(mine, vanilla),
+            "replayed": replayed,
+            "tokens_per_s": metrics.throughput(mine) if timed else None,
+            "speedup": metrics.speedup(mine, vanilla) if timed else None,
             "round_ms": 1e3 * sum(float(r["wall_time_s"]) for r in mine) / rounds
-            if rounds
-            else float("nan"),
+            if timed
+            else None,
             "draft_step_ms": (costs.get(h.name) or {}).get("step_ms_rows1", float("nan")),
             "draft_round_ms": round_draft_ms(costs.get(h.name), tree),
         }
         if ref is not None and label != ref:
             cmp = paired.compare(recs, label, ref)
-            row["vs_reference"] = {k: v.as_dict() for k, v in cmp.items()}
+            row["vs_reference"] = {
+                k: v.as_dict() for k, v in cmp.items() if timed or k != "throughput"
+            }
             row["vs_reference_by_task"] = {
                 t: paired.compare(recs, label, ref, task=t)["tau"].as_dict() for t in tasks
             }
@@ -160,6 +166,15 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
         "tau per task (tokens per target forward, bonus included), throughput and speedup over "
         "plain decoding in the same run; drafting time of one round of this tree (ms). "
         "The paper's columns are the SpecVocab paper's H100 figures for its own targets.",
+        *(
+            [
+                "Heads marked replayed were replayed over plain decoding's greedy answers "
+                "(`eval --replay`, docs/replay.md): their tau is decoding's, but the run timed "
+                "none of their rounds, so their speed is the drafting time beside it."
+            ]
+            if any(r.get("replayed") for r in rows)
+            else []
+        ),
         "",
         "| head | method | Vd | "
         + " | ".join(tasks)
@@ -169,7 +184,8 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
     ]
     for r in rows:
         out.append(
-            f"| {r['head']} | {r['family']} | {_vocab(r['vocab'])} | "
+            f"| {r['head']}{' (replayed)' if r.get('replayed') else ''} | {r['family']} | "
+            f"{_vocab(r['vocab'])} | "
             + " | ".join(_f(r["tau_by_task"][t]) for t in tasks)
             + f" | {_f(r['tau'])} | {_f(r['tokens_per_s'], 1)} | {_f(r['speedup'], 2, 'x')}"
             f" | {_f(r['round_ms'], 1)} | {_f(r['draft_round_ms'], 1)} | {_paper_cells(r['family'])} |"
@@ -188,7 +204,7 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
         by_task = r.get("vs_reference_by_task", {})
         out.append(
             f"| {r['head']} | {_paired_text(vs and vs['tau'])} | "
-            f"{_paired_text(vs and vs['throughput'])} | "
+            f"{'-' if vs and r['replayed'] else _paired_text(vs and vs['throughput'])} | "
             + " | ".join(_paired_text(by_task.get(t)) if vs else "-" for t in tasks)
             + " |"
         )
@@ -306,7 +322,9 @@ def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list
         ys = range(len(rows))
         for ax, key, null in ((ax_row[0], "tau", 0.0), (ax_row[1], "throughput", 1.0)):
             for y, r in zip(ys, rows):
-                d = r["vs_reference"][key]
+                d = r["vs_reference"].get(key)
+                if d is None:  # replayed: no throughput
+                    continue
                 ax.errorbar(
                     d["mean"], y, xerr=[[d["mean"] - d["lo"]], [d["hi"] - d["mean"]]], fmt="o"
                 )
