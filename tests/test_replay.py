@@ -56,17 +56,19 @@ def _prompts(v, lengths, seed=0):
 
 def _guided(dparams, embed, vocab, state, dcfg, shape, tree):
     """The EAGLE-3 drafter's tree (read from the target's features like any other), with the
-    first child of each node turned into the true greedy token where the node's draft score
-    says so: long and partial acceptances that depend on the features, as a trained head's do
-    (a random head on a random target accepts almost nothing)."""
+    first child of each node turned into the true greedy token except at every fourth (output
+    position, node) pair: long and partial acceptances, as a trained head's are (a random head on
+    a random target accepts almost nothing). The rule reads positions, not the draft's scores:
+    a score threshold would flip on the last bits in which replay's features differ from
+    decoding's (docs/replay.md), which no trained head's argmax notices."""
     trees, dcache = eagle3_drafter(dparams, embed, vocab, state, dcfg, shape, tree)
     ref = dparams["ref"]  # [B, R] the greedy continuation, output index by output index
     n1 = trees.tokens.shape[1]
     i = jnp.arange(n1)
     same = trees.parent[:, :, None] == trees.parent[:, None, :]
     first = ~jnp.any(same & (i[None, None, :] < i[None, :, None]) & (i > 0), axis=2) & (i > 0)
-    keep = jnp.floor(-trees.score * 1000) % 4 != 0
     idx = jnp.minimum(state.num_new[:, None] - 1 + trees.depth, ref.shape[1] - 1)
+    keep = (idx * 5 + i) % 4 != 0
     true = jnp.take_along_axis(ref, idx, axis=1)
     return trees._replace(tokens=jnp.where(first & keep, true, trees.tokens)), dcache
 
