@@ -72,6 +72,7 @@ RANKS = {
     "eagle3_jax.evaluation.report": 4,
     "eagle3_jax.evaluation.paired": 4,
     "eagle3_jax.evaluation.study": 4,
+    "eagle3_jax.evaluation.grid_report": 4,
     "eagle3_jax.ablation": 4,
     "eagle3_jax.accelerator": 4,
     "eagle3_jax.cli": 5,

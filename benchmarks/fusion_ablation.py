@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""Which target layers to fuse (and how long a training-time test), end to end and resumable.
+
+  .venv/bin/python benchmarks/fusion_ablation.py --publish benchmarks/results/fusion_ablation
+
+Stages (rerun the same command after any stop; each resumes or skips what is done):
+  1. the grid's heads are trained (`python -m eagle3_jax ablate --config GRID --no-eval`: one
+     feature store, the same data in the same order and the same step budget for every cell,
+     each head validated on held-out conversations along the way: its curve);
+  2. one harness run: plain decoding and every cell's head on the grid's questions and tree,
+     each head replayed over plain decoding's greedy answers (`eval --replay`, docs/replay.md:
+     the tau decoding gives, from draft-only rounds);
+  3. the report (eagle3_jax.evaluation.grid_report): tau per cell and task, per-question paired
+     differences against --reference with 95 % intervals, the held-out curves, plots. With
+     --publish DIR: report.md, summary.json, the plots, the curves and results.json.gz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from eagle3_jax.ablation import load_ablation
+from eagle3_jax.checkpoints.atomic import exclusive
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.evaluation import grid_report, study
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def run(cmd: list[str]) -> None:
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--grid", default=str(ROOT / "configs/fusion_ablation_smollm2.py"))
+    ap.add_argument("--reference", default="low_mid_high", help="the cell others are paired with")
+    ap.add_argument("--bench", default=None, help="default: the grid's")
+    ap.add_argument("--questions", type=int, default=None, help="per category; default: the grid's")
+    ap.add_argument("--out", default=str(ROOT / "runs/fusion_ablation_eval"))
+    ap.add_argument("--publish", default=None, help="copy the report and results here")
+    ap.add_argument("--skip-train", action="store_true", help="the grid's heads exist: stage 1 off")
+    return ap.parse_args(argv)
+
+
+def describe(overrides: dict) -> str:
+    """A cell's overrides as the report's 'what differs' column."""
+    names = {"aux_layer_ids": "layers", "ttt_steps": "TTT steps"}
+    return ", ".join(
+        f"{names.get(k, k)} {'/'.join(map(str, v)) if isinstance(v, tuple | list) else v}"
+        for k, v in overrides.items()
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with exclusive(out, what="fusion ablation"):
+            stages(args, out)
+    except (Eagle3Error, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as e:  # the stage printed its own message
+        print(f"error: stage failed (exit {e.returncode}): {' '.join(e.cmd)}", file=sys.stderr)
+        return e.returncode
+    return 0
+
+
+def stages(args: argparse.Namespace, out: Path) -> None:
+    grid = load_ablation(args.grid)
+    names = [c.name for c in grid.cells]
+    if args.reference not in names:
+        raise Eagle3Error(f"--reference {args.reference} is not a cell of {args.grid}: {names}")
+    root = Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
+    if not args.skip_train:  # 1
+        run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--no-eval", "--no-progress"])
+    k, d, n = grid.tree
+    bench = args.bench or grid.bench
+    questions = args.questions if args.questions is not None else grid.questions
+    ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{k},{d},{n}", "--replay",
+          "--bench", bench, "--max-new-tokens", str(grid.max_new_tokens), "--no-progress",
+          "--out", str(out / "eval")]  # fmt: skip
+    if grid.base.corpus.target:
+        ev += ["--target", str(grid.base.corpus.target)]
+    if grid.dtype:
+        ev += ["--dtype", grid.dtype]
+    if questions:
+        ev += ["--questions", str(questions)]
+    for c in grid.cells:
+        ev += ["--draft", f"{c.name}={root / 'cells' / c.name / 'head'}"]
+    run(ev)  # 2 (resumes from its records)
+    results = json.loads((out / "eval" / "results.json").read_text())
+    curves = {c.name: study.read_curve(root / "cells" / c.name) for c in grid.cells}  # 3
+    cells = {c.name: describe(c.overrides) for c in grid.cells}
+    text, summary = grid_report.report(
+        results, cells, args.reference, curves, title="Which target layers to fuse"
+    )
+    (out / "report.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    pngs = grid_report.plot(summary, curves, out)
+    print(text)
+    if args.publish:
+        pub = Path(args.publish)
+        (pub / "curves").mkdir(parents=True, exist_ok=True)
+        for p in [out / "report.md", out / "summary.json", *pngs]:
+            shutil.copy2(p, pub / p.name)
+        with gzip.open(pub / "results.json.gz", "wt") as f:
+            f.write((out / "eval" / "results.json").read_text())
+        for c in grid.cells:
+            (pub / "curves" / f"{c.name}.json").write_text(json.dumps(curves[c.name]) + "\n")
+        print(f"published to {pub}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""An ablation grid measured in one harness run: every cell's head against a reference cell on the
+same questions, tau and paired intervals, beside each cell's held-out training curve.
+
+Input: the harness's results.json of one run that holds plain decoding and every cell's head
+(each an `eagle3` method whose draft name is the cell's name; replayed or decoded), the cells'
+descriptions and their curves (`study.read_curve`). Output: report.md text, a JSON summary and
+plots. Used by benchmarks/fusion_ablation.py (which target layers to fuse, TTT length).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from eagle3_jax.evaluation import metrics, paired
+from eagle3_jax.evaluation.questions import SPEC_BENCH_TASKS
+from eagle3_jax.evaluation.study import label_of, tree_of
+
+
+def cell_rows(results: dict, cells: dict[str, str], reference: str) -> list[dict]:
+    """One row per cell that ran (`cells`: name -> what differs): tau overall and per task,
+    whether it was replayed, and tau's paired difference against `reference` with its 95 %
+    interval, overall and per task."""
+    recs = results["records"]
+    seen = list(dict.fromkeys(r["task"] for r in recs))  # Spec-Bench's order first
+    tasks = [t for t in SPEC_BENCH_TASKS if t in seen] + [
+        t for t in seen if t not in SPEC_BENCH_TASKS
+    ]
+    ref = label_of(results, reference)
+    rows = []
+    for name, what in cells.items():
+        label = label_of(results, name)
+        if label is None:
+            continue
+        mine = [r for r in recs if r["method"] == label]
+        row = {
+            "cell": name,
+            "what": what,
+            "label": label,
+            "questions": len({str(r["question_id"]) for r in mine}),
+            "replayed": bool(mine) and all(r.get("replayed") for r in mine),
+            "tau": metrics.tau(mine),
+            "tau_by_task": {t: metrics.tau([r for r in mine if r["task"] == t]) for t in tasks},
+        }
+        if ref is not None and label != ref:
+            row["vs_reference"] = paired.compare(recs, label, ref)["tau"].as_dict()
+            row["vs_reference_by_task"] = {
+                t: paired.compare(recs, label, ref, task=t)["tau"].as_dict() for t in tasks
+            }
+        rows.append(row)
+    return rows
+
+
+def _f(x, digits=2) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def _p(d: dict | None) -> str:
+    if not d:
+        return "reference"
+    return paired.Paired(d["mean"], d["lo"], d["hi"], d["n"], d["ratio"]).text()
+
+
+def report(
+    results: dict,
+    cells: dict[str, str],
+    reference: str,
+    curves: dict[str, list[dict]],
+    title: str = "Ablation",
+) -> tuple[str, dict]:
+    """(report.md text, JSON summary) of a grid measured in one harness run."""
+    rows = cell_rows(results, cells, reference)
+    tasks = list(rows[0]["tau_by_task"]) if rows else []
+    k, d, n = tree_of(results)[:3]
+    replayed = any(r["replayed"] for r in rows)
+    real = [r["cell"] for r in rows if r.get("vs_reference", {}).get("real")]
+    lines = [
+        f"# {title}",
+        "",
+        f"Every cell's head against `{reference}` on the same {rows[0]['questions'] if rows else 0} "
+        f"questions ({', '.join(tasks)}), greedy, tree top-k {k}, depth {d}, {n} nodes, max "
+        f"{results['config'].get('max_new_tokens', '?')} new tokens a turn"
+        + (
+            "; each head replayed over plain decoding's answers (`eval --replay`, "
+            "docs/replay.md: the tau decoding gives)."
+            if replayed
+            else "."
+        ),
+        "",
+        "tau: tokens per target forward, bonus included. tau - ref: the mean per-question "
+        "difference against the reference with its 95 % t interval (* the interval excludes no "
+        "difference). Held-out: acc_0 and the replayed chain tau of the exported head at the last "
+        "validation of its training.",
+        "",
+        "| cell | what differs | tau | tau - ref | "
+        + " | ".join(tasks)
+        + " | held-out acc_0 | held-out chain tau | step |",
+        "|" + " --- |" * (7 + len(tasks)),
+    ]
+    for r in rows:
+        last = (curves.get(r["cell"]) or [{}])[-1]
+        lines.append(
+            f"| {r['cell']} | {r['what']} | {_f(r['tau'])} | {_p(r.get('vs_reference'))} | "
+            + " | ".join(_f(r["tau_by_task"][t]) for t in tasks)
+            + f" | {_f(last.get('acc_0'), 3)} | {_f(last.get('chain_tau'))} "
+            f"| {last.get('step', '-')} |"
+        )
+    lines += [
+        "",
+        "Per task, tau - ref (95 %):",
+        "",
+        "| cell | " + " | ".join(tasks) + " |",
+        "|" + " --- |" * (1 + len(tasks)),
+    ]
+    for r in rows:
+        by = r.get("vs_reference_by_task")
+        lines.append(
+            f"| {r['cell']} | " + " | ".join(_p(by.get(t)) if by else "-" for t in tasks) + " |"
+        )
+    lines += [
+        "",
+        f"Real differences from `{reference}` at 95 %: {', '.join(real)}."
+        if real
+        else f"No difference from `{reference}` is real at 95 %.",
+        "",
+    ]
+    summary = {"reference": reference, "tree": [k, d, n], "rows": rows, "real": real}
+    summary["curves"] = {c: v[-1] for c, v in curves.items() if v}
+    return "\n".join(lines), summary
+
+
+def plot(summary: dict, curves: dict[str, list[dict]], out: Path) -> list[Path]:
+    """paired.png (tau - ref with 95 % intervals, one line per cell) and training_curves.png
+    (held-out replayed chain tau against tokens read)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summary["rows"] if "vs_reference" in r]
+    fig, ax = plt.subplots(figsize=(6.5, 0.8 + 0.5 * max(len(rows), 1)))
+    for y, r in enumerate(rows):
+        v = r["vs_reference"]
+        if math.isfinite(v["lo"]):
+            ax.errorbar(v["mean"], y, xerr=[[v["mean"] - v["lo"]], [v["hi"] - v["mean"]]], fmt="o")
+        else:
+            ax.plot(v["mean"], y, "o")
+    ax.axvline(0.0, color="grey", lw=0.8)
+    ax.set_yticks(range(len(rows)), [r["cell"] for r in rows])
+    ax.set_xlabel(f"tau - {summary['reference']} (95 %)")
+    fig.tight_layout()
+    paths = [out / "paired.png"]
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name, pts in curves.items():
+        pts = [p for p in pts if p.get("chain_tau") is not None]
+        if pts:
+            ax.plot([p.get("tokens") or p["step"] for p in pts], [p["chain_tau"] for p in pts],
+                    "o-", label=name)  # fmt: skip
+    ax.set_xlabel("training tokens read")
+    ax.set_ylabel("held-out replayed chain tau")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "training_curves.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,107 @@
+"""evaluation/grid_report.py and benchmarks/fusion_ablation.py: a grid's heads measured in one
+harness run (replayed over plain decoding), paired against a reference cell, beside their curves."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3_jax.evaluation import grid_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _results(n=6):
+    methods = [{"label": "vanilla", "kind": "vanilla", "tree": [1, 1, 1], "draft": None}]
+    for d in ("ref", "top", "same"):
+        methods.append({"label": f"eagle3@{d}", "kind": "eagle3", "tree": [10, 8, 60], "draft": d})
+    recs = []
+    for i in range(n):
+        task = "mt_bench" if i % 2 else "qa"
+        base = {"question_id": i, "task": task, "seed": 0, "num_generations": 1, "new_tokens": 61}
+        recs.append({**base, "method": "vanilla", "target_forwards": 60, "wall_time_s": 4.0})
+        # tau = new tokens / rounds (forwards less the prefill's): ref 3; top 2 or 2.4 (a real
+        # difference); same 3 give or take a round (none)
+        for d, fw in (("ref", 21), ("top", 31 if i % 3 else 26), ("same", 20 + i % 3)):
+            recs.append({**base, "method": f"eagle3@{d}", "target_forwards": fw,
+                         "wall_time_s": 0.0, "replayed": True})  # fmt: skip
+    return {"config": {"methods": methods, "max_new_tokens": 60}, "records": recs}
+
+
+CELLS = {"ref": "layers 2/15/27", "top": "layers 29", "same": "TTT steps 3", "absent": "x"}
+
+
+def test_rows_pair_every_cell_with_the_reference():
+    rows = {r["cell"]: r for r in grid_report.cell_rows(_results(), CELLS, "ref")}
+    assert list(rows) == ["ref", "top", "same"]  # a cell the run lacks gives no row
+    assert rows["ref"]["tau"] == pytest.approx(3.0) and "vs_reference" not in rows["ref"]
+    assert rows["ref"]["replayed"] and rows["ref"]["questions"] == 6
+    assert set(rows["top"]["tau_by_task"]) == {"mt_bench", "qa"}
+    assert rows["top"]["vs_reference"]["real"] and rows["top"]["vs_reference"]["mean"] < -0.5
+    assert not rows["same"]["vs_reference"]["real"]
+
+
+def test_report_says_which_differences_are_real(tmp_path):
+    curves = {"ref": [{"step": 50, "tokens": 100, "acc_0": 0.5, "chain_tau": 1.9},
+                      {"step": 100, "tokens": 200, "acc_0": 0.61, "chain_tau": 2.1}],
+              "top": []}  # fmt: skip
+    text, summary = grid_report.report(_results(), CELLS, "ref", curves, title="Fusion")
+    assert text.startswith("# Fusion") and "replayed over plain decoding's answers" in text
+    assert "| ref | layers 2/15/27 | 3.00 | reference |" in text
+    assert "| 0.610 | 2.10 | 100 |" in text  # ref's held-out point at its last validation
+    assert "Real differences from `ref` at 95 %: top." in text
+    assert summary["real"] == ["top"] and summary["tree"] == [10, 8, 60]
+    json.dumps(summary)
+    paths = grid_report.plot(summary, curves, tmp_path)
+    assert [p.name for p in paths] == ["paired.png", "training_curves.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
+@pytest.mark.slow  # two tiny heads trained and a replayed harness run, in subprocesses: ~2 min
+def test_fusion_ablation_end_to_end(tiny_target_dir, tmp_path, monkeypatch):
+    """benchmarks/fusion_ablation.py on the tiny two-cell grid: trains, replays every head in one
+    harness run, reports and publishes; a rerun redoes nothing."""
+    from test_ablation import _data  # the tests' folder is on sys.path (rootdir conftest)
+
+    data, qs = _data(tmp_path)
+    val = tmp_path / "val.json"  # held-out: the training answers reversed, under other ids
+    recs = json.loads(data.read_text())[:3]
+    for r in recs:
+        r["id"] = "v" + r["id"]
+        r["conversations"][1]["value"] = " ".join(r["conversations"][1]["value"].split()[::-1])
+    val.write_text(json.dumps(recs))
+    grid = tmp_path / "grid.py"
+    grid.write_text(
+        "import dataclasses, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'configs')!r})\n"
+        "import ablate_tiny\n"
+        "def get_config():\n"
+        "    ac = ablate_tiny.get_config()\n"
+        f"    base = ac.base.replace(target={str(tiny_target_dir)!r}, data={str(data)!r},\n"
+        "                           max_steps=4, export_every=2, val_every=2,\n"
+        f"                           val_data={str(val)!r}, val_conversations=3)\n"
+        f"    return dataclasses.replace(ac, base=base, out_dir={str(tmp_path / 'runs')!r})\n"
+    )
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import fusion_ablation
+
+    pub = tmp_path / "pub"
+    argv = ["--grid", str(grid), "--reference", "default", "--bench", str(qs),
+            "--out", str(tmp_path / "eval"), "--publish", str(pub)]  # fmt: skip
+    assert fusion_ablation.main(argv) == 0
+    text = (pub / "report.md").read_text()
+    assert "| default | " in text and "| top_layer_only | layers 5, TTT steps 2 |" in text
+    with gzip.open(pub / "results.json.gz", "rt") as f:
+        recs = json.load(f)["records"]
+    heads = [r for r in recs if r["method"] != "vanilla"]
+    assert heads and all(r["replayed"] for r in heads)
+    assert {r["method"] for r in recs} >= {"vanilla"} and len({r["method"] for r in heads}) == 2
+    curve = json.loads((pub / "curves/default.json").read_text())
+    assert [p["step"] for p in curve] == [2, 4]
+    before = (tmp_path / "eval/eval/records.jsonl").read_bytes()
+    assert fusion_ablation.main(argv + ["--skip-train"]) == 0
+    assert (tmp_path / "eval/eval/records.jsonl").read_bytes() == before
+    assert fusion_ablation.main([*argv[:2], "--reference", "nope", *argv[4:]]) == 2
