@@ -37,8 +37,14 @@ to fit) and the logs into $OUT: at most 8 files of at most 15 MiB. Each phase is
 with its own deadline. The answers are resumable by conversation: a second `run` in the same
 lease (the machine still warm) continues them; in a later lease, carry runs/turns/ back.
 
+`round-cost` (no carry, no GGUF): a plain decode step and a speculative round at Llama-3.1-8B's
+shape, random bf16 weights made on the device, batch 1 and 8, each timed beside
+`eagle3_jax.cost_model`'s prediction (device_steps/round_timing.py); into $OUT/round_cost/:
+  python3 scripts/device_job.py round-cost --minutes 8 --out $OUT   (timeout_s 600)
+
 This file parses the command line; the steps live in device_steps/: common.py (paths, the log,
-phases and their environment), transfer.py (pack, check, unpack), turns.py (run, bench).
+phases and their environment), transfer.py (pack, check, unpack), turns.py (run, bench),
+round_cost.py and round_timing.py.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # device_steps, however this is loaded
 
 from device_steps import common as c
-from device_steps import transfer, turns
+from device_steps import round_cost, transfer, turns
 
 
 def main(argv=None) -> int:
@@ -119,6 +125,12 @@ def main(argv=None) -> int:
     u = sub.add_parser("unpack", help="here: the files that came back -> runs/device_result/")
     u.add_argument("files_at")
     u.add_argument("--dest", default=str(c.ROOT / "runs" / "device_result"))
+    rc = sub.add_parser(
+        "round-cost", help="device: a plain step and a round timed beside the cost model's"
+    )
+    round_cost.add_args(rc)
+    rc.add_argument("--minutes", type=float, default=8.0, help="the step's whole budget")
+    rc.add_argument("--out", default=os.environ.get("OUT"), help="default: runs/ (round_cost/)")
     args = p.parse_args(argv)
     cmds = {
         "pack": transfer.pack,
@@ -126,6 +138,7 @@ def main(argv=None) -> int:
         "run": turns.run,
         "bench": turns.bench,
         "unpack": transfer.unpack,
+        "round-cost": round_cost.step,
     }
     return cmds[args.cmd](args)
 

@@ -1,9 +1,11 @@
 """scripts/device_job.py and its steps (scripts/device_steps/): the GGUF travels in parts and is
-joined exactly, or refused; every subcommand parses as before."""
+joined exactly, or refused; every subcommand parses as before; `round-cost` times the programs
+beside the cost model's predictions within its deadline."""
 
 import argparse
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -143,7 +145,7 @@ def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch)
     seen = {}
     for mod, name in [
         (dj.transfer, "pack"), (dj.transfer, "check"), (dj.turns, "run"), (dj.turns, "bench"),
-        (dj.transfer, "unpack"),
+        (dj.transfer, "unpack"), (dj.round_cost, "step"),
     ]:  # fmt: skip
         monkeypatch.setattr(mod, name, lambda a, name=name: seen.setdefault(name, a) and 0)
     dj.main(["pack", "--part-mib", "12", "--shipped-conversations"])
@@ -164,3 +166,113 @@ def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch)
     assert b.methods == "vanilla,eagle3:2,3,4,eagle3:4,4,16,eagle3:10,8,60"
     dj.main(["unpack", "/x"])
     assert seen["unpack"].files_at == "/x" and seen["unpack"].dest.endswith("runs/device_result")
+    dj.main(["round-cost", "--batches", "1,8", "--trees", "chain"])
+    rc = seen["step"]
+    assert (rc.target, rc.batches, rc.trees, rc.minutes, rc.predict_device) == (
+        "llama31_8b", "1,8", "chain", 8.0, "h200",
+    )  # fmt: skip
+    assert dj.round_cost.forward(rc)[:4] == ["--target", "llama31_8b", "--prompt", "1024"]
+    for bad in (["--trees", "10/8/60,wide"], ["--batches", "0"], ["--target", "llama3"]):
+        with pytest.raises(SystemExit):
+            dj.main(["round-cost", *bad])
+
+
+TINY = ["--target", "tiny", "--prompt", "16", "--new", "16", "--batches", "1,2"]
+
+
+def test_round_cost_times_each_program_beside_its_prediction(dj, tmp_path, monkeypatch):
+    """The step on the CPU with the toy target (a subprocess, as on the device): every program
+    measured, next to the cost model's prediction; the ratios and the table; unpack keeps it."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
+    out = tmp_path / "out"
+    argv = ["round-cost", *TINY, "--trees", "chain", "--warmup", "1", "--reps", "2"]
+    assert dj.main([*argv, "--minutes", "3", "--out", str(out)]) == 0
+    folder = out / "round_cost"
+    assert {p.name for p in folder.iterdir()} >= {
+        "results.json", "report.md", "round_timing.log", "device_log.txt",
+    }  # fmt: skip
+    res = json.loads((folder / "results.json").read_text())
+    assert res["target"] == "tiny" and res["predicted_for"] == "H200 SXM" and not res["skipped"]
+    rows = res["rows"]
+    assert [(r["batch"], r["program"], r["tree"]) for r in rows] == [
+        (1, "plain step", None), (1, "round", "chain 1/8/9"),
+        (2, "plain step", None), (2, "round", "chain 1/8/9"),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["reps"] == 2 and 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+        assert r["predicted_ms"] > 0 and r["slots"] == r["model_slots"] == 256
+        assert r["measured_over_predicted"] == pytest.approx(r["median_ms"] / r["predicted_ms"])
+    for q, (plain, rnd) in zip(res["ratios"], [rows[:2], rows[2:]], strict=True):
+        assert q["measured"] == pytest.approx(rnd["median_ms"] / plain["median_ms"])
+        assert q["predicted"] == pytest.approx(rnd["predicted_ms"] / plain["predicted_ms"])
+        assert q["speedup_measured"] == pytest.approx(q["tau_model"] / q["measured"])
+    report = (folder / "report.md").read_text()
+    assert report.count("| round | chain 1/8/9 |") == 2 and "speedup at τ" in report
+    back = tmp_path / "back"
+    assert dj.transfer.unpack(argparse.Namespace(files_at=str(out), dest=str(back))) == 0
+    assert (back / "round_cost" / "report.md").read_text() == report
+
+
+def test_round_timing_skips_what_its_deadline_cannot_hold(dj, tmp_path):
+    """Before each program the estimate is checked against what is left: a deadline too short
+    to compile skips the programs, naming what each needed and what was left; one too short for
+    the weights skips everything. results.json and the table still come out."""
+    from device_steps import round_timing as rt
+
+    out = tmp_path / "short"
+    assert rt.main([*TINY, "--reps", "2", "--out", str(out), "--deadline-s", "25"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["rows"] == [] and len(res["skipped"]) == 6  # plain and two trees, two batches
+    for line, (b, what) in zip(res["skipped"], [
+        (1, "plain step"), (1, "round 10/8/60"), (1, "round chain 1/8/9"),
+        (2, "plain step"), (2, "round 10/8/60"), (2, "round chain 1/8/9"),
+    ]):  # fmt: skip
+        m = re.fullmatch(
+            rf"batch {b} {what}: needs ~(\d+) s \(compile ~\d+ s, 5 calls\), (\d+) s left", line
+        )
+        assert m and int(m[1]) > int(m[2]), line
+    report = (out / "report.md").read_text()
+    assert "nothing measured" in report and f"- {res['skipped'][0]}" in report
+    out = tmp_path / "shorter"
+    assert rt.main([*TINY, "--out", str(out), "--deadline-s", "5"]) == 0
+    (line,) = json.loads((out / "results.json").read_text())["skipped"]
+    assert re.fullmatch(r"everything: the weights need ~20 s, \d s left", line), line
+
+
+def test_round_cost_table(dj):
+    """The table: each program measured beside its prediction, the ratio rows, the skips."""
+    row = {"batch": 1, "program": "plain step", "tree": None, "median_ms": 3.5, "p10_ms": 3.4,
+           "p90_ms": 3.71, "predicted_ms": 3.21, "measured_over_predicted": 3.5 / 3.21}  # fmt: skip
+    rnd = {**row, "program": "round", "tree": "10/8/60", "median_ms": 12.0, "p10_ms": 11.5,
+           "p90_ms": 13.0, "predicted_ms": 5.92, "measured_over_predicted": 12 / 5.92}  # fmt: skip
+    ratio = {"batch": 1, "tree": "10/8/60", "measured": 12 / 3.5, "predicted": 5.92 / 3.21,
+             "tau_model": 6.5, "speedup_measured": 6.5 * 3.5 / 12,
+             "speedup_predicted": 6.5 * 3.21 / 5.92}  # fmt: skip
+    skip = "batch 8 round chain 1/8/9: needs ~80 s (compile ~70 s, 23 calls), 31 s left"
+    text = dj.round_cost.table({"rows": [row, rnd], "ratios": [ratio], "skipped": [skip]})
+    assert "| 1 | plain step | - | 3.5 [3.4-3.71] | 3.21 | 1.09 |" in text
+    assert "| 1 | round | 10/8/60 | 12.0 [11.5-13.0] | 5.92 | 2.03 |" in text
+    assert "| 1 | 10/8/60 | 3.43 | 1.84 | 6.50 | 1.90 | 3.52 |" in text
+    assert text.endswith(f"- {skip}\n")
+
+
+def test_round_timing_records_a_failed_program_and_runs_the_next(dj, tmp_path, monkeypatch):
+    """A program that fails (out of memory at batch 8, say) is named under "failed" with its
+    error; the programs after it still run and the table still comes out."""
+    from device_steps import round_timing as rt
+
+    def broken(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(rt, "round_program", broken)
+    out = tmp_path / "failed"
+    argv = [*TINY[:-1], "1", "--warmup", "1", "--reps", "2", "--out", str(out)]
+    assert rt.main([*argv, "--deadline-s", "100"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [r["program"] for r in res["rows"]] == ["plain step"] and res["ratios"] == []
+    assert res["failed"] == [
+        f"batch 1 round {t}: RuntimeError: RESOURCE_EXHAUSTED: out of memory"
+        for t in ("10/8/60", "chain 1/8/9")
+    ]
+    assert (out / "report.md").read_text().endswith(f"- {res['failed'][-1]}\n")

@@ -199,7 +199,8 @@ def _joined(src: Path, name: str, dest: Path) -> Path | None:
 
 def unpack(args) -> int:
     """The files that came back -> DEST (a new folder): regenerated_turns.jsonl(.gz), head/,
-    results/ (metrics, plan, config, logs)."""
+    results/ (metrics, plan, config, logs), bench/ (`bench`'s records), round_cost/
+    (`round-cost`'s results.json, report.md and logs)."""
     src, dest = Path(args.files_at), Path(args.dest)
     if dest.exists() and any(dest.iterdir()):
         raise SystemExit(f"{dest} is not empty: unpack into a new folder (--dest)")
@@ -220,5 +221,7 @@ def unpack(args) -> int:
     if (src / "bench.tar.gz").exists():
         with tarfile.open(src / "bench.tar.gz") as t:
             t.extractall(dest / "bench", filter="data")
+    if (src / "round_cost").is_dir():  # files_at is read-only: copy the bytes, not the modes
+        shutil.copytree(src / "round_cost", dest / "round_cost", copy_function=shutil.copyfile)
     print(f"unpacked into {dest}: " + ", ".join(sorted(p.name for p in dest.iterdir())))
     return 0
