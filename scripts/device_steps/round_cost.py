@@ -93,7 +93,7 @@ def table(res: dict) -> str:
         f"{res.get('device')}",
         "",
         f"Caches sized for {res.get('context')} tokens, the cursor at {res.get('prompt')}, the "
-        f"state {res.get('state')}; {res.get('warmup')} warm-up calls, {res.get('reps')} timed "
+        f"state {res.get('state')}; warm-up calls {res.get('warmup')}, timed {res.get('reps')} "
         f"(ms: median [10th-90th percentile]); predicted: eagle3_jax.cost_model for "
         f"{res.get('predicted_for')}, one chip. jax {res.get('jax')}.",
         "",

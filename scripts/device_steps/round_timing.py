@@ -232,7 +232,9 @@ def measure(args) -> dict:
     res: dict = {
         "target": args.target,
         "dtype": "bfloat16",
-        "device": f"{dev.platform} {dev.device_kind}",
+        "device": dev.device_kind
+        if dev.platform == dev.device_kind
+        else f"{dev.platform} {dev.device_kind}",
         "jax": jax.__version__,
         "prompt": args.prompt,
         "context": args.prompt + args.new,
@@ -344,6 +346,11 @@ def main(argv=None) -> int:
     res = measure(args)
     (Path(args.out) / "report.md").write_text(table(res))
     print(table(res))
+    # the last lines are what the step's log shows of this run
+    print(
+        f"{len(res['rows'])} programs timed, {len(res['skipped'])} skipped, "
+        f"{len(res['failed'])} failed: {Path(args.out) / 'results.json'}"
+    )
     return 0
 
 
