@@ -1,8 +1,11 @@
-"""scripts/device_job.py: the GGUF travels in parts and is joined exactly, or refused."""
+"""scripts/device_job.py and its steps (scripts/device_steps/): the GGUF travels in parts and is
+joined exactly, or refused; every subcommand parses as before; `round-cost` times the programs
+beside the cost model's predictions within its deadline."""
 
 import argparse
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -18,56 +21,62 @@ def dj():
     return mod
 
 
-def test_parts_join_back_exactly_and_a_damaged_part_is_refused(dj, tmp_path):
+@pytest.fixture(scope="module")
+def c(dj):
+    """device_steps.common: the paths and helpers every step reads (patch them here)."""
+    return dj.c
+
+
+def test_parts_join_back_exactly_and_a_damaged_part_is_refused(c, tmp_path):
     data = bytes(range(256)) * 1000 + b"tail"  # 256,004 bytes: a short last part
     src = tmp_path / "model.gguf"
     src.write_bytes(data)
-    parts = dj.split_file(src, tmp_path / "parts", 100_000, "gguf")
+    parts = c.split_file(src, tmp_path / "parts", 100_000, "gguf")
     assert [p.stat().st_size for p in parts] == [100_000, 100_000, 56_004]
-    out = dj.join_parts(parts, tmp_path / "joined" / "model.gguf", dj.sha256(src))
+    out = c.join_parts(parts, tmp_path / "joined" / "model.gguf", c.sha256(src))
     assert out.read_bytes() == data
     parts[1].write_bytes(b"x" + parts[1].read_bytes()[1:])
     with pytest.raises(SystemExit, match="sha256"):
-        dj.join_parts(parts, tmp_path / "again.gguf", dj.sha256(src))
+        c.join_parts(parts, tmp_path / "again.gguf", c.sha256(src))
     assert not (tmp_path / "again.gguf").exists()
     assert not (tmp_path / "again.gguf.tmp").exists()
 
 
-def test_run_refuses_until_every_part_is_there(dj, tmp_path, monkeypatch, capsys):
+def test_run_refuses_until_every_part_is_there(dj, c, tmp_path, monkeypatch, capsys):
     device = tmp_path / ".device"
-    monkeypatch.setattr(dj, "DEVICE", device)
-    monkeypatch.setattr(dj, "TURNS", tmp_path / "runs" / "turns" / "regenerated_turns.jsonl")
-    monkeypatch.setattr(dj, "TRAIN_OUT", tmp_path / "runs" / "turns" / "train")
+    monkeypatch.setattr(c, "DEVICE", device)
+    monkeypatch.setattr(c, "TURNS", tmp_path / "runs" / "turns" / "regenerated_turns.jsonl")
+    monkeypatch.setattr(c, "TRAIN_OUT", tmp_path / "runs" / "turns" / "train")
     (device / "p1").mkdir(parents=True)
     (device / "p1" / "gguf.part1").write_bytes(b"b")
     (device / "p1" / "manifest.json").write_text(
         '{"name": "m.gguf", "size": 2, "sha256": "0", "parts": 2}'
     )
-    monkeypatch.setattr(dj, "FULL_CONVERSATIONS", device / "conv" / "c.jsonl.gz")
-    assert dj.check(None) == 0
+    monkeypatch.setattr(c, "FULL_CONVERSATIONS", device / "conv" / "c.jsonl.gz")
+    assert dj.transfer.check(None) == 0
     assert "missing [0]" in capsys.readouterr().out
     args = argparse.Namespace(out=str(tmp_path / "out"), target=None, no_install=True, minutes=1.0)
-    assert dj.run(args) == 1
+    assert dj.turns.run(args) == 1
     log = (tmp_path / "runs" / "turns" / "device_log.txt").read_text()
     assert "missing parts [0]" in log
     # the logs are packed even when the job stops early
     assert (tmp_path / "out" / "results.tar.gz").exists()
     # so does the tree bench, and its log still comes back
-    monkeypatch.setattr(dj, "BENCH_OUT", tmp_path / "runs" / "turns" / "gpu_trees")
+    monkeypatch.setattr(c, "BENCH_OUT", tmp_path / "runs" / "turns" / "gpu_trees")
     bench = argparse.Namespace(out=str(tmp_path / "out"), target=None, no_install=True, minutes=1.0)
-    assert dj.bench(bench) == 1
+    assert dj.turns.bench(bench) == 1
     import tarfile
 
     with tarfile.open(tmp_path / "out" / "bench.tar.gz") as t:
         assert t.getnames() == ["device_log.txt"]
 
 
-def test_results_come_back_in_parts_and_unpack_restores_them(dj, tmp_path, monkeypatch):
+def test_results_come_back_in_parts_and_unpack_restores_them(dj, c, tmp_path, monkeypatch):
     turns = tmp_path / "runs" / "turns" / "regenerated_turns.jsonl"
     train = tmp_path / "runs" / "turns" / "train"
-    monkeypatch.setattr(dj, "TURNS", turns)
-    monkeypatch.setattr(dj, "TRAIN_OUT", train)
-    monkeypatch.setattr(dj, "PART_MIB", 1 / 16)  # 64 KiB parts
+    monkeypatch.setattr(c, "TURNS", turns)
+    monkeypatch.setattr(c, "TRAIN_OUT", train)
+    monkeypatch.setattr(c, "PART_MIB", 1 / 16)  # 64 KiB parts
     (train / "head").mkdir(parents=True)
     weights = bytes(range(256)) * 600  # 150 KiB: three parts
     (train / "head" / "model.safetensors").write_bytes(weights)
@@ -75,56 +84,195 @@ def test_results_come_back_in_parts_and_unpack_restores_them(dj, tmp_path, monke
     turns.write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c", "cut')  # a partial last record
     out = tmp_path / "out"
     out.mkdir()
-    n = dj.pack_results(out, dj.Log(turns.parent / "device_log.txt"))
+    n = dj.turns.pack_results(out, c.Log(turns.parent / "device_log.txt"))
     names = sorted(p.name for p in out.iterdir())
     assert n == len(names) == 5 and names[:3] == [f"head.tar.part{i}" for i in range(3)]
     assert all(p.stat().st_size <= 64 * 1024 for p in out.iterdir())
     back = tmp_path / "back"
-    assert dj.unpack(argparse.Namespace(files_at=str(out), dest=str(back))) == 0
+    assert dj.transfer.unpack(argparse.Namespace(files_at=str(out), dest=str(back))) == 0
     assert (back / "head" / "model.safetensors").read_bytes() == weights
     assert (back / "regenerated_turns.jsonl").read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'
     assert (back / "results" / "metrics.jsonl").read_text() == '{"step": 1}\n'
     # never into a folder that holds something (an earlier result, a dry run's head)
     with pytest.raises(SystemExit, match="not empty"):
-        dj.unpack(argparse.Namespace(files_at=str(out), dest=str(back)))
+        dj.transfer.unpack(argparse.Namespace(files_at=str(out), dest=str(back)))
     # packing again (after the answers, then at the end) replaces the earlier parts
     (train / "head" / "model.safetensors").write_bytes(b"small")
-    n = dj.pack_results(out, dj.Log(turns.parent / "device_log.txt"))
+    n = dj.turns.pack_results(out, c.Log(turns.parent / "device_log.txt"))
     assert n == 3 == len([p for p in out.iterdir() if ".part" in p.name]) + 1
 
 
 def test_complete_records_of_a_cut_off_json_array(dj):
     recs = [{"id": "a", "conversations": []}, {"id": "b, ]", "x": [1, {"y": "]"}]}]
     whole = json.dumps(recs, indent=1)
-    assert dj.complete_records(whole) == recs
+    assert dj.transfer.complete_records(whole) == recs
     cut = whole[: whole.index('"x"') + 6]  # inside the second record
-    assert dj.complete_records(cut) == recs[:1]
-    assert dj.complete_records("[]") == [] and dj.complete_records("[\n") == []
+    assert dj.transfer.complete_records(cut) == recs[:1]
+    assert dj.transfer.complete_records("[]") == []
+    assert dj.transfer.complete_records("[\n") == []
 
 
-def test_parts_are_sized_to_fit_a_call_with_the_working_tree(dj):
+def test_parts_are_sized_to_fit_a_call_with_the_working_tree(dj, c):
     """Every device call sends the working tree with its carry, 64 MiB at most: the GGUF's parts
     take what the tree and the wheels (carried with the last part) leave; a tree that leaves too
     little, or an asked size that does not fit, is refused with the sizes named."""
-    mib = dj.MIB
-    assert dj.part_size(34 * mib, 2 * mib, 5 * mib) == 27 * mib  # 64 - 1 margin - 34 - 2
-    assert dj.part_size(34 * mib, 2 * mib, 5 * mib, part_mib=20) == 20 * mib
+    mib, part_size = c.MIB, dj.transfer.part_size
+    assert part_size(34 * mib, 2 * mib, 5 * mib) == 27 * mib  # 64 - 1 margin - 34 - 2
+    assert part_size(34 * mib, 2 * mib, 5 * mib, part_mib=20) == 20 * mib
     with pytest.raises(SystemExit, match=r"--part-mib 30: .* at most 27\.0"):
-        dj.part_size(34 * mib, 2 * mib, 5 * mib, part_mib=30)
+        part_size(34 * mib, 2 * mib, 5 * mib, part_mib=30)
     for bad in (0, -1, 0.5):  # no parts, or one part of the whole file
         with pytest.raises(SystemExit, match="at least 1 MiB"):
-            dj.part_size(34 * mib, 2 * mib, 5 * mib, part_mib=bad)
+            part_size(34 * mib, 2 * mib, 5 * mib, part_mib=bad)
     with pytest.raises(SystemExit, match=r"working tree \(60\.0 MiB\) leaves 1\.0 MiB"):
-        dj.part_size(60 * mib, 2 * mib, 0)
+        part_size(60 * mib, 2 * mib, 0)
     with pytest.raises(SystemExit, match=r"first call's carry"):
-        dj.part_size(50 * mib, 2 * mib, 20 * mib)
+        part_size(50 * mib, 2 * mib, 20 * mib)
 
 
-def test_the_tracked_tree_leaves_room_for_the_gguf(dj):
+def test_the_tracked_tree_leaves_room_for_the_gguf(dj, c):
     """The repository itself must leave the device job room: at least a sixth of the 94 MiB
     GGUF per call, so that it travels in at most six parts plus the wheels' call (four until the
     shipped head grew to 16,384 ids: each part is a call of a short lease)."""
-    if not (dj.ROOT / ".git").exists():
+    if not (c.ROOT / ".git").exists():
         pytest.skip("not a git checkout: nothing travels from here")
-    tree = dj._travelling_bytes()
-    assert dj.CALL_LIMIT - dj.CALL_MARGIN - tree - 1 * dj.MIB >= 94 * dj.MIB / 6, tree / dj.MIB
+    tree = dj.transfer._travelling_bytes()
+    assert c.CALL_LIMIT - c.CALL_MARGIN - tree - 1 * c.MIB >= 94 * c.MIB / 6, tree / c.MIB
+
+
+def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch):
+    """The dispatcher keeps each subcommand's flags and defaults and hands them to its step."""
+    seen = {}
+    for mod, name in [
+        (dj.transfer, "pack"), (dj.transfer, "check"), (dj.turns, "run"), (dj.turns, "bench"),
+        (dj.transfer, "unpack"), (dj.round_cost, "step"),
+    ]:  # fmt: skip
+        monkeypatch.setattr(mod, name, lambda a, name=name: seen.setdefault(name, a) and 0)
+    dj.main(["pack", "--part-mib", "12", "--shipped-conversations"])
+    assert seen["pack"].part_mib == 12 and seen["pack"].shipped_conversations
+    dj.main(["check"])
+    assert "check" in seen
+    dj.main(["run", "--minutes", "9", "--limit", "3", "--train-arg=--x=1", "--no-install"])
+    r = seen["run"]
+    assert (r.minutes, r.regen_minutes, r.reserve_s, r.batch_size, r.chunk) == (9, 4, 40, 512, 512)
+    assert (r.max_batch_tokens, r.max_new_tokens, r.buckets, r.extend_vocab) == (
+        262144, 256, "256,512", 16384,
+    )  # fmt: skip
+    assert r.limit == 3 and r.train_arg == ["--x=1"] and r.no_install and not r.no_train
+    assert r.config.endswith("configs/smollm2_135m_turns.py")
+    dj.main(["bench", "--dtype", "float32", "--questions", "2"])
+    b = seen["bench"]
+    assert (b.minutes, b.dtype, b.questions, b.max_new_tokens) == (4.0, "float32", 2, 64)
+    assert b.methods == "vanilla,eagle3:2,3,4,eagle3:4,4,16,eagle3:10,8,60"
+    dj.main(["unpack", "/x"])
+    assert seen["unpack"].files_at == "/x" and seen["unpack"].dest.endswith("runs/device_result")
+    dj.main(["round-cost", "--batches", "1,8", "--trees", "chain"])
+    rc = seen["step"]
+    assert (rc.target, rc.batches, rc.trees, rc.minutes, rc.predict_device) == (
+        "llama31_8b", "1,8", "chain", 8.0, "h200",
+    )  # fmt: skip
+    assert dj.round_cost.forward(rc)[:4] == ["--target", "llama31_8b", "--prompt", "1024"]
+    for bad in (["--trees", "10/8/60,wide"], ["--batches", "0"], ["--target", "llama3"]):
+        with pytest.raises(SystemExit):
+            dj.main(["round-cost", *bad])
+
+
+TINY = ["--target", "tiny", "--prompt", "16", "--new", "16", "--batches", "1,2"]
+
+
+def test_round_cost_times_each_program_beside_its_prediction(dj, tmp_path, monkeypatch):
+    """The step on the CPU with the toy target (a subprocess, as on the device): every program
+    measured, next to the cost model's prediction; the ratios and the table; unpack keeps it."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
+    out = tmp_path / "out"
+    argv = ["round-cost", *TINY, "--trees", "chain", "--warmup", "1", "--reps", "2"]
+    assert dj.main([*argv, "--minutes", "3", "--out", str(out)]) == 0
+    folder = out / "round_cost"
+    assert {p.name for p in folder.iterdir()} >= {
+        "results.json", "report.md", "round_timing.log", "device_log.txt",
+    }  # fmt: skip
+    res = json.loads((folder / "results.json").read_text())
+    assert res["target"] == "tiny" and res["predicted_for"] == "H200 SXM" and not res["skipped"]
+    rows = res["rows"]
+    assert [(r["batch"], r["program"], r["tree"]) for r in rows] == [
+        (1, "plain step", None), (1, "round", "chain 1/8/9"),
+        (2, "plain step", None), (2, "round", "chain 1/8/9"),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["reps"] == 2 and 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+        assert r["predicted_ms"] > 0 and r["slots"] == r["model_slots"] == 256
+        assert r["measured_over_predicted"] == pytest.approx(r["median_ms"] / r["predicted_ms"])
+    for q, (plain, rnd) in zip(res["ratios"], [rows[:2], rows[2:]], strict=True):
+        assert q["measured"] == pytest.approx(rnd["median_ms"] / plain["median_ms"])
+        assert q["predicted"] == pytest.approx(rnd["predicted_ms"] / plain["predicted_ms"])
+        assert q["speedup_measured"] == pytest.approx(q["tau_model"] / q["measured"])
+    report = (folder / "report.md").read_text()
+    assert report.count("| round | chain 1/8/9 |") == 2 and "speedup at τ" in report
+    back = tmp_path / "back"
+    assert dj.transfer.unpack(argparse.Namespace(files_at=str(out), dest=str(back))) == 0
+    assert (back / "round_cost" / "report.md").read_text() == report
+
+
+def test_round_timing_skips_what_its_deadline_cannot_hold(dj, tmp_path):
+    """Before each program the estimate is checked against what is left: a deadline too short
+    to compile skips the programs, naming what each needed and what was left; one too short for
+    the weights skips everything. results.json and the table still come out."""
+    from device_steps import round_timing as rt
+
+    out = tmp_path / "short"
+    assert rt.main([*TINY, "--reps", "2", "--out", str(out), "--deadline-s", "25"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["rows"] == [] and len(res["skipped"]) == 6  # plain and two trees, two batches
+    for line, (b, what) in zip(res["skipped"], [
+        (1, "plain step"), (1, "round 10/8/60"), (1, "round chain 1/8/9"),
+        (2, "plain step"), (2, "round 10/8/60"), (2, "round chain 1/8/9"),
+    ]):  # fmt: skip
+        m = re.fullmatch(
+            rf"batch {b} {what}: needs ~(\d+) s \(compile ~\d+ s, 5 calls\), (\d+) s left", line
+        )
+        assert m and int(m[1]) > int(m[2]), line
+    report = (out / "report.md").read_text()
+    assert "nothing measured" in report and f"- {res['skipped'][0]}" in report
+    out = tmp_path / "shorter"
+    assert rt.main([*TINY, "--out", str(out), "--deadline-s", "5"]) == 0
+    (line,) = json.loads((out / "results.json").read_text())["skipped"]
+    assert re.fullmatch(r"everything: the weights need ~20 s, \d s left", line), line
+
+
+def test_round_cost_table(dj):
+    """The table: each program measured beside its prediction, the ratio rows, the skips."""
+    row = {"batch": 1, "program": "plain step", "tree": None, "median_ms": 3.5, "p10_ms": 3.4,
+           "p90_ms": 3.71, "predicted_ms": 3.21, "measured_over_predicted": 3.5 / 3.21}  # fmt: skip
+    rnd = {**row, "program": "round", "tree": "10/8/60", "median_ms": 12.0, "p10_ms": 11.5,
+           "p90_ms": 13.0, "predicted_ms": 5.92, "measured_over_predicted": 12 / 5.92}  # fmt: skip
+    ratio = {"batch": 1, "tree": "10/8/60", "measured": 12 / 3.5, "predicted": 5.92 / 3.21,
+             "tau_model": 6.5, "speedup_measured": 6.5 * 3.5 / 12,
+             "speedup_predicted": 6.5 * 3.21 / 5.92}  # fmt: skip
+    skip = "batch 8 round chain 1/8/9: needs ~80 s (compile ~70 s, 23 calls), 31 s left"
+    text = dj.round_cost.table({"rows": [row, rnd], "ratios": [ratio], "skipped": [skip]})
+    assert "| 1 | plain step | - | 3.5 [3.4-3.71] | 3.21 | 1.09 |" in text
+    assert "| 1 | round | 10/8/60 | 12.0 [11.5-13.0] | 5.92 | 2.03 |" in text
+    assert "| 1 | 10/8/60 | 3.43 | 1.84 | 6.50 | 1.90 | 3.52 |" in text
+    assert text.endswith(f"- {skip}\n")
+
+
+def test_round_timing_records_a_failed_program_and_runs_the_next(dj, tmp_path, monkeypatch):
+    """A program that fails (out of memory at batch 8, say) is named under "failed" with its
+    error; the programs after it still run and the table still comes out."""
+    from device_steps import round_timing as rt
+
+    def broken(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(rt, "round_program", broken)
+    out = tmp_path / "failed"
+    argv = [*TINY[:-1], "1", "--warmup", "1", "--reps", "2", "--out", str(out)]
+    assert rt.main([*argv, "--deadline-s", "100"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [r["program"] for r in res["rows"]] == ["plain step"] and res["ratios"] == []
+    assert res["failed"] == [
+        f"batch 1 round {t}: RuntimeError: RESOURCE_EXHAUSTED: out of memory"
+        for t in ("10/8/60", "chain 1/8/9")
+    ]
+    assert (out / "report.md").read_text().endswith(f"- {res['failed'][-1]}\n")

@@ -1,0 +1,165 @@
+"""The `round-cost` step: a plain decode step and a speculative round timed on the device beside
+`eagle3_jax.cost_model`'s predictions (issue 35 item 3), and the table of what came back.
+
+`step` runs `python -m device_steps.round_timing` as a phase (a subprocess with a deadline that
+keeps the whole step inside the device tool's 600 s command limit) and writes, under
+OUT/round_cost/: results.json (every program's times, the predictions, the ratios, what was
+skipped; rewritten after each program), report.md (`table`), round_timing.log (the subprocess's
+output) and device_log.txt. This module imports no jax: the job's own process must leave the GPU's
+memory to the subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from device_steps import common as c
+
+# the trees timed, by name: EAGLE-3's reporting tree (the accelerator default, 10/8/60) and a chain
+# as deep (accelerator.CHAIN_TREE)
+TREE_NAMES = ("10/8/60", "chain")
+TARGETS = ("llama31_8b", "tiny")
+# what the step keeps beside the subprocess: the subprocess's own start (importing jax, starting
+# the backend) comes out of its deadline; writing the table and the log after it out of the step's
+START_S = 30.0
+RESERVE_S = 30.0
+
+# (flag, type, default, help): the flags round_timing takes, forwarded by `step` as they were given
+FLAGS = (
+    ("--target", str, "llama31_8b", "llama31_8b (random bf16 weights) or tiny (a CPU toy)"),
+    ("--prompt", int, 1024, "prompt tokens: the cache's cursor starts there"),
+    ("--new", int, 1024, "new tokens: the cache holds prompt + new (+ a round's slots)"),
+    ("--batches", str, "1,8", "batch sizes, comma separated"),
+    ("--trees", str, ",".join(TREE_NAMES), f"rounds timed, of {', '.join(TREE_NAMES)}"),
+    ("--warmup", int, 3, "untimed calls of each program after its compilation"),
+    ("--reps", int, 20, "timed calls of each program"),
+    ("--predict-device", str, "h200", "cost_model.DEVICES key the predictions are for (or cpu)"),
+)
+
+
+def _batches(text: str) -> str:
+    try:
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes >= 1, comma separated")
+    return text
+
+
+def _trees(text: str) -> str:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in TREE_NAMES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad)}: choose among {', '.join(TREE_NAMES)}")
+    return ",".join(names)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The measurement's flags (round_timing's, and the `round-cost` step's to forward)."""
+    check = {"--batches": _batches, "--trees": _trees}
+    choices = {"--target": TARGETS}
+    for flag, typ, default, help_ in FLAGS:
+        p.add_argument(
+            flag, type=check.get(flag, typ), default=default, choices=choices.get(flag), help=help_
+        )
+
+
+def forward(args: argparse.Namespace) -> list[str]:
+    """The flags of add_args as command-line words, with the values `args` holds."""
+    out = []
+    for flag, *_ in FLAGS:
+        out += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
+    return out
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def _ms(v: float) -> str:
+    return f"{v:.3g}" if v < 10 else f"{v:.1f}"
+
+
+def table(res: dict) -> str:
+    """results.json as markdown: each program measured beside its prediction, then a round in
+    plain steps (measured and predicted) and the speedup each gives at the model's τ, then what
+    was skipped and what failed."""
+    lines = [
+        f"# Round cost: {res.get('target')} ({res.get('dtype')}, random weights) on "
+        f"{res.get('device')}",
+        "",
+        f"Caches sized for {res.get('context')} tokens, the cursor at {res.get('prompt')}, the "
+        f"state {res.get('state')}; warm-up calls {res.get('warmup')}, timed {res.get('reps')} "
+        f"(ms: median [10th-90th percentile]); predicted: eagle3_jax.cost_model for "
+        f"{res.get('predicted_for')}, one chip. jax {res.get('jax')}.",
+        "",
+        "| batch | program | tree | measured ms, median [p10-p90] | predicted ms "
+        "| measured / predicted |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+    for r in res.get("rows", []):
+        lines.append(
+            f"| {r['batch']} | {r['program']} | {r['tree'] or '-'} | {_ms(r['median_ms'])} "
+            f"[{_ms(r['p10_ms'])}-{_ms(r['p90_ms'])}] | {_ms(r['predicted_ms'])} "
+            f"| {r['measured_over_predicted']:.2f} |"
+        )
+    if not res.get("rows"):
+        lines.append("| - | nothing measured | | | | |")
+    if res.get("ratios"):
+        lines += [
+            "",
+            "A round in plain steps, and the speedup it gives at the acceptance model's τ "
+            "(τ / (round / plain)):",
+            "",
+            "| batch | tree | round / plain measured | predicted | τ (model) | speedup at τ, "
+            "measured | predicted |",
+            "|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for q in res["ratios"]:
+            lines.append(
+                f"| {q['batch']} | {q['tree']} | {q['measured']:.2f} | {q['predicted']:.2f} "
+                f"| {q['tau_model']:.2f} | {q['speedup_measured']:.2f} "
+                f"| {q['speedup_predicted']:.2f} |"
+            )
+    if res.get("skipped"):
+        lines += ["", "Skipped (the deadline):", ""]
+        lines += [f"- {s}" for s in res["skipped"]]
+    if res.get("failed"):
+        lines += ["", "Failed:", ""]
+        lines += [f"- {s}" for s in res["failed"]]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def step(args: argparse.Namespace) -> int:
+    """Runs round_timing within --minutes and writes its table; 1 when nothing came back or the
+    subprocess failed."""
+    c.check_budget(args.minutes)
+    out = Path(args.out or (c.ROOT / "runs")) / "round_cost"
+    out.mkdir(parents=True, exist_ok=True)
+    log = c.Log(out / "device_log.txt")
+    log(f"round-cost start: {c.accelerator()}")
+    env = c.base_env()  # jax alone: no wheel, no GGUF
+    env["PYTHONPATH"] = os.pathsep.join([str(c.ROOT / "scripts"), env["PYTHONPATH"]])
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(c.DEVICE / "jax_cache"))
+    timeout = log.left(args.minutes) - RESERVE_S
+    cmd = [sys.executable, "-m", "device_steps.round_timing", "--out", str(out),
+           "--deadline-s", f"{timeout - START_S:.0f}", *forward(args)]  # fmt: skip
+    rc = c.phase(log, "round_timing", cmd, env, timeout, log_dir=out)
+    results = out / "results.json"
+    if not results.exists():
+        log("round-cost: no results.json")
+        return 1
+    res = json.loads(results.read_text())
+    (out / "report.md").write_text(table(res))
+    log(
+        f"round-cost: {len(res['rows'])} programs timed, {len(res['skipped'])} skipped, "
+        f"{len(res.get('failed', []))} failed -> {out}"
+    )
+    return 0 if rc == 0 else 1

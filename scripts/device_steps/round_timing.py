@@ -1,0 +1,358 @@
+"""The cost model's prediction beside a measurement: a plain decode step and one speculative round
+timed on the device, each next to `eagle3_jax.cost_model`'s prediction for it (issue 35 item 3).
+
+The target has Llama-3.1-8B's shape (`accelerator.target_config`) with RANDOM bf16 weights made on
+the device (nothing is carried), the head EAGLE-3's shape with 32,000 draft ids, random too: the
+programs' work is fixed by their static shapes, not by the weights' values. Each program is the
+one decoding runs (`plain.decode_step`, `speculative.round_step` with the eagle3 drafter, greedy),
+at batch 1 and 8, on a static cache sized as `plan_shape` sizes it for `--prompt` + `--new`
+tokens, with the cursor at `--prompt`: the state is made of zeros instead of by a prefill (a
+round's time does not depend on what the cache holds, and a prefill would be one more compilation
+per batch). Each program is compiled (`lower().compile()`, timed), called `--warmup` times, then
+`--reps` times, each call waited for (`block_until_ready`); the median is reported with the 10th
+and 90th percentiles.
+
+Before each program the step estimates its compilation and its calls (`COMPILE_S`, scaled by
+what the compilations so far took against their estimates: `Budget`) and skips it, naming what it
+needed and what was left, when it would pass `--deadline-s` (counted from the end of the imports);
+results.json is rewritten after every program, so a step stopped from outside still returns what
+it measured; a program that fails (out of memory, say) is recorded under "failed" and the next
+one runs. `--target tiny` is a 4-layer toy of the same structure, for the CPU test.
+
+  python -m device_steps.round_timing --out DIR --deadline-s 240     (PYTHONPATH=.:scripts)
+
+`device_steps.round_cost` runs it as a step of scripts/device_job.py and writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from device_steps.round_cost import TREE_NAMES, add_args, table
+from eagle3_jax import accelerator as acc
+from eagle3_jax import cost_model as cm
+from eagle3_jax.config import ACCELERATOR_TREE, DraftConfig, TargetConfig, TreeConfig
+from eagle3_jax.decoding import plain
+from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.models import draft as drf
+from eagle3_jax.models import target as tgt
+from eagle3_jax.vocab import DraftVocab
+
+# the trees by the names --trees takes (round_cost.TREE_NAMES)
+TREES = {"10/8/60": ACCELERATOR_TREE, "chain": acc.CHAIN_TREE}
+assert tuple(TREES) == TREE_NAMES
+
+# estimated compile seconds per program at Llama-3.1-8B shapes on a GPU (unrolled layers), no
+# measurement behind them; the step rescales them by the first compilation it times (`Budget`)
+COMPILE_S = {"init": 20.0, "plain": 40.0, "10/8/60": 90.0, "chain": 70.0}
+
+
+def shapes(name: str) -> tuple[TargetConfig, DraftConfig]:
+    """The target and head timed: `llama31_8b` (Llama-3.1-8B, EAGLE-3's 32,000 draft ids) or
+    `tiny` (a 4-layer toy with the same structure, for the CPU test; no EOS id, so every row
+    keeps running)."""
+    if name == "tiny":
+        base = acc.target_config("llama31_8b")
+        tcfg = dataclasses.replace(
+            base, vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
+            num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(),
+        )  # fmt: skip
+        return tcfg, DraftConfig.from_target(tcfg, draft_vocab_size=64)
+    tcfg = acc.target_config(name)
+    return tcfg, acc.draft_config(tcfg)
+
+
+def _zeros(aval):
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        return jax.random.key(0)
+    return jnp.zeros(aval.shape, aval.dtype)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """Random weights (made on the device) and the static sizes of one batch."""
+
+    tparams: dict
+    dparams: dict
+    vocab: DraftVocab
+    tcfg: TargetConfig
+    dcfg: DraftConfig
+
+
+def random_inputs(tcfg: TargetConfig, dcfg: DraftConfig, dtype=jnp.bfloat16) -> Inputs:
+    init_t = jax.jit(functools.partial(tgt.init_params, tcfg, dtype=dtype))
+    init_d = jax.jit(functools.partial(drf.init_params, dcfg, dtype=dtype))
+    tparams = init_t(jax.random.key(0))
+    dparams = init_d(jax.random.key(1))
+    vd, v = dcfg.draft_vocab_size, tcfg.vocab_size
+    vocab = DraftVocab(jnp.zeros((vd,), jnp.int32), jnp.arange(v) < vd)  # the first Vd ids
+    jax.block_until_ready((tparams, dparams))
+    return Inputs(tparams, dparams, vocab, tcfg, dcfg)
+
+
+def _full(b: int, v: int) -> jax.Array:
+    """A fresh [B] int32 buffer (the state is donated: no two leaves may share one)."""
+    return jnp.full((b,), v, jnp.int32)
+
+
+def _prompt(b: int, t: int, p: int, limit: int):
+    return (
+        jnp.zeros((b, t), jnp.int32),
+        jnp.full((b,), p, jnp.int32),
+        jnp.full((b,), limit, jnp.int32),
+        jax.random.key(0),
+    )
+
+
+def plain_program(x: Inputs, b: int, prompt: int, new: int):
+    """(lowered decode_step, its fixed args, its state, shape): the cursor at `prompt`."""
+    shape = plain.plan_shape([prompt] * b, new, prompt + new + 1)
+    kw = dict(cfg=x.tcfg, shape=shape, sampling=Sampling(), eos_ids=x.tcfg.eos_token_ids)
+    args = _prompt(b, shape.prompt_len, prompt, shape.max_new)
+    avals = jax.eval_shape(functools.partial(plain.prefill, **kw), x.tparams, *args)
+    limit = shape.max_new
+    state = jax.tree.map(_zeros, avals)._replace(cursor=_full(b, prompt), limit=_full(b, limit))
+    lowered = plain.decode_step.lower(x.tparams, state, **kw)
+    return lowered, (x.tparams,), state, shape
+
+
+def round_program(x: Inputs, b: int, prompt: int, new: int, tree: TreeConfig):
+    """(lowered round_step, its fixed args, its state, shape): eagle3 drafter, greedy."""
+    tree = tree.validate(x.dcfg.draft_vocab_size)
+    extra = tree.round_slots + 1
+    shape = plain.plan_shape([prompt] * b, new, prompt + new + extra + 1, extra)
+    eos = x.tcfg.eos_token_ids
+    kw = dict(tcfg=x.tcfg, dcfg=x.dcfg, shape=shape, tree=tree, sampling=Sampling(), eos_ids=eos)
+    head = (x.tparams, x.dparams, x.tparams["embed"], x.vocab)
+    args = _prompt(b, shape.prompt_len, prompt, shape.max_new)
+    avals = jax.eval_shape(functools.partial(spec.prefill, **kw), *head, *args)
+    state = dataclasses.replace(
+        jax.tree.map(_zeros, avals),
+        length=_full(b, prompt),
+        pending_at=_full(b, prompt),
+        limit=_full(b, shape.max_new),
+        enc_n=_full(b, 1),
+    )
+    lowered = spec.round_step.lower(*head, state, **kw, method="eagle3")
+    return lowered, head, state, shape
+
+
+def time_calls(compiled, fixed: tuple, state, warmup: int, reps: int) -> list[float]:
+    """Seconds of each of `reps` calls after `warmup`, each waited for; the state is donated
+    and replaced by what the call returns, as in decoding."""
+    for _ in range(warmup):
+        state = compiled(*fixed, state)
+    jax.block_until_ready(state)
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        state = compiled(*fixed, state)
+        jax.block_until_ready(state)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+class Budget:
+    """What is left before the deadline, and whether a program's estimated compile and calls fit.
+    Estimates are scaled by the first compilation timed against its estimate, and raised by any
+    later one slower than its scaled estimate (a first program found in the compilation cache
+    must not make the next, compiled afresh, look cheap)."""
+
+    def __init__(self, deadline_s: float, t0: float):
+        self.deadline, self.t0, self.scale = deadline_s, t0, 1.0
+
+    def left(self) -> float:
+        return self.deadline - (time.monotonic() - self.t0)
+
+    def need(self, what: str, calls: int, call_s: float) -> float:
+        return self.estimate(what) + calls * call_s + 5.0
+
+    def estimate(self, what: str) -> float:
+        return COMPILE_S[what] * self.scale
+
+    def learn(self, what: str, seconds: float, first: bool) -> None:
+        ratio = seconds / COMPILE_S[what]
+        self.scale = max(ratio, 0.05) if first else max(self.scale, ratio)
+
+
+def _stats(ts: list[float]) -> dict:
+    a = np.asarray(ts) * 1e3
+    return {
+        "median_ms": float(np.median(a)),
+        "p10_ms": float(np.percentile(a, 10)),
+        "p90_ms": float(np.percentile(a, 90)),
+        "reps": len(ts),
+    }
+
+
+def predict_device(name: str) -> cm.Device:
+    """A `cost_model.DEVICES` entry by its key in any case, spaces optional ("h200", "tpuv5e"),
+    or "cpu" (`cost_model.CPU_2CORE`, an assumption, not a vendor figure)."""
+    known = {k.lower().replace(" ", ""): v for k, v in cm.DEVICES.items()}
+    known["cpu"] = cm.CPU_2CORE
+    key = name.lower().replace(" ", "")
+    if key not in known:
+        raise SystemExit(f"--predict-device {name}: choose one of {', '.join(known)}")
+    return known[key]
+
+
+def predictions(tcfg, dcfg, device: str, b: int, context: int, trees: list[str]) -> dict:
+    """The cost model's times (ms) and cache slots on one chip: "plain" and each tree's round,
+    with τ from its acceptance model at EAGLE-3's Llama-3.1-8B τ (for the speedups)."""
+    dev = predict_device(device)
+    accept = cm.llama_acceptance()
+    slots = cm.slots_for(context)
+    out = {"plain": {"ms": cm.plain_step(tcfg, b, slots).time_s(dev, 1) * 1e3, "slots": slots}}
+    for name in trees:
+        tree = TREES[name]
+        pr = cm.predict(dev, tcfg, tree, accept.tau(tree), b, context, dcfg=dcfg, chips=1)
+        out[name] = {"ms": pr.round_s * 1e3, "slots": cm.slots_for(context, tree), "tau": pr.tau}
+    return out
+
+
+def measure(args) -> dict:
+    t0 = time.monotonic()
+    budget = Budget(args.deadline_s, t0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trees = [t for t in args.trees.split(",") if t]
+    tcfg, dcfg = shapes(args.target)
+    dev = jax.devices()[0]
+    res: dict = {
+        "target": args.target,
+        "dtype": "bfloat16",
+        "device": dev.device_kind
+        if dev.platform == dev.device_kind
+        else f"{dev.platform} {dev.device_kind}",
+        "jax": jax.__version__,
+        "prompt": args.prompt,
+        "context": args.prompt + args.new,
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "predicted_for": predict_device(args.predict_device).name,
+        "batches": args.batches,
+        "state": "zeros, no prefill",
+        "rows": [],
+        "ratios": [],
+        "skipped": [],
+        "failed": [],
+    }
+    save = lambda: _write_json(out / "results.json", res)  # noqa: E731
+    if budget.left() < budget.estimate("init"):
+        line = f"everything: the weights need ~{budget.estimate('init'):.0f} s, "
+        res["skipped"].append(line + f"{budget.left():.0f} s left")
+        print(f"skipped {res['skipped'][-1]}", flush=True)
+        save()
+        return res
+    t = time.monotonic()
+    x = random_inputs(tcfg, dcfg)
+    res["init_s"] = time.monotonic() - t
+    first, call_s = True, 0.05
+    for b in [int(v) for v in args.batches.split(",")]:
+        pred = predictions(tcfg, dcfg, args.predict_device, b, args.prompt + args.new, trees)
+        plain_ms = None
+        for name in ["plain", *trees]:
+            calls = args.warmup + args.reps
+            need = budget.need(name, calls, call_s)
+            if need > budget.left():
+                what = "plain step" if name == "plain" else f"round {tree_label(name)}"
+                line = (
+                    f"batch {b} {what}: needs ~{need:.0f} s (compile ~{budget.estimate(name):.0f}"
+                    f" s, {calls} calls), {budget.left():.0f} s left"
+                )
+                res["skipped"].append(line)
+                print(f"skipped {line}", flush=True)
+                continue
+            t = time.monotonic()
+            try:  # one program's failure (out of memory at batch 8, say) leaves the others
+                if name == "plain":
+                    lowered, fixed, state, shape = plain_program(x, b, args.prompt, args.new)
+                else:
+                    lowered, fixed, state, shape = round_program(
+                        x, b, args.prompt, args.new, TREES[name]
+                    )
+                compiled = lowered.compile()
+                compile_s = time.monotonic() - t
+                budget.learn(name, compile_s, first)
+                first = False
+                stats = _stats(time_calls(compiled, fixed, state, args.warmup, args.reps))
+            except Exception as e:  # noqa: BLE001
+                what = "plain step" if name == "plain" else f"round {tree_label(name)}"
+                res["failed"].append(f"batch {b} {what}: {type(e).__name__}: {str(e)[:300]}")
+                print(f"failed {res['failed'][-1]}", flush=True)
+                save()
+                continue
+            call_s = max(call_s, stats["p90_ms"] / 1e3)
+            p = pred[name]
+            row = {
+                "batch": b, "program": "plain step" if name == "plain" else "round",
+                "tree": None if name == "plain" else tree_label(name), "slots": shape.slots,
+                "model_slots": p["slots"], "compile_s": compile_s, **stats,
+                "predicted_ms": p["ms"], "measured_over_predicted": stats["median_ms"] / p["ms"],
+            }  # fmt: skip
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            if name == "plain":
+                plain_ms = stats["median_ms"]
+            elif plain_ms is not None:
+                measured = stats["median_ms"] / plain_ms
+                predicted = p["ms"] / pred["plain"]["ms"]
+                res["ratios"].append({
+                    "batch": b, "tree": tree_label(name), "measured": measured, "predicted": predicted,
+                    "tau_model": p["tau"], "speedup_measured": p["tau"] / measured,
+                    "speedup_predicted": p["tau"] / predicted,
+                })  # fmt: skip
+            save()
+            del state, compiled, lowered
+    res["wall_s"] = time.monotonic() - t0
+    save()
+    return res
+
+
+def tree_label(name: str) -> str:
+    """The name, and the shape (top_k/depth/total_tokens) where it differs: "chain 1/8/9"."""
+    t = TREES[name]
+    shape = f"{t.top_k}/{t.depth}/{t.total_tokens}"
+    return name if name == shape else f"{name} {shape}"
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_args(p)
+    p.add_argument("--out", required=True)
+    p.add_argument("--deadline-s", type=float, required=True, help="stop starting programs after")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    res = measure(args)
+    (Path(args.out) / "report.md").write_text(table(res))
+    print(table(res))
+    # the last lines are what the step's log shows of this run
+    print(
+        f"{len(res['rows'])} programs timed, {len(res['skipped'])} skipped, "
+        f"{len(res['failed'])} failed: {Path(args.out) / 'results.json'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
