@@ -2,7 +2,13 @@
 """The draft-vocabulary study, end to end and resumable: train, cut, measure, report.
 
   .venv/bin/python benchmarks/vocab_study.py                      # the SmolLM2 study (issue 33)
-  .venv/bin/python benchmarks/vocab_study.py --grid configs/X.py --sizes 8192 --trees 10,8,60
+  .venv/bin/python benchmarks/vocab_study.py --grid configs/vocab_study_olmo2_1b.py \
+      --config.target=/ckpt/OLMo-2-0425-1B-Instruct --config.data=/data/prompts.jsonl  # a GPU
+
+`--config.FIELD=VALUE` overrides the grid's base TrainConfig (every cell), as `ablate` takes it.
+What the flags leave open comes from the grid: FR-Spec/VocabTrim sizes = its EAGLE-3 cells'
+vocabularies, the reference = its first EAGLE-3 cell, the trees = its tree (plus this machine's
+default tree on a CPU), replay on a CPU backend only.
 
 Stages (rerun the same command after any stop; each stage resumes or skips what is done):
   1. the grid's heads are trained (`python -m eagle3_jax ablate --config GRID`: one feature store,
@@ -14,10 +20,10 @@ Stages (rerun the same command after any stop; each stage resumes or skips what 
   4. drafting time per step of every head at each tree's top-k (benchmarks/draft_cost.py);
   5. one harness run per tree (--trees; `cpu` is decode.py's default tree on this machine):
      plain decoding and every head, interleaved per question, each head at its own vocabulary;
-     at the `cpu` tree every head decodes for real (τ and speedup), at the other trees each head
-     is replayed over plain decoding's greedy answers (`eval --replay`: the same τ as decoding,
-     draft-only rounds, so ten heads at the 60-node tree cost hours less; their speed is stage
-     4's drafting time);
+     on an accelerator every tree decodes for real (τ and speedup); on a CPU the `cpu` tree does,
+     and at the other trees each head is replayed over plain decoding's greedy answers (`eval
+     --replay`: the same τ as decoding, draft-only rounds, so ten heads at the 60-node tree cost
+     hours less; their speed is stage 4's drafting time);
   6. SpecVocab's speculator recall on held-out answers (benchmarks/speculator_recall.py);
   7. the report (eagle3_jax.evaluation.study): the paper-shaped table, per-question paired
      intervals against --reference, drafting time per step and per round, training curves, plots.
@@ -28,6 +34,7 @@ Stages (rerun the same command after any stop; each stage resumes or skips what 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import shutil
@@ -35,12 +42,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+
 from eagle3_jax.ablation import load_ablation
 from eagle3_jax.checkpoints import files_digest
 from eagle3_jax.checkpoints.atomic import exclusive, made_from, record_inputs
+from eagle3_jax.data.conversations import read_conversations
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import study
 from eagle3_jax.evaluation.runner import _parse_tree, default_tree_shape, head_digest, shape_text
+from eagle3_jax.training.config import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -52,32 +63,53 @@ def run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    """(the study's flags, the grid's `--config.FIELD=VALUE` overrides)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--grid", default=str(ROOT / "configs/vocab_study_smollm2.py"))
     ap.add_argument(
-        "--frspec-corpus",
-        default=str(SHARED / "sharegpt/ShareGPT_V3_unfiltered_cleaned_split_first5000.json"),
-    )
-    ap.add_argument(
-        "--generated", default=str(ROOT / "data/smollm2_135m_regenerated_cpu2.jsonl.gz"),
-        help="target-generated text for VocabTrim's counts",
+        "--frspec-corpus", default=None,
+        help="FR-Spec's counts (every role): default the ShareGPT sample in ../shared/data, else "
+        "data/sharegpt_conversations.jsonl.gz (shipped)",
     )  # fmt: skip
-    ap.add_argument("--sizes", default="8192,16384", help="FR-Spec and VocabTrim sizes")
-    ap.add_argument("--reference", default="eagle3_vd8192", help="the head others are paired with")
     ap.add_argument(
-        "--trees", default="10,8,60 cpu", help="space-separated tree shapes; cpu = decode's default"
-    )
+        "--generated", default=None,
+        help="target-generated text for VocabTrim's counts (default: the answers the grid "
+        "regenerated, else its training data, which is then the target's own answers)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--sizes", default=None,
+        help="FR-Spec and VocabTrim sizes (default: the grid's EAGLE-3 cells' vocabularies)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--reference", default=None,
+        help="the head others are paired with (default: the grid's first EAGLE-3 cell)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--trees", default=None,
+        help="space-separated tree shapes; cpu = decode's default here (default: the grid's "
+        "tree, and cpu on a CPU backend)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--replay", choices=("auto", "yes", "no"), default="auto",
+        help="measure the non-cpu trees by replay (auto: on a CPU backend, where verifying "
+        "large trees for real costs hours; on accelerators every tree decodes for real)",
+    )  # fmt: skip
     ap.add_argument("--bench", default="spec_bench")
     ap.add_argument(
         "--questions", type=int, default=20,
         help="per category (Spec-Bench: 20 gives all 80 MT-bench questions and 20 of each task)",
     )  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--mesh", default=None, help="the harness's --mesh DATAxMODEL")
     ap.add_argument("--out", default=str(ROOT / "runs/vocab_study_eval"))
     ap.add_argument("--publish", default=None, help="copy the report and results here")
     ap.add_argument("--skip-train", action="store_true", help="the grid's heads exist: stage 1 off")
-    return ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    bad = [a for a in rest if not a.startswith("--config.")]
+    if bad:
+        ap.error(f"unrecognized arguments: {' '.join(bad)}")
+    return args, rest
 
 
 def tree_shapes(text: str) -> dict[str, tuple]:
@@ -99,12 +131,12 @@ def made(path: Path, inputs: dict, make) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args, overrides = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
         with exclusive(out, what="vocabulary study"):
-            study_stages(args, out)
+            study_stages(args, overrides, out)
     except (Eagle3Error, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -114,25 +146,54 @@ def main(argv=None) -> int:
     return 0
 
 
-def study_stages(args: argparse.Namespace, out: Path) -> None:
+def settings(args: argparse.Namespace, grid, root: Path) -> dict:
+    """What the flags leave to the grid: the FR-Spec/VocabTrim sizes, the reference head, the
+    trees and which are replayed, the counts' corpora."""
+    reduced = [c for c in grid.cells if c.overrides.get("draft_vocab_size")
+               and not c.overrides.get("lm_head_source") and not c.overrides.get("speculator_rank")
+               and c.overrides["draft_vocab_size"] < 10**9]  # fmt: skip
+    sizes = args.sizes or ",".join(str(c.overrides["draft_vocab_size"]) for c in reduced)
+    reference = args.reference or (reduced[0].name if reduced else grid.cells[0].name)
+    cpu = jax.default_backend() == "cpu"
+    trees = args.trees or ",".join(map(str, grid.tree)) + (" cpu" if cpu else "")
+    replay = args.replay == "yes" or (args.replay == "auto" and cpu)
+    corpus = grid.base.corpus
+    generated = args.generated or (
+        str(root / "shared" / "regenerated.jsonl") if corpus.regenerate else corpus.data
+    )
+    shared = SHARED / "sharegpt/ShareGPT_V3_unfiltered_cleaned_split_first5000.json"
+    frspec = args.frspec_corpus or str(
+        shared if shared.exists() else ROOT / "data/sharegpt_conversations.jsonl.gz"
+    )
+    return dict(sizes=sizes, reference=reference, trees=trees, replay=replay,
+                generated=generated, frspec=frspec)  # fmt: skip
+
+
+def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
     grid = load_ablation(args.grid)
+    grid = dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
     root = Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
+    st = settings(args, grid, root)
+    model = []  # the target (and dtype) every stage that loads one reads
+    if grid.base.corpus.target:
+        model += ["--target", str(grid.base.corpus.target)]
     if not args.skip_train:  # 1
-        run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--no-progress"])
+        run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--no-eval",
+             "--no-progress", *overrides])  # fmt: skip
     vocab_size = json.loads((root / "cells" / grid.cells[0].name / "head/config.json").read_text())[
         "vocab_size"
     ]
     heads = [study.head_of_cell(c.name, c.overrides, vocab_size) for c in grid.cells]
     paths = {c.name: root / "cells" / c.name / "head" for c in grid.cells}
     counts = {"frspec": out / "counts_frspec.npy", "vocabtrim": out / "counts_generated.npy"}
-    for family, corpus, roles in (("frspec", args.frspec_corpus, "all"),
-                                  ("vocabtrim", args.generated, "assistant")):  # fmt: skip
-        made(counts[family], {"corpus": files_digest([corpus]), "roles": roles},  # 2
+    for family, corpus, roles in (("frspec", st["frspec"], "all"),
+                                  ("vocabtrim", st["generated"], "assistant")):  # fmt: skip
+        made(counts[family], {"corpus": files_digest(corpus.split(",")), "roles": roles},  # 2
              lambda c=corpus, r=roles, f=family: run(
                  [PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", c, "--roles", r,
-                  "--out", str(counts[f])]))  # fmt: skip
+                  "--out", str(counts[f]), *model[:2]]))  # fmt: skip
     sources = {h.family: h.name for h in heads if h.family in ("target_lm_head", "full")}
-    for size in (int(s) for s in args.sizes.split(",")):  # 3
+    for size in (int(s) for s in st["sizes"].split(",") if s):  # 3
         for family, src in (("frspec", "target_lm_head"), ("vocabtrim", "full")):
             if src not in sources:
                 continue
@@ -142,17 +203,17 @@ def study_stages(args: argparse.Namespace, out: Path) -> None:
                        "counts": files_digest([counts[family]])},
                  lambda s=sources[src], f=family, n=size, d=dst: run(
                      [PY, "-m", "eagle3_jax", "vocab", "trim", "--draft", str(paths[s]),
-                      "--counts", str(counts[f]), "--size", str(n), "--out", str(d)]))  # fmt: skip
+                      "--counts", str(counts[f]), "--size", str(n), "--out", str(d), *model[:2]]))  # fmt: skip
             heads.append(study.StudyHead(name, family, size, f"cut from {sources[src]}"))
             paths[name] = dst
     drafts = [f"{h.name}={paths[h.name]}" for h in heads]
     digests = {h.name: head_digest(paths[h.name]) for h in heads}
-    trees = tree_shapes(args.trees)
+    trees = tree_shapes(st["trees"])
     costs, runs = {}, {}
     for name, shape in trees.items():
         cost = out / f"draft_cost_{name}.json"
         cmd = [PY, "benchmarks/draft_cost.py", "--out", str(cost), "--top-k", str(shape[0]),
-               "--rows", ",".join(dict.fromkeys(["1", str(shape[0])]))]  # fmt: skip
+               "--rows", ",".join(dict.fromkeys(["1", str(shape[0])])), *model]  # fmt: skip
         for d in drafts:
             cmd += ["--draft", d]
         made(cost, {"heads": digests, "tree": list(shape)}, lambda c=cmd: run(c))  # 4
@@ -160,8 +221,12 @@ def study_stages(args: argparse.Namespace, out: Path) -> None:
         ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{shape_text(shape)}",
               "--bench", args.bench, "--questions", str(args.questions), "--draft-vocab", "full",
               "--max-new-tokens", str(args.max_new_tokens), "--no-progress",
-              "--out", str(out / f"eval_{name}")]  # fmt: skip
-        if name != "cpu":  # τ only: each head replayed over plain decoding's answers (exact)
+              "--out", str(out / f"eval_{name}"), *model]  # fmt: skip
+        if grid.dtype:
+            ev += ["--dtype", grid.dtype]
+        if args.mesh:
+            ev += ["--mesh", args.mesh]
+        if st["replay"] and name != "cpu":  # τ only: each head replayed over vanilla's answers
             ev.append("--replay")
         for d in drafts:
             ev += ["--draft", d]
@@ -170,12 +235,18 @@ def study_stages(args: argparse.Namespace, out: Path) -> None:
     recall = out / "speculator_recall.json"
     spec_heads = [h.name for h in heads if h.family == "specvocab"]
     if spec_heads:  # 6
-        cmd = [PY, "benchmarks/speculator_recall.py", "--out", str(recall)]
+        held_out = grid.base.run.val_data.split(",")[0]  # never trained on
+        n = min(40, len(read_conversations(held_out)[0])) if held_out else 0
+        ks = [k for k in (64, 256, 1024, 2048) if k < vocab_size] or [max(vocab_size // 4, 1)]
+        cmd = [PY, "benchmarks/speculator_recall.py", "--out", str(recall), *model,
+               "--k", ",".join(map(str, ks))]  # fmt: skip
+        if n:
+            cmd += ["--data", str(held_out), "--records", f"0:{n}"]
         for name in spec_heads:
             cmd += ["--draft", f"{name}={paths[name]}"]
         made(recall, {"heads": {n: digests[n] for n in spec_heads}}, lambda: run(cmd))
     curves = {c.name: study.read_curve(root / "cells" / c.name) for c in grid.cells}  # 7
-    text, summary = study.report(runs, heads, args.reference, costs, curves)
+    text, summary = study.report(runs, heads, st["reference"], costs, curves)
     if recall.exists():
         text += "\n## SpecVocab speculator recall (held-out answers, first draft step)\n\n"
         text += recall.with_suffix(".md").read_text()

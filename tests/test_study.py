@@ -183,3 +183,61 @@ def test_study_artefacts_are_remade_only_from_the_same_inputs(tmp_path):
     with pytest.raises(Eagle3Error, match="no record of what it was made from"):
         vs.made(theirs, inputs, make)
     assert theirs.read_bytes() == b"a user's file"
+
+
+@pytest.mark.slow  # four tiny heads, counts, cuts, draft costs, two harness runs: ~4 min
+def test_the_paper_grid_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path, monkeypatch):
+    """configs/vocab_study_paper.py's four cells (regenerated answers, the same budget) through
+    benchmarks/vocab_study.py on the tiny target: FR-Spec and VocabTrim cut at the EAGLE-3 cell's
+    size, every head measured at the grid's tree (replayed on this CPU) and the CPU tree (real),
+    the paper-shaped report published."""
+    import gzip
+    from pathlib import Path
+
+    from test_ablation import _data  # the tests' folder is on sys.path (rootdir conftest)
+
+    root = Path(__file__).resolve().parents[1]
+    data, qs = _data(tmp_path)
+    grid = tmp_path / "grid.py"
+    grid.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(root / 'configs')!r})\n"
+        "from vocab_study_paper import paper_grid\n"
+        "from eagle3_jax.training.config import load_config\n"
+        "import dataclasses\n"
+        "def get_config():\n"
+        f"    base = load_config({str(root / 'configs/tiny.py')!r}).replace(\n"
+        f"        target={str(tiny_target_dir)!r}, data={str(data)!r}, num_conversations=8,\n"
+        "        regen_max_new_tokens=10, max_steps=3, batch_size=2, epochs=0)\n"
+        "    g = paper_grid(base, 'tiny', hidden_size=64, draft_vocab_size=40, tree=(2, 2, 4),\n"
+        "                   dtype=None)\n"
+        f"    return dataclasses.replace(g, out_dir={str(tmp_path / 'grid')!r})\n"
+    )
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import vocab_study
+
+    pub = tmp_path / "pub"
+    argv = ["--grid", str(grid), "--bench", str(qs), "--questions", "1", "--max-new-tokens", "8",
+            "--frspec-corpus", str(data), "--out", str(tmp_path / "study"),
+            "--publish", str(pub)]  # fmt: skip
+    assert vocab_study.main(argv) == 0
+    text = (pub / "report.md").read_text()
+    for head in ("eagle3_vd40", "specvocab", "target_lm_head", "full_vocab", "frspec_40",
+                 "vocabtrim_40"):  # fmt: skip
+        assert f"| {head}" in text, head
+    assert "(replayed)" in text  # the grid's tree, replayed on this CPU
+    with gzip.open(pub / "results_2-2-4.json.gz", "rt") as f:
+        recs = json.load(f)["records"]
+    assert all(r.get("replayed") for r in recs if r["method"] != "vanilla")
+    with gzip.open(pub / "results_cpu.json.gz", "rt") as f:
+        assert not any(r.get("replayed") for r in json.load(f)["records"])
+    regen = tmp_path / "grid/shared/regenerated.jsonl"
+    assert regen.exists()  # VocabTrim counted the target's own answers
+    assert made_from_ok(tmp_path / "study/counts_generated.npy", regen)
+
+
+def made_from_ok(artefact, corpus) -> bool:
+    from eagle3_jax.checkpoints import files_digest
+    from eagle3_jax.checkpoints.atomic import made_from
+
+    return made_from(artefact, {"corpus": files_digest([str(corpus)]), "roles": "assistant"})
