@@ -38,7 +38,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402  (after XLA_FLAGS)
 
 from eagle3_jax.accelerators import lowering, programs, specs  # noqa: E402
-from eagle3_jax.config import ACCELERATOR_TREE  # noqa: E402
+from eagle3_jax.decoding.tree import ACCELERATOR_TREE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eagle3_jax.accelerators import acceptance, hbm, predict, roofline, specs  # noqa: E402
-from eagle3_jax.config import TreeConfig  # noqa: E402
+from eagle3_jax.decoding.tree import TreeConfig  # noqa: E402
 
 TARGETS = ("llama31_8b", "olmo2_7b", "qwen3_4b", "olmo2_1b")
 TREES = {

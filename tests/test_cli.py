@@ -11,13 +11,8 @@ import pytest
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints.eagle_format import save_draft
 from eagle3_jax.checkpoints.hf import load_hf
-from eagle3_jax.config import (
-    ACCELERATOR_TREE,
-    PLAIN_PRODUCTS,
-    TreeConfig,
-    default_dtype,
-    default_tree,
-)
+from eagle3_jax.config import PLAIN_PRODUCTS, default_dtype
+from eagle3_jax.decoding.tree import ACCELERATOR_TREE, TreeConfig, default_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.vocab import identity
 

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from eagle3_jax.accelerators import acceptance, hbm, predict, programs, roofline, specs
-from eagle3_jax.config import TargetConfig, TreeConfig
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.decoding.tree import TreeConfig
 
 TINY = TargetConfig(
     family="llama",

@@ -8,12 +8,12 @@ import pytest
 from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.checkpoints.hf import load_hf
-from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.drafters import eagle3_drafter
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.decoding.verify import forward_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt

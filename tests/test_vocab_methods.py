@@ -12,9 +12,9 @@ from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
 from eagle3_jax.checkpoints.heads import Head, load_head
 from eagle3_jax.cli.vocab import main
-from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.vocab.methods import extend_head, top_ids, trim_head

@@ -18,7 +18,7 @@ import heapq
 
 import numpy as np
 
-from eagle3_jax.config import TreeConfig
+from eagle3_jax.decoding.tree import TreeConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,8 @@ from eagle3_jax.accelerators.roofline import (
     target_forward,
 )
 from eagle3_jax.accelerators.specs import CPU_2CORE, TARGETS, Device, draft_for
-from eagle3_jax.config import DraftConfig, TargetConfig, TreeConfig
+from eagle3_jax.config import DraftConfig, TargetConfig
+from eagle3_jax.decoding.tree import TreeConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,10 +21,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.accelerators.specs import DRAFT_VOCAB, draft_for, target_config
-from eagle3_jax.config import ACCELERATOR_TREE, DraftConfig, TargetConfig, TreeConfig
+from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import ACCELERATOR_TREE, TreeConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
@@ -37,7 +38,7 @@ from eagle3_jax.vocab import DraftVocab
 # 7B has none: as Llama's); a batch the data axis does not divide trains on 1 x 8
 TRAIN_MESH = {"llama31_8b": (2, 4), "olmo2_7b": (2, 4), "qwen3_4b": (4, 2)}
 
-# a chain as deep as the reporting tree (`config.default_tree` with top_k 1)
+# a chain as deep as the reporting tree (`decoding.tree.default_tree` with top_k 1)
 CHAIN_TREE = TreeConfig(
     top_k=1, depth=ACCELERATOR_TREE.depth, total_tokens=ACCELERATOR_TREE.depth + 1
 )

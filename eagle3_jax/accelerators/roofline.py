@@ -37,7 +37,8 @@ import dataclasses
 import math
 
 from eagle3_jax.accelerators.specs import Device
-from eagle3_jax.config import DraftConfig, TargetConfig, TreeConfig
+from eagle3_jax.config import DraftConfig, TargetConfig
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.models.layers import EXACT_QUERIES
 
 # ----------------------------------------------------------------------------- phases and programs

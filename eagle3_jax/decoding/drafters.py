@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.state import SpecState
-from eagle3_jax.decoding.tree import chain_tree, select_tree
+from eagle3_jax.decoding.tree import TreeConfig, chain_tree, select_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.vocab import DraftVocab
