@@ -53,14 +53,8 @@ import numpy as np
 
 from eagle3_jax.config import rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.models.draft import (
-    DraftConfig,
-    finish_layer,
-    fuse,
-    head_logits,
-    project_qkv,
-    speculator_logits,
-)
+from eagle3_jax.models.draft import DraftConfig, finish_layer, fuse, project_qkv
+from eagle3_jax.models.draft_output import head_logits, speculator_logits
 from eagle3_jax.models.layers import NEG_INF, rms_norm, rope_cos_sin
 
 Params = dict[str, Any]
