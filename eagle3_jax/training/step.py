@@ -22,7 +22,8 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import draft_output
 from eagle3_jax.models import target as tgt
-from eagle3_jax.training.config import OptimConfig, TrainConfig
+from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config_groups import OptimConfig
 from eagle3_jax.training.ttt import ttt_loss
 
 
