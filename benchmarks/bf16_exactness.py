@@ -37,9 +37,9 @@ import numpy as np
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
-from eagle3_jax.config import default_tree
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import default_tree
 from eagle3_jax.evaluation.metrics import common_prefix
 from eagle3_jax.evaluation.questions import load_questions
 from eagle3_jax.heads import default_head

@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """What a plain step and a speculative round cost on accelerators, predicted from the shapes
-(`eagle3_jax.cost_model`): tables per device x target x tree, the best tree per device, the
-calibration against published speedups and our CPU measurement, a JSON and a plot.
+(`eagle3_jax.accelerators`: roofline, acceptance, predict): tables per device x target x tree,
+the best tree per device, the calibration against published speedups and our CPU measurement,
+a JSON and a plot.
 
   .venv/bin/python benchmarks/cost_model.py                 # tables, JSON, plot (~10 s)
   .venv/bin/python benchmarks/cost_model.py --xla           # + XLA's own FLOP counts (~20 s more)
 
 No device is used: bytes and FLOPs are counted from the configs; --xla lowers the real programs
-(`eagle3_jax.accelerator`, Llama-3.1-8B shapes, on this CPU) and compares their
+(`eagle3_jax.accelerators.programs`, Llama-3.1-8B shapes, on this CPU) and compares their
 `cost_analysis()` FLOPs with the model's.
 """
 
@@ -21,12 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3_jax import cost_model as cm  # noqa: E402
-from eagle3_jax.config import TreeConfig  # noqa: E402
+from eagle3_jax.accelerators import acceptance, hbm, predict, roofline, specs  # noqa: E402
+from eagle3_jax.decoding.tree import TreeConfig  # noqa: E402
 
 TARGETS = ("llama31_8b", "olmo2_7b", "qwen3_4b", "olmo2_1b")
 TREES = {
-    "reporting 10/8/60": cm.REPORTING_TREE,
+    "reporting 10/8/60": acceptance.REPORTING_TREE,
     "chain 1/8/9": TreeConfig(1, 8, 9),
     "tree 4/6/32": TreeConfig(4, 6, 32),
     "tree 2/3/4": TreeConfig(2, 3, 4),
@@ -65,31 +66,31 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--context", type=int, default=2048, help="prompt + new tokens (default 2048)")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--tau", type=float, default=cm.EAGLE3_LLAMA_TAU, help="τ at 10/8/60")
+    p.add_argument("--tau", type=float, default=acceptance.EAGLE3_LLAMA_TAU, help="τ at 10/8/60")
     p.add_argument("--xla", action="store_true", help="compare with XLA's cost_analysis FLOPs")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/cost_model"))
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
-    acc = cm.llama_acceptance(args.tau)
+    acc = acceptance.llama_acceptance(args.tau)
     res: dict = {
         "context": args.context,
         "acceptance": {
-            "smollm2": vars(cm.SMOLLM2_ACCEPTANCE),
-            "smollm2_rms_error": cm.rms_error(cm.SMOLLM2_ACCEPTANCE),
+            "smollm2": vars(acceptance.SMOLLM2_ACCEPTANCE),
+            "smollm2_rms_error": acceptance.rms_error(acceptance.SMOLLM2_ACCEPTANCE),
             "assumed_head": vars(acc),
         },
-        "devices": {k: vars(d) for k, d in cm.DEVICES.items()},
+        "devices": {k: vars(d) for k, d in specs.DEVICES.items()},
     }
 
     # 1. per device x target x tree
     rows, recs = [], []
     for b in batches:
-        for dname, dev in cm.DEVICES.items():
+        for dname, dev in specs.DEVICES.items():
             for tg in TARGETS:
                 for tname, tree in TREES.items():
-                    pr = cm.predict(dev, tg, tree, acc.tau(tree), b, args.context)
+                    pr = predict.predict(dev, tg, tree, acc.tau(tree), b, args.context)
                     recs.append({**pred_dict(pr), "tree_name": tname})
                     rows.append([
                         b, dname, tg, tname, pr.chips, us(pr.plain_s), us(pr.round_s),
@@ -104,14 +105,14 @@ def main(argv=None) -> int:
 
     # 2. best tree per device (B = 1 and the largest batch)
     best_rows, best = [], []
-    trees = cm.tree_grid()
+    trees = predict.tree_grid()
     chains = [t for t in trees if t.top_k == 1]
     branching = [t for t in trees if t.top_k > 1]
     for b in batches:
-        for dname, dev in cm.DEVICES.items():
+        for dname, dev in specs.DEVICES.items():
             for tg in TARGETS:
-                bc = cm.best_tree(dev, tg, acc, b, args.context, chains)
-                bt = cm.best_tree(dev, tg, acc, b, args.context, branching)
+                bc = predict.best_tree(dev, tg, acc, b, args.context, chains)
+                bt = predict.best_tree(dev, tg, acc, b, args.context, branching)
                 top = max(bc, bt, key=lambda x: x.speedup)
                 best.append({
                     "batch": b, "device": dname, "target": tg, "best": pred_dict(top),
@@ -129,13 +130,13 @@ def main(argv=None) -> int:
     ))  # fmt: skip
 
     # 3. where a round's time goes (Llama-3.1-8B, reporting tree, B = 1)
-    tcfg = cm.TARGETS["llama31_8b"]
-    dcfg = cm.draft_for(tcfg)
-    slots = cm.slots_for(args.context, cm.REPORTING_TREE)
-    rnd = cm.spec_round(tcfg, dcfg, cm.REPORTING_TREE, 1, slots)
+    tcfg = specs.TARGETS["llama31_8b"]
+    dcfg = specs.draft_for(tcfg)
+    slots = roofline.slots_for(args.context, acceptance.REPORTING_TREE)
+    rnd = roofline.spec_round(tcfg, dcfg, acceptance.REPORTING_TREE, 1, slots)
     br_rows = []
-    for dname, dev in cm.DEVICES.items():
-        chips = cm.chips_needed(dev, tcfg, dcfg, 1, slots)
+    for dname, dev in specs.DEVICES.items():
+        chips = hbm.chips_needed(dev, tcfg, dcfg, 1, slots)
         parts = rnd.breakdown_s(dev, chips)
         draft = sum(v for k, v in parts.items() if k.startswith("draft_"))
         br_rows.append([
@@ -149,14 +150,14 @@ def main(argv=None) -> int:
     )
 
     # 4. calibration
-    h100 = cm.DEVICES["H100"]
+    h100 = specs.DEVICES["H100"]
     cal_rows, cal = [], []
     for src, tg, (lo, hi), note in PUBLISHED:
-        pr = cm.predict(h100, tg, cm.REPORTING_TREE, args.tau, 1, args.context)
-        pe = cm.predict(
+        pr = predict.predict(h100, tg, acceptance.REPORTING_TREE, args.tau, 1, args.context)
+        pe = predict.predict(
             h100,
             tg,
-            cm.REPORTING_TREE,
+            acceptance.REPORTING_TREE,
             args.tau,
             1,
             args.context,
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
         rec = {
             "source": src, "target": tg, "published": [lo, hi], "note": note,
             "ratio": pr.ratio, "speedup_at_tau": pr.speedup, "tau": args.tau,
-            "implied_tau": [cm.implied_tau(pr, lo), cm.implied_tau(pr, hi)],
+            "implied_tau": [predict.implied_tau(pr, lo), predict.implied_tau(pr, hi)],
             "eager_ratio": pe.ratio, "eager_speedup_at_tau": pe.speedup,
         }  # fmt: skip
         cal.append(rec)
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
             src, tg, f"{lo:.2f}-{hi:.2f}×", f"{pr.ratio:.2f}", f"{pr.speedup:.2f}×",
             f"{rec['implied_tau'][0]:.1f}-{rec['implied_tau'][1]:.1f}", f"{pe.speedup:.2f}×", note,
         ])  # fmt: skip
-    cpu = cm.cpu_verify_ratio()
+    cpu = predict.cpu_verify_ratio()
     res["calibration"] = {"published": cal, "cpu": {"model": cpu, "measured": CPU_MEASURED}}
     print(f"\n## Calibration (H100, 10/8/60, B 1, context {args.context}, τ {args.tau})\n")
     print(table(
@@ -194,10 +195,10 @@ def main(argv=None) -> int:
 
     # 5. acceptance model against our measured τ
     acc_rows = [
-        [tree_name(TreeConfig(*k)), v, f"{cm.SMOLLM2_ACCEPTANCE.tau(TreeConfig(*k)):.2f}"]
-        for k, v in cm.SMOLLM2_TAUS.items()
+        [tree_name(TreeConfig(*k)), v, f"{acceptance.SMOLLM2_ACCEPTANCE.tau(TreeConfig(*k)):.2f}"]
+        for k, v in acceptance.SMOLLM2_TAUS.items()
     ]
-    print(f"\n## Acceptance model: {cm.SMOLLM2_ACCEPTANCE} against measured τ\n")
+    print(f"\n## Acceptance model: {acceptance.SMOLLM2_ACCEPTANCE} against measured τ\n")
     print(table(["tree", "measured τ", "model τ"], acc_rows))
 
     if args.xla:
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def pred_dict(p: cm.Prediction) -> dict:
+def pred_dict(p: predict.Prediction) -> dict:
     return {
         "device": p.device, "target": p.target, "tree": tree_name(p.tree), "batch": p.batch,
         "context": p.context, "chips": p.chips, "plain_us": p.plain_s * 1e6,
@@ -225,28 +226,28 @@ def pred_dict(p: cm.Prediction) -> dict:
 
 def xla_check() -> list[dict]:
     """XLA's FLOPs of the real programs (unoptimized HLO, lowered on this CPU) next to ours."""
-    from eagle3_jax import accelerator as acc
+    from eagle3_jax.accelerators import programs
 
-    tcfg = acc.target_config("llama31_8b")
-    dcfg = acc.draft_config(tcfg)
+    tcfg = specs.target_config("llama31_8b")
+    dcfg = specs.draft_for(tcfg)
     rows = []
     for name in ("decode_step", "round_tree", "round_chain"):
-        prog = acc.build(name, acc.Setup(target="llama31_8b", mesh=(1, 1)))
+        prog = programs.build(name, programs.Setup(target="llama31_8b", mesh=(1, 1)))
         flops = prog.fn.lower(*prog.args, **prog.kwargs).cost_analysis()["flops"]
         slots = prog.kwargs["shape"].slots
         if name == "decode_step":
-            model = cm.plain_step(tcfg, 1, slots).flops
+            model = roofline.plain_step(tcfg, 1, slots).flops
         else:
-            model = cm.spec_round(tcfg, dcfg, prog.kwargs["tree"], 1, slots).flops
+            model = roofline.spec_round(tcfg, dcfg, prog.kwargs["tree"], 1, slots).flops
         rows.append({"program": name, "xla": flops / 1e9, "model": model / 1e9})
     return rows
 
 
-def speedup(dev: cm.Device, tree: TreeConfig, acc: cm.Acceptance, context: int) -> float:
-    return cm.predict(dev, "llama31_8b", tree, acc.tau(tree), 1, context).speedup
+def speedup(dev: specs.Device, tree: TreeConfig, acc: acceptance.Acceptance, context: int) -> float:
+    return predict.predict(dev, "llama31_8b", tree, acc.tau(tree), 1, context).speedup
 
 
-def plot(path: Path, acc: cm.Acceptance, context: int) -> None:
+def plot(path: Path, acc: acceptance.Acceptance, context: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,7 +255,7 @@ def plot(path: Path, acc: cm.Acceptance, context: int) -> None:
 
     sizes = [4, 8, 16, 24, 32, 48, 60, 64, 96, 128]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for dname, dev in cm.DEVICES.items():
+    for dname, dev in specs.DEVICES.items():
         ys = [speedup(dev, TreeConfig(10, 8, n), acc, context) for n in sizes]
         ax.plot(sizes, ys, marker="o", label=dname)
         ch = [speedup(dev, TreeConfig(1, d, d + 1), acc, context) for d in range(1, 9)]
@@ -266,10 +267,10 @@ def plot(path: Path, acc: cm.Acceptance, context: int) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     taus = [acc.tau(TreeConfig(10, 8, n)) for n in sizes]
-    small = [cm.SMOLLM2_ACCEPTANCE.tau(TreeConfig(10, 8, n)) for n in sizes]
+    small = [acceptance.SMOLLM2_ACCEPTANCE.tau(TreeConfig(10, 8, n)) for n in sizes]
     ax2.plot(sizes, taus, marker="o", label=acc.label)
-    ax2.plot(sizes, small, marker="s", label=cm.SMOLLM2_ACCEPTANCE.label + " (fit)")
-    meas = [(k[2], v) for k, v in cm.SMOLLM2_TAUS.items()]
+    ax2.plot(sizes, small, marker="s", label=acceptance.SMOLLM2_ACCEPTANCE.label + " (fit)")
+    meas = [(k[2], v) for k, v in acceptance.SMOLLM2_TAUS.items()]
     ax2.scatter(*zip(*meas), color="k", zorder=3, label="SmolLM2 GPU head, measured")
     ax2.set_xscale("log", base=2)
     ax2.set_xlabel("tokens verified per round")

@@ -41,7 +41,8 @@ import numpy as np
 
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
-from eagle3_jax.config import PLAIN_PRODUCTS, TreeConfig
+from eagle3_jax.config import PLAIN_PRODUCTS
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.models import layers
 from eagle3_jax.models import target as tgt
 from eagle3_jax.paths import cpu_model

@@ -28,6 +28,7 @@ from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
 from eagle3_jax.evaluation.runner import parse_drafts
 from eagle3_jax.models import draft as drf
+from eagle3_jax.models import draft_output
 from eagle3_jax.paths import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,11 +84,11 @@ def main() -> None:
                 jnp.full((1,), args.context, jnp.int32), compute_logits=False,
                 target_features=False,
             )  # fmt: skip
-            return drf.draft_topk(params, out.hidden, dcfg, vocab, k)
+            return draft_output.draft_topk(params, out.hidden, dcfg, vocab, k)
 
         @jax.jit
         def output(params, hidden, dcfg=dcfg, vocab=vocab, k=k):
-            return drf.draft_topk(params, hidden, dcfg, vocab, k)
+            return draft_output.draft_topk(params, hidden, dcfg, vocab, k)
 
         cache = drf.make_cache(dcfg, 1, slots)
         row = {"head": name, "path": str(path), "kind": kind_of(dcfg), "top_k": k}

@@ -37,8 +37,8 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 from eagle3_jax import cpu_tuning  # noqa: E402
 from eagle3_jax.checkpoints import load_target  # noqa: E402
 from eagle3_jax.checkpoints.heads import load_head  # noqa: E402
-from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids  # noqa: E402
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.evaluation import metrics  # noqa: E402
 from eagle3_jax.evaluation.questions import load_questions  # noqa: E402
 from eagle3_jax.heads import default_head  # noqa: E402

@@ -24,8 +24,8 @@ import numpy as np
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
-from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.paths import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]

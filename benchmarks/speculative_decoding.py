@@ -25,8 +25,8 @@ import numpy as np
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import Head
-from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.evaluation import metrics
 from eagle3_jax.models import draft as drf
 from eagle3_jax.prompts import encode_chat

@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     from eagle3_jax.errors import Eagle3Error
     from eagle3_jax.evaluation.runner import parse_drafts
     from eagle3_jax.models import draft as drf
+    from eagle3_jax.models import draft_output
     from eagle3_jax.models import target as tgt
     from eagle3_jax.models.layers import rms_norm
 
@@ -86,9 +87,9 @@ def main(argv=None) -> int:
                           compute_logits=False, target_features=True)  # fmt: skip
         n = rms_norm(out.hidden[0], params["final_norm"], dcfg.rms_norm_eps)
         exact = jnp.matmul(
-            n, drf._out_embed(params).astype(n.dtype).T, preferred_element_type=jnp.float32
+            n, draft_output._out_embed(params).astype(n.dtype).T, preferred_element_type=jnp.float32
         )  # [t, V]
-        spec = drf.speculator_logits(params, n)
+        spec = draft_output.speculator_logits(params, n)
         return exact, spec
 
     tally = {name: {"n": 0, "exact_top1": 0} for name in heads}

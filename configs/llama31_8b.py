@@ -9,13 +9,13 @@ Hyperparameters: AdamW (0.9, 0.95), wd 0, lr 5e-5, 1.5 % warmup then cosine, cli
 bf16 compute, max length 2048, Vd 32000 (the published head's draft vocabulary).
 """
 
-from eagle3_jax.training.config import (
+from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config_groups import (
     ComputeConfig,
     CorpusConfig,
     HeadConfig,
     OptimConfig,
     RunConfig,
-    TrainConfig,
 )
 
 

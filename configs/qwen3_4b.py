@@ -6,13 +6,13 @@ Launch:
 Paper hyperparameters: lr 5e-5, 1.5 % warmup, TTT 7, bf16, max length 2048, Vd 32000.
 """
 
-from eagle3_jax.training.config import (
+from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config_groups import (
     ComputeConfig,
     CorpusConfig,
     HeadConfig,
     OptimConfig,
     RunConfig,
-    TrainConfig,
 )
 
 

@@ -26,14 +26,14 @@ does not spend its budget learning the output projection from noise.
 
 from pathlib import Path
 
-from eagle3_jax.training.config import (
+from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config_groups import (
     ComputeConfig,
     CorpusConfig,
     HeadConfig,
     OptimConfig,
     RunConfig,
     StoreConfig,
-    TrainConfig,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,14 +27,14 @@ holds U+2028.
 
 from pathlib import Path
 
-from eagle3_jax.training.config import (
+from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config_groups import (
     ComputeConfig,
     CorpusConfig,
     HeadConfig,
     OptimConfig,
     RunConfig,
     StoreConfig,
-    TrainConfig,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

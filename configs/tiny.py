@@ -4,13 +4,8 @@ Launch (tests pass `--config.target` pointing at a tiny random checkpoint and `-
   .venv/bin/python train.py --config=configs/tiny.py --config.target=PATH --config.data=FILE
 """
 
-from eagle3_jax.training.config import (
-    CorpusConfig,
-    HeadConfig,
-    OptimConfig,
-    RunConfig,
-    TrainConfig,
-)
+from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config_groups import CorpusConfig, HeadConfig, OptimConfig, RunConfig
 
 
 def get_config() -> TrainConfig:

@@ -29,9 +29,10 @@ S cache slots, N tree nodes, W top-k width, L layers, F MLP width.
 from eagle3_jax.checkpoints import Target, load_target
 from eagle3_jax.checkpoints.eagle_format import save_draft as save_head
 from eagle3_jax.checkpoints.heads import Head, load_head
-from eagle3_jax.config import TargetConfig, TreeConfig, default_tree
+from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.generate import Generation, generate
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import TreeConfig, default_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation.runner import EvalOptions
 from eagle3_jax.evaluation.runner import run_eval as evaluate

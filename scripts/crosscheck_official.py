@@ -105,7 +105,7 @@ import time
 import warnings
 from pathlib import Path
 
-from eagle3_jax.config import TreeConfig
+from eagle3_jax.decoding.tree import TreeConfig
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_HEAD = REPO / "eagle3_jax" / "heads" / "smollm2_135m_instruct"

@@ -39,7 +39,7 @@ lease (the machine still warm) continues them; in a later lease, carry runs/turn
 
 `round-cost` (no carry, no GGUF): a plain decode step and a speculative round at Llama-3.1-8B's
 shape, random bf16 weights made on the device, batch 1 and 8, each timed beside
-`eagle3_jax.cost_model`'s prediction (device_steps/round_timing.py); into $OUT/round_cost/:
+the cost model's prediction (device_steps/round_timing.py); into $OUT/round_cost/:
   python3 scripts/device_job.py round-cost --minutes 8 --out $OUT   (timeout_s 600)
 
 This file parses the command line; the steps live in device_steps/: common.py (paths, the log,

@@ -31,6 +31,30 @@ def _bounded_memory_mappings():
     _maps["cleared"] += compile_cache.release_if_crowded(0.5)
 
 
+ACCELERATORS = ("gpu", "tpu")  # the markers of tests that mean something on that backend only
+
+
+def _has_backend(name: str) -> bool:
+    import jax
+
+    try:
+        return bool(jax.devices(name))
+    except RuntimeError:  # "Unknown backend": none of its devices, or JAX_PLATFORMS leaves it out
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked gpu or tpu is skipped where jax has no such backend. The suite runs on the
+    CPU unless JAX_PLATFORMS says otherwise (above): `JAX_PLATFORMS=cuda pytest -m gpu` runs the
+    GPU's."""
+    wanted = {m for item in items for m in ACCELERATORS if item.get_closest_marker(m)}
+    missing = {m for m in wanted if not _has_backend(m)}
+    for item in items:
+        for m in missing:
+            if item.get_closest_marker(m):
+                item.add_marker(pytest.mark.skip(reason=f"needs a {m}: jax has no {m} backend"))
+
+
 def pytest_terminal_summary(terminalreporter):
     if _maps["peak"]:
         terminalreporter.write_line(

@@ -1,10 +1,11 @@
 """Every jitted program lowers for TPUs and GPUs at real sizes under an 8-device mesh
-(`eagle3_jax.accelerator`): one real-size config per program, batch 1, exported with `jax.export`
-for ("tpu", "cuda") from ShapeDtypeStructs (no weights, no compilation). A program fails on what
-only the CPU backend accepts: a custom call other than a sharding annotation (a host callback, a
-CPU library kernel), work run at trace time (a probe, a backend query), a float buffer of the
-params or state in another dtype than the bf16 asked for, or a size in HBM that a device cannot
-hold. `benchmarks/accelerator_export.py` runs the full grid (3 targets x batch 1 and 8)."""
+(`eagle3_jax.accelerators`: programs, lowering): one real-size config per program, batch 1,
+exported with `jax.export` for ("tpu", "cuda") from ShapeDtypeStructs (no weights, no
+compilation). A program fails on what only the CPU backend accepts: a custom call other than a
+sharding annotation (a host callback, a CPU library kernel), work run at trace time (a probe, a
+backend query), a float buffer of the params or state in another dtype than the bf16 asked for,
+or a size in HBM that a device cannot hold. `benchmarks/accelerator_export.py` runs the full grid
+(3 targets x batch 1 and 8)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from eagle3_jax import accelerator as acc
+from eagle3_jax.accelerators import lowering, programs, specs
 from eagle3_jax.models import target as tgt
 from eagle3_jax.sharding import make_mesh
 
@@ -40,18 +41,18 @@ def eight_devices():
 
 @pytest.mark.parametrize("program", list(CASES))
 def test_program_lowers_for_tpu_and_cuda(program):
-    setup = acc.Setup(target=CASES[program], batch=1)
-    prog = acc.build(program, setup)
-    exported, report = acc.export_program(prog)
+    setup = programs.Setup(target=CASES[program], batch=1)
+    prog = programs.build(program, setup)
+    exported, report = lowering.export_program(prog)
     report.target, report.batch = setup.target, setup.batch
     assert exported.platforms == ("tpu", "cuda") and exported.nr_devices == 8
     assert report.problems == [], report.problems
     # bf16 weights laid out over the mesh: one device holds an eighth of the target
-    tcfg = acc.target_config(setup.target)
+    tcfg = specs.target_config(setup.target)
     shapes = jax.eval_shape(lambda k: tgt.init_params(tcfg, k, jnp.bfloat16), jax.random.key(0))
     full = sum(x.size * 2 for x in jax.tree.leaves(shapes))
     assert full / 8 <= report.inputs["params"] <= 1.01 * full / 8
-    mem = acc.memory(prog, report, setup)
+    mem = lowering.memory(prog, report, setup)
     if program in ("decode_step", "round_tree", "round_chain"):
         # the target's bf16 cache, kv heads over the 8 devices
         shape = prog.kwargs["shape"]
@@ -68,7 +69,7 @@ def test_program_lowers_for_tpu_and_cuda(program):
 def _toy(fn, dtype=jnp.bfloat16):
     mesh = make_mesh(1, 8, jax.devices()[:8])
     x = jax.ShapeDtypeStruct((8, 16), dtype, sharding=NamedSharding(mesh, P(None, "model")))
-    return acc.Program(fn.__name__, jax.jit(fn), (x,), {}, mesh, {"params": 1})
+    return programs.Program(fn.__name__, jax.jit(fn), (x,), {}, mesh, {"params": 1})
 
 
 def test_the_checks_catch_what_only_a_cpu_accepts():
@@ -86,15 +87,17 @@ def test_the_checks_catch_what_only_a_cpu_accepts():
     def callback(x):
         return jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
 
-    assert "at trace time: ['compile']" in acc.export_program(_toy(probe))[1].problems
-    assert "at trace time: ['default_backend']" in acc.export_program(_toy(backend))[1].problems
-    assert acc.export_program(_toy(fp32, jnp.float32))[1].off_dtype
-    assert acc.export_program(_toy(fp32))[1].problems == []
+    assert "at trace time: ['compile']" in lowering.export_program(_toy(probe))[1].problems
+    assert (
+        "at trace time: ['default_backend']" in lowering.export_program(_toy(backend))[1].problems
+    )
+    assert lowering.export_program(_toy(fp32, jnp.float32))[1].off_dtype
+    assert lowering.export_program(_toy(fp32))[1].problems == []
     # a host callback lowers for neither platform list: not for two ("multi-platform lowering"),
     # nor for one that is not this machine's backend
-    for platforms in (acc.PLATFORMS, ("cuda",)):
+    for platforms in (lowering.PLATFORMS, ("cuda",)):
         try:
-            _, report = acc.export_program(_toy(callback), platforms)
+            _, report = lowering.export_program(_toy(callback), platforms)
         except (NotImplementedError, ValueError):
             continue
         assert report.problems

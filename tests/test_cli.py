@@ -5,11 +5,14 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
+from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints.eagle_format import save_draft
 from eagle3_jax.checkpoints.hf import load_hf
-from eagle3_jax.config import TreeConfig, default_tree
+from eagle3_jax.config import PLAIN_PRODUCTS, default_dtype
+from eagle3_jax.decoding.tree import ACCELERATOR_TREE, TreeConfig, default_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.vocab import identity
 
@@ -148,6 +151,22 @@ def test_tree_defaults_follow_the_backend():
     assert _tree(decode_cli.parse_args([])) == cpu
     args = decode_cli.parse_args(["--top-k", "1", "--depth", "5", "--verify-threshold", "0"])
     assert _tree(args) == TreeConfig(top_k=1, depth=5, total_tokens=6)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("gpu", marks=pytest.mark.gpu), pytest.param("tpu", marks=pytest.mark.tpu)],
+)
+def test_an_accelerator_decodes_with_the_accelerator_defaults(backend):
+    """On the accelerator itself (elsewhere the test means nothing): with no flags decode.py
+    takes the reporting tree, bf16 parameters and plain products, the defaults the test above
+    checks by the backend's name."""
+    from eagle3_jax.cli.decode_flags import tree_of as _tree
+
+    assert jax.default_backend() == backend
+    assert _tree(decode_cli.parse_args([])) == default_tree(backend) == ACCELERATOR_TREE
+    assert default_dtype() == jnp.bfloat16
+    assert cpu_tuning.policy_for() == PLAIN_PRODUCTS
 
 
 def test_draft_vocab_auto_cuts_a_head_with_a_cpu_size(tiny_target_dir, head_dir, tmp_path, capsys):

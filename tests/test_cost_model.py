@@ -1,5 +1,6 @@
-"""The cost model (eagle3_jax/cost_model.py): counts by hand on a tiny config, monotonicity, the
-calibration bounds, and XLA's own FLOP count of the real programs where it can be had."""
+"""The cost model (eagle3_jax/accelerators: roofline, acceptance, predict, hbm): counts by hand on a
+tiny config, monotonicity, the calibration bounds, and XLA's own FLOP count of the real programs
+where it can be had."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import dataclasses
 
 import pytest
 
-from eagle3_jax import cost_model as cm
-from eagle3_jax.config import TargetConfig, TreeConfig
+from eagle3_jax.accelerators import acceptance, hbm, predict, programs, roofline, specs
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.decoding.tree import TreeConfig
 
 TINY = TargetConfig(
     family="llama",
@@ -25,7 +27,7 @@ TINY = TargetConfig(
 def test_plain_step_counts_by_hand():
     """B 1, 8 slots, bf16. Per layer: q 16x16, k/v 16x8 each, o 16x16, MLP 3 x 16x32 = 2,304
     weights multiplied, + 2 norms of 16; lm_head 16x64 = 1,024; final norm 16."""
-    step = cm.plain_step(TINY, batch=1, slots=8, dtype_bytes=2).total()
+    step = roofline.plain_step(TINY, batch=1, slots=8, dtype_bytes=2).total()
     assert step.flops == 2 * (2 * 2304 + 1024)  # one row through every product
     # one query: QK and p.V as float32 multiply-and-sums, 2 * H * S * K each, per layer
     assert step.fp32_flops == 2 * 2 * (2 * 4 * 8 * 4)
@@ -38,23 +40,23 @@ def test_plain_step_counts_by_hand():
 
 def test_tied_output_layer_is_the_embedding():
     tied = dataclasses.replace(TINY, tie_word_embeddings=True)
-    a = cm.plain_step(TINY, 1, 8).total()
-    b = cm.plain_step(tied, 1, 8).total()
+    a = roofline.plain_step(TINY, 1, 8).total()
+    b = roofline.plain_step(tied, 1, 8).total()
     assert a.flops == b.flops and a.weights == b.weights  # the table is read once either way
-    assert cm.target_params(TINY) - cm.target_params(tied) == 64 * 16
+    assert roofline.target_params(TINY) - roofline.target_params(tied) == 64 * 16
 
 
 def test_round_structure_follows_the_drafter():
     """A round runs `depth` draft forwards (encode + depth - 1 expansions), the lm_head over Vd
     on 1 row then top_k rows per expansion, one verification of total_tokens tokens, and
     2 x (total_tokens - 1) bookkeeping loop iterations."""
-    dcfg = cm.draft_for(TINY)
+    dcfg = specs.draft_for(TINY)
     for depth in (1, 3, 6):
-        chain = cm.spec_round(TINY, dcfg, TreeConfig(1, depth, depth + 1), 1, 16)
-        assert cm.draft_steps(chain) == depth
+        chain = roofline.spec_round(TINY, dcfg, TreeConfig(1, depth, depth + 1), 1, 16)
+        assert roofline.draft_steps(chain) == depth
         assert sum(p.serial_iters for p in chain.phases) == 2 * depth
     tree = TreeConfig(4, 3, 8)
-    rnd = cm.spec_round(TINY, dcfg, tree, 1, 16)
+    rnd = roofline.spec_round(TINY, dcfg, tree, 1, 16)
     d, vd = dcfg.hidden_size, dcfg.draft_vocab_size
     encode, exp2 = rnd.phases[1], rnd.phases[2]
     head_flops = 2 * d * vd
@@ -69,24 +71,25 @@ def test_round_structure_follows_the_drafter():
 
 
 def test_more_nodes_and_depth_cost_more():
-    tcfg = cm.TARGETS["llama31_8b"]
-    dcfg = cm.draft_for(tcfg)
-    dev = cm.DEVICES["H100"]
+    tcfg = specs.TARGETS["llama31_8b"]
+    dcfg = specs.draft_for(tcfg)
+    dev = specs.DEVICES["H100"]
     prev = None
     for n in (8, 16, 32, 60, 96):
-        r = cm.spec_round(tcfg, dcfg, TreeConfig(10, 8, n), 1, 2304)
+        r = roofline.spec_round(tcfg, dcfg, TreeConfig(10, 8, n), 1, 2304)
         t = r.time_s(dev)
         assert prev is None or (t > prev[0] and r.bytes > prev[1] and r.flops > prev[2])
         prev = (t, r.bytes, r.flops)
     times = [
-        cm.spec_round(tcfg, dcfg, TreeConfig(1, d, d + 1), 1, 2304).time_s(dev) for d in range(1, 9)
+        roofline.spec_round(tcfg, dcfg, TreeConfig(1, d, d + 1), 1, 2304).time_s(dev)
+        for d in range(1, 9)
     ]
     assert times == sorted(times)
-    plain = cm.plain_step(tcfg, 1, 2048).time_s(dev)
+    plain = roofline.plain_step(tcfg, 1, 2048).time_s(dev)
     assert all(t > plain for t in times)  # a round always costs more than a step
     # a bigger batch or a longer context never costs less
-    assert cm.plain_step(tcfg, 8, 2048).time_s(dev) > plain
-    assert cm.plain_step(tcfg, 1, 8192).time_s(dev) > plain
+    assert roofline.plain_step(tcfg, 8, 2048).time_s(dev) > plain
+    assert roofline.plain_step(tcfg, 1, 8192).time_s(dev) > plain
 
 
 def test_published_sizes():
@@ -94,25 +97,26 @@ def test_published_sizes():
     accelerator exports use."""
     want = {"llama31_8b": 8.03e9, "olmo2_7b": 7.30e9, "qwen3_4b": 4.02e9, "olmo2_1b": 1.48e9}
     for name, n in want.items():
-        assert cm.target_params(cm.TARGETS[name]) == pytest.approx(n, rel=0.01), name
-    acc = pytest.importorskip("eagle3_jax.accelerator")
+        assert roofline.target_params(specs.TARGETS[name]) == pytest.approx(n, rel=0.01), name
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
     fields += ("num_kv_heads", "head_dim", "tie_word_embeddings", "qk_norm", "norm_placement")
-    for name in set(acc.REAL_TARGETS) & set(cm.TARGETS):
-        theirs = acc.target_config(name)
+    for name in set(specs.REAL_TARGETS) & set(specs.TARGETS):
+        theirs = specs.target_config(name)
         for f in fields:
-            assert getattr(cm.TARGETS[name], f) == getattr(theirs, f), (name, f)
+            assert getattr(specs.TARGETS[name], f) == getattr(theirs, f), (name, f)
 
 
 def test_acceptance_model_calibration():
     """The positional model fits our measured τ (rms < 0.08) and, scaled, EAGLE-3's τ 6.5."""
-    a = cm.SMOLLM2_ACCEPTANCE
-    assert cm.rms_error(a) < 0.08
-    assert a.tau(cm.REPORTING_TREE) == pytest.approx(cm.SMOLLM2_TAUS[(10, 8, 60)], abs=0.1)
+    a = acceptance.SMOLLM2_ACCEPTANCE
+    assert acceptance.rms_error(a) < 0.08
+    assert a.tau(acceptance.REPORTING_TREE) == pytest.approx(
+        acceptance.SMOLLM2_TAUS[(10, 8, 60)], abs=0.1
+    )
     # the shipped head's 3.019 at the reporting tree is within 0.15 of the fit too
-    assert abs(a.tau(cm.REPORTING_TREE) - cm.SHIPPED_TAU_REPORTING) < 0.15
-    ll = cm.llama_acceptance()
-    assert ll.tau(cm.REPORTING_TREE) == pytest.approx(6.5, abs=0.01)
+    assert abs(a.tau(acceptance.REPORTING_TREE) - acceptance.SHIPPED_TAU_REPORTING) < 0.15
+    ll = acceptance.llama_acceptance()
+    assert ll.tau(acceptance.REPORTING_TREE) == pytest.approx(6.5, abs=0.01)
     # τ grows with nodes and is bounded by depth + 1
     taus = [ll.tau(TreeConfig(10, 8, n)) for n in (2, 8, 16, 60, 128)]
     assert taus == sorted(taus) and taus[-1] <= 9
@@ -123,15 +127,15 @@ def test_published_speedups_within_bounds():
     """H100, 10/8/60, B 1, 2k context: EAGLE-3's τ 6.5 on Llama-3.1-8B predicts a speedup inside
     the paper's 3-6.5x; the τ that gives SpecVocab's OLMo 2 figures is one plausible τ (3.5-5)
     for both sizes."""
-    h100 = cm.DEVICES["H100"]
-    ll = cm.predict(h100, "llama31_8b", cm.REPORTING_TREE, 6.5)
+    h100 = specs.DEVICES["H100"]
+    ll = predict.predict(h100, "llama31_8b", acceptance.REPORTING_TREE, 6.5)
     assert 3.0 <= ll.speedup <= 6.5
     assert 1.3 < ll.ratio < 2.5
-    small = cm.predict(h100, "olmo2_1b", cm.REPORTING_TREE, 6.5)
-    big = cm.predict(h100, "olmo2_7b", cm.REPORTING_TREE, 6.5)
+    small = predict.predict(h100, "olmo2_1b", acceptance.REPORTING_TREE, 6.5)
+    big = predict.predict(h100, "olmo2_7b", acceptance.REPORTING_TREE, 6.5)
     assert small.ratio > big.ratio  # a small target pays relatively more for drafting
     for pred, (lo, hi) in ((small, (1.32, 1.38)), (big, (2.04, 2.20))):
-        assert 3.5 <= cm.implied_tau(pred, lo) and cm.implied_tau(pred, hi) <= 5.0
+        assert 3.5 <= predict.implied_tau(pred, lo) and predict.implied_tau(pred, hi) <= 5.0
 
 
 def test_cpu_verification_needs_more_than_a_roofline():
@@ -139,7 +143,7 @@ def test_cpu_verification_needs_more_than_a_roofline():
     (weights dominate); streaming the weights and the arithmetic one after the other (no
     overlap) at the assumed 100 GFLOP/s gives ~1.3; 1.4x needs ~60-100 GFLOP/s for few-row
     products."""
-    r = cm.cpu_verify_ratio()
+    r = predict.cpu_verify_ratio()
     assert r["roofline"] < 1.1
     assert 1.2 < r["serial"] < 1.45
     assert 60 < r["rate_for_1.4x_gflops"] < 100
@@ -147,11 +151,11 @@ def test_cpu_verification_needs_more_than_a_roofline():
 
 
 def test_devices_and_chips():
-    tcfg = cm.TARGETS["llama31_8b"]
-    dcfg = cm.draft_for(tcfg)
-    assert cm.chips_needed(cm.DEVICES["TPU v5e"], tcfg, dcfg, 1, 2304) == 2  # 16 GB of weights
-    assert cm.chips_needed(cm.DEVICES["H100"], tcfg, dcfg, 1, 2304) == 1
-    for dev in cm.DEVICES.values():
+    tcfg = specs.TARGETS["llama31_8b"]
+    dcfg = specs.draft_for(tcfg)
+    assert hbm.chips_needed(specs.DEVICES["TPU v5e"], tcfg, dcfg, 1, 2304) == 2  # 16 GB of weights
+    assert hbm.chips_needed(specs.DEVICES["H100"], tcfg, dcfg, 1, 2304) == 1
+    for dev in specs.DEVICES.values():
         assert dev.hbm_bw > 5e11 and dev.matmul_flops > 1e14 and dev.fp32_flops < dev.matmul_flops
 
 
@@ -159,7 +163,6 @@ def test_flops_match_xla_cost_analysis(monkeypatch):
     """XLA's count of the real programs' FLOPs (unoptimized HLO, lowered on this CPU) within 5 %
     of the model's, on a 2-layer config whose products dominate (at Llama-3.1-8B shapes the
     benchmark's --xla finds 0.991-0.999)."""
-    acc = pytest.importorskip("eagle3_jax.accelerator")
     small = {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": 4096,
@@ -171,18 +174,20 @@ def test_flops_match_xla_cost_analysis(monkeypatch):
         "head_dim": 64,
         "max_position_embeddings": 4096,
     }
-    monkeypatch.setitem(acc.REAL_TARGETS, "cost_small", small)
-    tcfg = acc.target_config("cost_small")
-    dcfg = acc.draft_config(tcfg)
-    setup = acc.Setup(target="cost_small", mesh=(1, 1), prompt=64, new=64, tree=TreeConfig(4, 3, 8))
+    monkeypatch.setitem(specs.REAL_TARGETS, "cost_small", small)
+    tcfg = specs.target_config("cost_small")
+    dcfg = specs.draft_for(tcfg)
+    setup = programs.Setup(
+        target="cost_small", mesh=(1, 1), prompt=64, new=64, tree=TreeConfig(4, 3, 8)
+    )
     for name in ("decode_step", "round_tree"):
-        prog = acc.build(name, setup)
+        prog = programs.build(name, setup)
         ca = prog.fn.lower(*prog.args, **prog.kwargs).cost_analysis()
         if not ca or "flops" not in ca:
             pytest.skip("no cost analysis from this backend")
         slots = prog.kwargs["shape"].slots
         if name == "decode_step":
-            model = cm.plain_step(tcfg, 1, slots).flops
+            model = roofline.plain_step(tcfg, 1, slots).flops
         else:
-            model = cm.spec_round(tcfg, dcfg, prog.kwargs["tree"], 1, slots).flops
+            model = roofline.spec_round(tcfg, dcfg, prog.kwargs["tree"], 1, slots).flops
         assert model == pytest.approx(ca["flops"], rel=0.05), name

@@ -16,7 +16,7 @@ import pytest
 from eagle3_jax import cpu_tuning
 from eagle3_jax.config import PLAIN_PRODUCTS, ProductPolicy, TargetConfig
 from eagle3_jax.models import draft as dr
-from eagle3_jax.models import layers
+from eagle3_jax.models import draft_output, layers
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
 
@@ -190,7 +190,7 @@ def test_tracing_the_models_never_probes(monkeypatch, tmp_path):
     pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     tcache = tgt.make_cache(TINY, b, s)
     dcfg0 = dr.DraftConfig.from_target(TINY, lm_head_source="target")
-    dparams = dr.attach_target_head(
+    dparams = draft_output.attach_target_head(
         dr.init_params(dcfg0, jax.random.PRNGKey(2)), dcfg0, tparams, TINY
     )
     dcache = dr.make_cache(dcfg0, b, s)

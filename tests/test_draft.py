@@ -22,6 +22,7 @@ from eagle3_jax.checkpoints.safetensors_io import read_safetensors
 from eagle3_jax.config import ProductPolicy, RopeConfig, TargetConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as dr
+from eagle3_jax.models import draft_output
 from eagle3_jax.sharding import make_mesh
 
 # A tiny head whose hidden size differs from its target's (so fc, target_hidden_size and the
@@ -164,7 +165,9 @@ def test_forward_matches_pytorch_reference_two_step_chain(official_dir):
     assert nocache.cache is None and out1.logits.shape == (b, t, VD)
     # Draft ids map back to the target vocab through d2t.
     top = jnp.argmax(out2.logits, -1).astype(jnp.int32)
-    np.testing.assert_array_equal(dr.draft_to_target_ids(top, voc), DRAFT_IDS[np.asarray(top)])
+    np.testing.assert_array_equal(
+        draft_output.draft_to_target_ids(top, voc), DRAFT_IDS[np.asarray(top)]
+    )
 
 
 def test_pytorch_bin_checkpoint_loads_like_safetensors(official_dir, tmp_path, monkeypatch):
@@ -465,7 +468,7 @@ def test_vocab_check_and_identity():
         vocab_lib.from_target_ids([1, 1, 2], 5)
     # The mapping is a pytree: a jitted step can take it as an argument.
     voc = vocab_lib.from_target_ids([1, 4, 6], 8)
-    f = jax.jit(dr.draft_to_target_ids)
+    f = jax.jit(draft_output.draft_to_target_ids)
     np.testing.assert_array_equal(f(jnp.array([[0, 2, 1]], jnp.int32), voc), [[1, 6, 4]])
 
 
@@ -484,7 +487,7 @@ def test_output_init_from_target_reproduces_target_logits_on_the_draft_vocab(tie
     init = dr.init_output_from_target(params, tparams, tcfg, voc, dcfg)
     h = jax.random.normal(jax.random.PRNGKey(3), (2, 5, HT))
     want = tg.lm_head(tparams, rms_norm(h, tparams["final_norm"], tcfg.rms_norm_eps), tcfg)
-    got = dr.head_logits(init, h, dcfg)
+    got = draft_output.head_logits(init, h, dcfg)
     np.testing.assert_allclose(got, want[..., vocab_lib.target_ids(voc)], rtol=1e-5, atol=1e-5)
     assert init["fc"] is params["fc"]  # everything else untouched
     small = dataclasses.replace(dcfg, hidden_size=HT // 2)
@@ -506,7 +509,7 @@ def _target_head_setup(rank=0, candidates=2048):
         kw["spec_candidates"] = candidates
     dcfg = dr.DraftConfig.from_target(tcfg, **kw)
     params = dr.init_params(dcfg, jax.random.PRNGKey(1), scale=0.3)
-    return tcfg, tparams, dcfg, dr.attach_target_head(params, dcfg, tparams, tcfg)
+    return tcfg, tparams, dcfg, draft_output.attach_target_head(params, dcfg, tparams, tcfg)
 
 
 def test_target_lm_head_reads_the_target_output_embedding():
@@ -517,10 +520,12 @@ def test_target_lm_head_reads_the_target_output_embedding():
     assert "lm_head" not in params and params["out_embed"] is tparams["embed"]  # shared, no copy
     h = jax.random.normal(jax.random.PRNGKey(2), (2, 3, HT))
     want = tg.lm_head(tparams, rms_norm(h, params["final_norm"], dcfg.rms_norm_eps), tcfg)
-    np.testing.assert_allclose(dr.head_logits(params, h, dcfg), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        draft_output.head_logits(params, h, dcfg), want, rtol=1e-5, atol=1e-5
+    )
     bare = {k: v for k, v in params.items() if k != "out_embed"}
     with pytest.raises(Eagle3Error, match="attach it first"):
-        dr.head_logits(bare, h, dcfg)
+        draft_output.head_logits(bare, h, dcfg)
 
 
 @pytest.mark.parametrize("row_products", [0, 8], ids=["plain-products", "row-products"])
@@ -551,13 +556,13 @@ def test_bf16_head_logits_are_fp32(source, row_products):
     w = params["lm_head"] if source == "own" else params["out_embed"].T
     want = normed @ np.asarray(w, np.float64)  # [2, 3, Vd]: the exact product of bf16 inputs
     if source != "specvocab":
-        got = dr.head_logits(params, h, dcfg)
+        got = draft_output.head_logits(params, h, dcfg)
         assert got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-        one = dr.head_logits(params, h[:1, :1], dcfg)  # one row: the vector product
+        one = draft_output.head_logits(params, h[:1, :1], dcfg)  # one row: the vector product
         np.testing.assert_allclose(np.asarray(one), want[:1, :1], rtol=1e-5, atol=1e-5)
-        assert dr.head_logits(params, h, dcfg, out_dtype=None).dtype == bf16
-    score, _ = dr.draft_topk(params, h, dcfg, voc, 4)
+        assert draft_output.head_logits(params, h, dcfg, out_dtype=None).dtype == bf16
+    score, _ = draft_output.draft_topk(params, h, dcfg, voc, 4)
     lp = want - want.max(-1, keepdims=True)
     lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
     np.testing.assert_allclose(
@@ -618,7 +623,9 @@ def test_speculator_svd_init_is_the_best_rank_r_approximation_of_the_target_logi
     u, s, vt = np.linalg.svd(out, full_matrices=False)
     best = (u[:, :r] * s[:r]) @ vt[:r]  # [V, D]
     h = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (5, HT)), np.float64)
-    got = np.asarray(dr.speculator_logits(params, jnp.asarray(h, jnp.float32)), np.float64)
+    got = np.asarray(
+        draft_output.speculator_logits(params, jnp.asarray(h, jnp.float32)), np.float64
+    )
     np.testing.assert_allclose(got, h @ best.T, rtol=1e-4, atol=1e-4)
     ab = np.asarray(params["spec_a"], np.float64) @ np.asarray(params["spec_b"], np.float64)
     np.testing.assert_allclose(np.linalg.norm(ab.T - out), np.sqrt((s[r:] ** 2).sum()), rtol=1e-4)
@@ -634,7 +641,7 @@ def test_specvocab_topk_is_the_exact_topk_among_the_speculator_candidates(k_cand
     tcfg, tparams, dcfg, params = _target_head_setup(rank=HT // 8, candidates=k_cand)
     assert params["spec_a"].shape == (HT, HT // 8) and params["spec_b"].shape == (HT // 8, V)
     h = jax.random.normal(jax.random.PRNGKey(3), (2, 3, HT))
-    score, ids = dr.draft_topk(params, h, dcfg, vocab_lib.identity(V), 4)
+    score, ids = draft_output.draft_topk(params, h, dcfg, vocab_lib.identity(V), 4)
     # reference in numpy: candidates = top-K of (h A) B, then log-softmax of exact logits over them
     normed = np.asarray(rms_norm(h, params["final_norm"], dcfg.rms_norm_eps), np.float64)
     approx = normed @ np.asarray(params["spec_a"]) @ np.asarray(params["spec_b"])
@@ -647,7 +654,7 @@ def test_specvocab_topk_is_the_exact_topk_among_the_speculator_candidates(k_cand
         assert ids[idx].tolist() == cand[top].tolist()
         np.testing.assert_allclose(score[idx], lp[top], rtol=1e-4, atol=1e-4)
     if k_cand == V:  # every token a candidate: the full-vocabulary head's choice
-        full = jax.lax.top_k(jax.nn.log_softmax(dr.head_logits(params, h, dcfg)), 4)
+        full = jax.lax.top_k(jax.nn.log_softmax(draft_output.head_logits(params, h, dcfg)), 4)
         assert (np.asarray(full[1]) == np.asarray(ids)).all()
 
 

@@ -3,10 +3,12 @@
   0  errors, config, paths, sharding and the leaf helpers (file formats, prompts, the data readers,
      tree shapes, sampling settings, benchmark questions, result files and their metrics (τ,
      acceptance), training config)
-  1  models/ (pure functions of params and a config) and the CPU product probes
+  1  models/ (pure functions of params and a config), the CPU product probes, and the cost model
+     (accelerators/: specs, roofline, acceptance, hbm, predict)
   2  checkpoints/ and vocab/ (reading, writing and cutting heads and targets)
   3  decoding/, training/, and the data jobs built on them (regeneration, prompt selection)
-  4  evaluation/ and the ablation runner
+  4  evaluation/, the ablation runner, and the programs lowered for accelerators
+     (accelerators.programs, accelerators.lowering)
   5  cli/ (every command line) and the public API (eagle3_jax/__init__.py)
 
 A module imports only from its own rank or below, never in a circle, and only at module top (an
@@ -23,7 +25,6 @@ PKG = Path(__file__).resolve().parents[1] / "eagle3_jax"
 RANKS = {
     "eagle3_jax.errors": 0,
     "eagle3_jax.config": 0,
-    "eagle3_jax.cost_model": 0,
     "eagle3_jax.paths": 0,
     "eagle3_jax.sharding": 0,
     "eagle3_jax.prompts": 0,
@@ -51,6 +52,7 @@ RANKS = {
     "eagle3_jax.vocab": 0,
     "eagle3_jax.models": 1,
     "eagle3_jax.cpu_tuning": 1,
+    "eagle3_jax.accelerators": 1,
     "eagle3_jax.checkpoints": 2,
     "eagle3_jax.vocab.methods": 2,
     "eagle3_jax.decoding.plain": 3,
@@ -74,7 +76,8 @@ RANKS = {
     "eagle3_jax.evaluation.study": 4,
     "eagle3_jax.evaluation.grid_report": 4,
     "eagle3_jax.ablation": 4,
-    "eagle3_jax.accelerator": 4,
+    "eagle3_jax.accelerators.programs": 4,
+    "eagle3_jax.accelerators.lowering": 4,
     "eagle3_jax.cli": 5,
     "eagle3_jax.__main__": 5,
     "eagle3_jax": 5,

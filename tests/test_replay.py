@@ -13,12 +13,12 @@ from eagle3_jax.checkpoints.eagle_format import save_draft
 from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.cli.eval import main
-from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain, replay
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.drafters import eagle3_drafter
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.decoding.verify import forward_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf

@@ -170,9 +170,11 @@ MIXING = {
     "regenerate resumed with another --max-new-tokens": _regenerated_then_other_setting,
     "eval resumed after its question file was edited": _evaluated_then_question_edited,
     "an out_dir's tokenised data reused for other data": lambda env, tmp: (
-        _precomputed_then_other_data(env, tmp, new_out_dir=False)),
-    "a feature store reused for other data": lambda env, tmp: (
-        _precomputed_then_other_data(env, tmp, new_out_dir=True)),
+        _precomputed_then_other_data(env, tmp, new_out_dir=False)
+    ),
+    "a feature store reused for other data": lambda env, tmp: _precomputed_then_other_data(
+        env, tmp, new_out_dir=True
+    ),
 }
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from eagle3_jax.checkpoints import default_gguf_path, load_target
-from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.prompts import encode_chat
 
 pytestmark = pytest.mark.slow

@@ -8,14 +8,15 @@ import pytest
 from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.checkpoints.hf import load_hf
-from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.drafters import eagle3_drafter
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.decoding.verify import forward_tree
 from eagle3_jax.models import draft as drf
+from eagle3_jax.models import draft_output
 from eagle3_jax.models import target as tgt
 from eagle3_jax.vocab import build_from_counts
 
@@ -423,7 +424,7 @@ def test_heads_reading_the_target_output_embedding_are_exact(setup, rank):
     dparams = drf.init_params(dcfg, jax.random.PRNGKey(5), scale=0.2)
     with pytest.raises(Exception, match="output embedding"):
         spec_generate(params, cfg, dparams, dcfg, identity(cfg.vocab_size), [[5, 6]], 4, CHAIN)
-    dparams = drf.attach_target_head(dparams, dcfg, params, cfg)
+    dparams = draft_output.attach_target_head(dparams, dcfg, params, cfg)
     prompts = _prompts(cfg.vocab_size, [5, 12, 9], seed=11)
     ref = plain.generate(params, cfg, prompts, 30, eos_ids=())
     for tree in (CHAIN, TREE):

@@ -9,10 +9,11 @@ import pytest
 
 from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
-from eagle3_jax.config import TargetConfig, TreeConfig
+from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding import plain, verify
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.vocab import identity

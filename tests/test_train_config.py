@@ -8,14 +8,8 @@ from pathlib import Path
 import pytest
 
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.training.config import (
-    FIELDS,
-    GROUPS,
-    OptimConfig,
-    TrainConfig,
-    flatten,
-    load_config,
-)
+from eagle3_jax.training.config import FIELDS, GROUPS, TrainConfig, flatten, load_config
+from eagle3_jax.training.config_groups import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = sorted((ROOT / "configs").glob("*.py"))

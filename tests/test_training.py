@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle3_jax.config import TreeConfig
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.training.config import load_config
 from eagle3_jax.training.loop import train

@@ -16,6 +16,7 @@ from eagle3_jax import vocab as vocab_lib
 from eagle3_jax.config import rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as dr
+from eagle3_jax.models import draft_output
 from eagle3_jax.models.layers import apply_rope, attention, rope_cos_sin, to_cache_layout
 from eagle3_jax.models.target import ParamSpec
 from eagle3_jax.training import ttt
@@ -411,7 +412,9 @@ def test_specvocab_auxiliary_loss_is_the_speculator_soft_cross_entropy():
     from eagle3_jax.models.layers import rms_norm
 
     s = np.asarray(
-        dr.speculator_logits(params, rms_norm(h0, params["final_norm"], cfg.rms_norm_eps)),
+        draft_output.speculator_logits(
+            params, rms_norm(h0, params["final_norm"], cfg.rms_norm_eps)
+        ),
         np.float64,
     )
     logp = s - s.max(-1, keepdims=True)

@@ -12,11 +12,12 @@ from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
 from eagle3_jax.checkpoints.heads import Head, load_head
 from eagle3_jax.cli.vocab import main
-from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
+from eagle3_jax.models import draft_output
 from eagle3_jax.vocab.methods import extend_head, top_ids, trim_head
 
 
@@ -102,9 +103,11 @@ def test_trimmed_logits_are_the_full_heads_on_the_subset(target, tmp_path, sourc
     ids = np.array([3, 5, 8, 13, 21, 34])
     p2, c2, v2 = trim_head(params, cfg, vocab, target.params, target.cfg, ids)
     h = jax.random.normal(jax.random.PRNGKey(0), (2, 4, cfg.hidden_size))
-    full = np.asarray(drf.head_logits(params, h, cfg))
-    np.testing.assert_allclose(drf.head_logits(p2, h, c2), full[..., ids], rtol=1e-5, atol=1e-5)
-    score, tok = drf.draft_topk(p2, h, c2, v2, 3)
+    full = np.asarray(draft_output.head_logits(params, h, cfg))
+    np.testing.assert_allclose(
+        draft_output.head_logits(p2, h, c2), full[..., ids], rtol=1e-5, atol=1e-5
+    )
+    score, tok = draft_output.draft_topk(p2, h, c2, v2, 3)
     sub = full[..., ids]
     want = ids[np.argsort(-sub, axis=-1, kind="stable")[..., :3]]
     assert (np.asarray(tok) == want).all()
@@ -167,7 +170,7 @@ def _reduced_head(target, ids, seed=6):
     known linear map: what extend must recover for the ids it adds."""
     cfg = drf.DraftConfig.from_target(target.cfg, draft_vocab_size=len(ids))
     params = drf.init_params(cfg, jax.random.PRNGKey(seed), scale=0.2)
-    out = np.asarray(drf.target_output_embedding(target.params, target.cfg))
+    out = np.asarray(draft_output.target_output_embedding(target.params, target.cfg))
     m = np.eye(cfg.hidden_size) * 0.7 + 0.05 * np.random.default_rng(seed).normal(
         size=(cfg.hidden_size, cfg.hidden_size)
     )

@@ -27,7 +27,8 @@ from eagle3_jax.checkpoints.eagle_format import (
     vocab_from_tensors,
 )
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.models.draft import attach_target_head, param_shardings
+from eagle3_jax.models.draft import param_shardings
+from eagle3_jax.models.draft_output import attach_target_head
 from eagle3_jax.vocab import DraftVocab
 from eagle3_jax.vocab.methods import trim_head
 

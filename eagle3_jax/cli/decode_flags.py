@@ -15,9 +15,9 @@ import jax
 
 from eagle3_jax import distributed
 from eagle3_jax.checkpoints.heads import parse_draft_vocab
-from eagle3_jax.config import default_tree
 from eagle3_jax.decoding.generate import DecodeOptions
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import default_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.heads import default_head
 from eagle3_jax.prompts import Prompt, read_prompt_file

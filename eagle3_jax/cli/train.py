@@ -5,7 +5,7 @@
   python -m eagle3_jax train --config=configs/llama31_8b.py --config.target=/ckpt/Llama-3.1-8B-Instruct
 
 Any config field can be overridden with --config.FIELD=VALUE or --config.GROUP.FIELD=VALUE (the
-groups corpus, store, head, optim, compute, run: eagle3_jax/training/config.py). A second
+groups corpus, store, head, optim, compute, run: eagle3_jax/training/config_groups.py). A second
 --precompute-features into the same features_dir is refused while the first runs.
 Outputs under out_dir: regenerated.jsonl, dataset.npz, vocab.npz, checkpoints/, metrics.jsonl and,
 at the end, head/ in the official EAGLE-3 format (usable with decode.py --draft, SGLang, vLLM).

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.config import TreeConfig
 from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.state import SpecState
-from eagle3_jax.decoding.tree import chain_tree, select_tree
+from eagle3_jax.decoding.tree import TreeConfig, chain_tree, select_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
+from eagle3_jax.models import draft_output
 from eagle3_jax.vocab import DraftVocab
 
 NEG_SCORE = -1e30  # the score of a node a skipped draft level did not draft: never verified
@@ -88,7 +88,7 @@ def _level(dparams, embed, vocab, dcache, front: _Frontier, r, lvl, running, dcf
             compute_logits=False,
             target_features=False,
         )
-        return (o.cache, o.hidden, *drf.draft_topk(dparams, o.hidden, dcfg, vocab, k))
+        return (o.cache, o.hidden, *draft_output.draft_topk(dparams, o.hidden, dcfg, vocab, k))
 
     if tree.verify_threshold <= 0:
         return (*expand(dcache), anc)
@@ -121,7 +121,9 @@ def eagle3_drafter(
     Returns (Tree [B-batched, N + 1 nodes], draft cache)."""
     b, k = state.root.shape[0], tree.top_k
     h0, dcache = _encode_pairs(dparams, embed, state, dcfg, shape, tree)
-    score, tok = drf.draft_topk(dparams, h0, dcfg, vocab, k)  # [B, k] log-probs, target ids
+    score, tok = draft_output.draft_topk(
+        dparams, h0, dcfg, vocab, k
+    )  # [B, k] log-probs, target ids
     pool_tok, pool_par, pool_score = [tok], [jnp.full((b, k), -1, jnp.int32)], [score]
     front = _Frontier(
         idx=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)),

@@ -25,11 +25,11 @@ import numpy as np
 from eagle3_jax import distributed
 from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
-from eagle3_jax.config import TreeConfig, default_tree
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.drafters import method_tree
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import TreeConfig, default_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import metrics
 from eagle3_jax.prompts import encode_chat

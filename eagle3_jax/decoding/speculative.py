@@ -26,11 +26,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.config import TargetConfig, TreeConfig
+from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.drafters import DRAFTERS
 from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.sampling import Sampling, sample
 from eagle3_jax.decoding.state import SpecState, eos_mask, map_cache, write_pending
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.decoding.verify import Verdict, forward_tree, verify_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt

@@ -1,4 +1,5 @@
-"""Draft trees with static shapes: candidate pools, top-N selection, masks, pruning.
+"""Draft trees with static shapes: their shape (`TreeConfig`, and the backend's default tree),
+candidate pools, top-N selection, masks, pruning.
 
 A tree has N + 1 nodes: node 0 is the root (the token the target produced last, not yet in its cache),
 nodes 1..N are drafted tokens sorted so that every parent precedes its children. Everything here works
@@ -7,10 +8,111 @@ on one row; vmap it over the batch. Which nodes the target accepts is verify.py'
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from eagle3_jax.errors import Eagle3Error
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """EAGLE-2 dynamic tree: `depth` drafted tokens at most per path, `top_k` children per expanded
+    node, `total_tokens` nodes verified per round including the root (SGLang's
+    num-draft-tokens). A chain is top_k = 1, total_tokens = depth + 1. EAGLE's own `depth` flag
+    counts expansion steps after the first: its depth d is our depth d + 1."""
+
+    top_k: int = 4
+    depth: int = 4
+    total_tokens: int = 16
+    # adaptive verification: > 0 verifies only the nodes whose cumulative draft probability is at
+    # least this (rounded up to one of verify_sizes, the largest need over the batch), and skips
+    # draft levels no node could pass; 0 verifies every node every round
+    verify_threshold: float = 0.0
+
+    @property
+    def n(self) -> int:
+        return self.total_tokens - 1
+
+    @property
+    def round_slots(self) -> int:
+        """Cache slots a round may write past the committed length: the verified tree's nodes and
+        the accepted path (depth + 1 entries, padded), whichever is longer."""
+        return max(self.total_tokens, self.depth + 1)
+
+    @property
+    def verify_sizes(self) -> tuple[int, ...]:
+        """Tree sizes (root included) a round may verify: one compiled target forward each."""
+        if self.verify_threshold <= 0:
+            return (self.total_tokens,)
+        small = {1} | {2**i for i in range(1, 8) if 2**i < self.total_tokens}
+        return tuple(sorted(small | {self.total_tokens}))
+
+    @property
+    def pool_size(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def tree_slots(self) -> int:
+        """Draft cache slots for the nodes expanded in one round (never kept across rounds)."""
+        return (self.depth - 1) * self.top_k
+
+    def validate(self, draft_vocab_size: int) -> TreeConfig:
+        if self.depth < 1:
+            raise Eagle3Error(f"tree depth {self.depth} < 1: draft at least one token per round")
+        if self.top_k < 1:
+            raise Eagle3Error(f"top_k {self.top_k} < 1")
+        if self.top_k > draft_vocab_size:
+            raise Eagle3Error(
+                f"top_k {self.top_k} exceeds the draft vocabulary ({draft_vocab_size})"
+            )
+        if not 0 <= self.verify_threshold < 1:
+            raise Eagle3Error(
+                f"verify threshold {self.verify_threshold} must be in [0, 1): a cumulative draft "
+                "probability (0: verify every node)"
+            )
+        if not 2 <= self.total_tokens <= self.pool_size + 1:
+            raise Eagle3Error(
+                f"total_tokens {self.total_tokens} must be in 2..{self.pool_size + 1} for top_k "
+                f"{self.top_k} and depth {self.depth} (root + at most {self.pool_size} candidates)"
+            )
+        return self
+
+
+# The tree decode.py and the evaluation harness use when none is given, by backend: on a CPU the
+# best shape measured with the shipped SmolLM2 head (few nodes, adaptive verification); on
+# accelerators, where verifying more tokens is nearly free, the shape EAGLE-3 and SpecVocab report
+# tau with (top-k 10, 60 tokens, EAGLE's depth 7 = ours 8). Measurements: BENCHMARKS.md.
+CPU_TREE = TreeConfig(top_k=2, depth=3, total_tokens=4, verify_threshold=0.3)
+ACCELERATOR_TREE = TreeConfig(top_k=10, depth=8, total_tokens=60)
+
+
+def default_tree(
+    backend: str | None = None,
+    top_k: int | None = None,
+    depth: int | None = None,
+    total_tokens: int | None = None,
+    verify_threshold: float | None = None,
+) -> TreeConfig:
+    """The backend's default tree (`jax.default_backend()` unless given), with any given field in
+    place of the default's. An unspecified total is capped at what the given top_k and depth can
+    hold, so `top_k=1` is a chain (of the given or the default depth)."""
+    if backend is None:
+        backend = jax.default_backend()
+    base = CPU_TREE if backend == "cpu" else ACCELERATOR_TREE
+    tree = TreeConfig(
+        top_k=base.top_k if top_k is None else top_k,
+        depth=base.depth if depth is None else depth,
+        total_tokens=base.total_tokens if total_tokens is None else total_tokens,
+        verify_threshold=base.verify_threshold if verify_threshold is None else verify_threshold,
+    )
+    if total_tokens is None and tree.top_k == 1:
+        tree = dataclasses.replace(tree, total_tokens=tree.depth + 1)  # a chain
+    elif total_tokens is None and tree.top_k >= 1 and tree.depth >= 1:
+        tree = dataclasses.replace(tree, total_tokens=min(tree.total_tokens, tree.pool_size + 1))
+    return tree
 
 
 class Tree(NamedTuple):

@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.config import TargetConfig, TreeConfig
+from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.sampling import Sampling, log_probs
 from eagle3_jax.decoding.state import SpecState, map_cache
-from eagle3_jax.decoding.tree import Tree, prune_tree
+from eagle3_jax.decoding.tree import Tree, TreeConfig, prune_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 

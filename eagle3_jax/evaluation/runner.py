@@ -35,10 +35,11 @@ from eagle3_jax.checkpoints import load_target, resolve_target, target_digest
 from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.checkpoints.heads import draft_vocab_sizes, load_head, parse_draft_vocab
 from eagle3_jax.compile_cache import release_if_crowded
-from eagle3_jax.config import TreeConfig, default_dtype, default_tree
+from eagle3_jax.config import default_dtype
 from eagle3_jax.decoding.generate import DecodeOptions, Generation, generate_ids
 from eagle3_jax.decoding.replay import replay_ids
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import TreeConfig, default_tree
 from eagle3_jax.errors import Eagle3Error, differing_keys
 from eagle3_jax.evaluation import metrics
 from eagle3_jax.evaluation.questions import BENCHES, Question, load_questions

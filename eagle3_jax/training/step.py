@@ -20,8 +20,10 @@ from jax.sharding import PartitionSpec as P
 from eagle3_jax.config import DTYPES, TargetConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
+from eagle3_jax.models import draft_output
 from eagle3_jax.models import target as tgt
-from eagle3_jax.training.config import OptimConfig, TrainConfig
+from eagle3_jax.training.config import TrainConfig
+from eagle3_jax.training.config_groups import OptimConfig
 from eagle3_jax.training.ttt import ttt_loss
 
 
@@ -104,7 +106,9 @@ def loss_fn(
     )
     dp = jax.tree.map(lambda x: x.astype(compute), dparams)
     # heads reading the target's output embedding get it here, outside the differentiated params
-    dp = drf.attach_target_head(dp, dcfg, jax.tree.map(lambda x: x.astype(compute), tparams), tcfg)
+    dp = draft_output.attach_target_head(
+        dp, dcfg, jax.tree.map(lambda x: x.astype(compute), tparams), tcfg
+    )
     ttt_batch = {
         "input_ids": batch["input_ids"],
         "aux": aux.astype(compute),

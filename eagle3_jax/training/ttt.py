@@ -40,6 +40,9 @@ of the step-0 block, [B, T, Vd] logits, ...), so that part is linear in steps; t
 value buffer adds steps * [steps, B, T, G, K] residuals, which is small beside the T*T terms
 (steps*G*K vs H*T per position). `remat=True` keeps only the carries per step and recomputes the
 rest in the backward pass.
+
+The teacher (the shifted targets and masks each step reads) is `training.ttt_teacher`'s; the
+draft layer's math is `models.draft`'s (`project_qkv`, `finish_layer`), shared with decoding.
 """
 
 from __future__ import annotations
@@ -53,15 +56,10 @@ import numpy as np
 
 from eagle3_jax.config import rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.models.draft import (
-    DraftConfig,
-    finish_layer,
-    fuse,
-    head_logits,
-    project_qkv,
-    speculator_logits,
-)
+from eagle3_jax.models.draft import DraftConfig, finish_layer, fuse, project_qkv
+from eagle3_jax.models.draft_output import head_logits, speculator_logits
 from eagle3_jax.models.layers import NEG_INF, rms_norm, rope_cos_sin
+from eagle3_jax.training.ttt_teacher import Teacher, at_step, make_teacher
 
 Params = dict[str, Any]
 
@@ -110,23 +108,6 @@ def ttt_attention(
     out = jnp.einsum("bgrts,bsgk->btgrk", p0, v_JBTGK[0])
     out = out + jnp.einsum("bgrtj,jbtgk->btgrk", pd, v_JBTGK)
     return out.reshape(b, t, h, kd)
-
-
-def _shift_ext(x_BT: jax.Array, steps: int, fill) -> jax.Array:
-    """[B, T, ...] -> [B, T + steps, ...] with out[p] = x[p + 1] for p + 1 < T, else `fill`.
-
-    Step i reads out[i : i + T] (= x shifted left i + 1 times, filled) with one dynamic slice, so
-    the scan never materialises a shifted copy per step.
-    """
-    pad_shape = (x_BT.shape[0], steps + 1, *x_BT.shape[2:])
-    pad = jnp.broadcast_to(jnp.asarray(fill, x_BT.dtype), pad_shape)
-    return jnp.concatenate([x_BT[:, 1:], pad], axis=1)
-
-
-def _pad_ext(x_BT: jax.Array, steps: int) -> jax.Array:
-    """[B, T, ...] -> [B, T + steps, ...] zero padded: step i reads x shifted left i times."""
-    pad = jnp.zeros((x_BT.shape[0], steps, *x_BT.shape[2:]), x_BT.dtype)
-    return jnp.concatenate([x_BT, pad], axis=1)
 
 
 def _check(
@@ -244,7 +225,7 @@ def ttt_loss(
     ids_BT = batch["input_ids"].astype(jnp.int32)
     b, t = ids_BT.shape
     mean_len = t if mean_len is None else mean_len
-    tch = _teacher(batch, ids_BT, jnp.asarray(vocab_t2d).astype(bool), vd, steps, feature_loss)
+    tch = make_teacher(batch, ids_BT, jnp.asarray(vocab_t2d).astype(bool), vd, steps, feature_loss)
 
     positions_BT = batch.get("position_ids")
     if positions_BT is None:
@@ -270,7 +251,7 @@ def ttt_loss(
         h_BTD, k_JBTGK, v_JBTGK, streak_BT, run_BT = carry
         h_new, k_JBTGK, v_JBTGK = _layer_step(
             dparams, embed_VD, dcfg, (h_BTD, k_JBTGK, v_JBTGK), i,
-            _at(tch.ids, i, t), positions_BT, inv_freq, key_valid_BT, kv_dtype,
+            at_step(tch.ids, i, t), positions_BT, inv_freq, key_valid_BT, kv_dtype,
         )  # fmt: skip
         with jax.named_scope("ttt_step_loss"):
             streak_BT, run_BT, out = _step_loss(
@@ -286,67 +267,11 @@ def ttt_loss(
     )
 
 
-class _Teacher(NamedTuple):
-    """The teacher and the masks, each extended by `steps` positions past T (`_shift_ext`,
-    `_pad_ext`) so that step i reads its [B, T] view with one dynamic slice (`_at`)."""
-
-    tp: jax.Array  # [B, T+J, Vd] target_p: softmax over the draft columns of the target logits
-    top: jax.Array  # [B, T+J] int32 argmax of target_p
-    in_draft: jax.Array  # [B, T+J] bool: the target's argmax over its full vocabulary is a draft id
-    valid_next: jax.Array  # [B, T+J] the teacher row is a real token (attention_mask, shifted)
-    lm: jax.Array  # [B, T+J] loss_mask_i before the start mask
-    pm: jax.Array  # [B, T+J] position_mask_i (lm and in_draft) before the start mask
-    start_ok: jax.Array  # [B, T] a chain may start at t (not a padding position)
-    ids: jax.Array  # [B, T+J] int32 the token input at step i
-    hidden: jax.Array | None  # [B, T+J, D] the target's final hidden state (feature loss only)
-    has_next: jax.Array | None  # [B, T+J] a teacher row exists inside T (feature loss only)
-
-
-def _teacher(batch, ids_BT, t2d_V, vd: int, steps: int, feature_loss: bool) -> _Teacher:
-    """The teacher, computed once on the unshifted target and then shifted: the fill rows are what
-    the official zero-filled target logits give (uniform target_p, argmax 0)."""
-    f32 = jnp.float32
-    b, t = ids_BT.shape
-    draft_cols = jnp.nonzero(t2d_V, size=vd)[0]  # ascending: column c is draft id c
-    with jax.named_scope("teacher"):
-        target_BTV = jax.lax.stop_gradient(batch["target_logits"]).astype(f32)
-        in_draft_BT = t2d_V[jnp.argmax(target_BTV, axis=-1)]
-        sub_BTC = jnp.take(target_BTV, draft_cols, axis=-1)
-        tp_ext = _shift_ext(jax.nn.softmax(sub_BTC, axis=-1), steps, 1.0 / vd)  # [B, T+J, Vd]
-        tp_top_ext = _shift_ext(jnp.argmax(sub_BTC, axis=-1).astype(jnp.int32), steps, 0)
-        in_draft_ext = _shift_ext(in_draft_BT, steps, t2d_V[0])
-        # A position is supervised at step i only if its teacher row t+i+1 is a real token
-        # (attention_mask[t+i+1] = 1): past a row's end the teacher would be the target's output
-        # at a padding token (official) or the zero fill, and which one depends on how far the
-        # batch is padded. Only rows whose last token is supervised (cut answers) lose anything.
-        valid_next_ext = _shift_ext(batch["attention_mask"].astype(f32), steps, 0.0)
-        lm_ext = _pad_ext(batch["loss_mask"].astype(f32), steps) * valid_next_ext  # [B, T+J]
-        pm_ext = in_draft_ext.astype(f32) * lm_ext
-        # A chain that starts at a padding position (left or middle padding) runs on a padding
-        # feature; the official code would still supervise it at later steps. Never the case with
-        # right padding (loss_mask[t+i] = 1 implies t is valid), where this changes nothing.
-        start_ok_BT = batch["attention_mask"].astype(f32)
-        ids_ext = _shift_ext(ids_BT, steps, 0)
-        th_ext = has_next_ext = None
-        if feature_loss:
-            th_ext = _shift_ext(
-                jax.lax.stop_gradient(batch["target_hidden"]).astype(f32), steps, 0.0
-            )
-            has_next_ext = _shift_ext(jnp.ones((b, t), f32), steps, 0.0)
-    return _Teacher(tp_ext, tp_top_ext, in_draft_ext, valid_next_ext, lm_ext, pm_ext, start_ok_BT,
-                    ids_ext, th_ext, has_next_ext)  # fmt: skip
-
-
 class _LossOptions(NamedTuple):
     mean_len: int  # positions per row that ploss averages over
     per_position: bool  # also the [B, T] streaks (validation)
     feature_loss: bool  # also vloss (feature_loss_weight > 0)
     speculator: bool  # also sloss and scorrect (speculator_loss_weight > 0)
-
-
-def _at(x_ext: jax.Array, i, t: int) -> jax.Array:
-    """Step i's [B, T, ...] view of an extended [B, T+J, ...] array."""
-    return jax.lax.dynamic_slice_in_dim(x_ext, i, t, axis=1)
 
 
 def _layer_step(dparams, embed_VD, dcfg, carry, i, ids_BT, positions_BT, inv_freq, key_valid_BT,
@@ -366,20 +291,20 @@ def _layer_step(dparams, embed_VD, dcfg, carry, i, ids_BT, positions_BT, inv_fre
     return h_new, k_JBTGK, v_JBTGK
 
 
-def _step_loss(dparams, h_new, dcfg, tch: _Teacher, i, streak_BT, run_BT, opts: _LossOptions):
+def _step_loss(dparams, h_new, dcfg, tch: Teacher, i, streak_BT, run_BT, opts: _LossOptions):
     """The losses and counts of TTT step i: (streak_BT, run_BT, {ploss, correct, ...})."""
     f32 = jnp.float32
     b, t = streak_BT.shape
     # the product in the parameters' dtype, so that its backward products stay there
     logits_BTC = head_logits(dparams, h_new, dcfg, out_dtype=None).astype(f32)
     logp = jax.nn.log_softmax(logits_BTC, axis=-1)
-    pm_BT = _at(tch.pm, i, t) * tch.start_ok
-    lm_BT = _at(tch.lm, i, t) * tch.start_ok
-    tp_BTC = _at(tch.tp, i, t)
+    pm_BT = at_step(tch.pm, i, t) * tch.start_ok
+    lm_BT = at_step(tch.lm, i, t) * tch.start_ok
+    tp_BTC = at_step(tch.tp, i, t)
     # Official: -sum(position_mask * target_p * logp, vocab).mean() over all B*T (here
     # B * mean_len, so that cutting a batch's padding leaves the loss unchanged).
     ploss = -jnp.sum(pm_BT[..., None] * tp_BTC * logp) / (b * opts.mean_len)
-    top_BT = _at(tch.top, i, t)
+    top_BT = at_step(tch.top, i, t)
     hit = (jnp.argmax(logits_BTC, axis=-1) == top_BT).astype(f32)
     correct = jax.lax.stop_gradient(jnp.sum(hit * pm_BT))
     denom = jnp.sum(lm_BT)
@@ -395,12 +320,14 @@ def _step_loss(dparams, h_new, dcfg, tch: _Teacher, i, streak_BT, run_BT, opts: 
         "pcount": jax.lax.stop_gradient(jnp.sum(pm_BT)),
     }
     if opts.per_position:  # validation only: the training step carries it unchanged
-        ok_BT = _at(tch.in_draft, i, t).astype(f32) * _at(tch.valid_next, i, t) * tch.start_ok
+        ok_BT = (
+            at_step(tch.in_draft, i, t).astype(f32) * at_step(tch.valid_next, i, t) * tch.start_ok
+        )
         run_BT = jax.lax.stop_gradient(run_BT * hit * ok_BT)
         out["run"] = run_BT
     if opts.feature_loss:
-        fm_BT = lm_BT * _at(tch.has_next, i, t)
-        diff = h_new.astype(f32) - _at(tch.hidden, i, t)
+        fm_BT = lm_BT * at_step(tch.has_next, i, t)
+        diff = h_new.astype(f32) - at_step(tch.hidden, i, t)
         ad = jnp.abs(diff)
         sl1 = jnp.where(ad < 1.0, 0.5 * diff * diff, ad - 0.5)  # torch SmoothL1, beta 1
         out["vloss"] = jnp.sum(sl1.mean(-1) * fm_BT) / (jnp.sum(fm_BT) + VLOSS_EPS)

@@ -51,7 +51,7 @@ import numpy as np
 from eagle3_jax import vocab as vocab_lib
 from eagle3_jax.data.conversations import read_conversations
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.models import draft as drf
+from eagle3_jax.models import draft_output
 
 ROLES = ("assistant", "user", "all")
 
@@ -136,7 +136,7 @@ def trim_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray):
         )
     ids = np.asarray(ids, np.int64)
     if cfg.lm_head_source == "target":  # FR-Spec: rows of the target's output embedding
-        out = drf.attach_target_head(params, cfg, target_params, tcfg)["out_embed"]
+        out = draft_output.attach_target_head(params, cfg, target_params, tcfg)["out_embed"]
         lm = jnp.take(out, jnp.asarray(ids), axis=0).T
     else:  # VocabTrim: the head's own columns (of a reduced head: those of the kept ids)
         have = vocab_lib.target_ids(vocab)
@@ -188,7 +188,7 @@ def extend_head(params, cfg, vocab, target_params, tcfg, ids: np.ndarray, ridge:
         raise Eagle3Error(
             f"size {ids.size} does not grow the head's draft vocabulary (Vd {old.size})"
         )
-    out_VD = drf.target_output_embedding(target_params, tcfg)
+    out_VD = draft_output.target_output_embedding(target_params, tcfg)
 
     def target_rows(ids_N):  # [N, D] float64: the rows are taken before the conversion
         return np.asarray(jnp.take(out_VD, jnp.asarray(ids_N), axis=0), np.float64)

@@ -1,5 +1,5 @@
 """The `round-cost` step: a plain decode step and a speculative round timed on the device beside
-`eagle3_jax.cost_model`'s predictions (issue 35 item 3), and the table of what came back.
+the cost model's predictions (`eagle3_jax.accelerators`) (issue 35 item 3), and the table of what came back.
 
 `step` runs `python -m device_steps.round_timing` as a phase (a subprocess with a deadline that
 keeps the whole step inside the device tool's 600 s command limit) and writes, under
@@ -20,7 +20,7 @@ from pathlib import Path
 from device_steps import common as c
 
 # the trees timed, by name: EAGLE-3's reporting tree (the accelerator default, 10/8/60) and a chain
-# as deep (accelerator.CHAIN_TREE)
+# as deep (accelerators.programs.CHAIN_TREE)
 TREE_NAMES = ("10/8/60", "chain")
 TARGETS = ("llama31_8b", "tiny")
 # what the step keeps beside the subprocess: the subprocess's own start (importing jax, starting
@@ -37,7 +37,12 @@ FLAGS = (
     ("--trees", str, ",".join(TREE_NAMES), f"rounds timed, of {', '.join(TREE_NAMES)}"),
     ("--warmup", int, 3, "untimed calls of each program after its compilation"),
     ("--reps", int, 20, "timed calls of each program"),
-    ("--predict-device", str, "h200", "cost_model.DEVICES key the predictions are for (or cpu)"),
+    (
+        "--predict-device",
+        str,
+        "h200",
+        "accelerators.specs.DEVICES key the predictions are for (or cpu)",
+    ),
 )
 
 
@@ -94,7 +99,7 @@ def table(res: dict) -> str:
         "",
         f"Caches sized for {res.get('context')} tokens, the cursor at {res.get('prompt')}, the "
         f"state {res.get('state')}; warm-up calls {res.get('warmup')}, timed {res.get('reps')} "
-        f"(ms: median [10th-90th percentile]); predicted: eagle3_jax.cost_model for "
+        f"(ms: median [10th-90th percentile]); predicted: eagle3_jax.accelerators for "
         f"{res.get('predicted_for')}, one chip. jax {res.get('jax')}.",
         "",
         "| batch | program | tree | measured ms, median [p10-p90] | predicted ms "

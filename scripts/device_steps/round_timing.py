@@ -1,7 +1,8 @@
 """The cost model's prediction beside a measurement: a plain decode step and one speculative round
-timed on the device, each next to `eagle3_jax.cost_model`'s prediction for it (issue 35 item 3).
+timed on the device, each next to the cost model's prediction for it (`eagle3_jax.accelerators`;
+issue 35 item 3).
 
-The target has Llama-3.1-8B's shape (`accelerator.target_config`) with RANDOM bf16 weights made on
+The target has Llama-3.1-8B's shape (`accelerators.specs.target_config`) with RANDOM bf16 weights made on
 the device (nothing is carried), the head EAGLE-3's shape with 32,000 draft ids, random too: the
 programs' work is fixed by their static shapes, not by the weights' values. Each program is the
 one decoding runs (`plain.decode_step`, `speculative.round_step` with the eagle3 drafter, greedy),
@@ -39,18 +40,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from device_steps.round_cost import TREE_NAMES, add_args, table
-from eagle3_jax import accelerator as acc
-from eagle3_jax import cost_model as cm
-from eagle3_jax.config import ACCELERATOR_TREE, DraftConfig, TargetConfig, TreeConfig
+from eagle3_jax.accelerators import acceptance, predict, roofline, specs
+from eagle3_jax.accelerators.programs import CHAIN_TREE
+from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import ACCELERATOR_TREE, TreeConfig
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.vocab import DraftVocab
 
 # the trees by the names --trees takes (round_cost.TREE_NAMES)
-TREES = {"10/8/60": ACCELERATOR_TREE, "chain": acc.CHAIN_TREE}
+TREES = {"10/8/60": ACCELERATOR_TREE, "chain": CHAIN_TREE}
 assert tuple(TREES) == TREE_NAMES
 
 # estimated compile seconds per program at Llama-3.1-8B shapes on a GPU (unrolled layers), no
@@ -63,14 +65,14 @@ def shapes(name: str) -> tuple[TargetConfig, DraftConfig]:
     `tiny` (a 4-layer toy with the same structure, for the CPU test; no EOS id, so every row
     keeps running)."""
     if name == "tiny":
-        base = acc.target_config("llama31_8b")
+        base = specs.target_config("llama31_8b")
         tcfg = dataclasses.replace(
             base, vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
             num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(),
         )  # fmt: skip
         return tcfg, DraftConfig.from_target(tcfg, draft_vocab_size=64)
-    tcfg = acc.target_config(name)
-    return tcfg, acc.draft_config(tcfg)
+    tcfg = specs.target_config(name)
+    return tcfg, specs.draft_for(tcfg)
 
 
 def _zeros(aval):
@@ -196,11 +198,11 @@ def _stats(ts: list[float]) -> dict:
     }
 
 
-def predict_device(name: str) -> cm.Device:
-    """A `cost_model.DEVICES` entry by its key in any case, spaces optional ("h200", "tpuv5e"),
-    or "cpu" (`cost_model.CPU_2CORE`, an assumption, not a vendor figure)."""
-    known = {k.lower().replace(" ", ""): v for k, v in cm.DEVICES.items()}
-    known["cpu"] = cm.CPU_2CORE
+def predict_device(name: str) -> specs.Device:
+    """A `accelerators.specs.DEVICES` entry by its key in any case, spaces optional ("h200", "tpuv5e"),
+    or "cpu" (`specs.CPU_2CORE`, an assumption, not a vendor figure)."""
+    known = {k.lower().replace(" ", ""): v for k, v in specs.DEVICES.items()}
+    known["cpu"] = specs.CPU_2CORE
     key = name.lower().replace(" ", "")
     if key not in known:
         raise SystemExit(f"--predict-device {name}: choose one of {', '.join(known)}")
@@ -211,13 +213,19 @@ def predictions(tcfg, dcfg, device: str, b: int, context: int, trees: list[str])
     """The cost model's times (ms) and cache slots on one chip: "plain" and each tree's round,
     with τ from its acceptance model at EAGLE-3's Llama-3.1-8B τ (for the speedups)."""
     dev = predict_device(device)
-    accept = cm.llama_acceptance()
-    slots = cm.slots_for(context)
-    out = {"plain": {"ms": cm.plain_step(tcfg, b, slots).time_s(dev, 1) * 1e3, "slots": slots}}
+    accept = acceptance.llama_acceptance()
+    slots = roofline.slots_for(context)
+    out = {
+        "plain": {"ms": roofline.plain_step(tcfg, b, slots).time_s(dev, 1) * 1e3, "slots": slots}
+    }
     for name in trees:
         tree = TREES[name]
-        pr = cm.predict(dev, tcfg, tree, accept.tau(tree), b, context, dcfg=dcfg, chips=1)
-        out[name] = {"ms": pr.round_s * 1e3, "slots": cm.slots_for(context, tree), "tau": pr.tau}
+        pr = predict.predict(dev, tcfg, tree, accept.tau(tree), b, context, dcfg=dcfg, chips=1)
+        out[name] = {
+            "ms": pr.round_s * 1e3,
+            "slots": roofline.slots_for(context, tree),
+            "tau": pr.tau,
+        }
     return out
 
 
