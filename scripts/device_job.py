@@ -42,9 +42,14 @@ shape, random bf16 weights made on the device, batch 1 and 8, each timed beside
 the cost model's prediction (device_steps/round_timing.py); into $OUT/round_cost/:
   python3 scripts/device_job.py round-cost --minutes 8 --out $OUT   (timeout_s 600)
 
+`vocab-study` (after the GGUF's parts, as `run`): the draft-vocabulary study
+(benchmarks/vocab_study.py, the SmolLM2 grid) on the accelerator, resumable across calls while
+the machine is warm; what is finished goes into $OUT/vocab_study.tar.gz after every call:
+  python3 scripts/device_job.py vocab-study --minutes 9 --out $OUT   (again to continue)
+
 This file parses the command line; the steps live in device_steps/: common.py (paths, the log,
 phases and their environment), transfer.py (pack, check, unpack), turns.py (run, bench),
-round_cost.py and round_timing.py.
+round_cost.py and round_timing.py, study.py.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # device_steps, however this is loaded
 
 from device_steps import common as c
-from device_steps import round_cost, transfer, turns
+from device_steps import round_cost, study, transfer, turns
 
 
 def main(argv=None) -> int:
@@ -131,6 +136,8 @@ def main(argv=None) -> int:
     round_cost.add_args(rc)
     rc.add_argument("--minutes", type=float, default=8.0, help="the step's whole budget")
     rc.add_argument("--out", default=os.environ.get("OUT"), help="default: runs/ (round_cost/)")
+    vs = sub.add_parser("vocab-study", help="device: the draft-vocabulary study, resumable")
+    study.add_args(vs)
     args = p.parse_args(argv)
     cmds = {
         "pack": transfer.pack,
@@ -139,6 +146,7 @@ def main(argv=None) -> int:
         "bench": turns.bench,
         "unpack": transfer.unpack,
         "round-cost": round_cost.step,
+        "vocab-study": study.step,
     }
     return cmds[args.cmd](args)
 

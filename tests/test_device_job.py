@@ -145,9 +145,10 @@ def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch)
     seen = {}
     for mod, name in [
         (dj.transfer, "pack"), (dj.transfer, "check"), (dj.turns, "run"), (dj.turns, "bench"),
-        (dj.transfer, "unpack"), (dj.round_cost, "step"),
+        (dj.transfer, "unpack"), (dj.round_cost, "step"), (dj.study, "step"),
     ]:  # fmt: skip
-        monkeypatch.setattr(mod, name, lambda a, name=name: seen.setdefault(name, a) and 0)
+        key = "study" if mod is dj.study else name
+        monkeypatch.setattr(mod, name, lambda a, key=key: seen.setdefault(key, a) and 0)
     dj.main(["pack", "--part-mib", "12", "--shipped-conversations"])
     assert seen["pack"].part_mib == 12 and seen["pack"].shipped_conversations
     dj.main(["check"])
@@ -172,6 +173,10 @@ def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch)
         "llama31_8b", "1,8", "chain", 8.0, "h200",
     )  # fmt: skip
     assert dj.round_cost.forward(rc)[:4] == ["--target", "llama31_8b", "--prompt", "1024"]
+    dj.main(["vocab-study", "--minutes", "9"])
+    vs = seen["study"]
+    assert (vs.minutes, vs.questions, vs.max_new_tokens, vs.reserve_s) == (9, 20, 256, 30.0)
+    assert vs.grid.endswith("configs/vocab_study_smollm2.py") and vs.study_arg == []
     for bad in (["--trees", "10/8/60,wide"], ["--batches", "0"], ["--target", "llama3"]):
         with pytest.raises(SystemExit):
             dj.main(["round-cost", *bad])
@@ -276,3 +281,48 @@ def test_round_timing_records_a_failed_program_and_runs_the_next(dj, tmp_path, m
         for t in ("10/8/60", "chain 1/8/9")
     ]
     assert (out / "report.md").read_text().endswith(f"- {res['failed'][-1]}\n")
+
+
+def test_vocab_study_step_runs_the_study_and_packs_what_is_done(dj, c, tmp_path, monkeypatch):
+    """`vocab-study` runs benchmarks/vocab_study.py as one phase within the call's budget (the
+    target passed as a grid override in dry runs) and packs the published report, every cell's
+    curve and the logs into one tarball, also when the phase ran out of time (resumable)."""
+    import tarfile
+
+    st = dj.study
+    root = tmp_path / "repo"
+    monkeypatch.setattr(c, "ROOT", root)
+    monkeypatch.setattr(st, "STUDY", root / "runs/vocab_study_device")
+    monkeypatch.setattr(st, "PUBLISHED", root / "runs/vocab_study_device/published")
+    monkeypatch.setattr(st, "grid_root", lambda grid: root / "runs/vocab_study")
+    monkeypatch.setattr(c, "env", lambda args: {})
+    calls = []
+
+    def phase(log, name, cmd, env, timeout_s, log_dir=None):
+        calls.append((name, cmd, timeout_s))
+        (st.PUBLISHED / "curves").mkdir(parents=True, exist_ok=True)
+        (st.PUBLISHED / "report.md").write_text("# study\n")
+        (st.PUBLISHED / "curves/a.json").write_text("[]\n")
+        cell = root / "runs/vocab_study/cells/a"
+        cell.mkdir(parents=True, exist_ok=True)
+        (cell / "validation.jsonl").write_text('{"step": 50}\n')
+        (log_dir / "vocab_study.log").write_text("ran\n")
+        return -9  # out of time: the next call continues
+
+    monkeypatch.setattr(c, "phase", phase)
+    out = tmp_path / "out"
+    assert dj.main(["vocab-study", "--minutes", "2", "--out", str(out), "--target", "/t",
+                    "--questions", "3", "--study-arg=--skip-train"]) == 0  # fmt: skip
+    ((name, cmd, timeout_s),) = calls
+    assert name == "vocab_study" and 0 < timeout_s <= 120 - 30
+    assert cmd[1] == "benchmarks/vocab_study.py" and "--skip-train" in cmd
+    assert cmd[cmd.index("--questions") + 1] == "3" and cmd[-1] == "--config.target=/t"
+    assert cmd[cmd.index("--publish") + 1] == str(st.PUBLISHED)
+    with tarfile.open(out / "vocab_study.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"runs/vocab_study_device/published/report.md",
+            "runs/vocab_study_device/published/curves/a.json",
+            "runs/vocab_study/cells/a/validation.jsonl",
+            "runs/vocab_study_device/vocab_study.log"} <= names  # fmt: skip
+    with pytest.raises(SystemExit):  # the device tool's 10-minute command limit
+        dj.main(["vocab-study", "--minutes", "12", "--out", str(out)])
