@@ -15,25 +15,19 @@ they start from (and 60 fewer steps here).
       --corpus data/smollm2_135m_regenerated_cpu2.jsonl.gz --out runs/vocab16k/counts.npy
   python -m eagle3_jax vocab extend --draft GPU_HEAD \
       --counts runs/vocab16k/counts.npy --size 16384 --out runs/vocab16k/head
-  python train.py --config=configs/smollm2_135m_vd16k_cpu.py             # ~75 min on 2 cores
+  python train.py --config=configs/smollm2_135m_vd16k_cpu.py             # about an hour here
   python train.py --config=configs/smollm2_135m_vd16k_cpu.py --resume    # after an interruption
   python train.py --config=configs/smollm2_135m_vd16k_cpu.py --resume --config.max_steps=400
-      # 100 more steps on the next, unseen conversations (~25 min)
+      # 100 more steps on the next, unseen conversations
   python train.py --config=configs/smollm2_135m_vd16k_cpu.py --resume --config.max_steps=600
-      # 200 more (~53 min beside the tests): the shipped weights
+      # 200 more: the shipped weights
   python -m eagle3_jax vocab order --draft runs/cpu3_16k/head \
       --counts runs/vocab16k/counts.npy --first GPU_HEAD --cpu-size 8192
       # vocab_order.json: decode.py cuts it to GPU_HEAD's 8,192 ids on a CPU
 
-Result (BENCHMARKS.md, "The new rows trained on this CPU"): 311,837 tokens read in 68 minutes;
-all 80 MT-bench questions at EAGLE-3's reporting tree (10,8,60) tau 3.000 (2.9998) against 2.972
-untrained and 2.946 for the GPU head; all outputs exact. Continued to step 400 (412,722
-tokens): tau 3.006. Whole, it costs decode.py's CPU default (k2 d3 n4, theta 0.3) 5 % (1.16x
-plain against the GPU head's 1.22x, one run); cut at load to the GPU head's ids it runs at 1.22x
-against that head's 1.19x. Shipped since 2026-12-02 (eagle3_jax/heads/smollm2_135m_instruct, with
-the vocab_order.json the order command writes) at step 400, and at step 600 since the session
-after (--config.max_steps=600, 621,150 tokens): tau 3.019 at the reporting tree, +0.017 a question
-over step 400; at the CPU default level with it (1.23x against its 1.19x on MT-bench's 80, one run).
+The shipped head (eagle3_jax/heads/smollm2_135m_instruct, with the vocab_order.json the order
+command writes) is this run at step 600; its measurements are in BENCHMARKS.md ("The new rows
+trained on this CPU") and the head's README.
 """
 
 from pathlib import Path

@@ -29,7 +29,7 @@ first turn is one of data/smollm2_135m_regenerated_heldout.jsonl.gz's 270 are le
 (`eagle3_jax.data.regenerate --all-turns`, which converts the target from the GGUF on its first
 load) within `--regen-minutes`, and packs those answers into $OUT at once; grows the shipped
 head's draft vocabulary to `--extend-vocab` ids if it has fewer (`python -m eagle3_jax vocab extend`, with the
-counts `pack` made of the first-turn answers; the shipped head has 16,384 since 2026-12-02, so
+counts `pack` made of the first-turn answers; the shipped head has 16,384, so
 this step is skipped) and continues it on the answers plus the first-turn files for the
 rest of the budget
 (`eagle3_jax.training.timed`, configs/smollm2_135m_turns.py); packs the answers, the head (split

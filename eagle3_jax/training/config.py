@@ -24,7 +24,7 @@ overrides are such a dict).
 
 Records (a run's train_config.json, an ablation cell's cell.json) are written nested by group.
 `TrainConfig.from_dict` also reads the flat layout every record had before the groups (all fields
-at one level, written up to 2026-12-03), and `flatten` maps either layout to {field: value}, the form
+at one level, as older versions wrote them), and `flatten` maps either layout to {field: value}, the form
 that resume and reuse checks compare: an old run's record equals the same config today.
 """
 
@@ -107,7 +107,7 @@ class TrainConfig:
     def from_dict(cls, record: Mapping[str, Any]) -> TrainConfig:
         """The config a record describes, in either layout: nested by group (`record()`), or flat,
         every field at the top level, as train_config.json and cell.json were written before the
-        groups (up to 2026-12-03). Fields a record leaves out take their defaults (records omit
+        groups (older versions). Fields a record leaves out take their defaults (records omit
         the resumable ones, and fields are added over time); an unknown field is refused. JSON
         lists become tuples. Not validated."""
         changes = {}

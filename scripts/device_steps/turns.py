@@ -72,7 +72,7 @@ def _extend_head(log: c.Log, args, py: list[str], target: list[str], env: dict) 
     (8,192 ids cover 91.6 % of MT-bench's answer tokens, 16,384 cover 96.3 %: the new rows then
     train instead of starting from the row map alone). Returns the training's config overrides;
     none (the shipped head as it is) when disabled, when the head has that many ids already (the
-    shipped head has 16,384 since 2026-12-02) or when the step fails."""
+    shipped head has 16,384) or when the step fails."""
     if not args.extend_vocab:
         return []
     have = json.loads((c.SHIPPED_HEAD / "config.json").read_text())["draft_vocab_size"]
