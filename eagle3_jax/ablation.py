@@ -36,7 +36,8 @@ from eagle3_jax.evaluation.report import strict_json
 from eagle3_jax.evaluation.runner import EvalOptions, run_eval
 from eagle3_jax.evaluation.study import read_curve
 from eagle3_jax.training.config import FIELDS, TrainConfig, flatten, load_python_config, resolve
-from eagle3_jax.training.loop import precompute_features, train
+from eagle3_jax.training.loop import train
+from eagle3_jax.training.prepare import precompute_features
 
 CELL_FIELDS = set(FIELDS) - {
     "out_dir",

@@ -291,7 +291,7 @@ def test_a_second_feature_precompute_is_refused_naming_the_holder(tmp_path, caps
     from pathlib import Path
 
     from eagle3_jax.cli import train as train_cli
-    from eagle3_jax.training.loop import store_lock
+    from eagle3_jax.training.prepare import store_lock
 
     root = Path(__file__).resolve().parents[1]
     feats, run = tmp_path / "feats", tmp_path / "run"

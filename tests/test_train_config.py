@@ -149,7 +149,7 @@ def test_the_vocab_study_resumes_on_records_from_before_the_groups(cell_name, tm
     reads back as the config that configs/vocab_study_smollm2.py gives today."""
     from eagle3_jax.ablation import cell_config, cell_record, check_cell_config, load_ablation
     from eagle3_jax.checkpoints import load_target_config
-    from eagle3_jax.training.loop import RESUMABLE, config_changes
+    from eagle3_jax.training.run_dir import RESUMABLE, config_changes
 
     ac = load_ablation(ROOT / "configs/vocab_study_smollm2.py")
     cell = next(c for c in ac.cells if c.name == cell_name)
