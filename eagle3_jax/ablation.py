@@ -32,8 +32,9 @@ from eagle3_jax.checkpoints.eagle_format import load_draft
 from eagle3_jax.errors import Eagle3Error, differing_keys
 from eagle3_jax.evaluation import paired
 from eagle3_jax.evaluation.metrics import tau
+from eagle3_jax.evaluation.options import EvalOptions
 from eagle3_jax.evaluation.report import strict_json
-from eagle3_jax.evaluation.runner import EvalOptions, run_eval
+from eagle3_jax.evaluation.runner import run_eval
 from eagle3_jax.evaluation.study import read_curve
 from eagle3_jax.training.config import FIELDS, TrainConfig, flatten, load_python_config, resolve
 from eagle3_jax.training.loop import train

@@ -282,7 +282,7 @@ print("ok", jax.process_index())
 
 
 def _untimed(rec: dict) -> dict:
-    from eagle3_jax.evaluation.runner import TIMING_KEYS
+    from eagle3_jax.evaluation.records import TIMING_KEYS
 
     rec = {k: v for k, v in rec.items() if k not in TIMING_KEYS}
     rec["turns"] = [{k: v for k, v in t.items() if k not in TIMING_KEYS} for t in rec["turns"]]

@@ -196,7 +196,7 @@ def test_regeneration_resumes_only_with_the_same_target_and_settings(tiny_target
 
 
 def test_the_harness_refuses_a_users_folder_and_a_changed_target(tiny_target_dir, tmp_path):
-    from eagle3_jax.evaluation.runner import check_config
+    from eagle3_jax.evaluation.fingerprint import check_config
 
     user = tmp_path / "report"
     user.mkdir()
