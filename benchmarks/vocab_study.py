@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eagle3_jax.ablation import load_ablation
+from eagle3_jax.ablation.config import load_ablation
 from eagle3_jax.checkpoints import files_digest
 from eagle3_jax.checkpoints.atomic import exclusive, made_from, record_inputs
 from eagle3_jax.errors import Eagle3Error

@@ -214,7 +214,8 @@ def test_an_ablation_grid_refuses_a_second_writer_and_a_users_folder(tmp_path):
     import dataclasses
     from pathlib import Path
 
-    from eagle3_jax.ablation import load_ablation, run_ablation
+    from eagle3_jax.ablation.config import load_ablation
+    from eagle3_jax.ablation.runner import run_ablation
     from eagle3_jax.checkpoints.atomic import exclusive
 
     root = Path(__file__).resolve().parents[1]
