@@ -70,6 +70,7 @@ RANKS = {
     "eagle3_jax.training.validate": 3,
     "eagle3_jax.training.timed": 3,
     "eagle3_jax.data.regenerate": 3,
+    "eagle3_jax.data.regen_output": 3,
     "eagle3_jax.data.select_prompts": 3,
     "eagle3_jax.evaluation.options": 4,
     "eagle3_jax.evaluation.fingerprint": 4,
