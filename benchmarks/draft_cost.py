@@ -26,7 +26,7 @@ import numpy as np
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
-from eagle3_jax.evaluation.runner import parse_drafts
+from eagle3_jax.evaluation.options import parse_drafts
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import draft_output
 from eagle3_jax.paths import cpu_model

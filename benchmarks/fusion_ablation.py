@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eagle3_jax.ablation import load_ablation
+from eagle3_jax.ablation.config import load_ablation
 from eagle3_jax.checkpoints.atomic import exclusive
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study

@@ -34,7 +34,7 @@ CONFIGS = "eagle3:1,3,4,eagle3:2,3,4,eagle3:2,4,8,eagle3:2,3,4,0.3,eagle3:2,4,8,
 
 
 def parse(text: str) -> list[tuple[str, str, TreeConfig]]:
-    from eagle3_jax.evaluation.runner import parse_methods
+    from eagle3_jax.evaluation.options import parse_methods
 
     # the root-only round always runs first (main): a `vanilla` in the list adds nothing
     return [

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     from eagle3_jax.data.conversations import read_conversations
     from eagle3_jax.data.dataset import build_dataset
     from eagle3_jax.errors import Eagle3Error
-    from eagle3_jax.evaluation.runner import parse_drafts
+    from eagle3_jax.evaluation.options import parse_drafts
     from eagle3_jax.models import draft as drf
     from eagle3_jax.models import draft_output
     from eagle3_jax.models import target as tgt

@@ -52,9 +52,10 @@ def main(argv=None) -> int:
     from eagle3_jax.checkpoints.heads import load_head
     from eagle3_jax.decoding.sampling import Sampling
     from eagle3_jax.evaluation import metrics
+    from eagle3_jax.evaluation.batch import Models, run_questions
+    from eagle3_jax.evaluation.options import MethodSpec
     from eagle3_jax.evaluation.questions import load_questions
     from eagle3_jax.evaluation.report import strict_json
-    from eagle3_jax.evaluation.runner import MethodSpec, Models, run_questions
 
     run, out = Path(args.run), Path(args.out)
     heads = heads_of(run)

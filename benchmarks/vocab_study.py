@@ -44,13 +44,14 @@ from pathlib import Path
 
 import jax
 
-from eagle3_jax.ablation import load_ablation
+from eagle3_jax.ablation.config import load_ablation
 from eagle3_jax.checkpoints import files_digest
 from eagle3_jax.checkpoints.atomic import exclusive, made_from, record_inputs
 from eagle3_jax.data.conversations import read_conversations
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import study
-from eagle3_jax.evaluation.runner import _parse_tree, default_tree_shape, head_digest, shape_text
+from eagle3_jax.evaluation.fingerprint import head_digest
+from eagle3_jax.evaluation.options import _parse_tree, default_tree_shape, shape_text
 from eagle3_jax.training.config import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ to the disk). Multi-host: run the same command on every host.
 
 from pathlib import Path
 
-from eagle3_jax.ablation import AblationConfig, Cell
+from eagle3_jax.ablation.config import AblationConfig, Cell
 from eagle3_jax.training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ Results: docs/ablations.md; the table lands in runs/ablate_smollm2/report.md.
 
 from pathlib import Path
 
-from eagle3_jax.ablation import AblationConfig, Cell
+from eagle3_jax.ablation.config import AblationConfig, Cell
 from eagle3_jax.training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ store (bfloat16) serves every cell.
 
 from pathlib import Path
 
-from eagle3_jax.ablation import AblationConfig, Cell
+from eagle3_jax.ablation.config import AblationConfig, Cell
 from eagle3_jax.training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ logits would not fit 24 GB seven times over.
 
 from pathlib import Path
 
-from eagle3_jax.ablation import AblationConfig, Cell
+from eagle3_jax.ablation.config import AblationConfig, Cell
 from eagle3_jax.training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ Shrink num_conversations (--config.num_conversations=N) where the disk is smalle
 
 from __future__ import annotations
 
-from eagle3_jax.ablation import AblationConfig, Cell
+from eagle3_jax.ablation.config import AblationConfig, Cell
 from eagle3_jax.training.config import TrainConfig
 
 FULL = 1 << 30  # a draft vocabulary at least the target's: every id

@@ -23,7 +23,7 @@ benchmarks/vocab_study.py.
 
 from pathlib import Path
 
-from eagle3_jax.ablation import AblationConfig, Cell
+from eagle3_jax.ablation.config import AblationConfig, Cell
 from eagle3_jax.training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ from eagle3_jax.decoding.generate import Generation, generate
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.decoding.tree import TreeConfig, default_tree
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.evaluation.runner import EvalOptions
+from eagle3_jax.evaluation.options import EvalOptions
 from eagle3_jax.evaluation.runner import run_eval as evaluate
 from eagle3_jax.heads import default_head
 from eagle3_jax.models.draft import DraftConfig

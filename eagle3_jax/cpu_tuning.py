@@ -7,7 +7,7 @@ cost more (BENCHMARKS.md, "Which product is faster depends on the machine", "The
 a row reduction"). So the entry points that decode on the CPU (decode.py, the evaluation harness,
 data regeneration, the timing benchmarks) call `policy_for` once, before compiling anything, and
 put its answer into the target's config (`dataclasses.replace(cfg, products=...)`); heads loaded
-with `evaluation.runner.load_head` take the target's. The models read only that static field:
+with `checkpoints.heads.load_head` take the target's. The models read only that static field:
 library calls and training keep the default, plain products, and the same programs.
 
 `policy_for` on the CPU: each choice is timed the first time on SmolLM2-shaped weights (both ways,

@@ -45,7 +45,7 @@ The head's config and the official loader. `cnets.Model` copies the target's
 `model.embed_tokens.weight` into the draft only when the head's config.json has NO
 `target_hidden_size` key; with the key it expects the head's own `embed_tokens.weight` and, when
 the file has none, keeps nn.Embedding's random init silently (load_state_dict(strict=False)).
-Heads exported by eagle3_jax before the fix in checkpoints/eagle_format.py named the key
+Heads exported by eagle3_jax before the fix (now in checkpoints/head_config.py) named the key
 (= hidden_size) without an embedding. The script checks the head first and prints a WARNING line
 in that case; --fix-config-copy runs the official side on a copy of the head (a temp directory,
 weights symlinked) without the key. Our side always uses the head as given (it reads no meaning
@@ -289,7 +289,7 @@ def write_target_hf(out: Path, spec: str | None) -> None:
     import numpy as np
 
     from eagle3_jax.checkpoints import load_target
-    from eagle3_jax.checkpoints.eagle_format import _rope_to_hf
+    from eagle3_jax.checkpoints.head_config import _rope_to_hf
     from eagle3_jax.checkpoints.hf import _LAYER_KEYS, _PRE_NORMS
     from eagle3_jax.checkpoints.safetensors_io import write_safetensors
     from eagle3_jax.config import target_config_from_hf

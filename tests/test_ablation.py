@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3_jax.ablation import AblationConfig, Cell, vary
+from eagle3_jax.ablation.config import AblationConfig, Cell, vary
 from eagle3_jax.cli.ablate import main
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.training.config import TrainConfig, flatten
@@ -131,7 +131,7 @@ def test_bad_grids_are_refused(tiny_target_dir, tmp_path):
 
 
 def test_final_metrics_average_the_last_logged_steps(tmp_path):
-    from eagle3_jax.ablation import final_metrics
+    from eagle3_jax.ablation.runner import final_metrics
 
     recs = [
         {"step": 1, "loss": 4.0, "acc_0": 0.0, "acc_1": 0.0, "tokens": 10},
@@ -160,7 +160,7 @@ def test_final_metrics_average_the_last_logged_steps(tmp_path):
 
 
 def test_paired_differences_cancel_what_cells_share():
-    from eagle3_jax.ablation import paired_table
+    from eagle3_jax.ablation.report import paired_table
 
     # record difficulty varies 0.1..0.9 and is the same for every cell: pairing cancels it
     hard = {str(i): 0.1 + 0.8 * i / 9 for i in range(10)}
@@ -191,7 +191,7 @@ def test_paired_differences_cancel_what_cells_share():
 
 
 def test_a_cell_trained_under_another_config_is_refused(tmp_path):
-    from eagle3_jax.ablation import cell_record, check_cell_config
+    from eagle3_jax.ablation.config import cell_record, check_cell_config
 
     cell, tc = Cell("c"), TrainConfig().replace(data="d", max_steps=20, lr=1e-3)
     check_cell_config(cell, tmp_path, {}, tc)  # a new cell: nothing to compare
@@ -227,9 +227,10 @@ def test_a_cell_trained_under_another_config_is_refused(tmp_path):
 def test_results_are_written_as_cells_finish(tiny_target_dir, tmp_path, monkeypatch):
     """A grid stopped after its first cell keeps that cell's row in results.json and a report
     marked partial, naming the cells still to come; the complete grid's report is not marked."""
-    import eagle3_jax.ablation as abl
+    from eagle3_jax.ablation import runner as abl
+    from eagle3_jax.ablation.config import load_ablation
 
-    ac = abl.load_ablation(ROOT / "configs/ablate_tiny.py")
+    ac = load_ablation(ROOT / "configs/ablate_tiny.py")
     ac = dataclasses.replace(
         ac, out_dir=str(tmp_path / "g"), evaluate=False,
         base=ac.base.replace(target=str(tiny_target_dir)),

@@ -123,7 +123,7 @@ def test_reads_role_content_and_sharegpt_jsonl_with_bad_lines(tmp_path):
     assert len(odd.read_text(encoding="utf-8").splitlines()) == 4  # what the old reader saw
     (c,), bad = read_conversations(odd)
     assert bad == 0 and c.messages[0]["content"] == "a\u2028b\x85c\u2029d"
-    from eagle3_jax.data.regenerate import prepare_resume
+    from eagle3_jax.data.regen_output import prepare_resume
 
     assert prepare_resume(odd) == {"u"}
     # several files, comma-separated: concatenated in order, a repeated id renamed
@@ -392,7 +392,7 @@ def test_regeneration_folds_in_what_a_killed_multi_process_run_left(tiny_target,
     """Two processes killed mid-run leave their shards beside the answers: a resumed run (here
     one process) appends their complete records, skips those prompts, answers the rest and
     removes the shards; every record is an uninterrupted run's."""
-    from eagle3_jax.data.regenerate import shard_path
+    from eagle3_jax.data.regen_output import shard_path
 
     kw = dict(max_new_tokens=8, batch_size=2, max_prompt_tokens=30, progress=False)
     ref = tmp_path / "ref.jsonl"

@@ -18,12 +18,14 @@ from safetensors.torch import save_file
 
 from eagle3_jax import vocab as vocab_lib
 from eagle3_jax.checkpoints import eagle_format as ef
+from eagle3_jax.checkpoints.head_config import draft_config_to_hf
 from eagle3_jax.checkpoints.safetensors_io import read_safetensors
 from eagle3_jax.config import ProductPolicy, RopeConfig, TargetConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as dr
 from eagle3_jax.models import draft_output
 from eagle3_jax.sharding import make_mesh
+from eagle3_jax.training.checkpoint import restore_orbax, save_orbax
 
 # A tiny head whose hidden size differs from its target's (so fc, target_hidden_size and the
 # head's own embedding are all exercised), with GQA and a 40-of-97 draft vocabulary.
@@ -242,10 +244,10 @@ def test_aux_layer_id_conventions(tmp_path):
         ef.load_draft(p)
     # Ours -> config.json subtracts one; id 0 has no output name.
     cfg = dr.DraftConfig.from_target(TARGET, aux_layer_ids=(1, 4, 7))
-    hf = ef.draft_config_to_hf(cfg)
+    hf = draft_config_to_hf(cfg)
     assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 6]
     with pytest.raises(Eagle3Error, match="aux layer id 0"):
-        ef.draft_config_to_hf(dataclasses.replace(cfg, aux_layer_ids=(0, 4, 7)))
+        draft_config_to_hf(dataclasses.replace(cfg, aux_layer_ids=(0, 4, 7)))
 
 
 def test_full_vocab_head_has_no_mapping_and_rope_survives(tmp_path):
@@ -265,8 +267,8 @@ def test_full_vocab_head_has_no_mapping_and_rope_survives(tmp_path):
 def test_orbax_round_trip(tmp_path):
     cfg = dr.DraftConfig.from_target(TARGET, draft_vocab_size=VD)
     params = dr.init_params(cfg, jax.random.key(1))
-    ef.save_orbax(tmp_path / "ckpt", params)
-    back = ef.restore_orbax(tmp_path / "ckpt", params)
+    save_orbax(tmp_path / "ckpt", params)
+    back = restore_orbax(tmp_path / "ckpt", params)
     jax.tree.map(np.testing.assert_array_equal, params, back)
 
 
@@ -675,7 +677,7 @@ def test_target_and_specvocab_heads_round_trip(tmp_path):
         jax.tree.map(np.testing.assert_array_equal, p2, bare)
     # a plain head's config.json carries no extension block (it stays the official format)
     plain_cfg = dr.DraftConfig.from_target(TARGET, draft_vocab_size=VD)
-    assert "eagle3_jax" not in ef.draft_config_to_hf(plain_cfg)
+    assert "eagle3_jax" not in draft_config_to_hf(plain_cfg)
 
 
 def test_output_layer_configs_are_validated():

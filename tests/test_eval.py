@@ -12,7 +12,7 @@ from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.cli.eval import main
 from eagle3_jax.evaluation import metrics
 from eagle3_jax.evaluation.questions import load_questions
-from eagle3_jax.evaluation.runner import TIMING_KEYS
+from eagle3_jax.evaluation.records import TIMING_KEYS
 from eagle3_jax.models import draft as drf
 from eagle3_jax.vocab import identity
 
@@ -77,7 +77,7 @@ def test_metric_arithmetic():
 
 def test_method_specs_take_an_optional_verify_threshold():
     from eagle3_jax.errors import Eagle3Error
-    from eagle3_jax.evaluation.runner import parse_methods
+    from eagle3_jax.evaluation.options import parse_methods
 
     specs = parse_methods("eagle3:2,3,4,eagle3:2,3,4,0.3,pld", {"h": "/x"})
     assert [(s.label, s.tree) for s in specs] == [
@@ -314,7 +314,7 @@ def test_draft_vocab_cuts_a_head_with_an_order_and_is_part_of_the_configuration(
     import numpy as np
 
     from eagle3_jax.checkpoints.heads import write_vocab_order
-    from eagle3_jax.evaluation import runner
+    from eagle3_jax.evaluation import batch
 
     target, head, qfile = setup
     ordered = tmp_path / "ordered"
@@ -322,8 +322,8 @@ def test_draft_vocab_cuts_a_head_with_an_order_and_is_part_of_the_configuration(
     v = json.loads((head / "config.json").read_text())["vocab_size"]
     write_vocab_order(ordered, np.arange(v)[::-1], cpu_size=12)
     loaded = []  # what each run asked load_head for
-    real = runner.load_head
-    monkeypatch.setattr(runner, "load_head", lambda *a, **k: loaded.append(a[3]) or real(*a, **k))
+    real = batch.load_head
+    monkeypatch.setattr(batch, "load_head", lambda *a, **k: loaded.append(a[3]) or real(*a, **k))
     run = lambda out, *extra: main(
         ["--target", str(target), "--draft", f"o={ordered}", "--methods", "eagle3:2,3,6",
          "--bench", str(qfile), "--max-new-tokens", "12", "--out", str(out), "--no-progress",

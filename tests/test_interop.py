@@ -241,7 +241,7 @@ def test_the_shipped_head_loads_alike_everywhere():
 
 
 def _smollm2_like(cls):
-    from eagle3_jax.checkpoints.eagle_format import draft_config_from_hf
+    from eagle3_jax.checkpoints.head_config import draft_config_from_hf
 
     hf = json.loads((SHIPPED / "config.json").read_text())
     d = draft_config_from_hf(hf)

@@ -282,7 +282,7 @@ print("ok", jax.process_index())
 
 
 def _untimed(rec: dict) -> dict:
-    from eagle3_jax.evaluation.runner import TIMING_KEYS
+    from eagle3_jax.evaluation.records import TIMING_KEYS
 
     rec = {k: v for k, v in rec.items() if k not in TIMING_KEYS}
     rec["turns"] = [{k: v for k, v in t.items() if k not in TIMING_KEYS} for t in rec["turns"]]
@@ -457,7 +457,8 @@ def test_a_process_that_fails_stops_the_other_and_its_work_is_resumed(tiny_targe
     process 0's shard in, answers the rest, and holds an uninterrupted run's records."""
     from eagle3_jax.checkpoints import load_target
     from eagle3_jax.data.conversations import first_user_turns, read_conversations
-    from eagle3_jax.data.regenerate import regenerate, shard_path
+    from eagle3_jax.data.regen_output import shard_path
+    from eagle3_jax.data.regenerate import regenerate
 
     data = _conversations(tmp_path / "prompts.json", 7, 3)
     out, logs = tmp_path / "answers.jsonl", tmp_path / "fail.log"

@@ -196,7 +196,7 @@ def test_regeneration_resumes_only_with_the_same_target_and_settings(tiny_target
 
 
 def test_the_harness_refuses_a_users_folder_and_a_changed_target(tiny_target_dir, tmp_path):
-    from eagle3_jax.evaluation.runner import check_config
+    from eagle3_jax.evaluation.fingerprint import check_config
 
     user = tmp_path / "report"
     user.mkdir()
@@ -214,7 +214,8 @@ def test_an_ablation_grid_refuses_a_second_writer_and_a_users_folder(tmp_path):
     import dataclasses
     from pathlib import Path
 
-    from eagle3_jax.ablation import load_ablation, run_ablation
+    from eagle3_jax.ablation.config import load_ablation
+    from eagle3_jax.ablation.runner import run_ablation
     from eagle3_jax.checkpoints.atomic import exclusive
 
     root = Path(__file__).resolve().parents[1]
@@ -291,7 +292,7 @@ def test_a_second_feature_precompute_is_refused_naming_the_holder(tmp_path, caps
     from pathlib import Path
 
     from eagle3_jax.cli import train as train_cli
-    from eagle3_jax.training.loop import store_lock
+    from eagle3_jax.training.prepare import store_lock
 
     root = Path(__file__).resolve().parents[1]
     feats, run = tmp_path / "feats", tmp_path / "run"

@@ -26,7 +26,7 @@ def test_every_config_loads(path):
 
 @pytest.mark.parametrize("path", GRIDS, ids=[p.stem for p in GRIDS])
 def test_every_ablation_grid_loads(path):
-    from eagle3_jax.ablation import AblationConfig, load_ablation
+    from eagle3_jax.ablation.config import AblationConfig, load_ablation
 
     grid = load_ablation(path)
     assert isinstance(grid, AblationConfig) and len(grid.cells) >= 2
@@ -141,9 +141,14 @@ def test_the_vocab_study_resumes_on_records_from_before_the_groups(cell_name, tm
     """The records of a running study, written flat by the code before the groups: the ablation
     runner accepts its cell.json, training accepts its train_config.json for --resume, and each
     reads back as the config that configs/vocab_study_smollm2.py gives today."""
-    from eagle3_jax.ablation import cell_config, cell_record, check_cell_config, load_ablation
+    from eagle3_jax.ablation.config import (
+        cell_config,
+        cell_record,
+        check_cell_config,
+        load_ablation,
+    )
     from eagle3_jax.checkpoints import load_target_config
-    from eagle3_jax.training.loop import RESUMABLE, config_changes
+    from eagle3_jax.training.run_dir import RESUMABLE, config_changes
 
     ac = load_ablation(ROOT / "configs/vocab_study_smollm2.py")
     cell = next(c for c in ac.cells if c.name == cell_name)

@@ -269,7 +269,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
 
 
 def test_online_and_offline_features_give_the_same_losses(tiny_target_dir, tmp_path):
-    from eagle3_jax.training.loop import precompute_features
+    from eagle3_jax.training.prepare import precompute_features
 
     online = _cfg(
         tiny_target_dir,

@@ -7,9 +7,7 @@ A head is a directory with `config.json` and `model.safetensors` (SpecForge) or 
   midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight [D]; norm.weight [D];
   lm_head.weight [Vd, D]; d2t [Vd] int64 and t2d [V] bool (absent when Vd == V);
   embed_tokens.weight [V, D] (optional; when present it wins over the target's).
-`eagle_config.eagle_aux_hidden_state_layer_ids` in config.json names target layer OUTPUTS; our
-`DraftConfig.aux_layer_ids` name layer INPUTS (HF hidden_states indices), so ours = theirs + 1;
-a top-level `eagle_aux_hidden_state_layer_ids` (vLLM's key) names hidden_states indices, ours as is.
+config.json is `head_config`'s (its aux layer ids name target layer OUTPUTS, ours layer INPUTS).
 Heads in vLLM's `speculators` layout are read too, and either layout written (`layouts`).
 """
 
@@ -18,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import jax
 import ml_dtypes
@@ -27,14 +24,17 @@ import numpy as np
 from eagle3_jax import vocab as vocab_lib
 from eagle3_jax.checkpoints import layouts
 from eagle3_jax.checkpoints.atomic import atomic_directory
+from eagle3_jax.checkpoints.head_config import (
+    draft_config_from_hf,
+    draft_config_to_hf,
+    read_head_config,
+)
 from eagle3_jax.checkpoints.safetensors_io import read_safetensors, write_safetensors
-from eagle3_jax.config import RopeConfig, TargetConfig, _rope_from_hf
+from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as dr
 from eagle3_jax.sharding import put
 from eagle3_jax.vocab import DraftVocab
-
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
 
 # Official name -> (our flat name, whether the PyTorch [out, in] matrix is transposed to [in, out]).
 _KEYS = {
@@ -79,148 +79,7 @@ def official_shapes(cfg: dr.DraftConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-# ----------------------------------------------------------------------------- config.json
-
-
-def draft_config_from_hf(
-    hf: dict[str, Any], target_cfg: TargetConfig | None = None
-) -> dr.DraftConfig:
-    """Builds a DraftConfig from an official head's config.json; refuses what we cannot run."""
-    archs = hf.get("architectures") or []
-    if not any(a in ARCHITECTURES for a in archs):
-        raise Eagle3Error(
-            f"config.json architectures {archs} is not an EAGLE-3 Llama head "
-            f"({' or '.join(ARCHITECTURES)}): point at an EAGLE-3 draft checkpoint"
-        )
-    if int(hf.get("num_hidden_layers", 1)) != 1:
-        raise Eagle3Error(
-            f"draft config has num_hidden_layers={hf['num_hidden_layers']}: only "
-            "single-midlayer EAGLE-3 heads are supported"
-        )
-    # Variants some trainers added; computing them as the plain head would be silently wrong.
-    layouts.check_official_flags(hf)
-    if hf.get("hidden_act", "silu") != "silu":
-        raise Eagle3Error(f"draft hidden_act {hf['hidden_act']!r} is not silu: unsupported head")
-    try:
-        hidden = int(hf["hidden_size"])
-        heads = int(hf["num_attention_heads"])
-        vocab_size = int(hf["vocab_size"])
-        intermediate = int(hf["intermediate_size"])
-    except KeyError as e:
-        raise Eagle3Error(
-            f"draft config.json lacks {e.args[0]}: not a complete EAGLE-3 config"
-        ) from None
-    ours = layouts.aux_ids_from_config(hf)
-    if ours is None and target_cfg is not None:
-        ours = target_cfg.default_aux_layer_ids()
-    elif ours is None:
-        raise Eagle3Error(
-            "draft config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: "
-            "pass the target's config (target_cfg) so its defaults (2, L//2, L-3) "
-            "apply"
-        )
-    return dr.DraftConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
-        vocab_size=vocab_size,
-        draft_vocab_size=int(hf.get("draft_vocab_size") or vocab_size),
-        aux_layer_ids=ours,
-        target_hidden_size=int(hf.get("target_hidden_size") or hidden),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' LlamaConfig default
-        rope=_rope_from_hf(hf),
-        **_output_from_hf(hf),
-    )
-
-
-_OUTPUT_FIELDS = ("lm_head_source", "speculator_rank", "spec_candidates")
-
-
-def _output_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """Our output-layer extension (config.json "eagle3_jax" block); absent in official heads."""
-    ext = hf.get("eagle3_jax") or {}
-    bad = sorted(set(ext) - set(_OUTPUT_FIELDS))
-    if bad:
-        raise Eagle3Error(f"draft config.json eagle3_jax block has unknown keys {bad}")
-    return dict(ext)
-
-
-def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {"rope_theta": float(rope.theta)}
-    if rope.kind == "linear":
-        # {type, factor} exactly: EAGLE's EConfig refuses any other key in rope_scaling.
-        out["rope_scaling"] = {"type": "linear", "factor": float(rope.factor)}
-    elif rope.kind == "llama3":
-        out["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": float(rope.factor),
-            "low_freq_factor": float(rope.low_freq_factor),
-            "high_freq_factor": float(rope.high_freq_factor),
-            "original_max_position_embeddings": int(rope.original_max_position),
-        }
-    return out
-
-
-def draft_config_to_hf(cfg: dr.DraftConfig, torch_dtype: str = "bfloat16") -> dict[str, Any]:
-    """config.json for a head (SpecForge/SGLang form, readable by EAGLE's loader too).
-
-    `target_hidden_size` is written only when it differs from `hidden_size`: the official loader
-    (SafeAILab/EAGLE `cnets.Model`) takes the presence of that key to mean "the head carries its
-    own `embed_tokens.weight`" and otherwise leaves its embedding randomly initialised, silently
-    (docs/interop.md). Every runtime defaults the key to `hidden_size`.
-    """
-    aux = layouts.aux_ids_to_config(cfg.aux_layer_ids)  # refuses id 0
-    width = (
-        {"target_hidden_size": cfg.target_hidden_size}
-        if cfg.target_hidden_size != cfg.hidden_size
-        else {}
-    )
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        **width,
-        "tie_word_embeddings": False,
-        "torch_dtype": torch_dtype,
-        **_rope_to_hf(cfg.rope),
-        **aux,
-        **_output_to_hf(cfg),
-    }
-
-
-def _output_to_hf(cfg: dr.DraftConfig) -> dict[str, Any]:
-    """Non-default output layers only: a plain EAGLE-3 head's config.json stays official."""
-    default = dr.DraftConfig.__dataclass_fields__
-    ext = {f: getattr(cfg, f) for f in _OUTPUT_FIELDS if getattr(cfg, f) != default[f].default}
-    if cfg.speculator_rank:
-        ext["spec_candidates"] = cfg.spec_candidates
-    return {"eagle3_jax": ext} if ext else {}
-
-
 # ----------------------------------------------------------------------------- load
-
-
-def read_head_config(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise Eagle3Error(
-            f"{path} has no config.json: point at an EAGLE-3 head directory "
-            "(config.json + model.safetensors or pytorch_model.bin)"
-        ) from None
-    except (OSError, ValueError) as e:
-        raise Eagle3Error(f"cannot read {path / 'config.json'}: {e}") from e
 
 
 def _read_bin(file: Path) -> dict[str, np.ndarray]:
@@ -319,6 +178,19 @@ def load_draft(
         hf = layouts.from_speculators(hf)
     cfg = draft_config_from_hf(hf, target_cfg)
     tensors = read_head_tensors(path)
+    _check_tensors(tensors, cfg, where)
+    vocab = vocab_from_tensors(tensors, cfg, where)
+    params = _params_from_tensors(tensors, cfg, dtype, mesh)
+    embed = _embed_from_tensors(tensors, cfg, dtype, where)
+    dr.check_params(params, cfg)
+    if target_cfg is not None:
+        check_compatible(cfg, vocab, target_cfg, embed)
+    return params, cfg, vocab, embed
+
+
+def _check_tensors(tensors: dict[str, np.ndarray], cfg: dr.DraftConfig, where: str) -> None:
+    """Refuses a head whose tensors are not those its config.json implies: names missing or
+    unexpected, or a shape that disagrees."""
     expected = official_shapes(cfg)
     expected.pop("d2t", None)
     expected.pop("t2d", None)
@@ -341,7 +213,13 @@ def load_draft(
                 f"target_hidden_size {cfg.target_hidden_size}): the weights and "
                 "config disagree"
             )
-    vocab = vocab_from_tensors(tensors, cfg, where)
+
+
+def _params_from_tensors(
+    tensors: dict[str, np.ndarray], cfg: dr.DraftConfig, dtype, mesh
+) -> dr.Params:
+    """The params pytree of the head's official tensors, [out, in] transposed to ours, each placed
+    on its sharding when a mesh is given."""
     shardings = None if mesh is None else dr.param_shardings(cfg, mesh)
     params: dr.Params = {"layer": {}}
     for name, (ours, transpose) in _keys(cfg).items():
@@ -352,6 +230,11 @@ def load_draft(
             params["layer"][key] = put(arr, sh, dtype)
         else:
             params[ours] = put(arr, None if shardings is None else shardings[ours], dtype)
+    return params
+
+
+def _embed_from_tensors(tensors: dict[str, np.ndarray], cfg: dr.DraftConfig, dtype, where: str):
+    """The head's own embedding [V, D], or None when it carries none."""
     embed = None
     if _EMBED in tensors:
         e = tensors[_EMBED]
@@ -361,10 +244,7 @@ def load_draft(
                 f"({cfg.vocab_size}, {cfg.hidden_size}) from config.json"
             )
         embed = put(e, None, dtype)
-    dr.check_params(params, cfg)
-    if target_cfg is not None:
-        check_compatible(cfg, vocab, target_cfg, embed)
-    return params, cfg, vocab, embed
+    return embed
 
 
 def check_compatible(
@@ -459,6 +339,22 @@ def save_draft(
     dr.check_params(params, cfg)
     vocab_lib.check(vocab, cfg.vocab_size, cfg.draft_vocab_size)
     hf = draft_config_to_hf(cfg, dtype)
+    tensors = _official_tensors(params, cfg, vocab, np_dtype, embed)
+    if layout == layouts.SPECULATORS:
+        if verifier is None:
+            raise Eagle3Error(
+                "the speculators layout names its verifier (the target): give its name or path"
+            )
+        hf = layouts.to_speculators(hf, verifier[0], verifier[1], speculative_tokens)
+    tensors = layouts.tensors_to_layout(tensors, layout)
+    with atomic_directory(path, overwrite=overwrite, sources=sources) as tmp:
+        write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def _official_tensors(params: dr.Params, cfg: dr.DraftConfig, vocab: DraftVocab, np_dtype, embed):
+    """The head's tensors by official name, [in, out] transposed to PyTorch's [out, in], in
+    `np_dtype`: d2t/t2d when Vd < V, embed_tokens.weight when `embed` is given."""
     flat = {k: v for k, v in params.items() if k != "layer"}
     flat.update({f"layer.{k}": v for k, v in params["layer"].items()})
     tensors = {}
@@ -475,38 +371,4 @@ def save_draft(
                 f"({cfg.vocab_size}, {cfg.hidden_size})"
             )
         tensors[_EMBED] = np.asarray(jax.device_get(embed)).astype(np_dtype)
-    if layout == layouts.SPECULATORS:
-        if verifier is None:
-            raise Eagle3Error(
-                "the speculators layout names its verifier (the target): give its name or path"
-            )
-        hf = layouts.to_speculators(hf, verifier[0], verifier[1], speculative_tokens)
-    tensors = layouts.tensors_to_layout(tensors, layout)
-    with atomic_directory(path, overwrite=overwrite, sources=sources) as tmp:
-        write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-
-
-# ----------------------------------------------------------------------------- orbax (training)
-
-
-def save_orbax(path: str | os.PathLike, params: Any) -> None:
-    """Saves a pytree (draft params, optimizer state ...) with orbax, overwriting `path`."""
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(Path(path).absolute(), params, force=True)
-        ckptr.wait_until_finished()
-
-
-def restore_orbax(path: str | os.PathLike, like: Any) -> Any:
-    """Restores a pytree saved by `save_orbax` into the structure, shapes, dtypes and shardings of
-    `like` (arrays or jax.ShapeDtypeStruct leaves)."""
-    import orbax.checkpoint as ocp
-
-    path = Path(path).absolute()
-    if not path.exists():
-        raise Eagle3Error(f"no orbax checkpoint at {path}: check the path")
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(path, abstract)
+    return tensors

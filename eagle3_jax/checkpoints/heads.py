@@ -20,12 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from eagle3_jax import vocab as vocab_lib
 from eagle3_jax.checkpoints.atomic import write_text_atomic
-from eagle3_jax.checkpoints.eagle_format import (
-    load_draft,
-    read_head_config,
-    read_head_tensors,
-    vocab_from_tensors,
-)
+from eagle3_jax.checkpoints.eagle_format import load_draft, read_head_tensors, vocab_from_tensors
+from eagle3_jax.checkpoints.head_config import read_head_config
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models.draft import param_shardings
 from eagle3_jax.models.draft_output import attach_target_head

@@ -16,7 +16,9 @@ import dataclasses
 import sys
 
 from eagle3_jax import compile_cache, distributed
-from eagle3_jax.ablation import load_ablation, report_markdown, run_ablation
+from eagle3_jax.ablation.config import load_ablation
+from eagle3_jax.ablation.report import report_markdown
+from eagle3_jax.ablation.runner import run_ablation
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.training.config import apply_overrides
 

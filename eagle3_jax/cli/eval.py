@@ -19,7 +19,8 @@ from pathlib import Path
 
 from eagle3_jax import compile_cache, distributed
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.evaluation.runner import EvalOptions, run_eval
+from eagle3_jax.evaluation.options import EvalOptions
+from eagle3_jax.evaluation.runner import run_eval
 from eagle3_jax.heads import default_head
 
 

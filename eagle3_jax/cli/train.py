@@ -20,7 +20,8 @@ import sys
 from eagle3_jax import compile_cache, distributed
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.training.config import load_config
-from eagle3_jax.training.loop import precompute_features, train
+from eagle3_jax.training.loop import train
+from eagle3_jax.training.prepare import precompute_features
 
 
 def main(argv=None) -> int:

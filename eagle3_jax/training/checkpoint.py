@@ -3,15 +3,20 @@ metadata (data position, config, vocab size). Orbax writes each step into a temp
 renames it when complete, so a run killed mid-save never leaves a checkpoint that loads half-written;
 `latest_step` only sees finished ones. Across processes (docs/multihost.md) every process creates
 the manager on the same shared directory and calls `save`/`restore` at the same steps: each writes
-and reads only its own shards, process 0 the metadata and the commit (orbax's multi-host path)."""
+and reads only its own shards, process 0 the metadata and the commit (orbax's multi-host path).
+
+`save_orbax` / `restore_orbax` save and restore one pytree at a path, without a manager."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from eagle3_jax.errors import Eagle3Error
 
 
 class Checkpoints:
@@ -51,3 +56,21 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def save_orbax(path: str | os.PathLike, params: Any) -> None:
+    """Saves a pytree (draft params, optimizer state ...) with orbax, overwriting `path`."""
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(Path(path).absolute(), params, force=True)
+        ckptr.wait_until_finished()
+
+
+def restore_orbax(path: str | os.PathLike, like: Any) -> Any:
+    """Restores a pytree saved by `save_orbax` into the structure, shapes, dtypes and shardings of
+    `like` (arrays or jax.ShapeDtypeStruct leaves)."""
+    path = Path(path).absolute()
+    if not path.exists():
+        raise Eagle3Error(f"no orbax checkpoint at {path}: check the path")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(path, abstract)

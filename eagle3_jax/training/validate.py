@@ -88,7 +88,7 @@ def replay_chain(streak_T, loss_mask_T, depth: int) -> tuple[int, int]:
     from the per-position streaks (ttt_loss per_position): the prefill emits an answer's first
     token; a round rooted at position r drafts from the feature at r - 1, accepts
     min(streak[r - 1], depth) tokens (no more than the answer holds) and adds the bonus. Counted
-    as `speculative.tau` counts: the prefill's token and pass left out."""
+    as τ is (`evaluation.metrics.tau_of`): the prefill's token and pass left out."""
     tokens = rounds = 0
     for a, b in answer_spans(loss_mask_T):
         tokens += b - a - 1

@@ -73,7 +73,7 @@ def step(args) -> int:
 def grid_root(grid: str) -> Path:
     """Where the grid trains its cells (its out_dir)."""
     sys.path.insert(0, str(c.ROOT))
-    from eagle3_jax.ablation import load_ablation
+    from eagle3_jax.ablation.config import load_ablation
 
     out = Path(load_ablation(grid).out_dir)
     return out if out.is_absolute() else c.ROOT / out
