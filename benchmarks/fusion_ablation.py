@@ -21,22 +21,18 @@ import argparse
 import gzip
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from eagle3_jax.ablation.config import load_ablation
-from eagle3_jax.checkpoints.atomic import exclusive
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vocab_study import locked, run  # noqa: E402  the same stage runner and lock
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def run(cmd: list[str]) -> None:
-    print("+", " ".join(cmd), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,18 +58,7 @@ def describe(overrides: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        with exclusive(out, what="fusion ablation"):
-            stages(args, out)
-    except (Eagle3Error, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except subprocess.CalledProcessError as e:  # the stage printed its own message
-        print(f"error: stage failed (exit {e.returncode}): {' '.join(e.cmd)}", file=sys.stderr)
-        return e.returncode
-    return 0
+    return locked(Path(args.out), "fusion ablation", lambda out: stages(args, out))
 
 
 def stages(args: argparse.Namespace, out: Path) -> None:

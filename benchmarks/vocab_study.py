@@ -133,11 +133,18 @@ def made(path: Path, inputs: dict, make) -> None:
 
 def main(argv=None) -> int:
     args, overrides = parse_args(argv)
-    out = Path(args.out)
+    return locked(
+        Path(args.out), "vocabulary study", lambda out: study_stages(args, overrides, out)
+    )
+
+
+def locked(out: Path, what: str, stages) -> int:
+    """stages(out) under out's lock: 0 when they finish; a bad input is one line and exit
+    status 2; a failed stage (which printed its own message) its exit status."""
     out.mkdir(parents=True, exist_ok=True)
     try:
-        with exclusive(out, what="vocabulary study"):
-            study_stages(args, overrides, out)
+        with exclusive(out, what=what):
+            stages(out)
     except (Eagle3Error, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
