@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,7 +43,7 @@ OVERWRITE_HELP = (
 )
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m eagle3_jax vocab",
         description=__doc__,
@@ -66,9 +67,7 @@ def main(argv=None) -> int:
     )
     t.add_argument("--like", help="keep exactly the draft ids of this head instead")
     t.add_argument("--no-force-eos", action="store_true", help="do not force EOS ids in")
-    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    t.add_argument("--out", required=True, help="new head directory")
-    t.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    _head_output_flags(t)
     o = sub.add_parser("order", help="write HEAD/vocab_order.json: which ids a cut keeps")
     o.add_argument("--target", default=None)
     o.add_argument("--draft", required=True, help="head directory (reduced vocabulary)")
@@ -81,127 +80,167 @@ def main(argv=None) -> int:
     e.add_argument("--counts", required=True, help=".npy from `count`")
     e.add_argument("--size", type=int, required=True, help="Vd of the new head")
     e.add_argument("--ridge", type=float, default=1e-3, help="relative ridge of the row map")
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    e.add_argument("--out", required=True, help="new head directory")
-    e.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    args = p.parse_args(argv)
+    _head_output_flags(e)
+    return p.parse_args(argv)
+
+
+def _head_output_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--out", required=True, help="new head directory")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+
+
+class _Source(NamedTuple):
+    """The head a command reads (`load_draft`'s four) and the paths --out must not touch."""
+
+    params: dict
+    cfg: object
+    vocab: object
+    embed: object
+    paths: list
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     try:
         if args.cmd == "trim" and args.like and (args.counts or args.size):
             raise Eagle3Error("trim takes --like HEAD or --counts C.npy --size N, not both")
+        sources = []
         if args.cmd in ("trim", "extend"):  # before any work: never over a user's files
             sources = [args.draft] + ([args.like] if getattr(args, "like", None) else [])
             check_destination(args.out, args.overwrite, sources, what="--out")
-
         target = load_target(args.target)
-        v = target.cfg.vocab_size
         if args.cmd == "count":
-            docs = [d for f in args.corpus for d in read_corpus(f, args.roles)]
-            counts = count_tokens(target.tokenizer, docs, v)
-            out = Path(args.out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            np.save(out, counts)
-            meta = {"corpus": args.corpus, "roles": args.roles, "documents": len(docs)}
-            meta["tokens"] = int(counts.sum())
-            meta["distinct"] = int((counts > 0).sum())
-            out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-            print(json.dumps(meta))
-            return 0
-
-        params, cfg, vocab, embed = load_draft(args.draft, target.cfg)
-
-        def write_trimmed(ids, what: str) -> int:
-            new_p, new_cfg, new_vocab = trim_head(
-                params, cfg, vocab, target.params, target.cfg, ids
-            )
-            save_draft(
-                args.out, new_p, new_cfg, new_vocab, args.dtype, embed, args.overwrite, sources
-            )
-            method = "FR-Spec" if cfg.lm_head_source == "target" else "VocabTrim"
-            print(f"{method}: wrote {args.out} ({what})")
-            return 0
-
+            return _count(args, target)
+        head = _Source(*load_draft(args.draft, target.cfg), sources)
         if args.cmd == "order":
-            if cfg.speculator_rank:
-                raise Eagle3Error(
-                    "a SpecVocab head chooses its candidates per row: it cannot be cut, so an "
-                    "order is of no use to it"
-                )
-            counts = load_counts(args.counts, v)
-            have = target_ids(vocab)
-            first = None if not args.first else target_ids(load_draft(args.first, target.cfg)[2])
-            if args.cpu_size is not None and not 1 <= args.cpu_size <= have.size:
-                raise Eagle3Error(f"--cpu-size {args.cpu_size}: give 1..{have.size}, the head's Vd")
-            eos = tuple(target.cfg.eos_token_ids)
-            order = order_ids(have, counts, first, eos)
-            about = f"draft ids by descending count in {args.counts}" + (
-                f", the {first.size} of {args.first} first" if first is not None else ""
-            )
-            about += f"; EOS {sorted(set(eos) & set(have.tolist()))} first in its group"
-            write_vocab_order(args.draft, order, args.cpu_size, about)
-            print(f"wrote {args.draft}/vocab_order.json ({about}; cpu_size {args.cpu_size})")
-            return 0
-        if args.cmd == "trim" and args.like:
-            ids = target_ids(load_draft(args.like, target.cfg)[2])
-            return write_trimmed(
-                ids, f"Vd {cfg.draft_vocab_size} -> {ids.size}, the ids of {args.like}"
-            )
-        if args.cmd == "trim" and args.counts is None and args.size is not None:
-            meta = read_vocab_order(args.draft, vocab)
-            if meta is None:
-                raise Eagle3Error(
-                    f"trim --size without --counts keeps the first ids of the head's "
-                    f"{VOCAB_ORDER_FILE}, and {args.draft} has none: give --counts C.npy (or "
-                    "write one with `python -m eagle3_jax vocab order`)"
-                )
-            if not 1 <= args.size < vocab.draft_size:
-                raise Eagle3Error(
-                    f"--size {args.size}: give 1..{vocab.draft_size - 1} (the head's Vd is "
-                    f"{vocab.draft_size})"
-                )
-            ids = np.sort(meta["order"][: args.size])
-            return write_trimmed(ids, f"Vd {args.size}, the first of its {VOCAB_ORDER_FILE}")
+            return _order(args, target, head)
+        if args.cmd == "trim" and (args.like or (args.counts is None and args.size is not None)):
+            return _trim_to_known_ids(args, target, head)
         if args.counts is None or args.size is None:
             raise Eagle3Error(f"{args.cmd} needs --counts C.npy and --size N")
-        counts = load_counts(args.counts, v)
+        counts = load_counts(args.counts, target.cfg.vocab_size)
         if args.cmd == "extend":
-            old = tuple(int(i) for i in target_ids(vocab))
-            if args.size <= len(old):
-                raise Eagle3Error(
-                    f"--size {args.size} does not grow the head's draft vocabulary (Vd {len(old)})"
-                )
-            ids = top_ids(counts, args.size, old + tuple(target.cfg.eos_token_ids))
-            new_p, new_cfg, new_vocab, fit = extend_head(
-                params, cfg, vocab, target.params, target.cfg, ids, args.ridge
-            )
-            save_draft(
-                args.out, new_p, new_cfg, new_vocab, args.dtype, embed, args.overwrite, sources
-            )
-            cover = [float(counts[i].sum() / max(counts.sum(), 1)) for i in (list(old), ids)]
-            print(
-                f"extended: wrote {args.out} (Vd {len(old)} -> {ids.size}; counted tokens "
-                f"covered {cover[0]:.1%} -> {cover[1]:.1%}; row map residual "
-                f"{fit['held_out_residual']:.3f} on held-out rows, {fit['residual']:.3f} fitted)"
-            )
-            return 0
-        forced = () if args.no_force_eos else tuple(target.cfg.eos_token_ids)
-        rank = counts
-        if not vocab.is_identity:  # a reduced head: the most frequent of its own ids
-            have = target_ids(vocab)
-            if args.size > have.size:
-                raise Eagle3Error(
-                    f"--size {args.size} exceeds the head's draft vocabulary (Vd {have.size}): "
-                    "trim keeps a subset of its ids (extend grows a reduced head)"
-                )
-            rank = np.full(v, -1, np.int64)  # below every count: never chosen over a head id
-            rank[have] = counts[have]
-            absent = sorted(set(forced) - set(have.tolist()))
-            if absent:  # no row to keep: the source head cannot draft them either
-                print(f"note: EOS id(s) {absent} are not in the head's draft vocabulary: left "
-                      "out", file=sys.stderr)  # fmt: skip
-            forced = tuple(i for i in forced if i not in absent)
-        ids = top_ids(rank, args.size, forced)
-        cover = float(counts[ids].sum() / max(counts.sum(), 1))
-        return write_trimmed(ids, f"Vd {ids.size}, {cover:.1%} of counted tokens")
+            return _extend(args, target, head, counts)
+        return _trim_by_counts(args, target, head, counts)
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _count(args, target) -> int:
+    docs = [d for f in args.corpus for d in read_corpus(f, args.roles)]
+    counts = count_tokens(target.tokenizer, docs, target.cfg.vocab_size)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(out, counts)
+    meta = {"corpus": args.corpus, "roles": args.roles, "documents": len(docs)}
+    meta["tokens"] = int(counts.sum())
+    meta["distinct"] = int((counts > 0).sum())
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(json.dumps(meta))
+    return 0
+
+
+def _write_trimmed(args, target, head: _Source, ids, what: str) -> int:
+    new_p, new_cfg, new_vocab = trim_head(
+        head.params, head.cfg, head.vocab, target.params, target.cfg, ids
+    )
+    save_draft(
+        args.out, new_p, new_cfg, new_vocab, args.dtype, head.embed, args.overwrite, head.paths
+    )
+    method = "FR-Spec" if head.cfg.lm_head_source == "target" else "VocabTrim"
+    print(f"{method}: wrote {args.out} ({what})")
+    return 0
+
+
+def _order(args, target, head: _Source) -> int:
+    if head.cfg.speculator_rank:
+        raise Eagle3Error(
+            "a SpecVocab head chooses its candidates per row: it cannot be cut, so an "
+            "order is of no use to it"
+        )
+    counts = load_counts(args.counts, target.cfg.vocab_size)
+    have = target_ids(head.vocab)
+    first = None if not args.first else target_ids(load_draft(args.first, target.cfg)[2])
+    if args.cpu_size is not None and not 1 <= args.cpu_size <= have.size:
+        raise Eagle3Error(f"--cpu-size {args.cpu_size}: give 1..{have.size}, the head's Vd")
+    eos = tuple(target.cfg.eos_token_ids)
+    order = order_ids(have, counts, first, eos)
+    about = f"draft ids by descending count in {args.counts}" + (
+        f", the {first.size} of {args.first} first" if first is not None else ""
+    )
+    about += f"; EOS {sorted(set(eos) & set(have.tolist()))} first in its group"
+    write_vocab_order(args.draft, order, args.cpu_size, about)
+    print(f"wrote {args.draft}/vocab_order.json ({about}; cpu_size {args.cpu_size})")
+    return 0
+
+
+def _trim_to_known_ids(args, target, head: _Source) -> int:
+    """trim --like HEAD (its ids), or trim --size N by the head's own vocab_order.json."""
+    vocab = head.vocab
+    if args.like:
+        ids = target_ids(load_draft(args.like, target.cfg)[2])
+        what = f"Vd {head.cfg.draft_vocab_size} -> {ids.size}, the ids of {args.like}"
+        return _write_trimmed(args, target, head, ids, what)
+    meta = read_vocab_order(args.draft, vocab)
+    if meta is None:
+        raise Eagle3Error(
+            f"trim --size without --counts keeps the first ids of the head's "
+            f"{VOCAB_ORDER_FILE}, and {args.draft} has none: give --counts C.npy (or "
+            "write one with `python -m eagle3_jax vocab order`)"
+        )
+    if not 1 <= args.size < vocab.draft_size:
+        raise Eagle3Error(
+            f"--size {args.size}: give 1..{vocab.draft_size - 1} (the head's Vd is "
+            f"{vocab.draft_size})"
+        )
+    ids = np.sort(meta["order"][: args.size])
+    return _write_trimmed(
+        args, target, head, ids, f"Vd {args.size}, the first of its {VOCAB_ORDER_FILE}"
+    )
+
+
+def _extend(args, target, head: _Source, counts) -> int:
+    old = tuple(int(i) for i in target_ids(head.vocab))
+    if args.size <= len(old):
+        raise Eagle3Error(
+            f"--size {args.size} does not grow the head's draft vocabulary (Vd {len(old)})"
+        )
+    ids = top_ids(counts, args.size, old + tuple(target.cfg.eos_token_ids))
+    new_p, new_cfg, new_vocab, fit = extend_head(
+        head.params, head.cfg, head.vocab, target.params, target.cfg, ids, args.ridge
+    )
+    save_draft(
+        args.out, new_p, new_cfg, new_vocab, args.dtype, head.embed, args.overwrite, head.paths
+    )
+    cover = [float(counts[i].sum() / max(counts.sum(), 1)) for i in (list(old), ids)]
+    print(
+        f"extended: wrote {args.out} (Vd {len(old)} -> {ids.size}; counted tokens "
+        f"covered {cover[0]:.1%} -> {cover[1]:.1%}; row map residual "
+        f"{fit['held_out_residual']:.3f} on held-out rows, {fit['residual']:.3f} fitted)"
+    )
+    return 0
+
+
+def _trim_by_counts(args, target, head: _Source, counts) -> int:
+    """FR-Spec / VocabTrim: the --size most frequent of the head's ids (EOS forced in)."""
+    forced = () if args.no_force_eos else tuple(target.cfg.eos_token_ids)
+    rank = counts
+    if not head.vocab.is_identity:  # a reduced head: the most frequent of its own ids
+        have = target_ids(head.vocab)
+        if args.size > have.size:
+            raise Eagle3Error(
+                f"--size {args.size} exceeds the head's draft vocabulary (Vd {have.size}): "
+                "trim keeps a subset of its ids (extend grows a reduced head)"
+            )
+        rank = np.full(target.cfg.vocab_size, -1, np.int64)  # below every count: never chosen
+        rank[have] = counts[have]
+        absent = sorted(set(forced) - set(have.tolist()))
+        if absent:  # no row to keep: the source head cannot draft them either
+            print(f"note: EOS id(s) {absent} are not in the head's draft vocabulary: left "
+                  "out", file=sys.stderr)  # fmt: skip
+        forced = tuple(i for i in forced if i not in absent)
+    ids = top_ids(rank, args.size, forced)
+    cover = float(counts[ids].sum() / max(counts.sum(), 1))
+    return _write_trimmed(args, target, head, ids, f"Vd {ids.size}, {cover:.1%} of counted tokens")
