@@ -7,10 +7,12 @@ which is what makes fusion-layer ablations cheap."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -121,8 +123,6 @@ def precompute(
     shards, once every process is done. `OfflineFeatures` reads either layout; the arrays are
     the one-process run's, bit for bit (the same batches, so the same computation).
     """
-    import time
-
     from tqdm.auto import tqdm
 
     if dtype not in DTYPES:
@@ -132,17 +132,7 @@ def precompute(
     want = inputs_of(target, ds, layers, dtype)
     count, me = distributed.share()
     legacy = functools.cache(lambda: legacy_target_fingerprint(target))
-    if (out / META).exists():
-        meta = json.loads((out / META).read_text())
-        if "inputs" in meta and meta["inputs"] != want:
-            if not same_inputs(meta["inputs"], want, legacy):
-                raise Eagle3Error(
-                    f"features in {out} were computed from other inputs ("
-                    f"{', '.join(differing_keys(meta['inputs'], want))} differ): point "
-                    "features_dir at a new directory"
-                )
-            if jax.process_index() == 0:
-                _migrate(out, meta, want)
+    if _finished(out, want, legacy):
         return out
     check_destination(out, overwrite=False, what="features_dir")  # empty or absent
     tmp = out.with_name(out.name + ".partial")
@@ -157,77 +147,137 @@ def precompute(
         and same_inputs(state.get("inputs"), want, legacy)
     )
     done = int(state.get("done_batches", 0)) if ok else 0
-    n, t = ds.input_ids.shape
-    d = target.cfg.hidden_size
-    # Shortest records first, each batch cut to its longest record rounded up to `length_bucket`:
-    # the padding past a record's length is never read by training, so it is neither computed
-    # nor written (those positions stay zero).
-    by_len = np.argsort(ds.lengths, kind="stable")
-    starts = range(0, n, batch_size)[me::count]  # this process's batches
-    home = tmp if count == 1 else tmp / f"shard{me}"
-    home.mkdir(parents=True, exist_ok=True)
-    if count == 1:
-        rows_of, size = None, n  # row r of the store is record r
-    else:
-        mine = np.concatenate([by_len[s : s + batch_size] for s in starts] or [np.zeros(0, int)])
-        rows_of, size = {int(r): j for j, r in enumerate(mine)}, len(mine)
-        if not done:
-            np.save(home / "rows.npy", mine.astype(np.int64))
-    store = np.float32 if dtype == "float32" else np.uint16
-    mode = "r+" if done else "w+"
-    # a memmap cannot be empty: a process without a batch (more processes than batches) keeps one
-    shape = (size if count == 1 else max(size, 1), t, d)
-    maps = {
-        i: np.lib.format.open_memmap(home / f"layer_{i}.npy", mode, store, shape) for i in layers
-    }
-    hidden = np.lib.format.open_memmap(home / "hidden.npy", mode, store, shape)
-
-    def stored(x):
-        x = np.asarray(x, np.float32)
-        if dtype == "float32":
-            return x
-        return np.asarray(jnp.asarray(x, jnp.bfloat16)).view(np.uint16)
-
-    def checkpoint(k: int) -> None:
-        for m in (*maps.values(), hidden):
-            m.flush()
-        state = {"inputs": want, "processes": count, "batch_size": batch_size, "done_batches": k}
-        path = _progress_path(tmp, count, me)
-        (path.parent / (PROGRESS + ".tmp")).write_text(json.dumps(state))
-        os.replace(path.parent / (PROGRESS + ".tmp"), path)
-
+    plan = _Plan.of(ds, batch_size, count, me)
+    store = _Store(tmp, plan, layers, target.cfg.hidden_size, ds.input_ids.shape[1], dtype, done)
+    store.progress = {"inputs": want, "processes": count, "batch_size": batch_size}
     fn = jax.jit(target_features, static_argnames=("tcfg", "aux_ids"))
     last = time.monotonic()
     desc = "features" if count == 1 else f"features (process 0's share of {count})"
     try:
-        for k in tqdm(range(done, len(starts)), desc=desc, disable=not progress or me != 0,
-                      initial=done, total=len(starts)):  # fmt: skip
-            rows = by_len[starts[k] : starts[k] + batch_size]
+        for k in tqdm(range(done, len(plan.starts)), desc=desc, disable=not progress or me != 0,
+                      initial=done, total=len(plan.starts)):  # fmt: skip
+            rows = plan.rows(k, batch_size)
             pad = np.resize(rows, batch_size)  # one batch size for every batch
-            tl = bucket_length(ds.lengths[rows].max(), length_bucket, t)
+            tl = bucket_length(ds.lengths[rows].max(), length_bucket, ds.input_ids.shape[1])
             mask = (np.arange(tl)[None, :] < ds.lengths[pad][:, None]).astype(np.int32)
-            aux, hid = fn(
-                target.params,
-                jnp.asarray(ds.input_ids[pad, :tl]),
-                jnp.asarray(mask),
-                tcfg=target.cfg,
-                aux_ids=layers,
+            aux, hid = fn(target.params, jnp.asarray(ds.input_ids[pad, :tl]), jnp.asarray(mask),
+                          tcfg=target.cfg, aux_ids=layers)  # fmt: skip
+            store.write(
+                plan.at(rows), tl, np.asarray(aux)[: len(rows)], np.asarray(hid)[: len(rows)]
             )
-            aux, hid = np.asarray(aux)[: len(rows)], np.asarray(hid)[: len(rows)]
-            at = rows if rows_of is None else np.array([rows_of[int(r)] for r in rows])
-            for j, i in enumerate(layers):
-                maps[i][at, :tl] = stored(aux[..., j * d : (j + 1) * d])
-            hidden[at, :tl] = stored(hid)
             if time.monotonic() - last > checkpoint_seconds:
-                checkpoint(k + 1)
+                store.checkpoint(k + 1)
                 last = time.monotonic()
-        checkpoint(len(starts))
+        store.checkpoint(len(plan.starts))
     except BaseException as e:
         if count > 1:  # the others finish their shares, then stop naming this process
             distributed.all_gather("features: computed", distributed.failure(e), wait=False)
         raise
     if count > 1:
-        distributed.check_gathered(distributed.all_gather("features: computed", size))
+        distributed.check_gathered(distributed.all_gather("features: computed", plan.size))
+    _finish(out, tmp, ds, layers, target.cfg.hidden_size, dtype, want)
+    return out
+
+
+def _finished(out: Path, want: dict, legacy) -> bool:
+    """Whether `out` holds a finished store of these inputs (an older record of the same inputs
+    is brought up to date); one of other inputs is refused, naming what differs."""
+    if not (out / META).exists():
+        return False
+    meta = json.loads((out / META).read_text())
+    if "inputs" in meta and meta["inputs"] != want:
+        if not same_inputs(meta["inputs"], want, legacy):
+            raise Eagle3Error(
+                f"features in {out} were computed from other inputs ("
+                f"{', '.join(differing_keys(meta['inputs'], want))} differ): point "
+                "features_dir at a new directory"
+            )
+        if jax.process_index() == 0:
+            _migrate(out, meta, want)
+    return True
+
+
+@dataclasses.dataclass
+class _Plan:
+    """This process's batches: records shortest first, batch k of the one-process plan is
+    by_len[starts[k]:...]; with several processes each takes every P-th batch and stores its
+    rows densely (`rows_of`: record -> row of its shard)."""
+
+    by_len: np.ndarray
+    starts: range
+    rows_of: dict | None
+    size: int
+    single: bool
+
+    @classmethod
+    def of(cls, ds, batch_size: int, count: int, me: int) -> _Plan:
+        n = ds.input_ids.shape[0]
+        # Shortest records first, each batch cut to its longest record rounded up to
+        # `length_bucket`: the padding past a record's length is never read by training, so it
+        # is neither computed nor written (those positions stay zero).
+        by_len = np.argsort(ds.lengths, kind="stable")
+        starts = range(0, n, batch_size)[me::count]  # this process's batches
+        if count == 1:
+            return cls(by_len, starts, None, n, True)  # row r of the store is record r
+        mine = np.concatenate([by_len[s : s + batch_size] for s in starts] or [np.zeros(0, int)])
+        return cls(by_len, starts, {int(r): j for j, r in enumerate(mine)}, len(mine), False)
+
+    def rows(self, k: int, batch_size: int) -> np.ndarray:
+        return self.by_len[self.starts[k] : self.starts[k] + batch_size]
+
+    def at(self, rows: np.ndarray) -> np.ndarray:
+        return rows if self.rows_of is None else np.array([self.rows_of[int(r)] for r in rows])
+
+
+class _Store:
+    """The memory maps one process writes (layer_{i}.npy and hidden.npy, in `tmp` or its shard)
+    and its progress file."""
+
+    def __init__(self, tmp: Path, plan: _Plan, layers, d: int, t: int, dtype: str, done: int):
+        self.tmp, self.layers, self.d, self.dtype = tmp, layers, d, dtype
+        self.count_me = (1, 0) if plan.single else distributed.share()
+        self.home = tmp if plan.single else tmp / f"shard{self.count_me[1]}"
+        self.home.mkdir(parents=True, exist_ok=True)
+        if not plan.single and not done:
+            np.save(self.home / "rows.npy", np.fromiter(plan.rows_of, np.int64, plan.size))
+        store = np.float32 if dtype == "float32" else np.uint16
+        mode = "r+" if done else "w+"
+        # a memmap cannot be empty: a process without a batch (more processes than batches)
+        # keeps one
+        shape = (plan.size if plan.single else max(plan.size, 1), t, d)
+        self.maps = {
+            i: np.lib.format.open_memmap(self.home / f"layer_{i}.npy", mode, store, shape)
+            for i in layers
+        }
+        self.hidden = np.lib.format.open_memmap(self.home / "hidden.npy", mode, store, shape)
+        self.progress: dict = {}
+
+    def _stored(self, x):
+        x = np.asarray(x, np.float32)
+        if self.dtype == "float32":
+            return x
+        return np.asarray(jnp.asarray(x, jnp.bfloat16)).view(np.uint16)
+
+    def write(self, at: np.ndarray, tl: int, aux: np.ndarray, hid: np.ndarray) -> None:
+        d = self.d
+        for j, i in enumerate(self.layers):
+            self.maps[i][at, :tl] = self._stored(aux[..., j * d : (j + 1) * d])
+        self.hidden[at, :tl] = self._stored(hid)
+
+    def checkpoint(self, k: int) -> None:
+        for m in (*self.maps.values(), self.hidden):
+            m.flush()
+        state = {**self.progress, "done_batches": k}
+        path = _progress_path(self.tmp, *self.count_me)
+        (path.parent / (PROGRESS + ".tmp")).write_text(json.dumps(state))
+        os.replace(path.parent / (PROGRESS + ".tmp"), path)
+
+
+def _finish(out: Path, tmp: Path, ds, layers, d: int, dtype: str, want: dict) -> None:
+    """Process 0 writes features.json (naming the shards) once every process is done, and
+    renames the partial store to `out`."""
+    count, me = distributed.share()
+    n, t = ds.input_ids.shape
     meta = {
         "layers": list(layers),
         "num_records": n,
@@ -247,7 +297,6 @@ def precompute(
             if out.exists():
                 out.rmdir()  # empty: check_destination allowed nothing else
             os.replace(tmp, out)
-    return out
 
 
 def _read_progress(path: Path) -> dict | None:
