@@ -9,8 +9,11 @@ What it does, and every flag: `--help` and eagle3_jax/data/regenerate.py.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import sys
+import time
 
 from eagle3_jax import compile_cache, cpu_tuning, distributed
 from eagle3_jax.checkpoints import load_target
@@ -23,11 +26,7 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models.target import stack_layers
 
 
-def main(argv=None) -> int:
-    import argparse
-    import sys
-    import time
-
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -69,8 +68,11 @@ def main(argv=None) -> int:
         "(accelerators; on the CPU the unrolled layers decode faster)",
     )
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     compile_cache.enable()
     try:
         distributed.initialize()  # a pod / SLURM / multi-process job: join it first
@@ -79,35 +81,44 @@ def main(argv=None) -> int:
         buckets = tuple(int(x) for x in args.buckets.split(",")) if args.buckets else None
         if buckets is not None and (len(buckets) != 2 or min(buckets) < 1):
             raise Eagle3Error(f"--buckets {args.buckets!r}: give PROMPT,SLOTS, e.g. 256,512")
-        target = load_target(args.target)
-        products = cpu_tuning.policy_for()  # this machine's few-row products (batched decoding)
-        target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
-        if args.scan_layers:
-            target = target._replace(params=stack_layers(target.params))
+        target = _target(args)
         t0 = time.perf_counter()
-        common = dict(
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
-            progress=not args.no_progress,
-        )
-        if args.all_turns:
-            stats = regenerate_turns(
-                target,
-                convs,
-                args.out,
-                max_len=args.max_len,
-                chunk=args.chunk,
-                max_batch_tokens=args.max_batch_tokens,
-                buckets=buckets,
-                **common,
-            )
-        else:
-            prompts = first_user_turns(convs)
-            stats = regenerate(
-                target, prompts, args.out, max_prompt_tokens=args.max_prompt_tokens, **common
-            )
+        stats = _run(args, target, convs, buckets)
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({**stats._asdict(), "wall_s": round(time.perf_counter() - t0, 1)}))
     return 0
+
+
+def _target(args):
+    """The target with this machine's few-row products (batched decoding), its layers stacked
+    for one lax.scan under --scan-layers."""
+    target = load_target(args.target)
+    products = cpu_tuning.policy_for()
+    target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
+    if args.scan_layers:
+        target = target._replace(params=stack_layers(target.params))
+    return target
+
+
+def _run(args, target, convs, buckets):
+    """Every user turn in context (--all-turns), or the first turns."""
+    common = dict(
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    if args.all_turns:
+        return regenerate_turns(
+            target,
+            convs,
+            args.out,
+            max_len=args.max_len,
+            chunk=args.chunk,
+            max_batch_tokens=args.max_batch_tokens,
+            buckets=buckets,
+            **common,
+        )
+    prompts = first_user_turns(convs)
+    return regenerate(target, prompts, args.out, max_prompt_tokens=args.max_prompt_tokens, **common)
