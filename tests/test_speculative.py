@@ -279,68 +279,6 @@ def test_eos_stops_a_row_inside_a_round(spec_setup):
     assert got.output_ids == want.output_ids and got.finish_reasons == want.finish_reasons
 
 
-def test_sharded_target_gives_the_same_tokens(spec_setup, hf_checkpoint):
-    """Target tensor-parallel over 8 simulated devices (draft replicated): same tokens as one device."""
-    from eagle3_jax.sharding import make_mesh, replicated
-
-    params, cfg, dparams, dcfg, vocab = spec_setup
-    _, path = hf_checkpoint("llama")
-    mesh = make_mesh(1, 8)
-    sharded, _ = load_hf(path, mesh=mesh)
-    assert len(sharded["layers"][0]["w_gate"].sharding.device_set) == 8
-    dsharded = jax.device_put(dparams, replicated(mesh))
-    prompts = random_prompts(cfg.vocab_size, [6, 11], seed=4)
-    ref = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=())
-    out = spec_generate(sharded, cfg, dsharded, dcfg, vocab, prompts, 24, TREE, eos_ids=())
-    assert out.output_ids == ref.output_ids
-
-
-def test_caches_are_laid_out_on_the_target_mesh(spec_setup, hf_checkpoint):
-    """On a mesh whose model axis divides the kv heads, the target's cache is split over it (batch
-    over data) from prefill on (left to propagation it was replicated), and the tokens are those
-    of one device."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from eagle3_jax.sharding import make_mesh, mesh_of, replicated
-
-    params, cfg, dparams, dcfg, vocab = spec_setup
-    _, path = hf_checkpoint("llama")
-    mesh = make_mesh(1, 2, devices=jax.devices()[:2])
-    assert cfg.num_kv_heads % 2 == 0 and dcfg.num_kv_heads % 2 == 0
-    sharded, _ = load_hf(path, mesh=mesh)
-    assert mesh_of(sharded) == mesh and mesh_of(params) is None
-    other = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))  # axes Rules cannot map
-    assert mesh_of(jax.device_put(params, NamedSharding(other, P()))) is None
-    dsharded = jax.device_put(dparams, replicated(mesh))
-    prompts = random_prompts(cfg.vocab_size, [7, 12], seed=6)
-    req = plain.prepare(cfg, prompts, 16, (), None, 0, TREE.round_slots + 1)
-    state = spec.prefill(
-        sharded,
-        dsharded,
-        sharded["embed"],
-        vocab,
-        req.tokens,
-        req.lengths,
-        req.limit,
-        jax.random.PRNGKey(0),
-        cfg,
-        dcfg,
-        req.shape,
-        TREE,
-        Sampling(),
-        req.eos,
-        mesh=mesh,
-    )
-    want = NamedSharding(mesh, P("data", "model", None, None))
-    for cache in state.tcache["k"] + state.tcache["v"]:
-        assert cache.sharding.is_equivalent_to(want, 4), cache.sharding
-    ref = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 16, TREE, eos_ids=())
-    out = spec_generate(sharded, cfg, dsharded, dcfg, vocab, prompts, 16, TREE, eos_ids=())
-    assert out.output_ids == ref.output_ids
-    assert plain.generate(sharded, cfg, prompts, 16, eos_ids=()).output_ids == ref.output_ids
-
-
 @pytest.mark.parametrize("rank", [0, 4], ids=["target-lm-head", "specvocab"])
 def test_heads_reading_the_target_output_embedding_are_exact(spec_setup, rank):
     """Full-vocabulary heads on the target's output embedding, and SpecVocab (candidates from the
