@@ -23,10 +23,16 @@ def _tokens(b, t, v, seed=0):
     return np.random.default_rng(seed).integers(3, v, size=(b, t)).astype(np.int32)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_logits_and_hidden_states_match_transformers(family, hf_checkpoint):
-    model, path = hf_checkpoint(family)
+PARITY = [(family, False) for family in FAMILIES] + [("llama", True)]  # True: tied embeddings
+
+
+@pytest.mark.parametrize(
+    "family, tie", PARITY, ids=[f + ("-tied" if tie else "") for f, tie in PARITY]
+)
+def test_logits_and_hidden_states_match_transformers(family, tie, hf_checkpoint):
+    model, path = hf_checkpoint(family, tie=tie)
     params, cfg = load_hf(path)
+    assert cfg.tie_word_embeddings == tie and ("lm_head" in params) != tie
     toks = _tokens(2, 20, cfg.vocab_size)
     with torch.no_grad():
         ref = model(torch.tensor(toks, dtype=torch.long), output_hidden_states=True)
@@ -83,17 +89,6 @@ def test_prefill_then_stepwise_decode_equals_full_forward(family, hf_checkpoint)
             cursor = cursor + 1
         np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(np.concatenate(aux, 1), full.aux, rtol=1e-4, atol=1e-4)
-
-
-def test_tied_embeddings(hf_checkpoint):
-    model, path = hf_checkpoint("llama", tie=True)
-    params, cfg = load_hf(path)
-    assert cfg.tie_word_embeddings and "lm_head" not in params
-    toks = _tokens(1, 12, cfg.vocab_size)
-    with torch.no_grad():
-        ref = model(torch.tensor(toks, dtype=torch.long)).logits.numpy()
-    out = tgt.full_forward(params, jnp.asarray(toks), cfg)
-    np.testing.assert_allclose(np.asarray(out.logits), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
