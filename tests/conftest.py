@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny randomly initialised transformers models for every family, built offline."""
+"""Shared fixtures: tiny randomly initialised transformers models for every family, built offline,
+and the tiny llama with a random draft head (shared helpers: helpers.py)."""
 
 from __future__ import annotations
 
@@ -177,3 +178,23 @@ def sharp_target_dir(tmp_path_factory):
     model.save_pretrained(d)
     write_tiny_tokenizer(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def spec_setup(hf_checkpoint):
+    """The tiny llama and a random head over a 60-of-97 draft vocabulary (the top of random
+    counts): (params, cfg, dparams, dcfg, vocab), for the speculative, verify and sharding tests."""
+    import jax
+    import numpy as np
+
+    from eagle3_jax.checkpoints.hf import load_hf
+    from eagle3_jax.models import draft as drf
+    from eagle3_jax.vocab import build_from_counts
+
+    _, path = hf_checkpoint("llama")
+    params, cfg = load_hf(path)
+    counts = np.random.default_rng(1).integers(0, 100, cfg.vocab_size)
+    vocab = build_from_counts(counts, 60)
+    dcfg = drf.DraftConfig.from_target(cfg, draft_vocab_size=60)
+    dparams = drf.init_params(dcfg, jax.random.PRNGKey(0), scale=0.2)
+    return params, cfg, dparams, dcfg, vocab

@@ -21,8 +21,8 @@ from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
 
 PROBES = {
-    # kind: its environment variable, cache file, getter and chooser; the timing function and its
-    # fast key; the policy field; the product, its weight shape, and how its program shows the
+    # kind: its environment variable, cache file, getter and chooser; the timing function, a small
+    # run of it and its fast key; the policy field; the product, its weight shape, and how its program shows the
     # fast way
     "row-products": dict(
         env="EAGLE3_JAX_ROW_PRODUCTS",
@@ -30,6 +30,7 @@ PROBES = {
         getter="row_products_max",
         chooser="choose_row_products",
         timing="time_row_products",
+        small=dict(rows=2, layers=1, reps=2),
         fast_key="row_products_ms",
         field="row_products",
         fn=layers.dense,
@@ -42,6 +43,7 @@ PROBES = {
         getter="logit_reduce_max",
         chooser="choose_logit_reduce",
         timing="time_logit_reduce",
+        small=dict(rows=2, vocab=256, width=32, reps=2),
         fast_key="reduce_ms",
         field="logit_reduce",
         fn=layers.dense_t,
@@ -62,15 +64,12 @@ def fresh_probes():
         getattr(cpu_tuning, p["chooser"]).cache_clear()
 
 
-def test_row_product_probe_times_both_ways():
+@pytest.mark.parametrize("kind", list(PROBES))
+def test_product_probe_times_both_ways(kind):
     """The real probe, small: both medians are positive times."""
-    t = cpu_tuning.time_row_products(rows=2, layers=1, reps=2)
-    assert set(t) == {"row_products_ms", "plain_products_ms"} and min(t.values()) > 0
-
-
-def test_output_layer_probe_times_both_ways():
-    t = cpu_tuning.time_logit_reduce(rows=2, vocab=256, width=32, reps=2)
-    assert set(t) == {"reduce_ms", "plain_products_ms"} and min(t.values()) > 0
+    p = PROBES[kind]
+    t = getattr(cpu_tuning, p["timing"])(**p["small"])
+    assert set(t) == {p["fast_key"], "plain_products_ms"} and min(t.values()) > 0
 
 
 @pytest.mark.parametrize("kind", list(PROBES))

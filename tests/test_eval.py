@@ -1,8 +1,8 @@
-"""python -m eagle3_jax eval: metric arithmetic, an end-to-end tiny run, resuming, refusals."""
+"""python -m eagle3_jax eval: method specs, the shipped benchmarks, an end-to-end tiny run,
+resuming, refusals (the metrics' arithmetic: tests/test_metrics.py)."""
 
 import gzip
 import json
-import math
 
 import jax
 import pytest
@@ -10,7 +10,6 @@ import pytest
 from eagle3_jax.checkpoints.eagle_format import save_draft
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.cli.eval import main
-from eagle3_jax.evaluation import metrics
 from eagle3_jax.evaluation.questions import load_questions
 from eagle3_jax.evaluation.records import TIMING_KEYS
 from eagle3_jax.models import draft as drf
@@ -22,57 +21,6 @@ QUESTIONS = [
     {"question_id": 3, "category": "qa", "turns": ["w20 w21 w22 w20 w21"]},
 ]
 METHODS = "vanilla,pld:1,3,4,eagle3:2,3,6"
-
-
-def rec(qid, method, seed, new, fw, wall, hist=None, task="t", gens=1, out=None):
-    return {
-        "question_id": qid,
-        "task": task,
-        "method": method,
-        "seed": seed,
-        "new_tokens": new,
-        "target_forwards": fw,
-        "num_generations": gens,
-        "wall_time_s": wall,
-        "accept_hist": hist,
-        "output_ids": out if out is not None else [[qid]],
-    }
-
-
-def test_metric_arithmetic():
-    a = rec("1", "e", 0, 11, 5, 1.0, [1, 2, 1])  # (11 - 1) / (5 - 1) = 2.5
-    b = rec("2", "e", 0, 21, 6, 2.0, [0, 3, 2], gens=2)  # two prefills: (21 - 2) / (6 - 2)
-    assert metrics.tau([a]) == 2.5
-    assert metrics.tau([a, b]) == pytest.approx((10 + 19) / (4 + 4))
-    assert metrics.throughput([a, b]) == pytest.approx(32 / 3.0)
-    v = [rec("1", "vanilla", 0, 11, 11, 4.0), rec("2", "vanilla", 0, 21, 21, 8.0)]
-    assert metrics.tau(v) == 1.0
-    assert metrics.speedup([a, b], v) == pytest.approx((32 / 3) / (32 / 12))
-    # summed histogram [1, 5, 3]: alpha_0 = 8/9, alpha_1 = 3/8
-    assert metrics.acceptance_by_depth([a, b]) == pytest.approx([8 / 9, 3 / 8])
-    assert metrics.acceptance_by_depth(v) is None
-    ms = metrics.mean_std([1.0, 2.0, 3.0])
-    assert (ms.mean, ms.std, ms.n) == (2.0, 1.0, 3)
-    assert metrics.mean_std([4.0]).std == 0.0 and math.isnan(metrics.mean_std([]).mean)
-    # per-seed speedup, then mean +- std
-    recs = [
-        rec("1", "vanilla", 0, 10, 10, 1.0),
-        rec("1", "e", 0, 10, 5, 0.5),
-        rec("1", "vanilla", 1, 10, 10, 1.0),
-        rec("1", "e", 1, 10, 5, 0.25),
-    ]
-    g = metrics.group_stats(recs, "e", None)
-    assert g["speedup"]["mean"] == pytest.approx(3.0)
-    assert g["speedup"]["std"] == pytest.approx(math.sqrt(2.0))
-    assert g["tau"]["mean"] == pytest.approx(9 / 4)
-    # exactness: fraction of questions equal to vanilla
-    x = [rec("1", "e", 0, 1, 1, 1, out=[[1]]), rec("2", "e", 0, 1, 1, 1, out=[[5]])]
-    y = [rec("1", "vanilla", 0, 1, 1, 1, out=[[1]]), rec("2", "vanilla", 0, 1, 1, 1, out=[[2]])]
-    assert metrics.exactness(x, y) == 0.5
-    # tree tokens verified per round: over the records that counted them
-    a["verified_tokens"], b["verified_tokens"] = 12, 10  # (12 + 10) / (4 + 4) rounds
-    assert metrics.verified_per_round([a, b, v[0]]) == pytest.approx(22 / 8)
-    assert math.isnan(metrics.verified_per_round(v))
 
 
 def test_method_specs_take_an_optional_verify_threshold():

@@ -252,10 +252,22 @@ def _bytes(path: Path, data: bytes) -> Path:
     return path
 
 
-# ---- the one check every case gets ----------------------------------------------------------
+# ---- the one check every case gets: exit 2, one line, every file as it was ----------------
 
 
-def _refused(case, tiny_target_dir, head, tmp_path, capsys, monkeypatch):
+CLASSES = {  # the four classes above, in order: their ids name a case's class
+    "written-over": DATA_LOSS,
+    "other-inputs": MIXING,
+    "second-writer": LOCKS,
+    "bad-input": BAD_INPUT,
+}
+CASES = [(cls, name) for cls, table in CLASSES.items() for name in table]
+
+
+@pytest.mark.parametrize("cls, name", CASES, ids=[f"{cls}/{name}" for cls, name in CASES])
+def test_refused_in_one_line_changing_nothing(cls, name, tiny_target_dir, head, tmp_path, capsys,
+                                              monkeypatch):  # fmt: skip
+    case = CLASSES[cls][name]
     monkeypatch.chdir(tmp_path)
     env = {"target": tiny_target_dir, "head": head}
     cli, argv, said, *held = case(env, tmp_path)
@@ -268,25 +280,3 @@ def _refused(case, tiny_target_dir, head, tmp_path, capsys, monkeypatch):
     assert len(err) == 1 and said in err[0], err
     after = {**_snapshot(tmp_path), **{f"head/{k}": v for k, v in _snapshot(head).items()}}
     assert {k: after.get(k) for k in before} == before  # nothing deleted or rewritten
-
-
-@pytest.mark.parametrize("name", list(DATA_LOSS))
-def test_nothing_we_did_not_create_is_written_over(name, tiny_target_dir, head, tmp_path, capsys,
-                                                    monkeypatch):  # fmt: skip
-    _refused(DATA_LOSS[name], tiny_target_dir, head, tmp_path, capsys, monkeypatch)
-
-
-@pytest.mark.parametrize("name", list(MIXING))
-def test_nothing_is_resumed_with_other_inputs(name, tiny_target_dir, head, tmp_path, capsys,
-                                              monkeypatch):  # fmt: skip
-    _refused(MIXING[name], tiny_target_dir, head, tmp_path, capsys, monkeypatch)
-
-
-@pytest.mark.parametrize("name", list(LOCKS))
-def test_a_second_writer_is_refused(name, tiny_target_dir, head, tmp_path, capsys, monkeypatch):
-    _refused(LOCKS[name], tiny_target_dir, head, tmp_path, capsys, monkeypatch)
-
-
-@pytest.mark.parametrize("name", list(BAD_INPUT))
-def test_bad_input_is_one_line(name, tiny_target_dir, head, tmp_path, capsys, monkeypatch):
-    _refused(BAD_INPUT[name], tiny_target_dir, head, tmp_path, capsys, monkeypatch)

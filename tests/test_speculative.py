@@ -1,56 +1,28 @@
-"""Speculative decoding: exact greedy equivalence with plain decoding, tree verification, compiles."""
+"""Speculative decoding (decoding/speculative.py): exact greedy equivalence with plain decoding, for
+every tree, drafter and head; caches, adaptive verification, EOS, compiles. The tree's forward and
+the acceptance rules: tests/test_verify.py; on a mesh: tests/test_sharding.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import CHAIN, TREE, random_prompts, spec_generate
 
-from eagle3_jax.checkpoints import Target
-from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
-from eagle3_jax.decoding.drafters import eagle3_drafter
-from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.decoding.tree import TreeConfig
-from eagle3_jax.decoding.verify import forward_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import draft_output
 from eagle3_jax.models import target as tgt
-from eagle3_jax.vocab import build_from_counts
-
-CHAIN = TreeConfig(top_k=1, depth=4, total_tokens=5)
-TREE = TreeConfig(top_k=3, depth=3, total_tokens=9)
-
-
-def spec_generate(params, cfg, dparams, dcfg, vocab, prompts, new, tree, method="eagle3", **kw):
-    """The speculative engine through the one entry (`generate_ids`), on raw params."""
-    opts = DecodeOptions(method, new, tree, same_engine=True, **kw)
-    return generate_ids(Target(params, cfg, None, None), Head(dparams, dcfg, vocab), prompts, opts)
-
-
-def _prompts(v, lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [list(map(int, rng.integers(3, v, size=n))) for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def setup(hf_checkpoint):
-    _, path = hf_checkpoint("llama")
-    params, cfg = load_hf(path)
-    counts = np.random.default_rng(1).integers(0, 100, cfg.vocab_size)
-    vocab = build_from_counts(counts, 60)
-    dcfg = drf.DraftConfig.from_target(cfg, draft_vocab_size=60)
-    dparams = drf.init_params(dcfg, jax.random.PRNGKey(0), scale=0.2)
-    return params, cfg, dparams, dcfg, vocab
 
 
 @pytest.mark.parametrize("tree", [CHAIN, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("lengths", [[7], [5, 12, 9]], ids=["batch1", "batch3"])
-def test_greedy_output_is_identical_to_plain_decoding(setup, tree, lengths):
-    params, cfg, dparams, dcfg, vocab = setup
-    prompts = _prompts(cfg.vocab_size, lengths, seed=len(lengths))
+def test_greedy_output_is_identical_to_plain_decoding(spec_setup, tree, lengths):
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    prompts = random_prompts(cfg.vocab_size, lengths, seed=len(lengths))
     ref = plain.generate(params, cfg, prompts, 40, eos_ids=())
     out = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 40, tree, eos_ids=())
     assert out.output_ids == ref.output_ids
@@ -60,11 +32,11 @@ def test_greedy_output_is_identical_to_plain_decoding(setup, tree, lengths):
 
 
 @pytest.mark.parametrize("method", ["pld", "vanilla"])
-def test_baselines_in_the_same_engine_are_exact(setup, method):
-    params, cfg, *_ = setup
+def test_baselines_in_the_same_engine_are_exact(spec_setup, method):
+    params, cfg, *_ = spec_setup
     # a prompt that repeats itself, so prompt lookup finds matches
-    base = _prompts(cfg.vocab_size, [6], seed=7)[0]
-    prompts = [base * 3, _prompts(cfg.vocab_size, [9], seed=8)[0]]
+    base = random_prompts(cfg.vocab_size, [6], seed=7)[0]
+    prompts = [base * 3, random_prompts(cfg.vocab_size, [9], seed=8)[0]]
     ref = plain.generate(params, cfg, prompts, 30, eos_ids=())
     out = spec_generate(
         params,
@@ -124,11 +96,11 @@ def _oracle_run(params, cfg, prompts, new, tree, noise_every, wrap=lambda d: d):
     return ref, out
 
 
-def test_long_acceptances_keep_the_cache_exact(setup):
+def test_long_acceptances_keep_the_cache_exact(spec_setup):
     """With a near-oracle draft most rounds accept the whole chain: cache compaction, positions and
     bookkeeping are exercised at full length, and the output must still equal plain decoding."""
-    params, cfg, *_ = setup
-    prompts = _prompts(cfg.vocab_size, [5, 11], seed=11)
+    params, cfg, *_ = spec_setup
+    prompts = random_prompts(cfg.vocab_size, [5, 11], seed=11)
     ref, out = _oracle_run(params, cfg, prompts, 48, TreeConfig(1, 5, 6), noise_every=3)
     assert out.output_ids == ref.output_ids
     assert out.accept_hist[:, 5].sum() > 0 and out.accept_hist[:, 2].sum() > 0
@@ -137,15 +109,15 @@ def test_long_acceptances_keep_the_cache_exact(setup):
 
 
 @pytest.mark.parametrize("tree", [CHAIN, TREE], ids=["chain", "tree"])
-def test_adaptive_verification_is_exact_and_verifies_fewer_tokens(setup, tree):
+def test_adaptive_verification_is_exact_and_verifies_fewer_tokens(spec_setup, tree):
     """verify_threshold > 0: each round verifies only the nodes the draft gives at least that
     cumulative probability (rounded up to a compiled size), and skips draft levels none could
     pass; the output is still plain decoding's, and fewer tokens are verified, yet more than the
     roots alone (this random draft spreads its probability, so 0.05 splits its nodes)."""
     import dataclasses
 
-    params, cfg, dparams, dcfg, vocab = setup
-    prompts = _prompts(cfg.vocab_size, [5, 12, 9], seed=3)
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    prompts = random_prompts(cfg.vocab_size, [5, 12, 9], seed=3)
     ref = plain.generate(params, cfg, prompts, 40, eos_ids=())
     adaptive = dataclasses.replace(tree, verify_threshold=0.05)
     assert adaptive.verify_sizes == ((1, 2, 4, 5) if tree.top_k == 1 else (1, 2, 4, 8, 9))
@@ -158,10 +130,10 @@ def test_adaptive_verification_is_exact_and_verifies_fewer_tokens(setup, tree):
         assert r < v < r * tree.total_tokens
 
 
-def test_adaptive_verification_prunes_accepted_paths_exactly(setup):
+def test_adaptive_verification_prunes_accepted_paths_exactly(spec_setup):
     """A near-oracle chain whose later tokens score low every other round: those rounds verify a
     shorter chain (accepting at most its length), the others the whole one; still exact."""
-    params, cfg, *_ = setup
+    params, cfg, *_ = spec_setup
 
     def low_scores_every_other_round(oracle):
         def drafter(dparams, embed, vocab, state, dcfg, shape, tree):
@@ -173,7 +145,7 @@ def test_adaptive_verification_prunes_accepted_paths_exactly(setup):
         return drafter
 
     tree = TreeConfig(1, 5, 6, verify_threshold=0.5)  # sizes 1, 2, 4, 6
-    prompts = _prompts(cfg.vocab_size, [5, 11], seed=11)
+    prompts = random_prompts(cfg.vocab_size, [5, 11], seed=11)
     ref, out = _oracle_run(
         params, cfg, prompts, 48, tree, noise_every=1000, wrap=low_scores_every_other_round
     )
@@ -191,71 +163,30 @@ def test_sliding_window_target_is_exact(hf_checkpoint):
     _, path = hf_checkpoint("mistral")
     params, cfg = load_hf(path)
     assert cfg.sliding_window == 12
-    prompts = _prompts(cfg.vocab_size, [20, 9], seed=4)
+    prompts = random_prompts(cfg.vocab_size, [20, 9], seed=4)
     ref, out = _oracle_run(params, cfg, prompts, 30, TreeConfig(1, 4, 5), noise_every=3)
     assert out.output_ids == ref.output_ids
     assert out.accept_hist[:, 3:].sum() > 0  # long paths were accepted past the window
 
 
-def test_trees_deeper_than_their_node_count_keep_room_for_the_path(setup):
+def test_trees_deeper_than_their_node_count_keep_room_for_the_path(spec_setup):
     """The accepted path is written as depth + 1 entries: a round reserves max(total, depth + 1)
     slots, so a 4-node tree of depth 6 never writes over the prompt near the end of the cache."""
-    params, cfg, dparams, dcfg, vocab = setup
+    params, cfg, dparams, dcfg, vocab = spec_setup
     tree = TreeConfig(2, 6, 4)
     assert tree.round_slots == 7
     for n, new in ((5, 40), (57, 3)):
-        prompts = _prompts(cfg.vocab_size, [n], seed=n)
+        prompts = random_prompts(cfg.vocab_size, [n], seed=n)
         ref = plain.generate(params, cfg, prompts, new, eos_ids=())
         out = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, new, tree, eos_ids=())
         assert out.output_ids == ref.output_ids
 
 
-def test_tree_logits_equal_path_forward(setup):
-    """Verification's logits at every tree node equal a plain forward along its root-to-node path."""
-    params, cfg, dparams, dcfg, vocab = setup
-    prompt = _prompts(cfg.vocab_size, [9], seed=21)
-    shape = plain.plan_shape(
-        [9], 16, cfg.max_position_embeddings, extra_slots=TREE.total_tokens + 1
-    )
-    toks, lengths = plain.pad_prompts(prompt, shape, 0)
-    state = spec.prefill(
-        params,
-        dparams,
-        params["embed"],
-        vocab,
-        toks,
-        lengths,
-        np.array([16]),
-        jax.random.PRNGKey(0),
-        cfg,
-        dcfg,
-        shape,
-        TREE,
-        Sampling(),
-        (),
-    )
-    trees, _ = eagle3_drafter(dparams, params["embed"], vocab, state, dcfg, shape, TREE)
-    out = forward_tree(params, trees, state, cfg, dcfg, shape)
-    tokens, parent = np.asarray(trees.tokens[0]), np.asarray(trees.parent[0])
-    assert len(set(map(tuple, np.asarray(trees.mask[0]).astype(int)))) == TREE.total_tokens
-    for node in range(TREE.total_tokens):
-        path, u = [], node
-        while True:
-            path.append(int(tokens[u]))
-            if u == 0:
-                break
-            u = parent[u]
-        seq = jnp.asarray([prompt[0] + path[::-1]])
-        ref = tgt.full_forward(params, seq, cfg, dcfg.aux_layer_ids)
-        np.testing.assert_allclose(out.logits[0, node], ref.logits[0, -1], rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(out.aux[0, node], ref.aux[0, -1], rtol=1e-4, atol=1e-4)
-
-
-def test_draft_cache_equals_a_fresh_encode_of_the_sequence(setup):
+def test_draft_cache_equals_a_fresh_encode_of_the_sequence(spec_setup):
     """After many rounds the draft's stable cache holds exactly what encoding the whole accepted
     sequence at once would: the re-encode of newly accepted tokens is right."""
-    params, cfg, dparams, dcfg, vocab = setup
-    prompt = _prompts(cfg.vocab_size, [8], seed=5)
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    prompt = random_prompts(cfg.vocab_size, [8], seed=5)
     shape = plain.plan_shape(
         [8], 32, cfg.max_position_embeddings, extra_slots=TREE.total_tokens + 1
     )
@@ -302,8 +233,8 @@ def test_draft_cache_equals_a_fresh_encode_of_the_sequence(setup):
     )
 
 
-def test_one_compilation_for_a_whole_generation(setup):
-    params, cfg, dparams, dcfg, vocab = setup
+def test_one_compilation_for_a_whole_generation(spec_setup):
+    params, cfg, dparams, dcfg, vocab = spec_setup
     before = spec.decode_loop._cache_size(), spec.prefill._cache_size()
     for n, new in ((4, 20), (13, 33), (30, 50)):  # same prompt / cache / max-new buckets
         spec_generate(
@@ -312,7 +243,7 @@ def test_one_compilation_for_a_whole_generation(setup):
             dparams,
             dcfg,
             vocab,
-            _prompts(cfg.vocab_size, [n], seed=n),
+            random_prompts(cfg.vocab_size, [n], seed=n),
             new,
             TREE,
             eos_ids=(),
@@ -321,11 +252,11 @@ def test_one_compilation_for_a_whole_generation(setup):
     assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1
 
 
-def test_bad_tree_shapes_are_refused(setup):
-    params, cfg, dparams, dcfg, vocab = setup
+def test_bad_tree_shapes_are_refused(spec_setup):
+    params, cfg, dparams, dcfg, vocab = spec_setup
     from eagle3_jax.errors import Eagle3Error
 
-    p = _prompts(cfg.vocab_size, [5])
+    p = random_prompts(cfg.vocab_size, [5])
     for tree, msg in [
         (TreeConfig(2, 2, 9), "total_tokens 9 must be"),
         (TreeConfig(61, 2, 8), "exceeds the draft vocabulary"),
@@ -338,9 +269,9 @@ def test_bad_tree_shapes_are_refused(setup):
         spec_generate(params, cfg, None, None, None, p, 8, TREE)
 
 
-def test_eos_stops_a_row_inside_a_round(setup):
-    params, cfg, dparams, dcfg, vocab = setup
-    prompts = _prompts(cfg.vocab_size, [6, 10], seed=9)
+def test_eos_stops_a_row_inside_a_round(spec_setup):
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    prompts = random_prompts(cfg.vocab_size, [6, 10], seed=9)
     ref = plain.generate(params, cfg, prompts, 24, eos_ids=())
     eos = ref.output_ids[0][7]
     want = plain.generate(params, cfg, prompts, 24, eos_ids=(eos,))
@@ -348,75 +279,13 @@ def test_eos_stops_a_row_inside_a_round(setup):
     assert got.output_ids == want.output_ids and got.finish_reasons == want.finish_reasons
 
 
-def test_sharded_target_gives_the_same_tokens(setup, hf_checkpoint):
-    """Target tensor-parallel over 8 simulated devices (draft replicated): same tokens as one device."""
-    from eagle3_jax.sharding import make_mesh, replicated
-
-    params, cfg, dparams, dcfg, vocab = setup
-    _, path = hf_checkpoint("llama")
-    mesh = make_mesh(1, 8)
-    sharded, _ = load_hf(path, mesh=mesh)
-    assert len(sharded["layers"][0]["w_gate"].sharding.device_set) == 8
-    dsharded = jax.device_put(dparams, replicated(mesh))
-    prompts = _prompts(cfg.vocab_size, [6, 11], seed=4)
-    ref = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=())
-    out = spec_generate(sharded, cfg, dsharded, dcfg, vocab, prompts, 24, TREE, eos_ids=())
-    assert out.output_ids == ref.output_ids
-
-
-def test_caches_are_laid_out_on_the_target_mesh(setup, hf_checkpoint):
-    """On a mesh whose model axis divides the kv heads, the target's cache is split over it (batch
-    over data) from prefill on (left to propagation it was replicated), and the tokens are those
-    of one device."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from eagle3_jax.sharding import make_mesh, mesh_of, replicated
-
-    params, cfg, dparams, dcfg, vocab = setup
-    _, path = hf_checkpoint("llama")
-    mesh = make_mesh(1, 2, devices=jax.devices()[:2])
-    assert cfg.num_kv_heads % 2 == 0 and dcfg.num_kv_heads % 2 == 0
-    sharded, _ = load_hf(path, mesh=mesh)
-    assert mesh_of(sharded) == mesh and mesh_of(params) is None
-    other = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))  # axes Rules cannot map
-    assert mesh_of(jax.device_put(params, NamedSharding(other, P()))) is None
-    dsharded = jax.device_put(dparams, replicated(mesh))
-    prompts = _prompts(cfg.vocab_size, [7, 12], seed=6)
-    req = plain.prepare(cfg, prompts, 16, (), None, 0, TREE.round_slots + 1)
-    state = spec.prefill(
-        sharded,
-        dsharded,
-        sharded["embed"],
-        vocab,
-        req.tokens,
-        req.lengths,
-        req.limit,
-        jax.random.PRNGKey(0),
-        cfg,
-        dcfg,
-        req.shape,
-        TREE,
-        Sampling(),
-        req.eos,
-        mesh=mesh,
-    )
-    want = NamedSharding(mesh, P("data", "model", None, None))
-    for cache in state.tcache["k"] + state.tcache["v"]:
-        assert cache.sharding.is_equivalent_to(want, 4), cache.sharding
-    ref = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 16, TREE, eos_ids=())
-    out = spec_generate(sharded, cfg, dsharded, dcfg, vocab, prompts, 16, TREE, eos_ids=())
-    assert out.output_ids == ref.output_ids
-    assert plain.generate(sharded, cfg, prompts, 16, eos_ids=()).output_ids == ref.output_ids
-
-
 @pytest.mark.parametrize("rank", [0, 4], ids=["target-lm-head", "specvocab"])
-def test_heads_reading_the_target_output_embedding_are_exact(setup, rank):
+def test_heads_reading_the_target_output_embedding_are_exact(spec_setup, rank):
     """Full-vocabulary heads on the target's output embedding, and SpecVocab (candidates from the
     speculator, exact logits among them): greedy output == plain decoding, chain and tree."""
     from eagle3_jax.vocab import identity
 
-    params, cfg, *_ = setup
+    params, cfg, *_ = spec_setup
     kw = dict(lm_head_source="target", speculator_rank=rank)
     if rank:
         kw["spec_candidates"] = 12
@@ -425,7 +294,7 @@ def test_heads_reading_the_target_output_embedding_are_exact(setup, rank):
     with pytest.raises(Exception, match="output embedding"):
         spec_generate(params, cfg, dparams, dcfg, identity(cfg.vocab_size), [[5, 6]], 4, CHAIN)
     dparams = draft_output.attach_target_head(dparams, dcfg, params, cfg)
-    prompts = _prompts(cfg.vocab_size, [5, 12, 9], seed=11)
+    prompts = random_prompts(cfg.vocab_size, [5, 12, 9], seed=11)
     ref = plain.generate(params, cfg, prompts, 30, eos_ids=())
     for tree in (CHAIN, TREE):
         out = spec_generate(

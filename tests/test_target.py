@@ -1,4 +1,6 @@
-"""Target model parity with transformers' PyTorch models, per family."""
+"""models/target.py: parity with transformers' PyTorch models per family, prefill + stepwise decode
+== one forward, the cache read or written, bf16 logits, the product policies through a forward;
+benchmarks/cpu_rows_kernel.py's kernel. Its building blocks one by one: tests/test_layers.py."""
 
 import dataclasses
 import functools
@@ -13,7 +15,6 @@ from conftest import FAMILIES
 
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.config import ProductPolicy
-from eagle3_jax.models import layers
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
 
@@ -22,10 +23,16 @@ def _tokens(b, t, v, seed=0):
     return np.random.default_rng(seed).integers(3, v, size=(b, t)).astype(np.int32)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_logits_and_hidden_states_match_transformers(family, hf_checkpoint):
-    model, path = hf_checkpoint(family)
+PARITY = [(family, False) for family in FAMILIES] + [("llama", True)]  # True: tied embeddings
+
+
+@pytest.mark.parametrize(
+    "family, tie", PARITY, ids=[f + ("-tied" if tie else "") for f, tie in PARITY]
+)
+def test_logits_and_hidden_states_match_transformers(family, tie, hf_checkpoint):
+    model, path = hf_checkpoint(family, tie=tie)
     params, cfg = load_hf(path)
+    assert cfg.tie_word_embeddings == tie and ("lm_head" in params) != tie
     toks = _tokens(2, 20, cfg.vocab_size)
     with torch.no_grad():
         ref = model(torch.tensor(toks, dtype=torch.long), output_hidden_states=True)
@@ -82,17 +89,6 @@ def test_prefill_then_stepwise_decode_equals_full_forward(family, hf_checkpoint)
             cursor = cursor + 1
         np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(np.concatenate(aux, 1), full.aux, rtol=1e-4, atol=1e-4)
-
-
-def test_tied_embeddings(hf_checkpoint):
-    model, path = hf_checkpoint("llama", tie=True)
-    params, cfg = load_hf(path)
-    assert cfg.tie_word_embeddings and "lm_head" not in params
-    toks = _tokens(1, 12, cfg.vocab_size)
-    with torch.no_grad():
-        ref = model(torch.tensor(toks, dtype=torch.long)).logits.numpy()
-    out = tgt.full_forward(params, jnp.asarray(toks), cfg)
-    np.testing.assert_allclose(np.asarray(out.logits), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
@@ -168,131 +164,6 @@ def test_bf16_logits_are_fp32(hf_checkpoint):
         w = params["embed"].T if tie else params["lm_head"]
         want = np.asarray(out.hidden, np.float32) @ np.asarray(w, np.float32)
         np.testing.assert_allclose(np.asarray(out.logits), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("new_entries", [False, True], ids=["cache", "cache+new"])
-def test_bf16_attention_one_query_and_many_compute_alike(new_entries):
-    """With a bf16 cache, attention is the fp32 computation of its bf16 inputs rounded once, for
-    one query (a decode step) and for several (a verification, with its new entries beside the
-    cache or not). The one-query path used to keep the probabilities in fp32 while the
-    several-query one rounded them to bf16, so ~40 % of the outputs differed by a bf16 step."""
-    import ml_dtypes
-
-    from eagle3_jax.models.layers import attention
-
-    rng = np.random.default_rng(0)
-    b, g, r, k, s, valid, t = 1, 3, 3, 64, 256, 200, 4
-    bf16 = jnp.bfloat16
-    keys = jnp.asarray(rng.standard_normal((b, g, k, s)), bf16)
-    values = jnp.asarray(rng.standard_normal((b, g, s, k)), bf16)
-    q = jnp.asarray(rng.standard_normal((b, t, g * r, k)), bf16)
-    mask = jnp.broadcast_to(jnp.arange(s)[None, None] < valid, (b, t, s))
-    extra = ()
-    if new_entries:  # the verified tokens' own K/V, attended causally beside the cache
-        k_new = jnp.asarray(rng.standard_normal((b, t, g, k)), bf16)
-        v_new = jnp.asarray(rng.standard_normal((b, t, g, k)), bf16)
-        extra = (k_new, v_new, jnp.tril(jnp.ones((t, t), bool))[None])
-    got = np.asarray(jax.jit(attention)(q, keys, values, mask, *extra).astype(jnp.float32))
-
-    def as64(x):
-        return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
-
-    # the reference in fp64 from the same bf16 inputs, per query row: [B, T, G, R, K]
-    qf = as64(q).reshape(b, t, g, r, k)
-    kf, vf = as64(keys)[..., :valid], as64(values)[:, :, :valid]
-    scores = np.einsum("btgrk,bgks->btgrs", qf, kf)
-    vals = np.broadcast_to(vf[:, None], (b, t, g, valid, k))
-    if new_entries:
-        own = np.einsum("btgrk,bugk->btgru", qf, as64(k_new))
-        own = np.where(np.tril(np.ones((t, t), bool))[None, :, None, None], own, -np.inf)
-        scores = np.concatenate([scores, own], -1)
-        vn = np.broadcast_to(as64(v_new).transpose(0, 2, 1, 3)[:, None], (b, t, g, t, k))
-        vals = np.concatenate([vals, vn], -2)
-    scores = scores / np.sqrt(k)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    p = p / p.sum(-1, keepdims=True)
-    want = np.einsum("btgrs,btgsk->btgrk", p, vals).reshape(got.shape)
-    want = want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-    step = np.abs(want) * 2.0**-7  # one bf16 step at that magnitude (8 significant bits)
-    off = got != want
-    # never more than one step (or fp32's error on terms of size ~1, where a sum cancels)
-    assert np.all(np.abs(got - want) <= step + 1e-6)
-    # off by a step only where an fp32 sum and the fp64 one round to different sides
-    assert off.mean() < 0.01, f"{off.mean():.1%} of the outputs off by a bf16 step"
-    if not new_entries:  # each row alone (a decode step's one query) gives the same bits
-        for i in range(t):
-            one = jax.jit(attention)(q[:, i : i + 1], keys, values, mask[:, i : i + 1])
-            np.testing.assert_array_equal(np.asarray(one.astype(jnp.float32))[:, 0], got[:, i])
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 4), (1, 9), (3, 5)])
-@pytest.mark.parametrize("limit", [0, 8])
-def test_row_products_equal_the_matrix_product(shape, limit):
-    """dense gives the product's numbers either way; 2..policy.row_products rows go one
-    vector-matrix product per row (a loop), one row and more rows one product."""
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((*shape, 48)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((48, 40)), jnp.float32)
-    fn = jax.jit(lambda x, w: layers.dense(x, w, policy=ProductPolicy(row_products=limit)))
-    got = fn(x, w)
-    assert got.shape == (*shape, 40)
-    np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)
-    rows = int(np.prod(shape))
-    assert ("while" in fn.lower(x, w).as_text()) == (1 < rows <= limit)
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 4), (1, 9), (3, 5)])
-@pytest.mark.parametrize("limit", [0, 8])
-def test_output_layer_reduction_equals_the_product(shape, limit):
-    """dense_t (x . w^T with w stored [N, K], the tied output layer) gives the product's numbers
-    either way, bf16 weights scored in fp32 too; 2..policy.logit_reduce rows are a row reduction
-    (no dot in the program), one row and more rows a dot."""
-    policy = ProductPolicy(logit_reduce=limit)
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((*shape, 48)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((40, 48)), jnp.float32)
-    fn = jax.jit(lambda *a: layers.dense_t(*a, policy=policy))
-    got = fn(x, w)
-    assert got.shape == (*shape, 40)
-    np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5)
-    rows = int(np.prod(shape))
-    assert ("dot(" not in fn.lower(x, w).as_text("hlo")) == (1 < rows <= limit)
-    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    got_b = jax.jit(lambda *a: layers.dense_t(*a, out_dtype=jnp.float32, policy=policy))(xb, wb)
-    assert got_b.dtype == jnp.float32
-    want_b = np.asarray(xb.astype(jnp.float32)) @ np.asarray(wb.astype(jnp.float32)).T
-    np.testing.assert_allclose(got_b, want_b, rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_output_layer_reduction_has_the_products_gradient(dtype):
-    """Differentiated (a head that reads the target's output layer trains through it, a few rows
-    in tiny batches), the reduction gives the product's gradients in the inputs' dtypes, computed
-    as products (no [rows, N, K] temporaries in the backward program)."""
-    rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((2, 3, 48)), dtype)
-    w = jnp.asarray(rng.standard_normal((40, 48)), dtype)
-    g = jnp.asarray(rng.standard_normal((2, 3, 40)), jnp.float32)
-
-    def loss(x, w, out_dtype, policy):
-        return jnp.sum(layers.dense_t(x, w, out_dtype, policy=policy).astype(jnp.float32) * g)
-
-    grads = {}
-    for limit in (0, 8):
-        policy = ProductPolicy(logit_reduce=limit)
-        for out_dtype in (None, jnp.float32):
-            fn = jax.jit(jax.grad(lambda x, w: loss(x, w, out_dtype, policy), argnums=(0, 1)))
-            grads[limit, out_dtype] = fn(x, w)
-            assert [t.dtype for t in grads[limit, out_dtype]] == [dtype, dtype]
-            if limit:
-                text = fn.lower(x, w).as_text("hlo")
-                assert "f32[6,40,48]" not in text and "bf16[6,40,48]" not in text
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    for out_dtype in (None, jnp.float32):
-        for a, b in zip(grads[8, out_dtype], grads[0, out_dtype]):
-            np.testing.assert_allclose(
-                np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol
-            )
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])

@@ -1,4 +1,5 @@
-"""Draft-vocabulary methods: token counts, FR-Spec and VocabTrim heads (training-free), lossless."""
+"""vocab/methods.py: token counts, FR-Spec and VocabTrim heads (training-free), extended heads and
+cut orders, lossless (the mapping they build: tests/test_vocab.py)."""
 
 import gzip
 import json

@@ -1,22 +1,95 @@
-"""Speculative sampling is lossless: same distribution as plain sampling (chi-square over many rows)."""
+"""decoding/verify.py: the target's pass over a draft tree (forward_tree) equals plain forwards
+along each path; greedy acceptance takes the longest path the target agrees with; sampled
+acceptance is lossless: the same distribution as plain sampling (chi-square over many rows), and a
+broken rule is seen."""
 
 import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TREE as SPEC_TREE
+from helpers import draft_pool, random_prompts
 
 from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding import plain, verify
+from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.drafters import eagle3_drafter
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
-from eagle3_jax.decoding.tree import TreeConfig
+from eagle3_jax.decoding.tree import TreeConfig, select_tree
+from eagle3_jax.decoding.verify import forward_tree, greedy_accept
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.vocab import identity
+
+# ---- the tree's forward and greedy acceptance
+
+
+def test_tree_logits_equal_path_forward(spec_setup):
+    """Verification's logits at every tree node equal a plain forward along its root-to-node path."""
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    prompt = random_prompts(cfg.vocab_size, [9], seed=21)
+    shape = plain.plan_shape(
+        [9], 16, cfg.max_position_embeddings, extra_slots=SPEC_TREE.total_tokens + 1
+    )
+    toks, lengths = plain.pad_prompts(prompt, shape, 0)
+    state = spec.prefill(
+        params,
+        dparams,
+        params["embed"],
+        vocab,
+        toks,
+        lengths,
+        np.array([16]),
+        jax.random.PRNGKey(0),
+        cfg,
+        dcfg,
+        shape,
+        SPEC_TREE,
+        Sampling(),
+        (),
+    )
+    trees, _ = eagle3_drafter(dparams, params["embed"], vocab, state, dcfg, shape, SPEC_TREE)
+    out = forward_tree(params, trees, state, cfg, dcfg, shape)
+    tokens, parent = np.asarray(trees.tokens[0]), np.asarray(trees.parent[0])
+    assert len(set(map(tuple, np.asarray(trees.mask[0]).astype(int)))) == SPEC_TREE.total_tokens
+    for node in range(SPEC_TREE.total_tokens):
+        path, u = [], node
+        while True:
+            path.append(int(tokens[u]))
+            if u == 0:
+                break
+            u = parent[u]
+        seq = jnp.asarray([prompt[0] + path[::-1]])
+        ref = tgt.full_forward(params, seq, cfg, dcfg.aux_layer_ids)
+        np.testing.assert_allclose(out.logits[0, node], ref.logits[0, -1], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(out.aux[0, node], ref.aux[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_accept_picks_the_longest_matching_path():
+    tree = select_tree(jnp.int32(7), *draft_pool(), n=6)
+    # nodes: 0 root(7), 1:10, 2:11, 3:12 (p1), 4:14 (p2), 5:16 (p3), 6:13? -> check ordering first
+    toks = np.asarray(tree.tokens)
+    # the target's argmax after each node: root->11, node(11)->14, everything else -> 0
+    target = np.zeros(len(toks), np.int32)
+    target[0] = 11
+    target[list(toks).index(11)] = 14
+    acc = greedy_accept(tree, jnp.asarray(target), max_depth=3)
+    assert int(acc.length) == 2
+    path = np.asarray(acc.path)
+    assert [int(toks[i]) for i in path[:3]] == [7, 11, 14]
+    assert path[3] == path[2]  # padding repeats the deepest accepted node
+    # nothing matches: only the root, bonus from the root
+    acc = greedy_accept(tree, jnp.zeros(len(toks), jnp.int32), max_depth=3)
+    assert int(acc.length) == 0 and int(acc.last) == 0
+
+
+# ---- sampled acceptance: lossless
 
 ROWS = 3000
 TREE = TreeConfig(top_k=2, depth=2, total_tokens=5)

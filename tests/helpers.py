@@ -1,0 +1,38 @@
+"""Helpers that more than one test file uses (their fixtures are in conftest.py): a hand-made draft
+pool, and the speculative engine on raw params with its trees and random prompts."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.checkpoints import Target
+from eagle3_jax.checkpoints.heads import Head
+from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
+from eagle3_jax.decoding.tree import TreeConfig
+
+CHAIN = TreeConfig(top_k=1, depth=4, total_tokens=5)
+TREE = TreeConfig(top_k=3, depth=3, total_tokens=9)
+
+
+def draft_pool():
+    """A pool of drafted nodes -> (tokens, parent, score), each [7].
+
+    level 1: pool 0 (a, -0.1), 1 (b, -1.0); level 2 children of 0: 2 (c, -0.3), 3 (d, -2.0);
+    children of 1: 4 (e, -1.2), 5 (f, -3.0); level 3 child of 2: 6 (g, -0.5)."""
+    tokens = jnp.array([10, 11, 12, 13, 14, 15, 16])
+    parent = jnp.array([-1, -1, 0, 0, 1, 1, 2])
+    score = jnp.array([-0.1, -1.0, -0.3, -2.0, -1.2, -3.0, -0.5])
+    return tokens, parent, score
+
+
+def spec_generate(params, cfg, dparams, dcfg, vocab, prompts, new, tree, method="eagle3", **kw):
+    """The speculative engine through the one entry (`generate_ids`), on raw params."""
+    opts = DecodeOptions(method, new, tree, same_engine=True, **kw)
+    return generate_ids(Target(params, cfg, None, None), Head(dparams, dcfg, vocab), prompts, opts)
+
+
+def random_prompts(v, lengths, seed=0):
+    """Prompts of the given lengths, ids drawn from 3..v-1 (no pad, BOS or EOS)."""
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(3, v, size=n))) for n in lengths]
