@@ -155,13 +155,8 @@ def locked(out: Path, what: str, stages) -> int:
 
 
 def settings(args: argparse.Namespace, grid, root: Path) -> dict:
-    """What the flags leave to the grid: the FR-Spec/VocabTrim sizes, the reference head, the
-    trees and which are replayed, the counts' corpora."""
-    reduced = [c for c in grid.cells if c.overrides.get("draft_vocab_size")
-               and not c.overrides.get("lm_head_source") and not c.overrides.get("speculator_rank")
-               and c.overrides["draft_vocab_size"] < 10**9]  # fmt: skip
-    sizes = args.sizes or ",".join(str(c.overrides["draft_vocab_size"]) for c in reduced)
-    reference = args.reference or (reduced[0].name if reduced else grid.cells[0].name)
+    """What the flags leave to the grid: the trees and which are replayed, the counts'
+    corpora (the sizes and the reference follow from the heads: `from_heads`)."""
     cpu = jax.default_backend() == "cpu"
     trees = args.trees or ",".join(map(str, grid.tree)) + (" cpu" if cpu else "")
     replay = args.replay == "yes" or (args.replay == "auto" and cpu)
@@ -173,8 +168,16 @@ def settings(args: argparse.Namespace, grid, root: Path) -> dict:
     frspec = args.frspec_corpus or str(
         shared if shared.exists() else ROOT / "data/sharegpt_conversations.jsonl.gz"
     )
-    return dict(sizes=sizes, reference=reference, trees=trees, replay=replay,
-                generated=generated, frspec=frspec)  # fmt: skip
+    return dict(trees=trees, replay=replay, generated=generated, frspec=frspec)
+
+
+def from_heads(args: argparse.Namespace, heads: list) -> tuple[list[int], str]:
+    """(FR-Spec/VocabTrim sizes, reference head): the flags', else the grid's EAGLE-3 heads'
+    vocabularies and the first of them (the grid's first head without one)."""
+    reduced = [h for h in heads if h.family == "eagle3"]
+    sizes = args.sizes.split(",") if args.sizes else [h.vocab for h in reduced]
+    reference = args.reference or (reduced[0].name if reduced else heads[0].name)
+    return [int(n) for n in sizes if n], reference
 
 
 def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
@@ -201,7 +204,8 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
                  [PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", c, "--roles", r,
                   "--out", str(counts[f]), *model[:2]]))  # fmt: skip
     sources = {h.family: h.name for h in heads if h.family in ("target_lm_head", "full")}
-    for size in (int(s) for s in st["sizes"].split(",") if s):  # 3
+    sizes, reference = from_heads(args, heads)
+    for size in sizes:  # 3
         for family, src in (("frspec", "target_lm_head"), ("vocabtrim", "full")):
             if src not in sources:
                 continue
@@ -254,7 +258,7 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
             cmd += ["--draft", f"{name}={paths[name]}"]
         made(recall, {"heads": {n: digests[n] for n in spec_heads}}, lambda: run(cmd))
     curves = {c.name: study.read_curve(root / "cells" / c.name) for c in grid.cells}  # 7
-    text, summary = study.report(runs, heads, st["reference"], costs, curves)
+    text, summary = study.report(runs, heads, reference, costs, curves)
     if recall.exists():
         text += "\n## SpecVocab speculator recall (held-out answers, first draft step)\n\n"
         text += recall.with_suffix(".md").read_text()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from eagle3_jax.evaluation import metrics, paired
 from eagle3_jax.evaluation.questions import SPEC_BENCH_TASKS
-from eagle3_jax.evaluation.study import label_of, tree_of
+from eagle3_jax.evaluation.study import fmt, label_of, paired_text, tree_of
 
 
 def cell_rows(results: dict, cells: dict[str, str], reference: str) -> list[dict]:
@@ -49,16 +49,6 @@ def cell_rows(results: dict, cells: dict[str, str], reference: str) -> list[dict
             }
         rows.append(row)
     return rows
-
-
-def _f(x, digits=2) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
-
-
-def _p(d: dict | None) -> str:
-    if not d:
-        return "reference"
-    return paired.Paired(d["mean"], d["lo"], d["hi"], d["n"], d["ratio"]).text()
 
 
 def report(
@@ -100,9 +90,9 @@ def report(
     for r in rows:
         last = (curves.get(r["cell"]) or [{}])[-1]
         lines.append(
-            f"| {r['cell']} | {r['what']} | {_f(r['tau'])} | {_p(r.get('vs_reference'))} | "
-            + " | ".join(_f(r["tau_by_task"][t]) for t in tasks)
-            + f" | {_f(last.get('acc_0'), 3)} | {_f(last.get('chain_tau'))} "
+            f"| {r['cell']} | {r['what']} | {fmt(r['tau'])} | {paired_text(r.get('vs_reference'))} | "
+            + " | ".join(fmt(r["tau_by_task"][t]) for t in tasks)
+            + f" | {fmt(last.get('acc_0'), 3)} | {fmt(last.get('chain_tau'))} "
             f"| {last.get('step', '-')} |"
         )
     lines += [
@@ -115,7 +105,9 @@ def report(
     for r in rows:
         by = r.get("vs_reference_by_task")
         lines.append(
-            f"| {r['cell']} | " + " | ".join(_p(by.get(t)) if by else "-" for t in tasks) + " |"
+            f"| {r['cell']} | "
+            + " | ".join(paired_text(by.get(t)) if by else "-" for t in tasks)
+            + " |"
         )
     lines += [
         "",

@@ -135,7 +135,8 @@ def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: 
     return rows
 
 
-def _f(x, digits=2, suffix=""):
+def fmt(x, digits=2, suffix="") -> str:
+    """x to `digits` decimals with `suffix`; "-" for None or a non-finite x."""
     return "-" if x is None or not math.isfinite(x) else f"{x:.{digits}f}{suffix}"
 
 
@@ -143,7 +144,8 @@ def _vocab(v):
     return "49,152 (all)" if v is None else f"{v:,}"
 
 
-def _paired_text(d: dict | None) -> str:
+def paired_text(d: dict | None) -> str:
+    """A `Paired.as_dict()` as its table text; "reference" for None (the reference row)."""
     if not d:
         return "reference"
     return paired.Paired(d["mean"], d["lo"], d["hi"], d["n"], d["ratio"]).text()
@@ -151,7 +153,7 @@ def _paired_text(d: dict | None) -> str:
 
 def _paper_cells(family: str) -> str:
     p = PAPER.get(family, {})
-    return f"{_f(p.get('tau_olmo2_1b'))} | {_f(p.get('tps_olmo2_7b'), 1)}"
+    return f"{fmt(p.get('tau_olmo2_1b'))} | {fmt(p.get('tps_olmo2_7b'), 1)}"
 
 
 def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> list[str]:
@@ -186,9 +188,9 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
         out.append(
             f"| {r['head']}{' (replayed)' if r.get('replayed') else ''} | {r['family']} | "
             f"{_vocab(r['vocab'])} | "
-            + " | ".join(_f(r["tau_by_task"][t]) for t in tasks)
-            + f" | {_f(r['tau'])} | {_f(r['tokens_per_s'], 1)} | {_f(r['speedup'], 2, 'x')}"
-            f" | {_f(r['round_ms'], 1)} | {_f(r['draft_round_ms'], 1)} | {_paper_cells(r['family'])} |"
+            + " | ".join(fmt(r["tau_by_task"][t]) for t in tasks)
+            + f" | {fmt(r['tau'])} | {fmt(r['tokens_per_s'], 1)} | {fmt(r['speedup'], 2, 'x')}"
+            f" | {fmt(r['round_ms'], 1)} | {fmt(r['draft_round_ms'], 1)} | {_paper_cells(r['family'])} |"
         )
     out += [
         "",
@@ -203,9 +205,9 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
         vs = r.get("vs_reference")
         by_task = r.get("vs_reference_by_task", {})
         out.append(
-            f"| {r['head']} | {_paired_text(vs and vs['tau'])} | "
-            f"{'-' if vs and r['replayed'] else _paired_text(vs and vs['throughput'])} | "
-            + " | ".join(_paired_text(by_task.get(t)) if vs else "-" for t in tasks)
+            f"| {r['head']} | {paired_text(vs and vs['tau'])} | "
+            f"{'-' if vs and r['replayed'] else paired_text(vs and vs['throughput'])} | "
+            + " | ".join(paired_text(by_task.get(t)) if vs else "-" for t in tasks)
             + " |"
         )
     return out + [""]
@@ -249,7 +251,7 @@ def cost_section(name: str, costs: dict[str, dict], heads: Sequence[StudyHead]) 
         if c:
             out.append(
                 f"| {h.name} | {c.get('kind', '-')} | "
-                + " | ".join(_f(c.get(k)) for k in cols)
+                + " | ".join(fmt(c.get(k)) for k in cols)
                 + " |"
             )
     return out + [""]
@@ -270,8 +272,8 @@ def curve_section(curves: dict[str, list[dict]]) -> list[str]:
         earlier = [p for p in pts if p["step"] <= last["step"] - 100]
         prev = earlier[-1].get("chain_tau") if earlier else None
         out.append(
-            f"| {name} | {last['step']} | {last.get('tokens', '-')} | {_f(last.get('acc_0'))} "
-            f"| {_f(last.get('chain_tau'))} | {_f(prev)} |"
+            f"| {name} | {last['step']} | {last.get('tokens', '-')} | {fmt(last.get('acc_0'))} "
+            f"| {fmt(last.get('chain_tau'))} | {fmt(prev)} |"
         )
     return out + [""]
 

@@ -148,7 +148,9 @@ def precompute(
     )
     done = int(state.get("done_batches", 0)) if ok else 0
     plan = _Plan.of(ds, batch_size, count, me)
-    store = _Store(tmp, plan, layers, target.cfg.hidden_size, ds.input_ids.shape[1], dtype, done)
+    shard = (count, me)
+    store = _Store(tmp, shard, plan, layers, target.cfg.hidden_size, ds.input_ids.shape[1], dtype,
+                   done)  # fmt: skip
     store.progress = {"inputs": want, "processes": count, "batch_size": batch_size}
     fn = jax.jit(target_features, static_argnames=("tcfg", "aux_ids"))
     last = time.monotonic()
@@ -205,9 +207,8 @@ class _Plan:
 
     by_len: np.ndarray
     starts: range
-    rows_of: dict | None
+    rows_of: dict | None  # None: one process, row r of the store is record r
     size: int
-    single: bool
 
     @classmethod
     def of(cls, ds, batch_size: int, count: int, me: int) -> _Plan:
@@ -218,9 +219,9 @@ class _Plan:
         by_len = np.argsort(ds.lengths, kind="stable")
         starts = range(0, n, batch_size)[me::count]  # this process's batches
         if count == 1:
-            return cls(by_len, starts, None, n, True)  # row r of the store is record r
+            return cls(by_len, starts, None, n)
         mine = np.concatenate([by_len[s : s + batch_size] for s in starts] or [np.zeros(0, int)])
-        return cls(by_len, starts, {int(r): j for j, r in enumerate(mine)}, len(mine), False)
+        return cls(by_len, starts, {int(r): j for j, r in enumerate(mine)}, len(mine))
 
     def rows(self, k: int, batch_size: int) -> np.ndarray:
         return self.by_len[self.starts[k] : self.starts[k] + batch_size]
@@ -233,18 +234,20 @@ class _Store:
     """The memory maps one process writes (layer_{i}.npy and hidden.npy, in `tmp` or its shard)
     and its progress file."""
 
-    def __init__(self, tmp: Path, plan: _Plan, layers, d: int, t: int, dtype: str, done: int):
+    def __init__(self, tmp: Path, shard: tuple[int, int], plan: _Plan, layers, d: int, t: int,
+                 dtype: str, done: int):  # fmt: skip
         self.tmp, self.layers, self.d, self.dtype = tmp, layers, d, dtype
-        self.count_me = (1, 0) if plan.single else distributed.share()
-        self.home = tmp if plan.single else tmp / f"shard{self.count_me[1]}"
+        self.shard = shard  # (processes, this one)
+        single = plan.rows_of is None
+        self.home = tmp if single else tmp / f"shard{shard[1]}"
         self.home.mkdir(parents=True, exist_ok=True)
-        if not plan.single and not done:
+        if not single and not done:
             np.save(self.home / "rows.npy", np.fromiter(plan.rows_of, np.int64, plan.size))
         store = np.float32 if dtype == "float32" else np.uint16
         mode = "r+" if done else "w+"
         # a memmap cannot be empty: a process without a batch (more processes than batches)
         # keeps one
-        shape = (plan.size if plan.single else max(plan.size, 1), t, d)
+        shape = (plan.size if single else max(plan.size, 1), t, d)
         self.maps = {
             i: np.lib.format.open_memmap(self.home / f"layer_{i}.npy", mode, store, shape)
             for i in layers
@@ -268,7 +271,7 @@ class _Store:
         for m in (*self.maps.values(), self.hidden):
             m.flush()
         state = {**self.progress, "done_batches": k}
-        path = _progress_path(self.tmp, *self.count_me)
+        path = _progress_path(self.tmp, *self.shard)
         (path.parent / (PROGRESS + ".tmp")).write_text(json.dumps(state))
         os.replace(path.parent / (PROGRESS + ".tmp"), path)
 
