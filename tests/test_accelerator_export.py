@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.accelerators import lowering, programs, specs
+from eagle3_jax.accelerators.hbm import Memory
 from eagle3_jax.models import target as tgt
 from eagle3_jax.sharding import make_mesh
 
@@ -101,3 +102,14 @@ def test_the_checks_catch_what_only_a_cpu_accepts():
         except (NotImplementedError, ValueError):
             continue
         assert report.problems
+
+
+def test_fits_counts_each_chip_as_the_cost_model_sizes_it():
+    """One capacity per chip: a program between 16e9 bytes and 16 GiB fits a v5e (16 GiB), and
+    one byte over a chip's HBM does not fit it."""
+    assert specs.HBM_BYTES == {name: d.hbm_bytes for name, d in specs.DEVICES.items()}
+    between = Memory(params=int(16.5e9), kv_cache=0, state=0, activations=0)
+    assert between.fits()["TPU v5e"] and between.fits()["H100"]
+    for name, device in specs.DEVICES.items():
+        over = Memory(params=int(device.hbm_bytes) + 1, kv_cache=0, state=0, activations=0)
+        assert not over.fits()[name]

@@ -3,7 +3,7 @@
 `Device`: one chip's peaks (HBM bandwidth and size, matrix-unit and float32 FLOP/s) from the
 vendors' pages, plus three overheads that are our assumptions (each named in `source`);
 `DEVICES` the accelerators, `CPU_2CORE` our CPU measurements' machine (assumed figures).
-`HBM_BYTES`: the memory per chip the exports' sizes are checked against (decimal bytes).
+`HBM_BYTES`: the memory per chip the exports' sizes are checked against (DEVICES' hbm_bytes).
 
 Targets two ways, from the same Hugging Face model cards: `TARGETS` as TargetConfigs (sizes
 only; what the roofline counts) and `REAL_TARGETS` as the config.json fields, turned into
@@ -73,10 +73,9 @@ DEVICES: dict[str, Device] = {
 # fp32 (2 cores x AVX2/AVX-512 FMA at a sustained fraction of peak), no vendor figure.
 CPU_2CORE = Device("2-core CPU (assumed)", 20e9, 100e9, 100e9, 16e9, 50e-6, 1e-6, 0.0, "assumption")
 
-# HBM per chip, decimal bytes, for the exports' "fits" (the vendors' figures; a little less is
-# usable). The TPUs' entries are decimal here, binary GiB in DEVICES: a program between 16e9 and
-# 16 GiB fits a v5e by DEVICES' count and not by this one.
-HBM_BYTES = {"H100": 80e9, "H200": 141e9, "TPU v5e": 16e9, "TPU v5p": 95e9}
+# HBM per chip for the exports' "fits": DEVICES' own figure (the vendors', decimal GB for the GPUs
+# and binary GiB for the TPUs, as each vendor states it; a little less is usable).
+HBM_BYTES = {name: device.hbm_bytes for name, device in DEVICES.items()}
 
 # ----------------------------------------------------------------------------- targets and heads
 
