@@ -53,6 +53,30 @@ CONFIGS = [  # name, method, TreeConfig
 ]
 
 
+def table_rows(records: dict[str, list[dict]]) -> list[dict]:
+    """One row per CONFIGS entry from its records (the harness's record fields): τ, throughput
+    and speedup against `vanilla`'s records of the same run (eagle3_jax.evaluation.metrics),
+    acceptance by depth, and whether every output equals vanilla's."""
+    rows = []
+    for name, method, tree in CONFIGS:
+        recs = records[name]
+        rows.append(
+            {
+                "name": name,
+                "method": method,
+                "tree": None if tree is None else tree.__dict__,
+                "tau": metrics.tau(recs),
+                "tokens_per_s": metrics.throughput(recs),
+                "speedup": metrics.speedup(recs, records["vanilla"]),
+                "alpha_by_depth": metrics.acceptance_by_depth(recs) or [],
+                "identical_to_vanilla": metrics.exactness(recs, records["vanilla"]) == 1.0,
+                "wall_s": sum(r["wall_time_s"] for r in recs),
+                "tokens": sum(r["new_tokens"] for r in recs),
+            }
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=None)
@@ -91,25 +115,23 @@ def main() -> None:
     for _, method, tree in CONFIGS:  # warm-up: compile every program (each prompt-length bucket)
         for ids in prompts:
             run(method, tree, ids)
-    stats = {
-        name: {"tokens": 0, "forwards": 0, "wall": 0.0, "hist": None, "identical": True}
-        for name, _, _ in CONFIGS
-    }
-    reference = {}
-    for _ in range(args.reps):
+    records = {name: [] for name, _, _ in CONFIGS}
+    for seed in range(args.reps):
         for i, ids in enumerate(prompts):
             for name, method, tree in CONFIGS:
                 out, fw, wall, hist = run(method, tree, ids)
-                s = stats[name]
-                s["tokens"] += len(out)
-                s["forwards"] += fw
-                s["wall"] += wall
-                if hist is not None:
-                    s["hist"] = hist if s["hist"] is None else s["hist"] + hist
-                reference.setdefault(i, out)
-                s["identical"] &= out == reference[i]
-    base = stats["vanilla"]["wall"] / stats["vanilla"]["tokens"]
-    rows = []
+                records[name].append(
+                    {
+                        "question_id": i,
+                        "seed": seed,
+                        "output_ids": out,
+                        "new_tokens": len(out),
+                        "target_forwards": fw,
+                        "wall_time_s": wall,
+                        "accept_hist": hist,
+                    }
+                )
+    rows = table_rows(records)
     print(
         f"\n{len(prompts)} prompts x {args.reps} reps, {n} new tokens, greedy, batch 1, fp32, "
         f"head: {args.draft or f'random (Vd {args.draft_vocab})'}\n"
@@ -118,27 +140,11 @@ def main() -> None:
         "| method | tau | tokens/s | speedup vs vanilla | alpha by depth | identical to vanilla |"
     )
     print("|---|---|---|---|---|---|")
-    for name, method, tree in CONFIGS:
-        s = stats[name]
-        tau = metrics.tau_of(s["tokens"], s["forwards"], len(prompts) * args.reps)
-        alphas = metrics.acceptance_rates(s["hist"]) if s["hist"] is not None else []
-        row = {
-            "name": name,
-            "method": method,
-            "tree": None if tree is None else tree.__dict__,
-            "tau": tau,
-            "tokens_per_s": s["tokens"] / s["wall"],
-            "speedup": base / (s["wall"] / s["tokens"]),
-            "alpha_by_depth": alphas,
-            "identical_to_vanilla": bool(s["identical"]),
-            "wall_s": s["wall"],
-            "tokens": s["tokens"],
-        }
-        rows.append(row)
-        a = " ".join(f"{x:.2f}" for x in alphas) or "-"
+    for row in rows:
+        a = " ".join(f"{x:.2f}" for x in row["alpha_by_depth"]) or "-"
         print(
-            f"| {name} | {tau:.2f} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {a} | "
-            f"{row['identical_to_vanilla']} |"
+            f"| {row['name']} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} | "
+            f"{row['speedup']:.2f}x | {a} | {row['identical_to_vanilla']} |"
         )
     out = Path(f"benchmarks/results/speculative_decoding_{args.tag}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

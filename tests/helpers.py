@@ -36,3 +36,15 @@ def random_prompts(v, lengths, seed=0):
     """Prompts of the given lengths, ids drawn from 3..v-1 (no pad, BOS or EOS)."""
     rng = np.random.default_rng(seed)
     return [list(map(int, rng.integers(3, v, size=n))) for n in lengths]
+
+
+def load_script(relative: str):
+    """A script of the repository (benchmarks/x.py, scripts/x.py) imported as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,12 +1,12 @@
 """decode.py end to end on a tiny checkpoint: records, methods agree, one-line errors."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import load_script
 
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints.eagle_format import save_draft
@@ -17,9 +17,7 @@ from eagle3_jax.models import draft as drf
 from eagle3_jax.vocab import identity
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("decode_cli", ROOT / "decode.py")
-decode_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(decode_cli)
+decode_cli = load_script("decode.py")
 
 PROMPTS = ["w5 w6 w7 w8 w5 w6 w7", "w40 w41 w12"]
 

@@ -2,25 +2,20 @@
 check the official loader needs, the config copy that fixes it, the tree mapping and the
 round-by-round comparison."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_script
 
 from eagle3_jax.checkpoints.safetensors_io import write_safetensors
 from eagle3_jax.heads import DEFAULT_HEAD
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "crosscheck_official.py"
-
 
 @pytest.fixture(scope="module")
 def xc():
-    spec = importlib.util.spec_from_file_location("crosscheck_official", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/crosscheck_official.py")
 
 
 def _head(path: Path, config: dict, embed: bool = False) -> Path:

@@ -3,22 +3,16 @@ joined exactly, or refused; every subcommand parses as before; `round-cost` time
 beside the cost model's predictions within its deadline."""
 
 import argparse
-import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_job.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def dj():
-    spec = importlib.util.spec_from_file_location("device_job", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/device_job.py")
 
 
 @pytest.fixture(scope="module")

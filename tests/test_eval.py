@@ -6,6 +6,7 @@ import json
 
 import jax
 import pytest
+from helpers import load_script
 
 from eagle3_jax.checkpoints.eagle_format import save_draft
 from eagle3_jax.checkpoints.hf import load_hf
@@ -182,15 +183,9 @@ def test_end_to_end_resume_and_refusal(setup, tmp_path, capsys):
 
 def test_tau_curve_over_exported_heads(setup, tmp_path):
     """benchmarks/tau_curve.py: one row per exported head, resumable, tau matches the harness."""
-    import importlib.util
     import shutil
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(
-        "tau_curve", Path(__file__).resolve().parents[1] / "benchmarks/tau_curve.py"
-    )
-    tc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tc)
+    tc = load_script("benchmarks/tau_curve.py")
     target, head, qfile = setup
     run = tmp_path / "run"
     for step, tokens, name in [(5, 100, "heads/step_000005"), (9, 180, "head")]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import load_script
 
 from eagle3_jax.evaluation import study
 
@@ -154,17 +155,11 @@ def test_cells_map_to_the_methods_they_stand_for():
 
 
 def test_study_artefacts_are_remade_only_from_the_same_inputs(tmp_path):
-    import importlib.util
-    from pathlib import Path
 
     from eagle3_jax.checkpoints.atomic import made_from
     from eagle3_jax.errors import Eagle3Error
 
-    spec = importlib.util.spec_from_file_location(
-        "vocab_study", Path(__file__).resolve().parents[1] / "benchmarks/vocab_study.py"
-    )
-    vs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vs)
+    vs = load_script("benchmarks/vocab_study.py")
     counts, calls = tmp_path / "counts.npy", []
 
     def make():
