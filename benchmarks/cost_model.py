@@ -225,22 +225,10 @@ def pred_dict(p: predict.Prediction) -> dict:
 
 
 def xla_check() -> list[dict]:
-    """XLA's FLOPs of the real programs (unoptimized HLO, lowered on this CPU) next to ours."""
-    from eagle3_jax.accelerators import programs
+    """XLA's FLOPs of the real Llama-3.1-8B programs (lowered on this CPU) next to ours."""
+    from eagle3_jax.accelerators import lowering, programs
 
-    tcfg = specs.target_config("llama31_8b")
-    dcfg = specs.draft_for(tcfg)
-    rows = []
-    for name in ("decode_step", "round_tree", "round_chain"):
-        prog = programs.build(name, programs.Setup(target="llama31_8b", mesh=(1, 1)))
-        flops = prog.fn.lower(*prog.args, **prog.kwargs).cost_analysis()["flops"]
-        slots = prog.kwargs["shape"].slots
-        if name == "decode_step":
-            model = roofline.plain_step(tcfg, 1, slots).flops
-        else:
-            model = roofline.spec_round(tcfg, dcfg, prog.kwargs["tree"], 1, slots).flops
-        rows.append({"program": name, "xla": flops / 1e9, "model": model / 1e9})
-    return rows
+    return lowering.flops_check(programs.Setup(target="llama31_8b", mesh=(1, 1)))
 
 
 def speedup(dev: specs.Device, tree: TreeConfig, acc: acceptance.Acceptance, context: int) -> float:

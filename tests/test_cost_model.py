@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from eagle3_jax.accelerators import acceptance, hbm, predict, programs, roofline, specs
+from eagle3_jax.accelerators import acceptance, hbm, lowering, predict, programs, roofline, specs
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.tree import TreeConfig
 
@@ -175,19 +175,10 @@ def test_flops_match_xla_cost_analysis(monkeypatch):
         "max_position_embeddings": 4096,
     }
     monkeypatch.setitem(specs.REAL_TARGETS, "cost_small", small)
-    tcfg = specs.target_config("cost_small")
-    dcfg = specs.draft_for(tcfg)
     setup = programs.Setup(
         target="cost_small", mesh=(1, 1), prompt=64, new=64, tree=TreeConfig(4, 3, 8)
     )
-    for name in ("decode_step", "round_tree"):
-        prog = programs.build(name, setup)
-        ca = prog.fn.lower(*prog.args, **prog.kwargs).cost_analysis()
-        if not ca or "flops" not in ca:
+    for row in lowering.flops_check(setup, ("decode_step", "round_tree")):
+        if row["xla"] is None:
             pytest.skip("no cost analysis from this backend")
-        slots = prog.kwargs["shape"].slots
-        if name == "decode_step":
-            model = roofline.plain_step(tcfg, 1, slots).flops
-        else:
-            model = roofline.spec_round(tcfg, dcfg, prog.kwargs["tree"], 1, slots).flops
-        assert model == pytest.approx(ca["flops"], rel=0.05), name
+        assert row["model"] == pytest.approx(row["xla"], rel=0.05), row["program"]

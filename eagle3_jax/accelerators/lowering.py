@@ -294,3 +294,27 @@ def row(report: Report, mem: Memory) -> dict[str, Any]:
         },
         "fits": mem.fits(),
     }
+
+
+def flops_check(s: Setup, names=("decode_step", "round_tree", "round_chain")) -> list[dict]:
+    """XLA's FLOPs of the real programs (`cost_analysis()` of the unoptimized HLO, lowered on
+    this backend) beside the roofline's count of the same shapes, in GFLOP; `xla` is None when
+    the backend gives no cost analysis."""
+    from eagle3_jax.accelerators import roofline
+
+    tcfg = target_config(s.target)
+    dcfg = draft_for(tcfg)
+    rows = []
+    for name in names:
+        prog = build(name, s)
+        analysis = prog.fn.lower(*prog.args, **prog.kwargs).cost_analysis() or {}
+        slots = prog.kwargs["shape"].slots
+        if name == "decode_step":
+            model = roofline.plain_step(tcfg, 1, slots).flops
+        else:
+            model = roofline.spec_round(tcfg, dcfg, prog.kwargs["tree"], 1, slots).flops
+        xla = analysis.get("flops")
+        rows.append(
+            {"program": name, "xla": None if xla is None else xla / 1e9, "model": model / 1e9}
+        )
+    return rows
