@@ -2,10 +2,11 @@
 """Training throughput and peak memory: the SmolLM2 config's step on one CPU device, and the same step
 on a simulated 8-device (2 data x 4 model) mesh, each in its own process.
 
-  .venv/bin/python benchmarks/training.py [--steps 5] [--seq 512] [--batch 4]
+  .venv/bin/python benchmarks/training.py [--steps 5] [--seq 512] [--batch 4] [--config C] [--target T]
 
 Synthetic batches (random tokens, 60 % supervised) through the real jitted train step (online target
-features, TTT 7, Vd 8192). Prints a table, writes benchmarks/results/training.json. The simulated
+features; the config's head, TTT and Vd, started as `train` starts it; default
+configs/smollm2_135m.py: TTT 7, Vd 8192). Prints a table, writes benchmarks/results/training.json. The simulated
 mesh shares the same 2 cores: its figure measures the cost of the sharded program, not a speedup.
 """
 
@@ -24,36 +25,34 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def worker(args) -> dict:
-
+    """One process's timing: the config's head started as training starts it (`training.start`),
+    the real jitted step (`training.step`) over a synthetic batch."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from eagle3_jax.checkpoints import load_target
-    from eagle3_jax.models import draft as drf
     from eagle3_jax.sharding import make_mesh
     from eagle3_jax.training.config import load_config
+    from eagle3_jax.training.start import draft_config, start_params
     from eagle3_jax.training.step import batch_sharding, init_state, jit_train_step, make_optimizer
     from eagle3_jax.vocab import build_from_counts
 
-    tc = load_config(ROOT / "configs/smollm2_135m.py")
+    tc = load_config(args.config)
     tc = tc.replace(batch_size=args.batch, mesh_data=args.data, mesh_model=args.model)
     mesh = make_mesh(args.data, args.model) if args.data * args.model > 1 else None
-    target = load_target(None, mesh=mesh)
+    target = load_target(args.target or tc.corpus.target, mesh=mesh)
     cfg = target.cfg
     vocab = build_from_counts(
         np.random.default_rng(0).integers(1, 100, cfg.vocab_size), tc.head.draft_vocab_size
     )
-    dcfg = drf.DraftConfig.from_target(cfg, draft_vocab_size=tc.head.draft_vocab_size)
-    dparams = drf.init_params(dcfg, jax.random.PRNGKey(0))
+    dcfg = draft_config(tc, cfg, vocab)
     tx = make_optimizer(tc.optim, 1000)
+    state = init_state(start_params(tc, dcfg, target, vocab, mesh), tx, mesh)
     state_sh = target_sh = None
     if mesh is not None:
-        dparams = jax.tree.map(jax.device_put, dparams, drf.param_shardings(dcfg, mesh))
-        target_sh = jax.tree.map(lambda x: x.sharding, target.params)
-    state = init_state(dparams, tx, mesh)
-    if mesh is not None:
         state_sh = jax.tree.map(lambda x: x.sharding, state)
+        target_sh = jax.tree.map(lambda x: x.sharding, target.params)
     step = jit_train_step(cfg, dcfg, tc, tx, mesh, state_sh, target_sh)
     rng = np.random.default_rng(0)
     batch = {
@@ -95,6 +94,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--data", type=int, default=1)
     ap.add_argument("--model", type=int, default=1)
+    ap.add_argument("--config", default=str(ROOT / "configs/smollm2_135m.py"))
+    ap.add_argument("--target", default=None, help="default: the config's (the embedded SmolLM2)")
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
     if args.worker:
@@ -116,13 +117,17 @@ def main() -> None:
             f"--batch={args.batch}",
             f"--data={data}",
             f"--model={model}",
+            f"--config={args.config}",
         ]
+        if args.target:
+            cmd.append(f"--target={args.target}")
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
         if res.returncode:
             sys.exit(res.stderr[-3000:])
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
     print(
-        f"\nSmolLM2-135M target, EAGLE-3 head (Vd 8192), TTT 7, batch {args.batch} x {args.seq} "
+        f"\n{args.target or Path(args.config).name}, EAGLE-3 head (Vd {rows[0]['draft_vocab']}), "
+        f"TTT {rows[0]['ttt_steps']}, batch {args.batch} x {args.seq} "
         f"tokens, fp32, {args.steps} timed steps\n"
     )
     print("| mesh | step (s) | target tokens/s | compile (s) | peak RSS (GiB) | loss |")

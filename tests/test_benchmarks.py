@@ -3,12 +3,16 @@ must come from the project's own metrics."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from helpers import load_script
 
 from eagle3_jax.models.layers import kv_shapes
+
+ROOT = Path(__file__).resolve().parents[1]
 
 attention_layout = load_script("benchmarks/attention_layout.py")
 speculative_decoding = load_script("benchmarks/speculative_decoding.py")
@@ -76,3 +80,60 @@ def test_speculative_decoding_rows_come_from_the_metrics():
     assert eagle["alpha_by_depth"] and eagle["identical_to_vanilla"]
     assert not rows["pld chain d4"]["identical_to_vanilla"]
     assert rows["vanilla"]["alpha_by_depth"] == []
+
+
+def test_bf16_exactness_compares_verification_with_steps_at_the_same_positions(
+    sharp_target_dir, monkeypatch
+):
+    """In float32 the verification's logits match n decode steps' to rounding (1.9e-5 on this
+    peaked tiny model, whose logits of neighbouring positions differ by ~12), so the benchmark's
+    bfloat16 differences are the dtype's and not an offset between the two."""
+    from eagle3_jax.checkpoints import load_target
+
+    bf16_exactness = load_script("benchmarks/bf16_exactness.py")
+    monkeypatch.setattr(bf16_exactness, "TEXT", " ".join(f"w{i}" for i in range(5, 40, 3)))
+    found = bf16_exactness.verify_against_steps(load_target(str(sharp_target_dir)), n=4)
+    assert found["tokens"] == 4 and found["logits_dtype"] == "float32"
+    assert found["max_logit_difference"] < 1e-3, found
+
+
+def test_profile_round_counts_self_time_once(tmp_path):
+    """op_self_times: a parent's children are taken out of its time (nested spans on one thread),
+    another thread's events are not, runtime events are left out, kinds drop the HLO number."""
+    import gzip
+    import json
+
+    profile_round = load_script("benchmarks/profile_round.py")
+    runtime = profile_round.NOT_OPS[1]  # a runtime event, not an operation
+    events = [
+        {"ph": "X", "name": "fusion.1", "tid": 1, "ts": 0, "dur": 100},
+        {"ph": "X", "name": "dot.7", "tid": 1, "ts": 10, "dur": 30},
+        {"ph": "X", "name": "dot.8", "tid": 1, "ts": 50, "dur": 20},
+        {"ph": "X", "name": "fusion.2", "tid": 2, "ts": 20, "dur": 40},  # another thread
+        {"ph": "X", "name": runtime + "x", "tid": 1, "ts": 200, "dur": 999},
+        {"ph": "i", "name": "dot.9", "tid": 1, "ts": 5},  # not a span
+    ]
+    trace = tmp_path / "plugins/profile/run1/host.trace.json.gz"
+    trace.parent.mkdir(parents=True)
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+    kinds = profile_round.op_self_times(str(tmp_path))
+    assert kinds == {"fusion": 100 - 30 - 20 + 40, "dot": 50}
+
+
+def test_training_benchmark_times_the_training_step(tiny_target_dir):
+    """benchmarks/training.py's worker starts the config's head as `train` does and times the real
+    step: on the tiny config it reports the shapes it ran, its throughput and a finite loss."""
+    import argparse
+
+    training = load_script("benchmarks/training.py")
+    args = argparse.Namespace(
+        config=str(ROOT / "configs/tiny.py"), target=str(tiny_target_dir), steps=2, seq=32,
+        batch=2, data=1, model=1,
+    )  # fmt: skip
+    row = training.worker(args)
+    assert row["mesh"] == "1x1" and row["batch"] == 2 and row["seq"] == 32
+    assert row["draft_vocab"] == 64 and row["ttt_steps"] >= 1
+    assert row["step_s"] > 0 and row["target_tokens_per_s"] == 2 * 32 / row["step_s"]
+    assert np.isfinite(row["loss"]) and row["loss"] > 0
