@@ -48,3 +48,21 @@ def load_script(relative: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def spec_prefill(spec_setup, prompts, new, tree, eos_ids=(), **kw):
+    """The speculative engine's state after the prefill of `prompts` on the spec_setup fixture's
+    target and head (raw params), sized as decoding sizes a request -> (state, shape)."""
+    import jax
+
+    from eagle3_jax.decoding import plain
+    from eagle3_jax.decoding import speculative as spec
+    from eagle3_jax.decoding.sampling import Sampling
+
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    req = plain.prepare(cfg, prompts, new, eos_ids, None, 0, tree.round_slots + 1)
+    state = spec.prefill(
+        params, dparams, params["embed"], vocab, req.tokens, req.lengths, req.limit,
+        jax.random.PRNGKey(0), cfg, dcfg, req.shape, tree, Sampling(), req.eos, **kw,
+    )  # fmt: skip
+    return state, req.shape

@@ -7,14 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TREE, random_prompts, spec_generate
+from helpers import TREE, random_prompts, spec_generate, spec_prefill
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.decoding import plain
-from eagle3_jax.decoding import speculative as spec
-from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
@@ -137,24 +135,7 @@ def test_caches_are_laid_out_on_the_target_mesh(spec_setup, hf_checkpoint):
     assert mesh_of(jax.device_put(params, NamedSharding(other, P()))) is None
     dsharded = jax.device_put(dparams, replicated(mesh))
     prompts = random_prompts(cfg.vocab_size, [7, 12], seed=6)
-    req = plain.prepare(cfg, prompts, 16, (), None, 0, TREE.round_slots + 1)
-    state = spec.prefill(
-        sharded,
-        dsharded,
-        sharded["embed"],
-        vocab,
-        req.tokens,
-        req.lengths,
-        req.limit,
-        jax.random.PRNGKey(0),
-        cfg,
-        dcfg,
-        req.shape,
-        TREE,
-        Sampling(),
-        req.eos,
-        mesh=mesh,
-    )
+    state, _ = spec_prefill((sharded, cfg, dsharded, dcfg, vocab), prompts, 16, TREE, mesh=mesh)
     want = NamedSharding(mesh, P("data", "model", None, None))
     for cache in state.tcache["k"] + state.tcache["v"]:
         assert cache.sharding.is_equivalent_to(want, 4), cache.sharding

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import CHAIN, TREE, random_prompts, spec_generate
+from helpers import CHAIN, TREE, random_prompts, spec_generate, spec_prefill
 
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.decoding import plain
@@ -187,22 +187,8 @@ def test_draft_cache_equals_a_fresh_encode_of_the_sequence(spec_setup):
     sequence at once would: the re-encode of newly accepted tokens is right."""
     params, cfg, dparams, dcfg, vocab = spec_setup
     prompt = random_prompts(cfg.vocab_size, [8], seed=5)
-    shape = plain.plan_shape(
-        [8], 32, cfg.max_position_embeddings, extra_slots=TREE.total_tokens + 1
-    )
-    toks, lengths = plain.pad_prompts(prompt, shape, 0)
+    state, shape = spec_prefill(spec_setup, prompt, 32, TREE)
     args = (cfg, dcfg, shape, TREE, Sampling(), ())
-    state = spec.prefill(
-        params,
-        dparams,
-        params["embed"],
-        vocab,
-        toks,
-        lengths,
-        np.array([32]),
-        jax.random.PRNGKey(0),
-        *args,
-    )
     state = spec.decode_loop(params, dparams, params["embed"], vocab, state, *args)
     n = int(state.num_new[0])
     seq = prompt[0] + list(map(int, state.tokens[0, :n]))

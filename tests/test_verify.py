@@ -11,13 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TREE as SPEC_TREE
-from helpers import draft_pool, random_prompts
+from helpers import draft_pool, random_prompts, spec_prefill
 
 from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding import plain, verify
-from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.drafters import eagle3_drafter
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 from eagle3_jax.decoding.sampling import Sampling
@@ -34,26 +33,7 @@ def test_tree_logits_equal_path_forward(spec_setup):
     """Verification's logits at every tree node equal a plain forward along its root-to-node path."""
     params, cfg, dparams, dcfg, vocab = spec_setup
     prompt = random_prompts(cfg.vocab_size, [9], seed=21)
-    shape = plain.plan_shape(
-        [9], 16, cfg.max_position_embeddings, extra_slots=SPEC_TREE.total_tokens + 1
-    )
-    toks, lengths = plain.pad_prompts(prompt, shape, 0)
-    state = spec.prefill(
-        params,
-        dparams,
-        params["embed"],
-        vocab,
-        toks,
-        lengths,
-        np.array([16]),
-        jax.random.PRNGKey(0),
-        cfg,
-        dcfg,
-        shape,
-        SPEC_TREE,
-        Sampling(),
-        (),
-    )
+    state, shape = spec_prefill(spec_setup, prompt, 16, SPEC_TREE)
     trees, _ = eagle3_drafter(dparams, params["embed"], vocab, state, dcfg, shape, SPEC_TREE)
     out = forward_tree(params, trees, state, cfg, dcfg, shape)
     tokens, parent = np.asarray(trees.tokens[0]), np.asarray(trees.parent[0])
