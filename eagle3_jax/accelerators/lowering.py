@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 
+from eagle3_jax.accelerators import roofline
 from eagle3_jax.accelerators.hbm import (
     Memory,
     prefill_activations,
@@ -300,8 +301,6 @@ def flops_check(s: Setup, names=("decode_step", "round_tree", "round_chain")) ->
     """XLA's FLOPs of the real programs (`cost_analysis()` of the unoptimized HLO, lowered on
     this backend) beside the roofline's count of the same shapes, in GFLOP; `xla` is None when
     the backend gives no cost analysis."""
-    from eagle3_jax.accelerators import roofline
-
     tcfg = target_config(s.target)
     dcfg = draft_for(tcfg)
     rows = []
