@@ -6,11 +6,26 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from eagle3_jax.accelerators import acceptance, hbm, lowering, predict, programs, roofline, specs
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.tree import TreeConfig
+
+SMALL = {  # a 2-layer Llama whose products dominate its FLOPs (XLA's counts against the model's)
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+}
 
 TINY = TargetConfig(
     family="llama",
@@ -163,18 +178,7 @@ def test_flops_match_xla_cost_analysis(monkeypatch):
     """XLA's count of the real programs' FLOPs (unoptimized HLO, lowered on this CPU) within 5 %
     of the model's, on a 2-layer config whose products dominate (at Llama-3.1-8B shapes the
     benchmark's --xla finds 0.991-0.999)."""
-    small = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 4096,
-        "hidden_size": 512,
-        "intermediate_size": 1024,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "max_position_embeddings": 4096,
-    }
-    monkeypatch.setitem(specs.REAL_TARGETS, "cost_small", small)
+    monkeypatch.setitem(specs.REAL_TARGETS, "cost_small", SMALL)
     setup = programs.Setup(
         target="cost_small", mesh=(1, 1), prompt=64, new=64, tree=TreeConfig(4, 3, 8)
     )
@@ -182,3 +186,44 @@ def test_flops_match_xla_cost_analysis(monkeypatch):
         if row["xla"] is None:
             pytest.skip("no cost analysis from this backend")
         assert row["model"] == pytest.approx(row["xla"], rel=0.05), row["program"]
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        {"draft_vocab_size": 2048},  # EAGLE-3 / FR-Spec / VocabTrim: an lm_head over Vd
+        {"draft_vocab_size": 4096, "lm_head_source": "target"},  # the target's, all V
+        {"draft_vocab_size": 4096, "lm_head_source": "target", "speculator_rank": 64,
+         "spec_candidates": 256},  # SpecVocab
+    ],
+    ids=["own_lm_head", "target_lm_head", "specvocab"],
+)  # fmt: skip
+def test_output_layer_flops_match_xla(head, monkeypatch):
+    """roofline.output_layer counts the FLOPs XLA finds in `draft_topk` for each kind of output
+    layer (10 drafted rows, bf16 parameters), within 1 %. For SpecVocab XLA also counts one
+    operation per element of the gathered candidate rows [rows, K, d]: jnp.take's out-of-range
+    fill, a select the roofline leaves out with the other elementwise work (its bytes are
+    counted)."""
+    from eagle3_jax.config import DraftConfig
+    from eagle3_jax.models.draft_output import draft_topk
+    from eagle3_jax.vocab import build_from_counts
+
+    monkeypatch.setitem(specs.REAL_TARGETS, "cost_small", SMALL)
+    dcfg = DraftConfig.from_target(specs.target_config("cost_small"), **head)
+    d, v, bf16 = dcfg.hidden_size, dcfg.vocab_size, jnp.bfloat16
+    params = {"final_norm": jax.ShapeDtypeStruct((d,), bf16)}
+    if dcfg.lm_head_source == "own":
+        params["lm_head"] = jax.ShapeDtypeStruct((d, dcfg.draft_vocab_size), bf16)
+    else:
+        params["out_embed"] = jax.ShapeDtypeStruct((v, d), bf16)
+    if dcfg.speculator_rank:
+        params["spec_a"] = jax.ShapeDtypeStruct((d, dcfg.speculator_rank), bf16)
+        params["spec_b"] = jax.ShapeDtypeStruct((dcfg.speculator_rank, v), bf16)
+    vocab = build_from_counts(np.arange(v), dcfg.draft_vocab_size)
+    fn = jax.jit(lambda p, h: draft_topk(p, h, dcfg, vocab, 10))
+    analysis = fn.lower(params, jax.ShapeDtypeStruct((10, d), bf16)).cost_analysis()
+    if not analysis or "flops" not in analysis:
+        pytest.skip("no cost analysis from this backend")
+    _, _, flops = roofline.output_layer(dcfg, 10)
+    fill = 10 * dcfg.spec_candidates * d if dcfg.speculator_rank else 0
+    assert flops + fill == pytest.approx(analysis["flops"], rel=0.01)

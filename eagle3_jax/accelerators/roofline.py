@@ -137,11 +137,35 @@ def target_params(tcfg: TargetConfig) -> int:
 
 
 def draft_params(dcfg: DraftConfig) -> int:
-    """The head's own parameters (fc, the midlayer, final norm, lm_head over Vd)."""
+    """The head's own parameters (fc, the midlayer, final norm, and its output layer: an lm_head
+    over Vd, none for a head that reads the target's output embedding, plus SpecVocab's
+    speculator [d, r] and [r, V])."""
     d, f = dcfg.hidden_size, dcfg.intermediate_size
     hk, gk = dcfg.num_heads * dcfg.head_dim, dcfg.num_kv_heads * dcfg.head_dim
     layer = 2 * d * hk + 2 * 2 * d * gk + hk * d + 3 * d * f + 3 * d
-    return dcfg.feature_size * d + layer + d + d * dcfg.draft_vocab_size
+    own = d * dcfg.draft_vocab_size if dcfg.lm_head_source == "own" else 0
+    speculator = dcfg.speculator_rank * (d + dcfg.vocab_size)
+    return dcfg.feature_size * d + layer + d + own + speculator
+
+
+def output_layer(dcfg: DraftConfig, rows: int, dtype_bytes: int = 2) -> tuple[int, int, int]:
+    """`draft_topk` on `rows` drafted rows -> (weight elements read, activation bytes, FLOPs).
+
+    An lm_head over Vd (own, or the target's output embedding when Vd = V): every row's logits in
+    float32, written, read and written by the log-softmax, read by the top-k. SpecVocab: the
+    speculator's approximate logits (n A) B over V in the parameters' dtype, written and read by
+    the top-k of `spec_candidates` K; the K candidates' rows of the target's output embedding
+    gathered per row ([rows, K, d], written then read by the product: the gather reads rows, not
+    the matrix), exact logits over them in float32."""
+    d, db = dcfg.hidden_size, dtype_bytes
+    if not rows:
+        return 0, 0, 0
+    if not dcfg.speculator_rank:
+        vd = dcfg.draft_vocab_size
+        return d * vd, 4 * rows * vd * 4, 2 * rows * d * vd
+    r, v, k = dcfg.speculator_rank, dcfg.vocab_size, dcfg.spec_candidates
+    acts = 2 * rows * v * db + 3 * rows * k * d * db + 4 * rows * k * 4
+    return r * (d + v), acts, 2 * rows * (r * (d + v) + k * d)
 
 
 def _layer_act_elems(d: int, f: int, hk: int, gk: int, in_width: int) -> int:
@@ -237,26 +261,27 @@ def draft_forward(
 ) -> Phase:
     """One `draft.forward` of `rows` positions per row (fc applied to target features when
     `target_features`) against the draft's cache of `slots` slots, then `draft_topk` on
-    `logit_rows` rows per row: the lm_head over Vd, log-softmax and top-k in float32."""
+    `logit_rows` rows per row (`output_layer`: an lm_head over Vd, or SpecVocab's speculator and
+    candidates)."""
     b, t, db = batch, rows, dtype_bytes
-    d, f, vd = dcfg.hidden_size, dcfg.intermediate_size, dcfg.draft_vocab_size
+    d, f = dcfg.hidden_size, dcfg.intermediate_size
     h, g, k = dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim
     hk, gk = h * k, g * k
     layer = 2 * d * hk + 2 * 2 * d * gk + hk * d + 3 * d * f
     fc = dcfg.feature_size * d if target_features else 0
-    head = d * vd if logit_rows else 0
+    head, head_acts, head_flops = output_layer(dcfg, b * logit_rows, db)
     kv_l, scores_l, mm_l, f32_l = _attention(b, h, g, k, t, slots, db, own=False)
     acts = b * t * _layer_act_elems(d, f, hk, gk, 2 * d) * db + scores_l
     acts += b * t * d * db  # embedding rows
     if target_features:
         acts += b * t * (dcfg.feature_size + d) * db  # fc reads the features, writes [.., D]
-    acts += 4 * b * logit_rows * vd * 4  # fp32 logits written; log-softmax read + write; top-k read
+    acts += head_acts
     return Phase(
         name,
         weights=(layer + fc + head + 4 * d) * db,
         kv=kv_l + 2 * b * t * gk * db,
         activations=acts,
-        flops=2 * b * (t * (layer + fc) + logit_rows * head) + mm_l,
+        flops=2 * b * t * (layer + fc) + head_flops + mm_l,
         fp32_flops=f32_l,
         allreduces=3 if logit_rows else 2,
         layers=1,
