@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from eagle3_jax.accelerators import acceptance, hbm, predict, roofline, specs  # noqa: E402
 from eagle3_jax.decoding.tree import TreeConfig  # noqa: E402
+from eagle3_jax.evaluation import study  # noqa: E402
 
 TARGETS = ("llama31_8b", "olmo2_7b", "qwen3_4b", "olmo2_1b")
 TREES = {
@@ -193,6 +194,8 @@ def main(argv=None) -> int:
           f"{cpu['rate_for_1.4x_gflops']:.0f} GFLOP/s"]],
     ))  # fmt: skip
 
+    res["vocab_methods"] = vocab_section(args.context)
+
     # 5. acceptance model against our measured τ
     acc_rows = [
         [tree_name(TreeConfig(*k)), v, f"{acceptance.SMOLLM2_ACCEPTANCE.tau(TreeConfig(*k)):.2f}"]
@@ -214,6 +217,44 @@ def main(argv=None) -> int:
     plot(out / "speedup_vs_tree.png", acc, args.context)
     print(f"\nwrote {out / 'results.json'} and {out / 'speedup_vs_tree.png'}")
     return 0
+
+
+def vocab_section(context: int) -> dict:
+    """The draft-vocabulary methods' heads at the SpecVocab paper's setting (H100, 10/8/60, batch
+    1) and in a chain: drafting and round time per method, and the τ each needs to match EAGLE-3;
+    then what the paper's OLMo 2 7B throughputs imply for τ, beside the τ gain it reports at 1B."""
+    rows, recs = [], []
+    for tg in ("olmo2_1b", "olmo2_7b", "llama31_8b"):
+        for tree in (TreeConfig(10, 8, 60), TreeConfig(1, 8, 9)):
+            for r in predict.vocab_methods(specs.DEVICES["H100"], tg, tree, context):
+                recs.append(r)
+                rows.append([
+                    tg, r["tree"], r["method"], f"{r['draft_ms']:.2f}", f"{r['round_ms']:.2f}",
+                    f"{r['round_over_plain']:.2f}", f"{r['tau_ratio_to_match']:.3f}",
+                ])  # fmt: skip
+    print(f"\n## Draft-vocabulary methods on an H100 (B 1, context {context})\n")
+    print(table(
+        ["target", "tree", "head", "draft ms", "round ms", "round/plain",
+         "τ / EAGLE-3's τ to match it"], rows,
+    ))  # fmt: skip
+    paper = study.PAPER
+    tps = paper["specvocab"]["tps_olmo2_7b"] / paper["eagle3"]["tps_olmo2_7b"]
+    tau_1b = paper["specvocab"]["tau_olmo2_1b"] / paper["eagle3"]["tau_olmo2_1b"]
+    implied = {
+        r["tree"]: tps * r["tau_ratio_to_match"]
+        for r in recs
+        if r["target"] == "olmo2_7b" and r["method"] == "specvocab"
+    }
+    print(
+        f"\nSpecVocab over EAGLE-3 as published: OLMo 2 7B tokens/s x{tps:.3f}, OLMo 2 1B τ "
+        f"x{tau_1b:.3f}. The τ ratio the 7B throughput implies under this model: "
+        + ", ".join(f"x{v:.3f} at {k}" for k, v in implied.items())
+    )
+    return {
+        "rows": recs,
+        "paper_specvocab_over_eagle3": {"tps_olmo2_7b": tps, "tau_olmo2_1b": tau_1b},
+        "implied_tau_ratio_olmo2_7b": implied,
+    }
 
 
 def pred_dict(p: predict.Prediction) -> dict:

@@ -227,3 +227,22 @@ def test_output_layer_flops_match_xla(head, monkeypatch):
     _, _, flops = roofline.output_layer(dcfg, 10)
     fill = 10 * dcfg.spec_candidates * d if dcfg.speculator_rank else 0
     assert flops + fill == pytest.approx(analysis["flops"], rel=0.01)
+
+
+def test_vocab_methods_cost_what_their_output_layers_read():
+    """At batch 1 drafting is bandwidth-bound: the target-lm_head head's 8 draft steps of a chain
+    cost EAGLE-3's plus reading the other V - 32k rows of the output embedding each step;
+    SpecVocab reads less than a 32k lm_head with one row a step, more with ten (each row gathers
+    its own 2,048 candidates' rows)."""
+    dev, tcfg = specs.DEVICES["H100"], specs.TARGETS["olmo2_7b"]
+    chain = {r["method"]: r for r in predict.vocab_methods(dev, "olmo2_7b", TreeConfig(1, 8, 9))}
+    wide = {r["method"]: r for r in predict.vocab_methods(dev, "olmo2_7b", TreeConfig(10, 8, 60))}
+    assert chain["eagle3"]["tau_ratio_to_match"] == 1.0
+    extra_s = 8 * (tcfg.vocab_size - specs.DRAFT_VOCAB) * tcfg.hidden_size * 2 / dev.hbm_bw
+    extra_ms = chain["target_lm_head"]["draft_ms"] - chain["eagle3"]["draft_ms"]
+    assert extra_ms == pytest.approx(1e3 * extra_s, rel=0.02)
+    assert chain["specvocab"]["draft_ms"] < chain["eagle3"]["draft_ms"]
+    assert wide["specvocab"]["draft_ms"] > wide["eagle3"]["draft_ms"]
+    for r in (*chain.values(), *wide.values()):  # the τ to match is the round-time ratio
+        base = (chain if r["tree"] == "1/8/9" else wide)["eagle3"]["round_ms"]
+        assert r["tau_ratio_to_match"] == pytest.approx(r["round_ms"] / base)

@@ -19,7 +19,7 @@ from eagle3_jax.accelerators.roofline import (
     spec_round,
     target_forward,
 )
-from eagle3_jax.accelerators.specs import CPU_2CORE, TARGETS, Device, draft_for
+from eagle3_jax.accelerators.specs import CPU_2CORE, DRAFT_VOCAB, TARGETS, Device, draft_for
 from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.decoding.tree import TreeConfig
 
@@ -148,3 +148,71 @@ def cpu_verify_ratio(
     if few_row_rate:
         out["few_row"] = serial(many, few_row_rate) / t1
     return out
+
+
+# ----------------------------------------------------------------------------- vocabulary methods
+
+
+def vocab_method_heads(
+    tcfg: TargetConfig, draft_vocab: int = DRAFT_VOCAB, candidates: int = 2048
+) -> dict[str, DraftConfig]:
+    """The heads the draft-vocabulary methods decode with, sized like the target: EAGLE-3's lm_head
+    over `draft_vocab` ids (FR-Spec and VocabTrim heads are such heads, over their own ids, and
+    cost the same), the target's output embedding over all V (FR-Spec's source head), and
+    SpecVocab at rank d/8 with `candidates` exact-logit candidates per drafted row."""
+    v, d = tcfg.vocab_size, tcfg.hidden_size
+    return {
+        "eagle3": draft_for(tcfg, draft_vocab),
+        "target_lm_head": DraftConfig.from_target(
+            tcfg, draft_vocab_size=v, lm_head_source="target"
+        ),
+        "specvocab": DraftConfig.from_target(
+            tcfg,
+            draft_vocab_size=v,
+            lm_head_source="target",
+            speculator_rank=d // 8,
+            spec_candidates=min(candidates, v),
+        ),
+    }
+
+
+def draft_share(
+    dev: Device,
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    tree: TreeConfig,
+    context: int = 2048,
+    batch: int = 1,
+    chips: int = 1,
+) -> dict[str, float]:
+    """A round's time on `dev` split into drafting (every draft forward and its output layer) and
+    the rest (verification, bookkeeping, launch), in seconds."""  # fmt: skip
+    prog = spec_round(tcfg, dcfg, tree, batch, slots_for(context, tree))
+    parts = prog.breakdown_s(dev, chips)
+    draft = sum(t for name, t in parts.items() if name.startswith("draft"))
+    return {"draft_s": draft, "round_s": prog.time_s(dev, chips)}
+
+
+def vocab_methods(
+    dev: Device, target: str, tree: TreeConfig, context: int = 2048, candidates: int = 2048
+) -> list[dict]:
+    """Per vocabulary method's head: drafting and round time on `dev`, the round in plain steps,
+    and the τ it needs to match EAGLE-3's speedup (τ_method / τ_eagle3 = its round time over
+    EAGLE-3's: what a method must gain in τ to pay for its draft)."""
+    tcfg = TARGETS[target]
+    plain = plain_step(tcfg, 1, slots_for(context)).time_s(dev)
+    heads = vocab_method_heads(tcfg, candidates=candidates)
+    times = {name: draft_share(dev, tcfg, dcfg, tree, context) for name, dcfg in heads.items()}
+    base = times["eagle3"]["round_s"]
+    return [
+        {
+            "device": dev.name, "target": target, "method": name, "tree": tree_text(tree),
+            "draft_ms": 1e3 * t["draft_s"], "round_ms": 1e3 * t["round_s"],
+            "round_over_plain": t["round_s"] / plain, "tau_ratio_to_match": t["round_s"] / base,
+        }
+        for name, t in times.items()
+    ]  # fmt: skip
+
+
+def tree_text(tree: TreeConfig) -> str:
+    return f"{tree.top_k}/{tree.depth}/{tree.total_tokens}"
