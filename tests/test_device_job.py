@@ -166,12 +166,15 @@ def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch)
     assert (rc.target, rc.batches, rc.trees, rc.minutes, rc.predict_device) == (
         "llama31_8b", "1,8", "chain", 8.0, "h200",
     )  # fmt: skip
-    assert dj.round_cost.forward(rc)[:4] == ["--target", "llama31_8b", "--prompt", "1024"]
+    assert dj.round_cost.forward(rc)[:6] == [
+        "--target", "llama31_8b", "--head", "eagle3", "--prompt", "1024",
+    ]  # fmt: skip
     dj.main(["vocab-study", "--minutes", "9"])
     vs = seen["study"]
     assert (vs.minutes, vs.questions, vs.max_new_tokens, vs.reserve_s) == (9, 20, 256, 30.0)
     assert vs.grid.endswith("configs/vocab_study_smollm2.py") and vs.study_arg == []
-    for bad in (["--trees", "10/8/60,wide"], ["--batches", "0"], ["--target", "llama3"]):
+    for bad in (["--trees", "10/8/60,wide"], ["--batches", "0"], ["--target", "llama3"],
+                ["--head", "fr-spec"]):  # fmt: skip
         with pytest.raises(SystemExit):
             dj.main(["round-cost", *bad])
 
@@ -320,3 +323,23 @@ def test_vocab_study_step_runs_the_study_and_packs_what_is_done(dj, c, tmp_path,
             "runs/vocab_study_device/vocab_study.log"} <= names  # fmt: skip
     with pytest.raises(SystemExit):  # the device tool's 10-minute command limit
         dj.main(["vocab-study", "--minutes", "12", "--out", str(out)])
+
+
+@pytest.mark.parametrize("head", ["target_lm_head", "specvocab"])
+def test_round_timing_drafts_with_each_vocabulary_head(dj, tmp_path, head):
+    """--head times the round with that output layer (the toy's full 256 ids, or SpecVocab's
+    speculator and 32 candidates) beside the cost model's prediction for the same head."""
+    from device_steps import round_timing as rt
+
+    tcfg, dcfg = rt.shapes("tiny", head)
+    assert dcfg.draft_vocab_size == tcfg.vocab_size and dcfg.uses_target_head
+    assert bool(dcfg.speculator_rank) == (head == "specvocab")
+    out = tmp_path / head
+    argv = [*TINY[:-1], "1", "--trees", "chain", "--head", head, "--warmup", "1", "--reps", "2"]
+    assert rt.main([*argv, "--out", str(out), "--deadline-s", "300"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["head"] == head and not res["failed"] and not res["skipped"]
+    (rnd,) = [r for r in res["rows"] if r["program"] == "round"]
+    pred = rt.predictions(tcfg, dcfg, "h200", 1, 32, ["chain"])["chain"]["ms"]
+    assert rnd["predicted_ms"] == pytest.approx(pred) and rnd["median_ms"] > 0
+    assert f"{head} head" in (out / "report.md").read_text()

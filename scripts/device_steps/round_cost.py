@@ -23,6 +23,9 @@ from device_steps import common as c
 # as deep (accelerators.programs.CHAIN_TREE)
 TREE_NAMES = ("10/8/60", "chain")
 TARGETS = ("llama31_8b", "tiny")
+# the heads a round can draft with (accelerators.predict.vocab_method_heads): EAGLE-3's 32k lm_head,
+# the target's output embedding over all V, SpecVocab (rank d/8, 2,048 candidates a drafted row)
+HEADS = ("eagle3", "target_lm_head", "specvocab")
 # what the step keeps beside the subprocess: the subprocess's own start (importing jax, starting
 # the backend) comes out of its deadline; writing the table and the log after it out of the step's
 START_S = 30.0
@@ -31,6 +34,7 @@ RESERVE_S = 30.0
 # (flag, type, default, help): the flags round_timing takes, forwarded by `step` as they were given
 FLAGS = (
     ("--target", str, "llama31_8b", "llama31_8b (random bf16 weights) or tiny (a CPU toy)"),
+    ("--head", str, "eagle3", f"the draft's output layer: {', '.join(HEADS)}"),
     ("--prompt", int, 1024, "prompt tokens: the cache's cursor starts there"),
     ("--new", int, 1024, "new tokens: the cache holds prompt + new (+ a round's slots)"),
     ("--batches", str, "1,8", "batch sizes, comma separated"),
@@ -67,7 +71,7 @@ def _trees(text: str) -> str:
 def add_args(p: argparse.ArgumentParser) -> None:
     """The measurement's flags (round_timing's, and the `round-cost` step's to forward)."""
     check = {"--batches": _batches, "--trees": _trees}
-    choices = {"--target": TARGETS}
+    choices = {"--target": TARGETS, "--head": HEADS}
     for flag, typ, default, help_ in FLAGS:
         p.add_argument(
             flag, type=check.get(flag, typ), default=default, choices=choices.get(flag), help=help_
@@ -94,8 +98,8 @@ def table(res: dict) -> str:
     plain steps (measured and predicted) and the speedup each gives at the model's τ, then what
     was skipped and what failed."""
     lines = [
-        f"# Round cost: {res.get('target')} ({res.get('dtype')}, random weights) on "
-        f"{res.get('device')}",
+        f"# Round cost: {res.get('target')}, {res.get('head', 'eagle3')} head "
+        f"({res.get('dtype')}, random weights) on {res.get('device')}",
         "",
         f"Caches sized for {res.get('context')} tokens, the cursor at {res.get('prompt')}, the "
         f"state {res.get('state')}; warm-up calls {res.get('warmup')}, timed {res.get('reps')} "

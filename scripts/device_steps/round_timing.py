@@ -3,8 +3,9 @@ timed on the device, each next to the cost model's prediction for it (`eagle3_ja
 issue 35 item 3).
 
 The target has Llama-3.1-8B's shape (`accelerators.specs.target_config`) with RANDOM bf16 weights made on
-the device (nothing is carried), the head EAGLE-3's shape with 32,000 draft ids, random too: the
-programs' work is fixed by their static shapes, not by the weights' values. Each program is the
+the device (nothing is carried), the head sized like it with the output layer `--head` names
+(EAGLE-3's 32,000 draft ids by default; the target's output embedding over all V; SpecVocab),
+random too: the programs' work is fixed by their static shapes, not by the weights' values. Each program is the
 one decoding runs (`plain.decode_step`, `speculative.round_step` with the eagle3 drafter, greedy),
 at batch 1 and 8, on a static cache sized as `plan_shape` sizes it for `--prompt` + `--new`
 tokens, with the cursor at `--prompt`: the state is made of zeros instead of by a prefill (a
@@ -49,6 +50,7 @@ from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.decoding.tree import ACCELERATOR_TREE, TreeConfig
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
+from eagle3_jax.models.draft_output import attach_target_head
 from eagle3_jax.vocab import DraftVocab
 
 # the trees by the names --trees takes (round_cost.TREE_NAMES)
@@ -60,19 +62,20 @@ assert tuple(TREES) == TREE_NAMES
 COMPILE_S = {"init": 20.0, "plain": 40.0, "10/8/60": 90.0, "chain": 70.0}
 
 
-def shapes(name: str) -> tuple[TargetConfig, DraftConfig]:
-    """The target and head timed: `llama31_8b` (Llama-3.1-8B, EAGLE-3's 32,000 draft ids) or
-    `tiny` (a 4-layer toy with the same structure, for the CPU test; no EOS id, so every row
-    keeps running)."""
+def shapes(name: str, head: str = "eagle3") -> tuple[TargetConfig, DraftConfig]:
+    """The target and head timed: `llama31_8b` (Llama-3.1-8B) or `tiny` (a 4-layer toy with the
+    same structure, for the CPU test; no EOS id, so every row keeps running), with the `head`
+    of `accelerators.predict.vocab_method_heads` (the toy's: 64 draft ids, or all 256 ids,
+    SpecVocab at rank 8 with 32 candidates)."""
     if name == "tiny":
         base = specs.target_config("llama31_8b")
         tcfg = dataclasses.replace(
             base, vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
             num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(),
         )  # fmt: skip
-        return tcfg, DraftConfig.from_target(tcfg, draft_vocab_size=64)
+        return tcfg, predict.vocab_method_heads(tcfg, draft_vocab=64, candidates=32)[head]
     tcfg = specs.target_config(name)
-    return tcfg, specs.draft_for(tcfg)
+    return tcfg, predict.vocab_method_heads(tcfg)[head]
 
 
 def _zeros(aval):
@@ -96,7 +99,7 @@ def random_inputs(tcfg: TargetConfig, dcfg: DraftConfig, dtype=jnp.bfloat16) -> 
     init_t = jax.jit(functools.partial(tgt.init_params, tcfg, dtype=dtype))
     init_d = jax.jit(functools.partial(drf.init_params, dcfg, dtype=dtype))
     tparams = init_t(jax.random.key(0))
-    dparams = init_d(jax.random.key(1))
+    dparams = attach_target_head(init_d(jax.random.key(1)), dcfg, tparams, tcfg)
     vd, v = dcfg.draft_vocab_size, tcfg.vocab_size
     vocab = DraftVocab(jnp.zeros((vd,), jnp.int32), jnp.arange(v) < vd)  # the first Vd ids
     jax.block_until_ready((tparams, dparams))
@@ -235,10 +238,11 @@ def measure(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trees = [t for t in args.trees.split(",") if t]
-    tcfg, dcfg = shapes(args.target)
+    tcfg, dcfg = shapes(args.target, args.head)
     dev = jax.devices()[0]
     res: dict = {
         "target": args.target,
+        "head": args.head,
         "dtype": "bfloat16",
         "device": dev.device_kind
         if dev.platform == dev.device_kind
