@@ -231,19 +231,23 @@ def vocab_section(context: int) -> dict:
                 rows.append([
                     tg, r["tree"], r["method"], f"{r['draft_ms']:.2f}", f"{r['round_ms']:.2f}",
                     f"{r['round_over_plain']:.2f}", f"{r['tau_ratio_to_match']:.3f}",
+                    f"{r['draft_ms_fused_gather']:.2f}",
+                    f"{r['tau_ratio_to_match_fused_gather']:.3f}",
                 ])  # fmt: skip
     print(f"\n## Draft-vocabulary methods on an H100 (B 1, context {context})\n")
     print(table(
         ["target", "tree", "head", "draft ms", "round ms", "round/plain",
-         "τ / EAGLE-3's τ to match it"], rows,
+         "τ / EAGLE-3's τ to match it", "draft ms, gather fused", "τ ratio, gather fused"],
+        rows,
     ))  # fmt: skip
     paper = study.PAPER
     tps = paper["specvocab"]["tps_olmo2_7b"] / paper["eagle3"]["tps_olmo2_7b"]
     tau_1b = paper["specvocab"]["tau_olmo2_1b"] / paper["eagle3"]["tau_olmo2_1b"]
     implied = {
-        r["tree"]: tps * r["tau_ratio_to_match"]
+        f"{r['tree']}{gather}": tps * r[f"tau_ratio_to_match{gather}"]
         for r in recs
         if r["target"] == "olmo2_7b" and r["method"] == "specvocab"
+        for gather in ("", "_fused_gather")
     }
     print(
         f"\nSpecVocab over EAGLE-3 as published: OLMo 2 7B tokens/s x{tps:.3f}, OLMo 2 1B τ "

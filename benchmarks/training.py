@@ -126,9 +126,9 @@ def main() -> None:
             sys.exit(res.stderr[-3000:])
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
     print(
-        f"\n{args.target or Path(args.config).name}, EAGLE-3 head (Vd {rows[0]['draft_vocab']}), "
-        f"TTT {rows[0]['ttt_steps']}, batch {args.batch} x {args.seq} "
-        f"tokens, fp32, {args.steps} timed steps\n"
+        f"\n{args.target or Path(args.config).name}, the config's head (Vd "
+        f"{rows[0]['draft_vocab']}), TTT {rows[0]['ttt_steps']}, batch {args.batch} x {args.seq} "
+        f"tokens, the config's dtypes, {args.steps} timed steps\n"
     )
     print("| mesh | step (s) | target tokens/s | compile (s) | peak RSS (GiB) | loss |")
     print("|---|---|---|---|---|---|")

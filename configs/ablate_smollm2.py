@@ -9,7 +9,8 @@ trains for the same steps on the same records in the same order from one feature
 layers incl. the final state), then decodes the same MT-bench questions with the same chain.
 Training recipe: batch 1 at lr 1e-3, the fastest learner per token of configs/recipe_smollm2.py
 (at batch 8 and lr 3e-4 the default cell ended at acc_0 0.05 and tau 1.01: nothing could differ).
-Results: docs/ablations.md; the table lands in runs/ablate_smollm2/report.md.
+Results: docs/experiments/2026-11-29-ablation-grid-160-conversations.md; the table lands in
+runs/ablate_smollm2/report.md.
 """
 
 from pathlib import Path

@@ -17,7 +17,8 @@ SmolLM2 itself (greedy, its chat template, at most 256 new tokens). To rebuild i
 (answers are written, resumably, to out_dir/regenerated.jsonl; greedy, so the same text again).
 
 Batch 1 at lr 1e-3 (two epochs, 1440 steps): at this budget more, smaller updates learn far faster
-per token than batch 8 at 3e-4 (docs/ablations.md, the recipe sweep). Vd 8192 keeps the head's
+per token than batch 8 at 3e-4 (the recipe sweep in
+docs/experiments/2026-11-29-ablation-grid-160-conversations.md). Vd 8192 keeps the head's
 lm_head at a sixth of the target's. The target's features are computed
 once (offline, ~2.4 GB float32 for 4 layers), length-bucketed batches skip the padding, and the
 head's lm_head starts from the target's output embedding (head_init=target) so a short CPU run

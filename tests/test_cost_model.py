@@ -243,6 +243,11 @@ def test_vocab_methods_cost_what_their_output_layers_read():
     assert extra_ms == pytest.approx(1e3 * extra_s, rel=0.02)
     assert chain["specvocab"]["draft_ms"] < chain["eagle3"]["draft_ms"]
     assert wide["specvocab"]["draft_ms"] > wide["eagle3"]["draft_ms"]
+    # a gather fused into the product reads each candidate row once: SpecVocab's lower bound,
+    # below what the materialised gather costs; the other heads gather nothing
+    assert wide["specvocab"]["draft_ms_fused_gather"] < wide["specvocab"]["draft_ms"]
+    for r in (chain["eagle3"], chain["target_lm_head"], wide["eagle3"]):
+        assert r["draft_ms_fused_gather"] == r["draft_ms"]
     for r in (*chain.values(), *wide.values()):  # the τ to match is the round-time ratio
         base = (chain if r["tree"] == "1/8/9" else wide)["eagle3"]["round_ms"]
         assert r["tau_ratio_to_match"] == pytest.approx(r["round_ms"] / base)

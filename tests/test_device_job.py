@@ -341,5 +341,9 @@ def test_round_timing_drafts_with_each_vocabulary_head(dj, tmp_path, head):
     assert res["head"] == head and not res["failed"] and not res["skipped"]
     (rnd,) = [r for r in res["rows"] if r["program"] == "round"]
     pred = rt.predictions(tcfg, dcfg, "h200", 1, 32, ["chain"])["chain"]["ms"]
+    _, eagle3 = rt.shapes("tiny", "eagle3")
+    other = rt.predictions(tcfg, eagle3, "h200", 1, 32, ["chain"])["chain"]["ms"]
     assert rnd["predicted_ms"] == pytest.approx(pred) and rnd["median_ms"] > 0
-    assert f"{head} head" in (out / "report.md").read_text()
+    assert pred != pytest.approx(other)  # the prediction is this head's, not EAGLE-3's
+    report = (out / "report.md").read_text()
+    assert f"{head} head" in report and f"for the {head} head read the round / plain" in report

@@ -29,10 +29,14 @@ def kv_bytes(tcfg: TargetConfig, batch: int, slots: int, dtype_bytes: int = 2) -
 def resident_bytes(
     tcfg: TargetConfig, dcfg: DraftConfig, batch: int, slots: int, dtype_bytes: int = 2
 ) -> int:
-    """Weights (target + head) and both KV caches: what must stay in HBM while decoding."""
+    """Weights (target + head) and both KV caches: what must stay in HBM while decoding. A head
+    that reads an untied target's output embedding holds lm_head transposed beside it
+    (`attach_target_head` makes that copy once, outside the jitted programs)."""
     dkv = 2 * batch * dcfg.num_kv_heads * dcfg.head_dim * slots * dtype_bytes
+    copy = tcfg.vocab_size * tcfg.hidden_size
+    copy *= dcfg.uses_target_head and not tcfg.tie_word_embeddings
     return (
-        (target_params(tcfg) + draft_params(dcfg)) * dtype_bytes
+        (target_params(tcfg) + draft_params(dcfg) + copy) * dtype_bytes
         + kv_bytes(tcfg, batch, slots, dtype_bytes)
         + dkv
     )

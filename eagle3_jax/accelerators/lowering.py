@@ -309,9 +309,9 @@ def flops_check(s: Setup, names=("decode_step", "round_tree", "round_chain")) ->
         analysis = prog.fn.lower(*prog.args, **prog.kwargs).cost_analysis() or {}
         slots = prog.kwargs["shape"].slots
         if name == "decode_step":
-            model = roofline.plain_step(tcfg, 1, slots).flops
+            model = roofline.plain_step(tcfg, s.batch, slots).flops
         else:
-            model = roofline.spec_round(tcfg, dcfg, prog.kwargs["tree"], 1, slots).flops
+            model = roofline.spec_round(tcfg, dcfg, prog.kwargs["tree"], s.batch, slots).flops
         xla = analysis.get("flops")
         rows.append(
             {"program": name, "xla": None if xla is None else xla / 1e9, "model": model / 1e9}

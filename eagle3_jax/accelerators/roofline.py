@@ -148,7 +148,9 @@ def draft_params(dcfg: DraftConfig) -> int:
     return dcfg.feature_size * d + layer + d + own + speculator
 
 
-def output_layer(dcfg: DraftConfig, rows: int, dtype_bytes: int = 2) -> tuple[int, int, int]:
+def output_layer(
+    dcfg: DraftConfig, rows: int, dtype_bytes: int = 2, fused_gather: bool = False
+) -> tuple[int, int, int]:
     """`draft_topk` on `rows` drafted rows -> (weight elements read, activation bytes, FLOPs).
 
     An lm_head over Vd (own, or the target's output embedding when Vd = V): every row's logits in
@@ -156,7 +158,8 @@ def output_layer(dcfg: DraftConfig, rows: int, dtype_bytes: int = 2) -> tuple[in
     speculator's approximate logits (n A) B over V in the parameters' dtype, written and read by
     the top-k of `spec_candidates` K; the K candidates' rows of the target's output embedding
     gathered per row ([rows, K, d], written then read by the product: the gather reads rows, not
-    the matrix), exact logits over them in float32."""
+    the matrix), exact logits over them in float32. `fused_gather`: the lower bound where the
+    gather feeds the product directly, each candidate row read once and never written."""
     d, db = dcfg.hidden_size, dtype_bytes
     if not rows:
         return 0, 0, 0
@@ -164,7 +167,7 @@ def output_layer(dcfg: DraftConfig, rows: int, dtype_bytes: int = 2) -> tuple[in
         vd = dcfg.draft_vocab_size
         return d * vd, 4 * rows * vd * 4, 2 * rows * d * vd
     r, v, k = dcfg.speculator_rank, dcfg.vocab_size, dcfg.spec_candidates
-    acts = 2 * rows * v * db + 3 * rows * k * d * db + 4 * rows * k * 4
+    acts = 2 * rows * v * db + (1 if fused_gather else 3) * rows * k * d * db + 4 * rows * k * 4
     return r * (d + v), acts, 2 * rows * (r * (d + v) + k * d)
 
 
@@ -258,6 +261,7 @@ def draft_forward(
     target_features: bool,
     logit_rows: int,
     name: str = "draft",
+    fused_gather: bool = False,
 ) -> Phase:
     """One `draft.forward` of `rows` positions per row (fc applied to target features when
     `target_features`) against the draft's cache of `slots` slots, then `draft_topk` on
@@ -269,7 +273,7 @@ def draft_forward(
     hk, gk = h * k, g * k
     layer = 2 * d * hk + 2 * 2 * d * gk + hk * d + 3 * d * f
     fc = dcfg.feature_size * d if target_features else 0
-    head, head_acts, head_flops = output_layer(dcfg, b * logit_rows, db)
+    head, head_acts, head_flops = output_layer(dcfg, b * logit_rows, db, fused_gather)
     kv_l, scores_l, mm_l, f32_l = _attention(b, h, g, k, t, slots, db, own=False)
     acts = b * t * _layer_act_elems(d, f, hk, gk, 2 * d) * db + scores_l
     acts += b * t * d * db  # embedding rows
@@ -304,8 +308,10 @@ def spec_round(
     slots: int,
     dtype_bytes: int = 2,
     verify_tokens: float | None = None,
+    fused_gather: bool = False,
 ) -> Program:
-    """`speculative.round_step` with the eagle3 drafter, greedy, verify threshold 0:
+    """`speculative.round_step` with the eagle3 drafter, greedy, verify threshold 0
+    (`fused_gather`: SpecVocab's candidate rows counted as `output_layer`'s lower bound):
     pending: last round's accepted path K/V ([B, depth + 1] per layer) written into the cache;
     encode: draft forward over the depth + 1 encode pairs (fc on target features), lm_head on
       the one row that roots the tree;
@@ -322,7 +328,15 @@ def spec_round(
     phases = [Phase("pending", kv=2 * path_kv)]  # read the pending buffer, write into the cache
     phases.append(
         draft_forward(
-            dcfg, b, e, dslots, db, target_features=True, logit_rows=1, name="draft_encode"
+            dcfg,
+            b,
+            e,
+            dslots,
+            db,
+            target_features=True,
+            logit_rows=1,
+            name="draft_encode",
+            fused_gather=fused_gather,
         )
     )
     for lvl in range(2, tree.depth + 1):
@@ -336,6 +350,7 @@ def spec_round(
                 target_features=False,
                 logit_rows=tree.top_k,
                 name=f"draft_expand_{lvl}",
+                fused_gather=fused_gather,
             )
         )
     n1 = tree.total_tokens if verify_tokens is None else verify_tokens

@@ -122,7 +122,14 @@ def table(res: dict) -> str:
         lines += [
             "",
             "A round in plain steps, and the speedup it gives at the acceptance model's τ "
-            "(τ / (round / plain)):",
+            "(τ / (round / plain))"
+            + (
+                ""
+                if res.get("head", "eagle3") == "eagle3"
+                else f"; τ is EAGLE-3's model for every head, so for the {res['head']} head read "
+                "the round / plain columns, not the speedups"
+            )
+            + ":",
             "",
             "| batch | tree | round / plain measured | predicted | τ (model) | speedup at τ, "
             "measured | predicted |",
