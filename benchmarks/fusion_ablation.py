@@ -41,6 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reference", default="low_mid_high", help="the cell others are paired with")
     ap.add_argument("--bench", default=None, help="default: the grid's")
     ap.add_argument("--questions", type=int, default=None, help="per category; default: the grid's")
+    ap.add_argument(
+        "--batch-size", type=int, default=4,
+        help="questions per batch of the replayed run (untimed: greedy outputs, target passes and "
+        "acceptance are the same at any batch)",
+    )  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "runs/fusion_ablation_eval"))
     ap.add_argument("--publish", default=None, help="copy the report and results here")
     ap.add_argument("--skip-train", action="store_true", help="the grid's heads exist: stage 1 off")
@@ -74,7 +79,7 @@ def stages(args: argparse.Namespace, out: Path) -> None:
     questions = args.questions if args.questions is not None else grid.questions
     ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{k},{d},{n}", "--replay",
           "--bench", bench, "--max-new-tokens", str(grid.max_new_tokens), "--no-progress",
-          "--out", str(out / "eval")]  # fmt: skip
+          "--batch-size", str(args.batch_size), "--out", str(out / "eval")]  # fmt: skip
     if grid.base.corpus.target:
         ev += ["--target", str(grid.base.corpus.target)]
     if grid.dtype:

@@ -23,7 +23,8 @@ Stages (rerun the same command after any stop; each stage resumes or skips what 
      on an accelerator every tree decodes for real (τ and speedup); on a CPU the `cpu` tree does,
      and at the other trees each head is replayed over plain decoding's greedy answers (`eval
      --replay`: the same τ as decoding, draft-only rounds, so ten heads at the 60-node tree cost
-     hours less; their speed is stage 4's drafting time);
+     hours less; their speed is stage 4's drafting time; untimed, they run --replay-batch-size
+     questions a batch);
   6. SpecVocab's speculator recall on held-out answers (benchmarks/speculator_recall.py);
   7. the report (eagle3_jax.evaluation.study): the paper-shaped table, per-question paired
      intervals against --reference, drafting time per step and per round, training curves, plots.
@@ -102,6 +103,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         help="per category (Spec-Bench: 20 gives all 80 MT-bench questions and 20 of each task)",
     )  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument(
+        "--replay-batch-size", type=int, default=4,
+        help="questions per batch of a replayed (untimed) run; runs that time decoding keep "
+        "batch 1 (greedy outputs, target passes and acceptance are the same at any batch)",
+    )  # fmt: skip
     ap.add_argument("--mesh", default=None, help="the harness's --mesh DATAxMODEL")
     ap.add_argument("--out", default=str(ROOT / "runs/vocab_study_eval"))
     ap.add_argument("--publish", default=None, help="copy the report and results here")
@@ -239,7 +245,7 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
         if args.mesh:
             ev += ["--mesh", args.mesh]
         if st["replay"] and name != "cpu":  # τ only: each head replayed over vanilla's answers
-            ev.append("--replay")
+            ev += ["--replay", "--batch-size", str(args.replay_batch_size)]
         for d in drafts:
             ev += ["--draft", d]
         run(ev)  # 5 (resumes from its records)

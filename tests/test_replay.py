@@ -210,7 +210,8 @@ QUESTIONS = [
 
 def test_eval_replay_records_decodings_tau(tiny_target_dir, tmp_path, capsys):
     """`eval --replay`: pld and eagle3 replayed over vanilla's answers (a two-turn question turn
-    by turn) record what decoding them records, but the time; marked replayed."""
+    by turn) record what decoding them records, but the time; marked replayed. Replayed in
+    batches of questions (the studies' untimed runs) they record the same again."""
     _, cfg = load_hf(tiny_target_dir)
     dcfg = drf.DraftConfig.from_target(cfg)
     head = tmp_path / "head"
@@ -223,14 +224,20 @@ def test_eval_replay_records_decodings_tau(tiny_target_dir, tmp_path, capsys):
               "--no-progress"]  # fmt: skip
     assert main([*common, "--out", str(tmp_path / "real")]) == 0
     assert main([*common, "--out", str(tmp_path / "replay"), "--replay"]) == 0
-    real, rep = (
-        json.loads((tmp_path / d / "results.json").read_text()) for d in ("real", "replay")
+    batched = ["--out", str(tmp_path / "batched"), "--replay", "--batch-size", "2"]
+    assert main([*common, *batched]) == 0
+    real, rep, bat = (
+        json.loads((tmp_path / d / "results.json").read_text())
+        for d in ("real", "replay", "batched")
     )
     same = ("output_ids", "new_tokens", "target_forwards", "accept_hist", "verified_tokens", "tau")
-    assert len(real["records"]) == len(rep["records"]) == 6
+    assert len(real["records"]) == len(rep["records"]) == len(bat["records"]) == 6
+    key = lambda r: (r["question_id"], r["method"])  # noqa: E731
+    batched_by = {key(r): r for r in bat["records"]}
     for a, b in zip(real["records"], rep["records"]):
-        assert (a["question_id"], a["method"]) == (b["question_id"], b["method"])
+        assert key(a) == key(b)
         assert {k: a[k] for k in same} == {k: b[k] for k in same}
+        assert {k: a[k] for k in same} == {k: batched_by[key(a)][k] for k in same}
         assert b.get("replayed") is (True if b["method"] != "vanilla" else None)
     by = rep["summary"]["by_method"]
     assert by["eagle3:3,3,9"]["replayed"] and not by["vanilla"]["replayed"]
