@@ -508,3 +508,49 @@ def test_regenerate_turns_answers_every_turn_in_its_own_context(tiny_target, tmp
     coarse = tmp_path / "coarse.jsonl"
     regenerate_turns(tiny_target, convs, coarse, **kw, buckets=(128, 256))
     assert {r["id"]: r for r in _read_jsonl(coarse)} == recs
+
+
+def test_select_prompts_command_writes_the_selection(tiny_target_dir, tmp_path, capsys):
+    """`select-prompts`: the prompts kept (not answered, not an evaluation question, not too
+    long in the target's chat template) written as ShareGPT, or with --conversations the whole
+    conversations that hold an answer; the same .gz bytes on a second run; bad input exits 2."""
+    from eagle3_jax.cli.select_prompts import main as select_prompts
+    from eagle3_jax.evaluation.questions import load_questions
+
+    question = load_questions("mt_bench")[0].turns[0]  # held out: never a training prompt
+    convs = [
+        {"id": "a", "conversations": [{"from": "human", "value": "w5 w6 w7"},
+                                      {"from": "gpt", "value": "w8 w9"}]},
+        {"id": "b", "conversations": [{"from": "human", "value": question},
+                                      {"from": "gpt", "value": "w8"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": " ".join(["w9"] * 40)},
+                                      {"from": "gpt", "value": "w8"}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "w10 w11"},
+                                      {"from": "gpt", "value": "w12"}]},
+        {"id": "e", "conversations": [{"from": "human", "value": "w13 w14"}]},
+    ]  # fmt: skip
+    src, done = tmp_path / "src.jsonl", tmp_path / "done.jsonl"
+    src.write_text("\n".join(json.dumps(c) for c in convs) + "\n")
+    done.write_text(json.dumps(convs[3]) + "\n")  # "d" was answered already
+    common = [str(src), "--target", str(tiny_target_dir), "--max-prompt-tokens", "20",
+              "--exclude", str(done)]  # fmt: skip
+    out = tmp_path / "prompts.jsonl.gz"
+    assert select_prompts([*common, "--out", str(out)]) == 0
+    counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    kept = [json.loads(line) for line in gzip.decompress(out.read_bytes()).splitlines()]
+    assert [k["id"] for k in kept] == ["a", "e"]
+    assert kept[0]["conversations"] == [{"from": "human", "value": "w5 w6 w7"}]
+    assert counts["kept"] == 2 and counts["evaluation question"] == 1
+    assert counts["too long"] == 1 and counts["already answered"] == 1
+    first = out.read_bytes()
+    assert select_prompts([*common, "--out", str(out)]) == 0 and out.read_bytes() == first
+
+    whole = tmp_path / "convs.jsonl"
+    assert select_prompts([*common, "--out", str(whole), "--conversations"]) == 0
+    counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in whole.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a"] and counts["no answer"] == 1  # "e" has no answer
+    assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant"]
+
+    assert select_prompts([str(tmp_path / "missing.json"), "--out", str(out)]) == 2
+    assert "missing.json" in capsys.readouterr().err

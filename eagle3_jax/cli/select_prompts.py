@@ -28,7 +28,7 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.prompts import encode_chat
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -45,39 +45,49 @@ def main(argv=None) -> int:
         help="--conversations: end each before the turn that would pass this many characters "
         "(the first two turns always kept; 0 = whole); a 512-token window reads ~2,000",
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def choose(args: argparse.Namespace):
+    """-> (conversations read, their first user turns, the kept (id, text) pairs, the counts of
+    why the others were dropped)."""
+    tok = load_tokenizer(resolve_target(args.target))
+    convs = []
+    for f in args.files:
+        convs += read_conversations(f)[0]
+    convs = unique_ids(convs)  # an id repeated across files names one conversation each
+    prompts = first_user_turns(convs)
+    exclude = first_user_turns(read_conversations(args.exclude)[0]) if args.exclude else []
+    # a cheap bound first: no prompt reaches 16 characters per token, so longer ones are
+    # dropped untokenised (the tokenizer is slow on pasted documents)
+    limit = args.max_prompt_tokens
+
+    def n_tokens(text: str) -> int:
+        if len(text) > 16 * limit:
+            return limit + 1
+        return len(encode_chat(tok, [{"role": "user", "content": text}]))
+
+    held = held_out_texts()
+    if not args.conversations:
+        return convs, prompts, *select(prompts, exclude, held, n_tokens, limit)
+    is_held = held_out_matcher(held)
+    bad = {
+        c.id
+        for c in convs
+        for m in c.messages
+        if m["role"] == "user" and is_held(fold(m["content"]))
+    }
+    n_bad = sum(pid in bad for pid, _ in prompts)
+    prompts = [(pid, t) for pid, t in prompts if pid not in bad]
+    kept, why = select(prompts, [("", t) for _, t in exclude], set(), n_tokens, limit)
+    why["evaluation question"] += n_bad
+    return convs, prompts, kept, why
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     try:
-        tok = load_tokenizer(resolve_target(args.target))
-        convs = []
-        for f in args.files:
-            convs += read_conversations(f)[0]
-        convs = unique_ids(convs)  # an id repeated across files names one conversation each
-        prompts = first_user_turns(convs)
-        exclude = first_user_turns(read_conversations(args.exclude)[0]) if args.exclude else []
-        # a cheap bound first: no prompt reaches 16 characters per token, so longer ones are
-        # dropped untokenised (the tokenizer is slow on pasted documents)
-        limit = args.max_prompt_tokens
-
-        def n_tokens(text: str) -> int:
-            if len(text) > 16 * limit:
-                return limit + 1
-            return len(encode_chat(tok, [{"role": "user", "content": text}]))
-
-        held = held_out_texts()
-        if args.conversations:
-            is_held = held_out_matcher(held)
-            bad = {
-                c.id
-                for c in convs
-                for m in c.messages
-                if m["role"] == "user" and is_held(fold(m["content"]))
-            }
-            n_bad = sum(pid in bad for pid, _ in prompts)
-            prompts = [(pid, t) for pid, t in prompts if pid not in bad]
-            kept, why = select(prompts, [("", t) for _, t in exclude], set(), n_tokens, limit)
-            why["evaluation question"] += n_bad
-        else:
-            kept, why = select(prompts, exclude, held, n_tokens, limit)
+        convs, prompts, kept, why = choose(args)
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
