@@ -496,3 +496,19 @@ def test_a_run_is_locked_and_resumes_only_on_the_same_inputs(tiny_target_dir, tm
         train(tc, resume=True, progress=False)
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert train(tc, resume=True, progress=False)["steps"] == 4
+
+
+def test_validate_table_rows():
+    """`validate`'s table: a header with acc_0..acc_{n-1}, then one row a set with the depth-3
+    chain tau and the replayed tau at depth 3 and at the deepest step."""
+    from eagle3_jax.cli.validate import table
+
+    s = {"records": 12, "skipped": 1, "supervised": 300, "acc": [0.9, 0.8, 0.7, 0.6],
+         "chain_tau": [1.9, 2.6, 3.1, 3.4], "replay_tau": [1.8, 2.4, 2.9, 3.2]}  # fmt: skip
+    lines = table({"sets": {"held": s}}, 4).splitlines()
+    assert lines[0].startswith("| set | records (skipped) | supervised | acc_0 | acc_1 | acc_2")
+    assert "chain tau d3 | replayed tau d3 | replayed tau d4 |" in lines[0]
+    assert lines[1] == "|---" * 10 + "|"
+    assert lines[2] == (
+        "| held | 12 (1) | 300 | 0.900 | 0.800 | 0.700 | 0.600 | 3.10 | 2.90 | 3.20 |"
+    )
