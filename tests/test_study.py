@@ -236,3 +236,27 @@ def made_from_ok(artefact, corpus) -> bool:
     from eagle3_jax.checkpoints.atomic import made_from
 
     return made_from(artefact, {"corpus": files_digest([str(corpus)]), "roles": "assistant"})
+
+
+def test_the_report_predicts_the_papers_setting_on_an_accelerator():
+    """The section on the paper's own setting: every method's head on OLMo 2 1B and 7B from the
+    cost model, EAGLE-3 the unit of 'τ to match', SpecVocab's fused gather never dearer than the
+    materialised one, and the τ the paper's 7B throughput implies = its ratio x the round ratio."""
+    from eagle3_jax.accelerators import predict, specs
+    from eagle3_jax.decoding.tree import TreeConfig
+
+    lines, summary = study.accelerator_section()
+    rows = {(r["target"], r["method"]): r for r in summary["rows"]}
+    assert set(rows) == {(t, m) for t in ("olmo2_1b", "olmo2_7b")
+                         for m in ("eagle3", "target_lm_head", "specvocab")}  # fmt: skip
+    assert rows["olmo2_7b", "eagle3"]["tau_ratio_to_match"] == 1.0
+    sv = rows["olmo2_7b", "specvocab"]
+    assert sv["tau_ratio_to_match_fused_gather"] <= sv["tau_ratio_to_match"]
+    want = [r for r in predict.vocab_methods(specs.DEVICES["H100"], "olmo2_7b",
+                                             TreeConfig(10, 8, 60)) if r["method"] == "specvocab"]  # fmt: skip
+    assert sv["round_ms"] == pytest.approx(want[0]["round_ms"])
+    tps = summary["paper_tps_ratio_olmo2_7b"]
+    assert tps == pytest.approx(204.7 / 189.3)
+    assert summary["implied_tau_ratio"][0] == pytest.approx(tps * sv["tau_ratio_to_match"])
+    text = "\n".join(lines)
+    assert "predicted, not measured" in text and "| olmo2_7b | specvocab |" in text
