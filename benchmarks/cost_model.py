@@ -59,10 +59,6 @@ def table(head: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
-def tree_name(t: TreeConfig) -> str:
-    return f"{t.top_k}/{t.depth}/{t.total_tokens}"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--context", type=int, default=2048, help="prompt + new tokens (default 2048)")
@@ -120,8 +116,8 @@ def main(argv=None) -> int:
                     "best_chain": pred_dict(bc), "best_branching": pred_dict(bt),
                 })  # fmt: skip
                 best_rows.append([
-                    b, dname, tg, tree_name(bc.tree), f"{bc.tau:.2f}", f"{bc.speedup:.2f}",
-                    tree_name(bt.tree), f"{bt.tau:.2f}", f"{bt.speedup:.2f}",
+                    b, dname, tg, predict.tree_text(bc.tree), f"{bc.tau:.2f}", f"{bc.speedup:.2f}",
+                    predict.tree_text(bt.tree), f"{bt.tau:.2f}", f"{bt.speedup:.2f}",
                 ])  # fmt: skip
     res["best_trees"] = best
     print(f"\n## Best tree per device ({len(trees)} shapes; τ from the acceptance model)\n")
@@ -198,7 +194,11 @@ def main(argv=None) -> int:
 
     # 5. acceptance model against our measured τ
     acc_rows = [
-        [tree_name(TreeConfig(*k)), v, f"{acceptance.SMOLLM2_ACCEPTANCE.tau(TreeConfig(*k)):.2f}"]
+        [
+            predict.tree_text(TreeConfig(*k)),
+            v,
+            f"{acceptance.SMOLLM2_ACCEPTANCE.tau(TreeConfig(*k)):.2f}",
+        ]
         for k, v in acceptance.SMOLLM2_TAUS.items()
     ]
     print(f"\n## Acceptance model: {acceptance.SMOLLM2_ACCEPTANCE} against measured τ\n")
@@ -240,9 +240,7 @@ def vocab_section(context: int) -> dict:
          "τ / EAGLE-3's τ to match it", "draft ms, gather fused", "τ ratio, gather fused"],
         rows,
     ))  # fmt: skip
-    paper = study.PAPER
-    tps = paper["specvocab"]["tps_olmo2_7b"] / paper["eagle3"]["tps_olmo2_7b"]
-    tau_1b = paper["specvocab"]["tau_olmo2_1b"] / paper["eagle3"]["tau_olmo2_1b"]
+    tps, tau_1b = study.paper_specvocab_over_eagle3()
     implied = {
         f"{r['tree']}{gather}": tps * r[f"tau_ratio_to_match{gather}"]
         for r in recs
@@ -263,7 +261,7 @@ def vocab_section(context: int) -> dict:
 
 def pred_dict(p: predict.Prediction) -> dict:
     return {
-        "device": p.device, "target": p.target, "tree": tree_name(p.tree), "batch": p.batch,
+        "device": p.device, "target": p.target, "tree": predict.tree_text(p.tree), "batch": p.batch,
         "context": p.context, "chips": p.chips, "plain_us": p.plain_s * 1e6,
         "round_us": p.round_s * 1e6, "ratio": p.ratio, "tau": p.tau, "speedup": p.speedup,
     }  # fmt: skip

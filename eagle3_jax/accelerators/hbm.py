@@ -33,8 +33,8 @@ def resident_bytes(
     that reads an untied target's output embedding holds lm_head transposed beside it
     (`attach_target_head` makes that copy once, outside the jitted programs)."""
     dkv = 2 * batch * dcfg.num_kv_heads * dcfg.head_dim * slots * dtype_bytes
-    copy = tcfg.vocab_size * tcfg.hidden_size
-    copy *= dcfg.uses_target_head and not tcfg.tie_word_embeddings
+    untied = dcfg.uses_target_head and not tcfg.tie_word_embeddings
+    copy = tcfg.vocab_size * tcfg.hidden_size if untied else 0
     return (
         (target_params(tcfg) + draft_params(dcfg) + copy) * dtype_bytes
         + kv_bytes(tcfg, batch, slots, dtype_bytes)

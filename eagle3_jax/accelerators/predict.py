@@ -225,4 +225,5 @@ def vocab_methods(
 
 
 def tree_text(tree: TreeConfig) -> str:
+    """A tree as the cost model's tables name it: "top_k/depth/total_tokens"."""
     return f"{tree.top_k}/{tree.depth}/{tree.total_tokens}"

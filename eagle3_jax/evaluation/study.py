@@ -280,6 +280,12 @@ def curve_section(curves: dict[str, list[dict]]) -> list[str]:
     return out + [""]
 
 
+def paper_specvocab_over_eagle3() -> tuple[float, float]:
+    """SpecVocab over EAGLE-3 as published: (tokens/s on OLMo 2 7B, τ on OLMo 2 1B)."""
+    sv, e3 = PAPER["specvocab"], PAPER["eagle3"]
+    return sv["tps_olmo2_7b"] / e3["tps_olmo2_7b"], sv["tau_olmo2_1b"] / e3["tau_olmo2_1b"]
+
+
 def accelerator_section(context: int = 2048) -> tuple[list[str], dict]:
     """The methods' heads at the paper's own setting, predicted (`accelerators.predict`): an H100,
     OLMo 2 1B and 7B, the 10/8/60 tree, batch 1; each head's drafting and round time and the τ it
@@ -309,8 +315,7 @@ def accelerator_section(context: int = 2048) -> tuple[list[str], dict]:
                 + (f" ({r['tau_ratio_to_match_fused_gather']:.3f} fused)" if fused else "")
                 + " |"
             )
-    tps = PAPER["specvocab"]["tps_olmo2_7b"] / PAPER["eagle3"]["tps_olmo2_7b"]
-    tau_1b = PAPER["specvocab"]["tau_olmo2_1b"] / PAPER["eagle3"]["tau_olmo2_1b"]
+    tps, tau_1b = paper_specvocab_over_eagle3()
     (sv,) = [r for r in rows if r["target"] == "olmo2_7b" and r["method"] == "specvocab"]
     implied = (tps * sv["tau_ratio_to_match"], tps * sv["tau_ratio_to_match_fused_gather"])
     lines += [

@@ -334,8 +334,7 @@ def measure(args) -> dict:
 
 def tree_label(name: str) -> str:
     """The name, and the shape (top_k/depth/total_tokens) where it differs: "chain 1/8/9"."""
-    t = TREES[name]
-    shape = f"{t.top_k}/{t.depth}/{t.total_tokens}"
+    shape = predict.tree_text(TREES[name])
     return name if name == shape else f"{name} {shape}"
 
 
