@@ -205,20 +205,18 @@ def test_output_layer_flops_match_xla(head, monkeypatch):
     fill, a select the roofline leaves out with the other elementwise work (its bytes are
     counted)."""
     from eagle3_jax.config import DraftConfig
+    from eagle3_jax.models import draft as drf
     from eagle3_jax.models.draft_output import draft_topk
     from eagle3_jax.vocab import build_from_counts
 
     monkeypatch.setitem(specs.REAL_TARGETS, "cost_small", SMALL)
     dcfg = DraftConfig.from_target(specs.target_config("cost_small"), **head)
     d, v, bf16 = dcfg.hidden_size, dcfg.vocab_size, jnp.bfloat16
-    params = {"final_norm": jax.ShapeDtypeStruct((d,), bf16)}
-    if dcfg.lm_head_source == "own":
-        params["lm_head"] = jax.ShapeDtypeStruct((d, dcfg.draft_vocab_size), bf16)
-    else:
-        params["out_embed"] = jax.ShapeDtypeStruct((v, d), bf16)
-    if dcfg.speculator_rank:
-        params["spec_a"] = jax.ShapeDtypeStruct((d, dcfg.speculator_rank), bf16)
-        params["spec_b"] = jax.ShapeDtypeStruct((dcfg.speculator_rank, v), bf16)
+    # the head's own parameters as init_params lays them out, plus the target's output embedding
+    # that loaders attach to a head reading it
+    params = jax.eval_shape(lambda k: drf.init_params(dcfg, k, bf16), jax.random.key(0))
+    if dcfg.uses_target_head:
+        params = {**params, "out_embed": jax.ShapeDtypeStruct((v, d), bf16)}
     vocab = build_from_counts(np.arange(v), dcfg.draft_vocab_size)
     fn = jax.jit(lambda p, h: draft_topk(p, h, dcfg, vocab, 10))
     analysis = fn.lower(params, jax.ShapeDtypeStruct((10, d), bf16)).cost_analysis()
