@@ -66,3 +66,20 @@ def spec_prefill(spec_setup, prompts, new, tree, eos_ids=(), **kw):
         jax.random.PRNGKey(0), cfg, dcfg, req.shape, tree, Sampling(), req.eos, **kw,
     )  # fmt: skip
     return state, req.shape
+
+
+def rec(qid, method, seed, new, fw, wall, hist=None, task="t", gens=1, out=None):
+    """One harness record (evaluation/records.py's fields) of question `qid`: `new` tokens in
+    `fw` target passes and `wall` seconds; `out` its output ids (default [[qid]])."""
+    return {
+        "question_id": qid,
+        "task": task,
+        "method": method,
+        "seed": seed,
+        "new_tokens": new,
+        "target_forwards": fw,
+        "num_generations": gens,
+        "wall_time_s": wall,
+        "accept_hist": hist,
+        "output_ids": out if out is not None else [[qid]],
+    }

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import load_script
+from helpers import load_script, rec
 
 from eagle3_jax.models.layers import kv_shapes
 
@@ -47,18 +47,6 @@ def test_attention_layouts_compute_the_same_attention():
     np.testing.assert_array_equal(vc_new, vc_old.transpose(0, 2, 1, 3))
 
 
-def _record(question, seed, out, forwards, wall, hist=None):
-    return {
-        "question_id": question,
-        "seed": seed,
-        "output_ids": out,
-        "new_tokens": len(out),
-        "target_forwards": forwards,
-        "wall_time_s": wall,
-        "accept_hist": hist,
-    }
-
-
 def test_speculative_decoding_rows_come_from_the_metrics():
     """τ, throughput, speedup and exactness of the table are eagle3_jax.evaluation.metrics'
     over the run's records: summed tokens over summed time, against vanilla of the same run."""
@@ -66,9 +54,9 @@ def test_speculative_decoding_rows_come_from_the_metrics():
     records = {name: [] for name in names}
     for q in range(2):
         out = list(range(10 + q))
-        records["vanilla"].append(_record(q, 0, out, len(out), 1.0 + q))
+        records["vanilla"].append(rec(q, "vanilla", 0, len(out), len(out), 1.0 + q, out=out))
         for name in names[1:]:
-            records[name].append(_record(q, 0, out, 4, 0.5, np.array([1, 2, 1])))
+            records[name].append(rec(q, name, 0, len(out), 4, 0.5, np.array([1, 2, 1]), out=out))
     records["pld chain d4"][1]["output_ids"] = [0]  # one output differs from vanilla's
     rows = {r["name"]: r for r in speculative_decoding.table_rows(records)}
 

@@ -5,23 +5,9 @@ import math
 
 import numpy as np
 import pytest
+from helpers import rec
 
 from eagle3_jax.evaluation import metrics
-
-
-def rec(qid, method, seed, new, fw, wall, hist=None, task="t", gens=1, out=None):
-    return {
-        "question_id": qid,
-        "task": task,
-        "method": method,
-        "seed": seed,
-        "new_tokens": new,
-        "target_forwards": fw,
-        "num_generations": gens,
-        "wall_time_s": wall,
-        "accept_hist": hist,
-        "output_ids": out if out is not None else [[qid]],
-    }
 
 
 def test_metric_arithmetic():

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import rec
 
 from eagle3_jax.evaluation import paired
 
@@ -71,26 +72,13 @@ def test_an_interval_across_no_difference_is_not_real():
     assert d.lo < 0 < d.hi and not d.real and "*" not in d.text()
 
 
-def _rec(q, method, tokens, forwards, wall, task="qa", seed=0):
-    return {
-        "question_id": q,
-        "task": task,
-        "method": method,
-        "seed": seed,
-        "num_generations": 1,
-        "new_tokens": tokens,
-        "target_forwards": forwards,
-        "wall_time_s": wall,
-    }
-
-
 def test_compare_pairs_per_question_and_pools_seeds():
     recs = []
     for i in range(8):
         # reference: tau (41 - 1) / (21 - 1) = 2; method: (41 - 1) / (11 - 1) = 4, twice as fast
-        recs.append(_rec(i, "ref", 41, 21, 2.0))
-        recs.append(_rec(i, "m", 41, 11, 1.0, seed=0))
-        recs.append(_rec(i, "m", 41, 11, 1.0, seed=1))
+        recs.append(rec(i, "ref", 0, 41, 21, 2.0, task="qa"))
+        recs.append(rec(i, "m", 0, 41, 11, 1.0, task="qa"))
+        recs.append(rec(i, "m", 1, 41, 11, 1.0, task="qa"))
     out = paired.compare(recs, "m", "ref")
     assert out["tau"].n == 8 and out["tau"].mean == pytest.approx(2.0)
     assert out["throughput"].mean == pytest.approx(2.0) and out["throughput"].ratio
