@@ -617,6 +617,43 @@ def test_specvocab_topk_is_the_exact_topk_among_the_speculator_candidates(k_cand
         assert (np.asarray(full[1]) == np.asarray(ids)).all()
 
 
+def test_specvocab_sibling_rows_share_one_candidate_gather():
+    """A tree level's sibling rows [B, R, D]: the deduplicated gather (candidates that fit the
+    union capacity) and the per-row fallback (candidates that do not) give the per-row gather's
+    logits, hence the same top-k ids and scores as draft_topk always gave."""
+    tcfg, tparams, dcfg, params = _target_head_setup(rank=HT // 8, candidates=16)
+    embed = params["out_embed"]
+    b, r, k = 2, 8, 16
+    assert draft_output.union_capacity(r, k, V) == 64 < r * k
+    assert draft_output.union_capacity(2, k, V) == 2 * k  # no saving: per-row gather
+    assert draft_output.union_capacity(1, 2048, 49152) == 2048
+    assert draft_output.union_capacity(10, 2048, 49152) == 8896
+    normed = jax.random.normal(jax.random.PRNGKey(4), (b, r, HT))
+    rng = np.random.default_rng(0)
+    # siblings sharing most candidates (the union fits) and random sets (it does not)
+    pool = rng.permutation(V)[:24]
+    near = np.stack([[rng.choice(pool, k, replace=False) for _ in range(r)] for _ in range(b)])
+    spread = np.stack([[rng.choice(V, k, replace=False) for _ in range(r)] for _ in range(b)])
+    assert len(np.unique(spread[0])) > 64 >= len(np.unique(near[0]))
+    for cand in (near, spread):
+        cand = jnp.asarray(cand, jnp.int32)
+        want = np.asarray(normed)[:, :, None, :] @ np.asarray(embed)[np.asarray(cand)].swapaxes(
+            -1, -2
+        )
+        got = jax.jit(draft_output.candidate_logits)(normed, cand, embed)
+        np.testing.assert_allclose(np.asarray(got), want[:, :, 0], rtol=1e-5, atol=1e-5)
+    # through draft_topk: a level of 8 siblings equals each row drafted alone
+    h = jax.random.normal(jax.random.PRNGKey(5), (b, r, HT)) * 0.1 + jax.random.normal(
+        jax.random.PRNGKey(6), (b, 1, HT)
+    )
+    voc = vocab_lib.identity(V)
+    score, ids = jax.jit(draft_output.draft_topk, static_argnums=(2, 4))(params, h, dcfg, voc, 4)
+    for i in range(r):
+        s1, i1 = draft_output.draft_topk(params, h[:, i : i + 1], dcfg, voc, 4)
+        assert (np.asarray(i1[:, 0]) == np.asarray(ids[:, i])).all()
+        np.testing.assert_allclose(np.asarray(s1[:, 0]), np.asarray(score[:, i]), atol=1e-5)
+
+
 def test_target_and_specvocab_heads_round_trip(tmp_path):
     for rank in (0, HT // 8):
         tcfg, tparams, dcfg, params = _target_head_setup(rank=rank, candidates=32)

@@ -121,6 +121,36 @@ def test_sharded_target_gives_the_same_tokens(spec_setup, hf_checkpoint):
     assert out.output_ids == ref.output_ids
 
 
+def test_specvocab_on_a_sharded_target_gives_the_same_tokens(spec_setup, hf_checkpoint):
+    """A SpecVocab head reading the sharded target's output embedding, at a tree whose levels
+    share one candidate gather (draft_output.candidate_logits), two prompts over the data axis:
+    the same tokens as one device."""
+    from eagle3_jax.decoding.tree import TreeConfig
+    from eagle3_jax.models import draft_output
+    from eagle3_jax.vocab import identity
+
+    params, cfg, *_ = spec_setup
+    _, path = hf_checkpoint("llama")
+    mesh = make_mesh(2, 4)
+    sharded, _ = load_hf(path, mesh=mesh)
+    dcfg = drf.DraftConfig.from_target(
+        cfg, lm_head_source="target", speculator_rank=4, spec_candidates=12
+    )
+    dparams = drf.init_params(dcfg, jax.random.PRNGKey(5), scale=0.2)
+    wide = TreeConfig(top_k=6, depth=3, total_tokens=16)
+    assert draft_output.union_capacity(6, 12, cfg.vocab_size) < 6 * 12
+    voc, prompts = identity(cfg.vocab_size), random_prompts(cfg.vocab_size, [6, 11], seed=4)
+    ref = spec_generate(
+        params, cfg, draft_output.attach_target_head(dparams, dcfg, params, cfg), dcfg, voc,
+        prompts, 24, wide, eos_ids=(),
+    )  # fmt: skip
+    dsharded = draft_output.attach_target_head(
+        jax.device_put(dparams, replicated(mesh)), dcfg, sharded, cfg
+    )
+    out = spec_generate(sharded, cfg, dsharded, dcfg, voc, prompts, 24, wide, eos_ids=())
+    assert out.output_ids == ref.output_ids
+
+
 def test_caches_are_laid_out_on_the_target_mesh(spec_setup, hf_checkpoint):
     """On a mesh whose model axis divides the kv heads, the target's cache is split over it (batch
     over data) from prefill on (left to propagation it was replicated), and the tokens are those

@@ -268,7 +268,8 @@ def test_eos_stops_a_row_inside_a_round(spec_setup):
 @pytest.mark.parametrize("rank", [0, 4], ids=["target-lm-head", "specvocab"])
 def test_heads_reading_the_target_output_embedding_are_exact(spec_setup, rank):
     """Full-vocabulary heads on the target's output embedding, and SpecVocab (candidates from the
-    speculator, exact logits among them): greedy output == plain decoding, chain and tree."""
+    speculator, exact logits among them): greedy output == plain decoding, chain and trees (the
+    wide one's levels share one candidate gather: draft_output.candidate_logits)."""
     from eagle3_jax.vocab import identity
 
     params, cfg, *_ = spec_setup
@@ -282,7 +283,9 @@ def test_heads_reading_the_target_output_embedding_are_exact(spec_setup, rank):
     dparams = draft_output.attach_target_head(dparams, dcfg, params, cfg)
     prompts = random_prompts(cfg.vocab_size, [5, 12, 9], seed=11)
     ref = plain.generate(params, cfg, prompts, 30, eos_ids=())
-    for tree in (CHAIN, TREE):
+    wide = TreeConfig(top_k=6, depth=3, total_tokens=16)
+    assert draft_output.union_capacity(6, 12, cfg.vocab_size) < 6 * 12
+    for tree in (CHAIN, TREE, wide):
         out = spec_generate(
             params, cfg, dparams, dcfg, identity(cfg.vocab_size), prompts, 30, tree, eos_ids=()
         )

@@ -241,7 +241,7 @@ def made_from_ok(artefact, corpus) -> bool:
 def test_the_report_predicts_the_papers_setting_on_an_accelerator():
     """The section on the paper's own setting: every method's head on OLMo 2 1B and 7B from the
     cost model, EAGLE-3 the unit of 'τ to match', SpecVocab's fused gather never dearer than the
-    materialised one, and the τ the paper's 7B throughput implies = its ratio x the round ratio."""
+    written-then-read one, and the τ the paper's 7B throughput implies = its ratio x the round ratio."""
     from eagle3_jax.accelerators import predict, specs
     from eagle3_jax.decoding.tree import TreeConfig
 

@@ -201,7 +201,8 @@ def vocab_methods(
     """Per vocabulary method's head: drafting and round time on `dev`, the round in plain steps,
     and the τ it needs to match EAGLE-3's speedup (τ_method / τ_eagle3 = its round time over
     EAGLE-3's: what a method must gain in τ to pay for its draft). SpecVocab's figures count its
-    gathered candidate rows as `draft_topk` materialises them; the `*_fused_gather` ones, the
+    gathered candidate rows as `draft_topk` gathers them (per row, or once per tree level for
+    siblings: `roofline.output_layer`); the `*_fused_gather` ones, the
     lower bound of a gather fused into the product (the same for the other heads)."""
     tcfg = TARGETS[target]
     plain = plain_step(tcfg, 1, slots_for(context)).time_s(dev)

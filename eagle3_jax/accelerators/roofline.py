@@ -39,6 +39,7 @@ import math
 from eagle3_jax.accelerators.specs import Device
 from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.decoding.tree import TreeConfig
+from eagle3_jax.models.draft_output import union_capacity
 from eagle3_jax.models.layers import EXACT_QUERIES
 
 # ----------------------------------------------------------------------------- phases and programs
@@ -149,26 +150,40 @@ def draft_params(dcfg: DraftConfig) -> int:
 
 
 def output_layer(
-    dcfg: DraftConfig, rows: int, dtype_bytes: int = 2, fused_gather: bool = False
+    dcfg: DraftConfig,
+    rows: int,
+    dtype_bytes: int = 2,
+    fused_gather: bool = False,
+    batch: int = 1,
 ) -> tuple[int, int, int]:
-    """`draft_topk` on `rows` drafted rows -> (weight elements read, activation bytes, FLOPs).
+    """`draft_topk` on `rows` sibling rows (1: a chain or the root; top-k: a tree level) of each
+    of `batch` sequences -> (weight elements read, activation bytes, FLOPs).
 
     An lm_head over Vd (own, or the target's output embedding when Vd = V): every row's logits in
     float32, written, read and written by the log-softmax, read by the top-k. SpecVocab: the
     speculator's approximate logits (n A) B over V in the parameters' dtype, written and read by
-    the top-k of `spec_candidates` K; the K candidates' rows of the target's output embedding
-    gathered per row ([rows, K, d], written then read by the product: the gather reads rows, not
-    the matrix), exact logits over them in float32. `fused_gather`: the lower bound where the
-    gather feeds the product directly, each candidate row read once and never written."""
-    d, db = dcfg.hidden_size, dtype_bytes
-    if not rows:
+    the top-k of `spec_candidates` K; then the candidates' rows of the target's output embedding,
+    as `draft_output.candidate_logits` gathers them: per row ([rows, K, d]) or, for siblings
+    whose shared set is smaller, once per level (`union_capacity` U rows: a mark per vocabulary
+    id written, counted and read, [U, d] gathered, every sibling's U logits in float32 written and
+    its K picked); gathered rows are written then read by the product (the gather reads rows,
+    not the matrix); exact logits over the candidates in float32. `fused_gather`: the lower bound
+    where the gather feeds the product directly, each gathered row read once and never written."""
+    d, db, n = dcfg.hidden_size, dtype_bytes, batch * rows
+    if not n:
         return 0, 0, 0
     if not dcfg.speculator_rank:
         vd = dcfg.draft_vocab_size
-        return d * vd, 4 * rows * vd * 4, 2 * rows * d * vd
+        return d * vd, 4 * n * vd * 4, 2 * n * d * vd
     r, v, k = dcfg.speculator_rank, dcfg.vocab_size, dcfg.spec_candidates
-    acts = 2 * rows * v * db + (1 if fused_gather else 3) * rows * k * d * db + 4 * rows * k * 4
-    return r * (d + v), acts, 2 * rows * (r * (d + v) + k * d)
+    cap = union_capacity(rows, k, v)
+    passes = 1 if fused_gather else 3
+    acts = 2 * n * v * db + 4 * n * k * 4
+    if cap < rows * k:  # one shared gather per level
+        acts += 3 * batch * v * 4 + passes * batch * cap * d * db + n * (cap + k) * 4
+        return r * (d + v), acts, 2 * n * (r * (d + v) + cap * d)
+    acts += passes * n * k * d * db
+    return r * (d + v), acts, 2 * n * (r * (d + v) + k * d)
 
 
 def _layer_act_elems(d: int, f: int, hk: int, gk: int, in_width: int) -> int:
@@ -273,7 +288,7 @@ def draft_forward(
     hk, gk = h * k, g * k
     layer = 2 * d * hk + 2 * 2 * d * gk + hk * d + 3 * d * f
     fc = dcfg.feature_size * d if target_features else 0
-    head, head_acts, head_flops = output_layer(dcfg, b * logit_rows, db, fused_gather)
+    head, head_acts, head_flops = output_layer(dcfg, logit_rows, db, fused_gather, b)
     kv_l, scores_l, mm_l, f32_l = _attention(b, h, g, k, t, slots, db, own=False)
     acts = b * t * _layer_act_elems(d, f, hk, gk, 2 * d) * db + scores_l
     acts += b * t * d * db  # embedding rows
