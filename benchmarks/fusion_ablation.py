@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bench", default=None, help="default: the grid's")
     ap.add_argument("--questions", type=int, default=None, help="per category; default: the grid's")
     ap.add_argument(
-        "--batch-size", type=int, default=4,
+        "--batch-size", type=int, default=8,
         help="questions per batch of the replayed run (untimed: greedy outputs, target passes and "
         "acceptance are the same at any batch)",
     )  # fmt: skip

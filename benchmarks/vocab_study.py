@@ -104,7 +104,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     )  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument(
-        "--replay-batch-size", type=int, default=4,
+        "--replay-batch-size", type=int, default=8,
         help="questions per batch of a replayed (untimed) run; runs that time decoding keep "
         "batch 1 (greedy outputs, target passes and acceptance are the same at any batch)",
     )  # fmt: skip
