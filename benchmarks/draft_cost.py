@@ -3,21 +3,28 @@
 
   .venv/bin/python benchmarks/draft_cost.py --draft eagle3=HEAD_A --draft specvocab=HEAD_B ...
 
-One draft step = the head's decoder layer over `rows` new rows (1: a chain; 4 / 10: the nodes a
-tree level expands) attending to a cache of `context` slots, then its output layer choosing the
-top-k tokens of each row (own lm_head over Vd, the target's output embedding over V, or SpecVocab's
-speculator + exact logits over its candidates). Also timed alone: the output layer (norm, logits,
-top-k). fp32, batch 1, jitted, medians of `reps`. Prints a table, writes
-benchmarks/results/draft_cost.json.
+One draft step = a tree level as decoding runs it: the head's decoder layer over `rows` sibling
+rows (1: a chain; 4 / 10: the nodes a level expands), each the root's child, attending to the
+context and itself, then its output layer choosing the top-k tokens of each row (own lm_head over
+Vd, the target's output embedding over V, or SpecVocab's speculator + exact logits over its
+candidates). Also timed alone: the output layer (norm, logits, top-k) on the level's hidden
+states. The level is real: a context of MT-bench questions (about `context` tokens) prefilled
+through the target and the head (`speculative.prefill`), the root's draft hidden state, its
+`rows` best children as the tokens. That matters for SpecVocab, whose siblings share one
+candidate gather when their candidates' union fits (`draft_output.candidate_logits`; the two
+branches cost differently): each row records the union's size and capacity. fp32, batch 1,
+jitted, medians of `reps`. Prints a table, writes benchmarks/results/draft_cost.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +33,17 @@ import numpy as np
 from eagle3_jax import cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
+from eagle3_jax.decoding import drafters, plain
+from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.evaluation.options import parse_drafts
+from eagle3_jax.evaluation.questions import BENCHES, read_questions
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import draft_output
+from eagle3_jax.models.layers import rms_norm
 from eagle3_jax.paths import cpu_model
+from eagle3_jax.prompts import encode_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,6 +58,17 @@ def _median_ms(fn, *args, reps: int) -> float:
     return 1e3 * float(np.median(times))
 
 
+def union_of(params, hidden, dcfg) -> dict:
+    """A SpecVocab level's candidates: distinct ids among its rows' and the shared set's capacity
+    (a union above it takes the per-row gather)."""
+    normed = rms_norm(hidden, params["final_norm"], dcfg.rms_norm_eps)
+    logits = draft_output.speculator_logits(params, normed)
+    _, cand = jax.lax.top_k(logits, dcfg.spec_candidates)
+    r, k = hidden.shape[-2], dcfg.spec_candidates
+    distinct = int(np.unique(np.asarray(cand)).size)
+    return {"distinct": distinct, "capacity": draft_output.union_capacity(r, k, dcfg.vocab_size)}
+
+
 def kind_of(dcfg) -> str:
     if dcfg.speculator_rank:
         return f"SpecVocab r{dcfg.speculator_rank} k{dcfg.spec_candidates}"
@@ -52,13 +77,66 @@ def kind_of(dcfg) -> str:
     return f"own lm_head (Vd {dcfg.draft_vocab_size})"
 
 
+def context_ids(tokenizer, length: int) -> list[int]:
+    """A chat prompt of MT-bench first turns (one user message), as many as fit in `length`
+    (the first one's first `length` ids when even it does not)."""
+    qs = [q.turns[0] for q in read_questions(BENCHES["mt_bench"])]
+    ids = encode_chat(tokenizer, [{"role": "user", "content": qs[0]}])[:length]
+    for n in range(2, len(qs) + 1):
+        more = encode_chat(tokenizer, [{"role": "user", "content": "\n\n".join(qs[:n])}])
+        if len(more) > length:
+            break
+        ids = more
+    return ids
+
+
+class Level(NamedTuple):
+    """A real tree level: its sibling tokens [1, R], their parent's hidden state [1, R, D], the
+    draft cache after the context and the context's length [1]."""
+
+    tokens: jax.Array
+    hidden: jax.Array
+    cache: dict
+    length: jax.Array
+
+
+def real_level(target, head, embed, prompt: list[int], rows: int) -> tuple[Level, tuple]:
+    """The context prefilled (target features, the head's cache), the last pair encoded (the
+    root's draft hidden state) and the root's `rows` best children: the first level of a tree.
+    Returns it and its static sizes (stable slots, scratch slots)."""
+    params, dcfg, vocab = head.params, head.cfg, head.vocab
+    tree = TreeConfig(top_k=rows, depth=2, total_tokens=rows + 1)
+    req = plain.prepare(target.cfg, [prompt], 8, (), None, 0, tree.round_slots + 1)
+    state = spec.prefill(
+        target.params, params, embed, vocab, req.tokens, req.lengths, req.limit,
+        jax.random.PRNGKey(0), target.cfg, dcfg, req.shape, tree, Sampling(), (),
+    )  # fmt: skip
+    h0, cache = drafters._encode_pairs(params, embed, state, dcfg, req.shape, tree)
+    _, tokens = draft_output.draft_topk(params, h0, dcfg, vocab, rows)
+    hidden = jnp.broadcast_to(h0[:, None, :], (1, rows, h0.shape[-1]))
+    return Level(tokens, hidden, cache, state.length), (req.shape.slots, tree.tree_slots)
+
+
+def level_hidden(params, embed, lv: Level, dcfg, sizes: tuple) -> jax.Array:
+    """The decoder layer over a level's siblings, as `drafters._level` runs it at depth 2."""
+    (slots, tree_slots), r = sizes, lv.tokens.shape[1]
+    stable = jnp.arange(slots)[None, :] < lv.length[:, None]  # [1, S]
+    own = jnp.eye(r, tree_slots, dtype=bool)  # each sibling's scratch slot
+    mask = jnp.concatenate([jnp.broadcast_to(stable, (r, slots)), own], axis=-1)[None]
+    return drf.forward(
+        params, embed, lv.tokens, lv.hidden, jnp.broadcast_to(lv.length[:, None], (1, r)), mask,
+        dcfg, lv.cache, jnp.full((1,), slots, jnp.int32), compute_logits=False,
+        target_features=False,
+    ).hidden  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=None)
     ap.add_argument("--draft", action="append", required=True, help="[NAME=]HEAD (repeatable)")
     ap.add_argument("--rows", default="1,4,10")
     ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--context", type=int, default=320)
+    ap.add_argument("--context", type=int, default=320, help="context tokens, at most")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/draft_cost.json"))
     args = ap.parse_args()
@@ -67,40 +145,35 @@ def main() -> None:
     products = cpu_tuning.policy_for()
     target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
     rows_list = [int(x) for x in args.rows.split(",")]
+    room = target.cfg.max_position_embeddings - 2 * max(rows_list) - 16  # new tokens, the level
+    prompt = context_ids(target.tokenizer, min(args.context, room))
     results = []
     for name, path in parse_drafts(args.draft).items():
-        params, dcfg, vocab, embed = load_head(path, target)
-        emb = target.params["embed"] if embed is None else embed
+        head = load_head(path, target)
+        params, dcfg, vocab = head.params, head.cfg, head.vocab
+        emb = target.params["embed"] if head.embed is None else head.embed
         k = min(args.top_k, dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size)
-        slots = args.context + max(rows_list)
 
-        @jax.jit
-        def step(params, tokens, hidden, cache, dcfg=dcfg, vocab=vocab, k=k):
-            r = tokens.shape[1]
-            pos = jnp.full((1, r), args.context, jnp.int32)
-            mask = jnp.arange(slots)[None, None, :] <= args.context + jnp.arange(r)[None, :, None]
-            out = drf.forward(
-                params, emb, tokens, hidden, pos, mask, dcfg, cache,
-                jnp.full((1,), args.context, jnp.int32), compute_logits=False,
-                target_features=False,
-            )  # fmt: skip
-            return draft_output.draft_topk(params, out.hidden, dcfg, vocab, k)
+        @functools.partial(jax.jit, static_argnums=2)
+        def step(params, lv, sizes, dcfg=dcfg, vocab=vocab, k=k, emb=emb):
+            return draft_output.draft_topk(
+                params, level_hidden(params, emb, lv, dcfg, sizes), dcfg, vocab, k
+            )
 
         @jax.jit
         def output(params, hidden, dcfg=dcfg, vocab=vocab, k=k):
             return draft_output.draft_topk(params, hidden, dcfg, vocab, k)
 
-        cache = drf.make_cache(dcfg, 1, slots)
         row = {"head": name, "path": str(path), "kind": kind_of(dcfg), "top_k": k}
         for r in rows_list:
-            tokens = jnp.asarray(np.random.default_rng(r).integers(0, dcfg.vocab_size, (1, r)))
-            hidden = jax.random.normal(jax.random.PRNGKey(r), (1, r, dcfg.hidden_size))
-            row[f"step_ms_rows{r}"] = _median_ms(
-                step, params, tokens, hidden, cache, reps=args.reps
-            )
+            lv, sizes = real_level(target, head, emb, prompt, r)
+            row[f"step_ms_rows{r}"] = _median_ms(step, params, lv, sizes, reps=args.reps)
+            hidden = jax.jit(level_hidden, static_argnums=(3, 4))(params, emb, lv, dcfg, sizes)
             row[f"output_ms_rows{r}"] = _median_ms(output, params, hidden, reps=args.reps)
+            if dcfg.speculator_rank:
+                row[f"union_rows{r}"] = union_of(params, hidden, dcfg)
         results.append(row)
-    print(f"one draft step (layer + output top-{args.top_k}), context {args.context}, fp32, ms")
+    print(f"one draft step (layer + output top-{args.top_k}), context {len(prompt)}, fp32, ms")
     head = f"{'head':<14} {'kind':<28}" + "".join(
         f" {'step r' + str(r):>9} {'out r' + str(r):>8}" for r in rows_list
     )
@@ -116,7 +189,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": cpu_model(), "jax": jax.__version__}
-    meta.update(context=args.context, reps=args.reps, rows=rows_list)
+    meta.update(context=len(prompt), reps=args.reps, rows=rows_list)
     out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 attention_layout = load_script("benchmarks/attention_layout.py")
 speculative_decoding = load_script("benchmarks/speculative_decoding.py")
+draft_cost = load_script("benchmarks/draft_cost.py")
 
 
 def test_attention_layouts_compute_the_same_attention():
@@ -125,3 +126,35 @@ def test_training_benchmark_times_the_training_step(tiny_target_dir):
     assert row["draft_vocab"] == 64 and row["ttt_steps"] >= 1
     assert row["step_s"] > 0 and row["target_tokens_per_s"] == 2 * 32 / row["step_s"]
     assert np.isfinite(row["loss"]) and row["loss"] > 0
+
+
+def test_draft_cost_times_a_tree_level_as_decoding_runs_it(spec_setup):
+    """draft_cost's level (the context prefilled, the root's best children as siblings) through
+    its decoder layer gives the hidden states, children and cache that the drafter's own level
+    step (drafters._level at depth 2) gives for the same frontier."""
+    from eagle3_jax.checkpoints import Target
+    from eagle3_jax.checkpoints.heads import Head
+    from eagle3_jax.decoding import drafters, plain
+    from eagle3_jax.decoding.tree import TreeConfig
+    from eagle3_jax.models import draft_output
+
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    prompt, r = list(range(5, 31)), 3
+    lv, sizes = draft_cost.real_level(
+        Target(params, cfg, None, None), Head(dparams, dcfg, vocab), params["embed"], prompt, r
+    )
+    assert lv.tokens.shape == (1, r) and len(set(np.asarray(lv.tokens[0]).tolist())) == r
+    got = draft_cost.level_hidden(dparams, params["embed"], lv, dcfg, sizes)
+    tree = TreeConfig(top_k=r, depth=2, total_tokens=r + 1)
+    shape = plain.prepare(cfg, [prompt], 8, (), None, 0, tree.round_slots + 1).shape
+    front = drafters._Frontier(
+        idx=jnp.arange(r)[None], tok=lv.tokens, score=jnp.zeros((1, r)), h=lv.hidden,
+        anc=jnp.zeros((1, r, sizes[1]), bool),
+    )  # fmt: skip
+    _, hidden, _, children, _ = drafters._level(
+        dparams, params["embed"], vocab, lv.cache, front, lv.length, 2, jnp.ones((1,), bool),
+        dcfg, shape, tree,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), np.asarray(hidden), rtol=1e-5, atol=1e-5)
+    _, mine = draft_output.draft_topk(dparams, got, dcfg, vocab, r)
+    assert (np.asarray(mine) == np.asarray(children)).all()
