@@ -37,7 +37,7 @@ from eagle3_jax.decoding import drafters, plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.decoding.tree import TreeConfig
-from eagle3_jax.evaluation.options import parse_drafts
+from eagle3_jax.evaluation.options import _parse_tree, parse_drafts
 from eagle3_jax.evaluation.questions import BENCHES, read_questions
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import draft_output
@@ -130,6 +130,20 @@ def level_hidden(params, embed, lv: Level, dcfg, sizes: tuple) -> jax.Array:
     ).hidden  # fmt: skip
 
 
+def round_ms(target, head, embed, prompt: list[int], tree: TreeConfig, reps: int) -> float:
+    """A whole drafting round as decoding runs it (`drafters.eagle3_drafter`: the last pairs
+    encoded, the root's children, depth - 1 levels, the tree selected) after the context's
+    prefill; the median of `reps`."""
+    req = plain.prepare(target.cfg, [prompt], 8, (), None, 0, tree.round_slots + 1)
+    state = spec.prefill(
+        target.params, head.params, embed, head.vocab, req.tokens, req.lengths, req.limit,
+        jax.random.PRNGKey(0), target.cfg, head.cfg, req.shape, tree, Sampling(), (),
+    )  # fmt: skip
+    fn = jax.jit(drafters.eagle3_drafter, static_argnames=("dcfg", "shape", "tree"))
+    run = functools.partial(fn, dcfg=head.cfg, shape=req.shape, tree=tree)
+    return _median_ms(run, head.params, embed, head.vocab, state, reps=reps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=None)
@@ -138,6 +152,9 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--context", type=int, default=320, help="context tokens, at most")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument(
+        "--tree", default=None, help="TOP_K,DEPTH,TOTAL[,THRESHOLD]: also time a whole round"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/draft_cost.json"))
     args = ap.parse_args()
     target = load_target(args.target)
@@ -145,6 +162,7 @@ def main() -> None:
     products = cpu_tuning.policy_for()
     target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
     rows_list = [int(x) for x in args.rows.split(",")]
+    tree = TreeConfig(*_parse_tree(args.tree, "--tree")) if args.tree else None
     room = target.cfg.max_position_embeddings - 2 * max(rows_list) - 16  # new tokens, the level
     prompt = context_ids(target.tokenizer, min(args.context, room))
     results = []
@@ -172,12 +190,14 @@ def main() -> None:
             row[f"output_ms_rows{r}"] = _median_ms(output, params, hidden, reps=args.reps)
             if dcfg.speculator_rank:
                 row[f"union_rows{r}"] = union_of(params, hidden, dcfg)
+        if tree is not None:
+            row["round_ms"] = round_ms(target, head, emb, prompt, tree, args.reps)
         results.append(row)
     print(f"one draft step (layer + output top-{args.top_k}), context {len(prompt)}, fp32, ms")
     head = f"{'head':<14} {'kind':<28}" + "".join(
         f" {'step r' + str(r):>9} {'out r' + str(r):>8}" for r in rows_list
     )
-    print(head)
+    print(head + (f" {'round ' + args.tree:>16}" if tree else ""))
     for row in results:
         print(
             f"{row['head']:<14} {row['kind']:<28}"
@@ -185,11 +205,12 @@ def main() -> None:
                 f" {row[f'step_ms_rows{r}']:>9.2f} {row[f'output_ms_rows{r}']:>8.2f}"
                 for r in rows_list
             )
+            + (f" {row['round_ms']:>16.2f}" if tree else "")
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": cpu_model(), "jax": jax.__version__}
-    meta.update(context=len(prompt), reps=args.reps, rows=rows_list)
+    meta.update(context=len(prompt), reps=args.reps, rows=rows_list, tree=args.tree)
     out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -17,7 +17,8 @@ Stages (rerun the same command after any stop; each stage resumes or skips what 
      target-generated text (the regenerated answers the heads were trained on);
   3. FR-Spec and VocabTrim heads at every --sizes, cut from the target-lm_head and full-vocabulary
      cells (`python -m eagle3_jax vocab trim`);
-  4. drafting time per step of every head at each tree's top-k (benchmarks/draft_cost.py);
+  4. drafting time per step of every head at each tree's top-k, and per round of the tree
+     (benchmarks/draft_cost.py);
   5. one harness run per tree (--trees; `cpu` is decode.py's default tree on this machine):
      plain decoding and every head, interleaved per question, each head at its own vocabulary;
      on an accelerator every tree decodes for real (τ and speedup); on a CPU the `cpu` tree does,
@@ -231,7 +232,8 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
     for name, shape in trees.items():
         cost = out / f"draft_cost_{name}.json"
         cmd = [PY, "benchmarks/draft_cost.py", "--out", str(cost), "--top-k", str(shape[0]),
-               "--rows", ",".join(dict.fromkeys(["1", str(shape[0])])), *model]  # fmt: skip
+               "--rows", ",".join(dict.fromkeys(["1", str(shape[0])])),
+               "--tree", shape_text(shape), *model]  # fmt: skip
         for d in drafts:
             cmd += ["--draft", d]
         made(cost, {"heads": digests, "tree": list(shape)}, lambda c=cmd: run(c))  # 4

@@ -50,6 +50,9 @@ def test_a_round_drafts_one_row_then_top_k_rows_per_level():
     assert study.round_draft_ms(COSTS["ref"], (1, 1, 2)) == pytest.approx(2.0)
     assert study.round_draft_ms(None, (10, 8, 60)) != study.round_draft_ms(None, (10, 8, 60))
     assert study.round_draft_ms({"step_ms_rows1": 1.0}, (4, 3, 8)) != 0  # NaN: no 4-row timing
+    assert (
+        study.round_draft_ms({**COSTS["ref"], "round_ms": 30.5}, (10, 8, 60)) == 30.5
+    )  # timed whole
 
 
 def test_rows_measure_each_head_against_the_reference():

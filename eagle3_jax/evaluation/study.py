@@ -79,10 +79,14 @@ def tree_of(results: dict) -> tuple:
 
 
 def round_draft_ms(cost: dict | None, tree: tuple) -> float:
-    """Drafting time of one round of `tree` = (top_k, depth, nodes, ...): the first level drafts
-    one row, each of the depth - 1 later levels top_k rows. NaN without a timing for those rows."""
+    """Drafting time of one round of `tree` = (top_k, depth, nodes, ...): the round as timed
+    whole (benchmarks/draft_cost.py --tree: the drafter as decoding runs it), else composed from
+    the step timings (the first level drafts one row, each of the depth - 1 later levels top_k
+    rows; each step timed alone pays its own dispatch). NaN without a timing."""
     if cost is None:
         return float("nan")
+    if cost.get("round_ms") is not None:
+        return float(cost["round_ms"])
     k, depth = int(tree[0]), int(tree[1])
     first, later = cost.get("step_ms_rows1"), cost.get(f"step_ms_rows{k}")
     if first is None or (depth > 1 and later is None):
