@@ -129,6 +129,27 @@ def _watchdog(message: str, seconds: float) -> threading.Event:
     return done
 
 
+def _from_cluster(env, address, count, pid, timeout: float) -> tuple:
+    """(address, count, pid) with what the environment variables left unset read from the
+    detected cluster (`env`: SLURM, a TPU pod, ...)."""
+    try:
+        if count is None:
+            count = env.get_process_count()
+        if pid is None:
+            pid = env.get_process_id()
+        if address is None:
+            port = os.environ.get("JAX_COORDINATOR_PORT")
+            address = env.get_coordinator_address(
+                timeout_secs=int(timeout), override_coordinator_port=port
+            )
+    except Exception as e:
+        raise Eagle3Error(
+            f"{env.__name__}: cannot read this job's coordinator, process count and id "
+            f"({e}); set {ADDRESS}, {COUNT} and {ID}"
+        ) from None
+    return address, count, pid
+
+
 def initialize(timeout_s: float | None = None) -> bool:
     """Joins the cluster this process was launched in (see the module docstring); True when it
     did (or had already), False for a single process. Call before any JAX computation."""
@@ -141,21 +162,7 @@ def initialize(timeout_s: float | None = None) -> bool:
         return False
     timeout = _timeout(timeout_s)
     if env is not None and None in (address, count, pid):
-        try:
-            if count is None:
-                count = env.get_process_count()
-            if pid is None:
-                pid = env.get_process_id()
-            if address is None:
-                port = os.environ.get("JAX_COORDINATOR_PORT")
-                address = env.get_coordinator_address(
-                    timeout_secs=int(timeout), override_coordinator_port=port
-                )
-        except Exception as e:
-            raise Eagle3Error(
-                f"{env.__name__}: cannot read this job's coordinator, process count and id "
-                f"({e}); set {ADDRESS}, {COUNT} and {ID}"
-            ) from None
+        address, count, pid = _from_cluster(env, address, count, pid, timeout)
     if count == 1 and not pid:
         return False  # one process: nothing to join
     missing = [n for n, v in ((ADDRESS, address), (COUNT, count), (ID, pid)) if v is None]

@@ -727,3 +727,40 @@ def test_sigkill_of_every_process_then_resume(setup):
         resumed = re.search(r"resumed from step (\d+)", Path(f"{logs}.{i}").read_text())
         assert resumed and 4 <= int(resumed.group(1)) <= done, (i, done)
     _same_run(run, one)
+
+
+def test_a_detected_cluster_fills_what_the_environment_leaves_unset(monkeypatch):
+    """Where the JAX_* variables are unset, the detected cluster (SLURM, a TPU pod) names the
+    process count, id and coordinator; a one-process job joins nothing, and a cluster that cannot
+    answer is named with the variables that would replace it."""
+    from eagle3_jax import distributed
+    from eagle3_jax.errors import Eagle3Error
+
+    class OneProcess:
+        @staticmethod
+        def get_process_count():
+            return 1
+
+        @staticmethod
+        def get_process_id():
+            return 0
+
+        @staticmethod
+        def get_coordinator_address(timeout_secs, override_coordinator_port):
+            return f"node0:{override_coordinator_port or 1234}"
+
+    class Broken(OneProcess):
+        @staticmethod
+        def get_process_count():
+            raise KeyError("SLURM_NTASKS")
+
+    for name in (distributed.ADDRESS, distributed.COUNT, distributed.ID):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAX_COORDINATOR_PORT", "4321")
+    assert distributed._from_cluster(OneProcess, None, None, None, 5.0) == ("node0:4321", 1, 0)
+    assert distributed._from_cluster(OneProcess, "a:1", 2, 1, 5.0) == ("a:1", 2, 1)
+    monkeypatch.setattr(distributed, "detected_cluster", lambda: OneProcess)
+    assert distributed.initialize() is False  # one process: nothing to join
+    monkeypatch.setattr(distributed, "detected_cluster", lambda: Broken)
+    with pytest.raises(Eagle3Error, match="Broken: cannot read .*SLURM_NTASKS.*set JAX_"):
+        distributed.initialize()
