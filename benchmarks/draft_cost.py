@@ -12,8 +12,12 @@ states. The level is real: a context of MT-bench questions (about `context` toke
 through the target and the head (`speculative.prefill`), the root's draft hidden state, its
 `rows` best children as the tokens. That matters for SpecVocab, whose siblings share one
 candidate gather when their candidates' union fits (`draft_output.candidate_logits`; the two
-branches cost differently): each row records the union's size and capacity. fp32, batch 1,
-jitted, medians of `reps`. Prints a table, writes benchmarks/results/draft_cost.json.
+branches cost differently): each row records the union's size and capacity. The level is a
+depth-2 tree's (its rows see the context and their own scratch slot; a deeper tree's cache has
+more scratch slots, which the mask hides). With `--tree`, a whole round after the same context:
+where the tree has a verify threshold, which levels run depends on that one context's scores.
+fp32, batch 1, jitted, medians of `reps`. Prints a table, writes
+benchmarks/results/draft_cost.json.
 """
 
 from __future__ import annotations
@@ -163,7 +167,8 @@ def main() -> None:
     target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
     rows_list = [int(x) for x in args.rows.split(",")]
     tree = TreeConfig(*_parse_tree(args.tree, "--tree")) if args.tree else None
-    room = target.cfg.max_position_embeddings - 2 * max(rows_list) - 16  # new tokens, the level
+    extra = max(2 * max(rows_list), tree.round_slots + 1 if tree else 0)  # the level, the round
+    room = target.cfg.max_position_embeddings - extra - 16  # and the prefill's new tokens
     prompt = context_ids(target.tokenizer, min(args.context, room))
     results = []
     for name, path in parse_drafts(args.draft).items():

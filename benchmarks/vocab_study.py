@@ -236,7 +236,8 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
                "--tree", shape_text(shape), *model]  # fmt: skip
         for d in drafts:
             cmd += ["--draft", d]
-        made(cost, {"heads": digests, "tree": list(shape)}, lambda c=cmd: run(c))  # 4
+        made(cost, {"heads": digests, "tree": list(shape), "round": "timed whole"},
+             lambda c=cmd: run(c))  # fmt: skip  # 4
         costs[name] = {r["head"]: r for r in json.loads(cost.read_text())["rows"]}
         ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{shape_text(shape)}",
               "--bench", args.bench, "--questions", str(args.questions), "--draft-vocab", "full",

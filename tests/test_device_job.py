@@ -347,3 +347,17 @@ def test_round_timing_drafts_with_each_vocabulary_head(dj, tmp_path, head):
     assert pred != pytest.approx(other)  # the prediction is this head's, not EAGLE-3's
     report = (out / "report.md").read_text()
     assert f"{head} head" in report and f"for the {head} head read the round / plain" in report
+    if head == "specvocab":  # a level's rows share their candidates: the shared gather runs
+        import jax
+        import numpy as np
+
+        from eagle3_jax.models import draft_output
+
+        x = rt.random_inputs(tcfg, dcfg)
+        h = jax.random.normal(jax.random.key(3), (1, 4, dcfg.hidden_size)).astype(
+            jax.numpy.bfloat16
+        )
+        scores = draft_output.speculator_logits(x.dparams, h)
+        _, cand = jax.lax.top_k(scores, dcfg.spec_candidates)
+        assert np.unique(np.asarray(cand)).size == dcfg.spec_candidates
+        assert draft_output.union_capacity(10, dcfg.spec_candidates, tcfg.vocab_size) < 10 * 32

@@ -168,7 +168,10 @@ def output_layer(
     id written, counted and read, [U, d] gathered, every sibling's U logits in float32 written and
     its K picked); gathered rows are written then read by the product (the gather reads rows,
     not the matrix); exact logits over the candidates in float32. `fused_gather`: the lower bound
-    where the gather feeds the product directly, each gathered row read once and never written."""
+    where the gather feeds the product directly, each gathered row read once and never written.
+    Not counted: a level whose union overflows (one sequence's is enough: the test covers the
+    batch) takes the per-row gather, and choosing the branch may cost a GPU a read of the
+    predicate by the host per level; a device run of `round-cost --head specvocab` measures both."""
     d, db, n = dcfg.hidden_size, dtype_bytes, batch * rows
     if not n:
         return 0, 0, 0

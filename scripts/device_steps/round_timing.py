@@ -5,7 +5,9 @@ issue 35 item 3).
 The target has Llama-3.1-8B's shape (`accelerators.specs.target_config`) with RANDOM bf16 weights made on
 the device (nothing is carried), the head sized like it with the output layer `--head` names
 (EAGLE-3's 32,000 draft ids by default; the target's output embedding over all V; SpecVocab),
-random too: the programs' work is fixed by their static shapes, not by the weights' values. Each program is the
+random too: the programs' work is fixed by their static shapes, not by the weights' values (but for
+SpecVocab's, whose zero speculator makes a level's rows share their candidates, so that its
+level takes the shared candidate gather as real text's levels do). Each program is the
 one decoding runs (`plain.decode_step`, `speculative.round_step` with the eagle3 drafter, greedy),
 at batch 1 and 8, on a static cache sized as `plan_shape` sizes it for `--prompt` + `--new`
 tokens, with the cursor at `--prompt`: the state is made of zeros instead of by a prefill (a
@@ -100,6 +102,12 @@ def random_inputs(tcfg: TargetConfig, dcfg: DraftConfig, dtype=jnp.bfloat16) -> 
     init_d = jax.jit(functools.partial(drf.init_params, dcfg, dtype=dtype))
     tparams = init_t(jax.random.key(0))
     dparams = attach_target_head(init_d(jax.random.key(1)), dcfg, tparams, tcfg)
+    if dcfg.speculator_rank:
+        # a zero speculator scores every id alike, so every row's candidates are the same ids
+        # and a level takes the shared gather, as real text's levels do (siblings share most of
+        # their candidates, draft_output.union_capacity); random weights would send most levels
+        # to the per-row fallback. Its work (both products, the top-k) is the same either way.
+        dparams = {**dparams, "spec_a": jnp.zeros_like(dparams["spec_a"])}
     vd, v = dcfg.draft_vocab_size, tcfg.vocab_size
     vocab = DraftVocab(jnp.zeros((vd,), jnp.int32), jnp.arange(v) < vd)  # the first Vd ids
     jax.block_until_ready((tparams, dparams))
