@@ -63,14 +63,15 @@ def _median_ms(fn, *args, reps: int) -> float:
 
 
 def union_of(params, hidden, dcfg) -> dict:
-    """A SpecVocab level's candidates: distinct ids among its rows' and the shared set's capacity
-    (a union above it takes the per-row gather)."""
+    """A SpecVocab level's candidates: distinct ids among its rows', the shared set's capacity, and
+    whether the level takes the shared gather (a capacity below rows x K that holds the union)."""
     normed = rms_norm(hidden, params["final_norm"], dcfg.rms_norm_eps)
     logits = draft_output.speculator_logits(params, normed)
     _, cand = jax.lax.top_k(logits, dcfg.spec_candidates)
     r, k = hidden.shape[-2], dcfg.spec_candidates
     distinct = int(np.unique(np.asarray(cand)).size)
-    return {"distinct": distinct, "capacity": draft_output.union_capacity(r, k, dcfg.vocab_size)}
+    cap = draft_output.union_capacity(r, k, dcfg.vocab_size)
+    return {"distinct": distinct, "capacity": cap, "shared": cap < r * k and distinct <= cap}
 
 
 def kind_of(dcfg) -> str:

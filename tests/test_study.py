@@ -45,6 +45,32 @@ COSTS = {
 }
 
 
+def test_the_cost_section_gives_rounds_and_specvocab_s_gather():
+    """The drafting-time table has a round column when rounds were timed whole, and a line says
+    which candidate gather SpecVocab's timed level took (the chain's single row says nothing)."""
+    heads = [
+        study.StudyHead("ref", "eagle3", 8192, ""),
+        study.StudyHead("spec", "specvocab", None, ""),
+    ]
+    costs = {
+        "ref": {**COSTS["ref"], "round_ms": 27.1},
+        "spec": {
+            **COSTS["spec"], "round_ms": 80.2,
+            "union_rows1": {"distinct": 2048, "capacity": 2048, "shared": False},
+            "union_rows10": {"distinct": 3323, "capacity": 8896, "shared": True},
+        },
+    }  # fmt: skip
+    text = "\n".join(study.cost_section("10/8/60", costs, heads))
+    assert "| head | output layer | step r1 | step r10 | round |" in text
+    assert "| spec | SpecVocab | 3.00 | 6.00 | 80.20 |" in text
+    assert (
+        "spec, 10 rows: 3,323 distinct candidates of 8,896 shared slots (one shared gather)" in text
+    )
+    assert "rows: 2,048" not in text
+    costs["spec"]["union_rows10"] = {"distinct": 9000, "capacity": 8896, "shared": False}
+    assert "(gathered per row)" in "\n".join(study.cost_section("10/8/60", costs, heads))
+
+
 def test_a_round_drafts_one_row_then_top_k_rows_per_level():
     assert study.round_draft_ms(COSTS["ref"], (10, 8, 60)) == pytest.approx(2.0 + 7 * 5.0)
     assert study.round_draft_ms(COSTS["ref"], (1, 1, 2)) == pytest.approx(2.0)

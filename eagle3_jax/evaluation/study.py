@@ -241,17 +241,22 @@ def read_curve(run: Path) -> list[dict]:
 
 
 def cost_section(name: str, costs: dict[str, dict], heads: Sequence[StudyHead]) -> list[str]:
-    """Drafting time per step of each head at one tree's row counts (medians, ms)."""
+    """Drafting time per step of each head at one tree's row counts and per round of the tree
+    (medians, ms), and which candidate gather SpecVocab's timed level took."""
     cols = sorted(
         {k for c in costs.values() for k in c if k.startswith(("step_ms_rows", "output_ms_rows"))},
         key=lambda k: (int(k.rsplit("rows", 1)[1]), k),
     )
+    cols += ["round_ms"] if any("round_ms" in c for c in costs.values()) else []
     out = [
         f"## Drafting time per step at tree {name} (ms): the layer and output top-k over r rows",
         "",
-        "| head | output layer | " + " | ".join(c.replace("_ms_rows", " r") for c in cols) + " |",
+        "| head | output layer | "
+        + " | ".join(c.replace("_ms_rows", " r").replace("round_ms", "round") for c in cols)
+        + " |",
         "|" + " --- |" * (2 + len(cols)),
     ]
+    notes = []
     for h in heads:
         c = costs.get(h.name)
         if c:
@@ -260,6 +265,16 @@ def cost_section(name: str, costs: dict[str, dict], heads: Sequence[StudyHead]) 
                 + " | ".join(fmt(c.get(k)) for k in cols)
                 + " |"
             )
+            for key, u in sorted(c.items()):
+                rows = key.rsplit("rows", 1)[-1]
+                if key.startswith("union_rows") and rows != "1":
+                    gather = "one shared gather" if u.get("shared") else "gathered per row"
+                    notes.append(
+                        f"{h.name}, {rows} rows: {u['distinct']:,} distinct candidates of "
+                        f"{u['capacity']:,} shared slots ({gather})"
+                    )
+    if notes:
+        out += ["", "SpecVocab's timed level: " + "; ".join(notes) + "."]
     return out + [""]
 
 
