@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from eagle3_jax.ablation.config import load_ablation
+from eagle3_jax.ablation.status import cell_status, status_lines
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
 
@@ -49,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(ROOT / "runs/fusion_ablation_eval"))
     ap.add_argument("--publish", default=None, help="copy the report and results here")
     ap.add_argument("--skip-train", action="store_true", help="the grid's heads exist: stage 1 off")
+    ap.add_argument(
+        "--status", action="store_true",
+        help="print where the ablation stands (cells, harness records) and start nothing",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -63,6 +68,12 @@ def describe(overrides: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.status:
+        grid = load_ablation(args.grid)
+        root = Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
+        out = Path(args.out)
+        print("\n".join(status_lines(cell_status(grid, root), {"replay": out / "eval"})))
+        return 0
     return locked(Path(args.out), "fusion ablation", lambda out: stages(args, out))
 
 

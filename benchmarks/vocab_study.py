@@ -47,6 +47,7 @@ from pathlib import Path
 import jax
 
 from eagle3_jax.ablation.config import load_ablation
+from eagle3_jax.ablation.status import cell_status, status_lines
 from eagle3_jax.checkpoints import files_digest
 from eagle3_jax.checkpoints.atomic import exclusive, made_from, record_inputs
 from eagle3_jax.data.conversations import read_conversations
@@ -113,6 +114,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--out", default=str(ROOT / "runs/vocab_study_eval"))
     ap.add_argument("--publish", default=None, help="copy the report and results here")
     ap.add_argument("--skip-train", action="store_true", help="the grid's heads exist: stage 1 off")
+    ap.add_argument(
+        "--status", action="store_true",
+        help="print where the study stands (cells, stages, harness records) and start nothing",
+    )  # fmt: skip
     args, rest = ap.parse_known_args(argv)
     bad = [a for a in rest if not a.startswith("--config.")]
     if bad:
@@ -140,6 +145,9 @@ def made(path: Path, inputs: dict, make) -> None:
 
 def main(argv=None) -> int:
     args, overrides = parse_args(argv)
+    if args.status:
+        print("\n".join(status(args, overrides)))
+        return 0
     return locked(
         Path(args.out), "vocabulary study", lambda out: study_stages(args, overrides, out)
     )
@@ -185,6 +193,25 @@ def from_heads(args: argparse.Namespace, heads: list) -> tuple[list[int], str]:
     sizes = args.sizes.split(",") if args.sizes else [h.vocab for h in reduced]
     reference = args.reference or (reduced[0].name if reduced else heads[0].name)
     return [int(n) for n in sizes if n], reference
+
+
+def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """Where the study stands: its cells' training, the stages' artefacts under --out and each
+    harness run's records (read only; the run may be going on beside)."""
+    grid = load_ablation(args.grid)
+    grid = dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
+    root = Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
+    out = Path(args.out)
+    have = lambda paths: ", ".join(p.name for p in paths) or "none yet"  # noqa: E731
+    evals = {p.name.removeprefix("eval_"): p for p in sorted(out.glob("eval_*")) if p.is_dir()}
+    return [
+        *status_lines(cell_status(grid, root), {}),
+        f"token counts: {have(sorted(out.glob('counts_*.npy')))}",
+        f"cut heads: {have(sorted((out / 'heads').glob('*')))}",
+        f"draft costs: {have(sorted(out.glob('draft_cost_*.json')))}",
+        *(status_lines([], evals) if evals else ["harness: not started"]),
+        f"report: {'written' if (out / 'report.md').exists() else 'not yet'}",
+    ]
 
 
 def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:

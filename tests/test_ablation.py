@@ -269,3 +269,40 @@ def test_results_are_written_as_cells_finish(tiny_target_dir, tmp_path, monkeypa
     res = json.loads((out / "results.json").read_text())
     assert [r["cell"] for r in res["cells"]] == ["default", "top_layer_only"]
     assert "Partial" not in (out / "report.md").read_text()
+
+
+def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
+    """--status of the study scripts: a cell with an exported head is trained, one with logged
+    steps is training (its last validation and time so far), one without either has not
+    started; a harness run's records are counted per method. Nothing is written."""
+    from eagle3_jax.ablation.status import cell_status, status_lines
+
+    ac = AblationConfig(
+        base=TrainConfig().replace(max_steps=400),
+        cells=(Cell("done", {}), Cell("going", {"max_steps": 300}), Cell("later", {})),
+    )
+    cells = tmp_path / "cells"
+    (cells / "done" / "head").mkdir(parents=True)
+    (cells / "done" / "head" / "config.json").write_text("{}")
+    (cells / "going").mkdir()
+    (cells / "going" / "metrics.jsonl").write_text('{"step": 5}\n{"step": 10}\n')
+    (cells / "going" / "validation.jsonl").write_text(
+        '{"step": 10, "val_acc_0": 0.5, "val_replay_tau": 1.8}\n'
+    )
+    (cells / "going" / "cell.json").write_text('{"train_wall_s": 7200}')
+    ev = tmp_path / "eval"
+    ev.mkdir()
+    (ev / "records.jsonl").write_text(
+        "".join(json.dumps({"method": m}) + "\n" for m in ("vanilla", "vanilla", "eagle3@a"))
+    )
+    before = sorted(p for p in tmp_path.rglob("*"))
+    lines = status_lines(cell_status(ac, tmp_path), {"replay": ev, "cpu": tmp_path / "none"})
+    assert lines == [
+        "cell done: trained",
+        "cell going: training: step 10 of 300; held-out at step 10: acc_0 0.500, replayed chain "
+        "tau 1.80; 2.0 h of training",
+        "cell later: not started",
+        "harness replay: vanilla 2, eagle3@a 1 (records per method)",
+        "harness cpu: not started (records per method)",
+    ]
+    assert sorted(p for p in tmp_path.rglob("*")) == before

@@ -289,3 +289,17 @@ def test_the_report_predicts_the_papers_setting_on_an_accelerator():
     assert summary["implied_tau_ratio"][0] == pytest.approx(tps * sv["tau_ratio_to_match"])
     text = "\n".join(lines)
     assert "predicted, not measured" in text and "| olmo2_7b | specvocab |" in text
+
+
+def test_vocab_study_status_starts_nothing(tmp_path, capsys):
+    """`benchmarks/vocab_study.py --status` prints each cell's and stage's standing and returns
+    without training, measuring or writing (its --out stays empty)."""
+    vs = load_script("benchmarks/vocab_study.py")
+    out = tmp_path / "study"
+    out.mkdir()
+    grid = str(vs.ROOT / "configs/ablate_tiny.py")
+    assert vs.main(["--status", "--grid", grid, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("cell ") and "draft costs: none yet" in text
+    assert "harness: not started" in text and "report: not yet" in text
+    assert not any(out.iterdir())
