@@ -45,7 +45,6 @@ from eagle3_jax.evaluation.options import _parse_tree, parse_drafts
 from eagle3_jax.evaluation.questions import BENCHES, read_questions
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import draft_output
-from eagle3_jax.models.layers import rms_norm
 from eagle3_jax.paths import cpu_model
 from eagle3_jax.prompts import encode_chat
 
@@ -65,9 +64,7 @@ def _median_ms(fn, *args, reps: int) -> float:
 def union_of(params, hidden, dcfg) -> dict:
     """A SpecVocab level's candidates: distinct ids among its rows', the shared set's capacity, and
     whether the level takes the shared gather (a capacity below rows x K that holds the union)."""
-    normed = rms_norm(hidden, params["final_norm"], dcfg.rms_norm_eps)
-    logits = draft_output.speculator_logits(params, normed)
-    _, cand = jax.lax.top_k(logits, dcfg.spec_candidates)
+    _, cand = draft_output.speculator_candidates(params, hidden, dcfg)
     r, k = hidden.shape[-2], dcfg.spec_candidates
     distinct = int(np.unique(np.asarray(cand)).size)
     cap = draft_output.union_capacity(r, k, dcfg.vocab_size)
@@ -105,21 +102,28 @@ class Level(NamedTuple):
     length: jax.Array
 
 
+def prefilled(target, head, embed, prompt: list[int], tree: TreeConfig) -> tuple:
+    """The context through the target and the head as decoding's prefill runs it, sized for
+    rounds of `tree` -> (the speculative state, its static shape)."""
+    req = plain.prepare(target.cfg, [prompt], 8, (), None, 0, tree.round_slots + 1)
+    state = spec.prefill(
+        target.params, head.params, embed, head.vocab, req.tokens, req.lengths, req.limit,
+        jax.random.PRNGKey(0), target.cfg, head.cfg, req.shape, tree, Sampling(), (),
+    )  # fmt: skip
+    return state, req.shape
+
+
 def real_level(target, head, embed, prompt: list[int], rows: int) -> tuple[Level, tuple]:
     """The context prefilled (target features, the head's cache), the last pair encoded (the
     root's draft hidden state) and the root's `rows` best children: the first level of a tree.
     Returns it and its static sizes (stable slots, scratch slots)."""
     params, dcfg, vocab = head.params, head.cfg, head.vocab
     tree = TreeConfig(top_k=rows, depth=2, total_tokens=rows + 1)
-    req = plain.prepare(target.cfg, [prompt], 8, (), None, 0, tree.round_slots + 1)
-    state = spec.prefill(
-        target.params, params, embed, vocab, req.tokens, req.lengths, req.limit,
-        jax.random.PRNGKey(0), target.cfg, dcfg, req.shape, tree, Sampling(), (),
-    )  # fmt: skip
-    h0, cache = drafters._encode_pairs(params, embed, state, dcfg, req.shape, tree)
+    state, shape = prefilled(target, head, embed, prompt, tree)
+    h0, cache = drafters._encode_pairs(params, embed, state, dcfg, shape, tree)
     _, tokens = draft_output.draft_topk(params, h0, dcfg, vocab, rows)
     hidden = jnp.broadcast_to(h0[:, None, :], (1, rows, h0.shape[-1]))
-    return Level(tokens, hidden, cache, state.length), (req.shape.slots, tree.tree_slots)
+    return Level(tokens, hidden, cache, state.length), (shape.slots, tree.tree_slots)
 
 
 def level_hidden(params, embed, lv: Level, dcfg, sizes: tuple) -> jax.Array:
@@ -139,13 +143,9 @@ def round_ms(target, head, embed, prompt: list[int], tree: TreeConfig, reps: int
     """A whole drafting round as decoding runs it (`drafters.eagle3_drafter`: the last pairs
     encoded, the root's children, depth - 1 levels, the tree selected) after the context's
     prefill; the median of `reps`."""
-    req = plain.prepare(target.cfg, [prompt], 8, (), None, 0, tree.round_slots + 1)
-    state = spec.prefill(
-        target.params, head.params, embed, head.vocab, req.tokens, req.lengths, req.limit,
-        jax.random.PRNGKey(0), target.cfg, head.cfg, req.shape, tree, Sampling(), (),
-    )  # fmt: skip
+    state, shape = prefilled(target, head, embed, prompt, tree)
     fn = jax.jit(drafters.eagle3_drafter, static_argnames=("dcfg", "shape", "tree"))
-    run = functools.partial(fn, dcfg=head.cfg, shape=req.shape, tree=tree)
+    run = functools.partial(fn, dcfg=head.cfg, shape=shape, tree=tree)
     return _median_ms(run, head.params, embed, head.vocab, state, reps=reps)
 
 

@@ -30,7 +30,7 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vocab_study import locked, run  # noqa: E402  the same stage runner and lock
+from vocab_study import grid_root, locked, run  # noqa: E402  the same stage runner and lock
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -70,9 +70,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.status:
         grid = load_ablation(args.grid)
-        root = Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
-        out = Path(args.out)
-        print("\n".join(status_lines(cell_status(grid, root), {"replay": out / "eval"})))
+        lines = status_lines(
+            cell_status(grid, grid_root(grid)), {"replay": Path(args.out) / "eval"}
+        )
+        print("\n".join(lines))
         return 0
     return locked(Path(args.out), "fusion ablation", lambda out: stages(args, out))
 
@@ -82,7 +83,7 @@ def stages(args: argparse.Namespace, out: Path) -> None:
     names = [c.name for c in grid.cells]
     if args.reference not in names:
         raise Eagle3Error(f"--reference {args.reference} is not a cell of {args.grid}: {names}")
-    root = Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
+    root = grid_root(grid)
     if not args.skip_train:  # 1
         run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--no-eval", "--no-progress"])
     k, d, n = grid.tree

@@ -195,12 +195,17 @@ def from_heads(args: argparse.Namespace, heads: list) -> tuple[list[int], str]:
     return [int(n) for n in sizes if n], reference
 
 
+def grid_root(grid) -> Path:
+    """The folder a grid's cells train in: its out_dir, relative to the repository."""
+    return Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
+
+
 def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     """Where the study stands: its cells' training, the stages' artefacts under --out and each
     harness run's records (read only; the run may be going on beside)."""
     grid = load_ablation(args.grid)
     grid = dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
-    root = Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
+    root = grid_root(grid)
     out = Path(args.out)
     have = lambda paths: ", ".join(p.name for p in paths) or "none yet"  # noqa: E731
     evals = {p.name.removeprefix("eval_"): p for p in sorted(out.glob("eval_*")) if p.is_dir()}
@@ -217,7 +222,7 @@ def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
 def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
     grid = load_ablation(args.grid)
     grid = dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
-    root = Path(grid.out_dir if Path(grid.out_dir).is_absolute() else ROOT / grid.out_dir)
+    root = grid_root(grid)
     st = settings(args, grid, root)
     model = []  # the target (and dtype) every stage that loads one reads
     if grid.base.corpus.target:

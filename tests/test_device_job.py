@@ -354,10 +354,9 @@ def test_round_timing_drafts_with_each_vocabulary_head(dj, tmp_path, head):
         from eagle3_jax.models import draft_output
 
         x = rt.random_inputs(tcfg, dcfg)
-        h = jax.random.normal(jax.random.key(3), (1, 4, dcfg.hidden_size)).astype(
+        h = jax.random.normal(jax.random.key(3), (1, 10, dcfg.hidden_size)).astype(
             jax.numpy.bfloat16
         )
-        scores = draft_output.speculator_logits(x.dparams, h)
-        _, cand = jax.lax.top_k(scores, dcfg.spec_candidates)
+        _, cand = draft_output.speculator_candidates(x.dparams, h, dcfg)
         assert np.unique(np.asarray(cand)).size == dcfg.spec_candidates
         assert draft_output.union_capacity(10, dcfg.spec_candidates, tcfg.vocab_size) < 10 * 32

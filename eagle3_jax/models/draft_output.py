@@ -97,11 +97,20 @@ def draft_topk(
         lp = jax.nn.log_softmax(head_logits(params, hidden_XD, cfg), axis=-1)
         score, ids = jax.lax.top_k(lp, k)
         return score, draft_to_target_ids(ids, vocab)
-    normed = rms_norm(hidden_XD, params["final_norm"], cfg.rms_norm_eps)
-    _, cand = jax.lax.top_k(speculator_logits(params, normed), cfg.spec_candidates)  # [..., K]
+    normed, cand = speculator_candidates(params, hidden_XD, cfg)
     exact = candidate_logits(normed, cand, _out_embed(params))
     score, j = jax.lax.top_k(jax.nn.log_softmax(exact, axis=-1), k)
     return score, jnp.take_along_axis(cand, j, axis=-1).astype(jnp.int32)
+
+
+def speculator_candidates(
+    params: Params, hidden_XD: jax.Array, cfg: DraftConfig
+) -> tuple[jax.Array, jax.Array]:
+    """SpecVocab's candidates of each drafted row: (the normed hidden state [..., D], the
+    `spec_candidates` ids [..., K] its speculator scores highest, best first)."""
+    normed = rms_norm(hidden_XD, params["final_norm"], cfg.rms_norm_eps)
+    _, cand = jax.lax.top_k(speculator_logits(params, normed), cfg.spec_candidates)
+    return normed, cand
 
 
 def union_capacity(rows: int, k: int, vocab_size: int) -> int:
