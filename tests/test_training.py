@@ -267,6 +267,32 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
         train(part, progress=False)
 
 
+def test_a_stop_between_a_checkpoint_and_its_validation_is_validated_on_resume(
+    tiny_target_dir, tmp_path
+):
+    # the checkpoint of a step is written before its held-out validation: a run stopped while it
+    # validated resumes from that step, and must still record that step's validation
+    tc = _cfg(
+        tiny_target_dir,
+        tmp_path,
+        "--config.max_steps=4",
+        "--config.save_every=2",
+        f"--config.val_data={_conversations(tmp_path / 'held.json', n=3, seed=5)}",
+        "--config.val_every=2",
+    )
+    train(tc, progress=False, stop_after=2)
+    path = tmp_path / "run/validation.jsonl"
+    (done,) = [json.loads(x) for x in path.read_text().splitlines()]
+    path.write_text("")  # the stop: the step-2 record never written
+    train(tc, resume=True, progress=False)
+    vals = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [v["step"] for v in vals] == [2, 4]
+    for key in ("val_acc_0", "val_xent_0", "val_replay_tau"):
+        np.testing.assert_allclose(vals[0][key], done[key], rtol=1e-6)
+    train(tc, resume=True, progress=False)  # a finished run: nothing is validated again
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [2, 4]
+
+
 def test_online_and_offline_features_give_the_same_losses(tiny_target_dir, tmp_path):
     from eagle3_jax.training.prepare import precompute_features
 

@@ -175,6 +175,8 @@ def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None
             "aux_layer_ids": list(dcfg.aux_layer_ids), "total_steps": total}  # fmt: skip
     bar = _progress_bar(total, start, progress)
     run = _Run(tc, out, target, dcfg, vocab, val, ckpt, total, writer, val_writer, meta, bar)
+    if start and _validation_due(run, start) and start not in _validated_steps(run):
+        _validate(run, state, start)  # a stop came after the checkpoint, before its validation
     return _steps(run, inputs, step_fn, state, start, tokens_seen, stop_after)
 
 
@@ -313,18 +315,40 @@ def _log(run: _Run, step: int, epoch: int, loss: float, metrics, tokens: int,
     return rec
 
 
+def _validation_due(run: _Run, step: int) -> bool:
+    every = run.tc.run.val_every
+    return run.val is not None and ((every and step % every == 0) or step == run.total)
+
+
+def _validated_steps(run: _Run) -> list[int]:
+    """The steps validation.jsonl holds a record of (the writer kept those up to the resume), as
+    process 0 reads it: every process takes the same decision (validation is collective)."""
+
+    def read() -> list[int]:
+        path = run.out / "validation.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return sorted({json.loads(x)["step"] for x in lines if x.strip()})
+
+    return distributed.from_primary("validated steps", read)
+
+
+def _validate(run: _Run, state, step: int) -> None:
+    """The held-out validation of the head at `step`: a validation.jsonl record and a line."""
+    v = validate_now(run.tc, run.target, state, run.dcfg, run.vocab, run.val, step)
+    run.val_writer.write(v)
+    accs = " ".join(f"{v[f'val_acc_{i}']:.2f}" for i in range(run.tc.head.ttt_steps))
+    run.bar.write(
+        f"step {step}: held-out acc {accs}, chain tau {v['val_replay_tau']:.2f} (replayed)"
+    )
+
+
 def _after_step(run: _Run, state, step: int, tokens_seen: int) -> None:
     """The checkpoint, held-out validation and intermediate export due at this step."""
     tc, total, r = run.tc, run.total, run.tc.run
     if (r.save_every and step % r.save_every == 0) or step == total:
         run.ckpt.save(step, state, {**run.meta, "data_step": step, "tokens_seen": tokens_seen})
-    if run.val is not None and ((r.val_every and step % r.val_every == 0) or step == total):
-        v = validate_now(tc, run.target, state, run.dcfg, run.vocab, run.val, step)
-        run.val_writer.write(v)
-        accs = " ".join(f"{v[f'val_acc_{i}']:.2f}" for i in range(tc.head.ttt_steps))
-        run.bar.write(
-            f"step {step}: held-out acc {accs}, chain tau {v['val_replay_tau']:.2f} (replayed)"
-        )
+    if _validation_due(run, step):
+        _validate(run, state, step)
     if r.export_every and step % r.export_every == 0 and step != total:
         export_head(
             run.out / "heads" / f"step_{step:06d}", state, run.dcfg, run.vocab, tc, step,
