@@ -30,6 +30,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _model_flags(p)
+    _run_flags(p)
+    return p.parse_args(argv)
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """What decodes: the target, the heads and their vocabularies, the methods."""
     p.add_argument(
         "--target",
         default=None,
@@ -57,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma list of vanilla, pld[:k,d,t], eagle3[:k,d,t][@NAME] "
         "(default: vanilla,pld and eagle3 when there is a draft)",
     )
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    """What is decoded and how: the questions, sampling, batches, devices, output."""
     p.add_argument(
         "--bench", default="spec_bench", help="spec_bench | mt_bench | gsm8k | question.jsonl PATH"
     )
@@ -89,7 +100,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "decoding them: the same tau and acceptance from draft-only rounds; no timing, no "
         "speedup (docs/replay.md)",
     )
-    return p.parse_args(argv)
 
 
 def drafts_of(args) -> tuple[str, ...]:
