@@ -267,24 +267,32 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
         train(part, progress=False)
 
 
-def test_a_stop_between_a_checkpoint_and_its_validation_is_validated_on_resume(
+def test_a_stop_between_a_checkpoint_and_its_validation_is_made_up_on_resume(
     tiny_target_dir, tmp_path
 ):
-    # the checkpoint of a step is written before its held-out validation: a run stopped while it
-    # validated resumes from that step, and must still record that step's validation
+    # a step's checkpoint is written before its held-out validation and its export: a run stopped
+    # while it validated resumes from that step, and must still record the step's validation and
+    # export its head
     tc = _cfg(
         tiny_target_dir,
         tmp_path,
         "--config.max_steps=4",
         "--config.save_every=2",
+        "--config.export_every=2",
         f"--config.val_data={_conversations(tmp_path / 'held.json', n=3, seed=5)}",
         "--config.val_every=2",
     )
     train(tc, progress=False, stop_after=2)
     path = tmp_path / "run/validation.jsonl"
+    head = tmp_path / "run/heads/step_000002"
     (done,) = [json.loads(x) for x in path.read_text().splitlines()]
-    path.write_text("")  # the stop: the step-2 record never written
+    weights = (head / "model.safetensors").read_bytes()
+    path.write_text("")  # the stop: the step-2 record never written, the head half written
+    (head / "training.json").unlink()
+    (head / "model.safetensors").write_bytes(b"")
     train(tc, resume=True, progress=False)
+    assert (head / "model.safetensors").read_bytes() == weights
+    assert json.loads((head / "training.json").read_text())["step"] == 2
     vals = [json.loads(x) for x in path.read_text().splitlines()]
     assert [v["step"] for v in vals] == [2, 4]
     for key in ("val_acc_0", "val_xent_0", "val_replay_tau"):

@@ -175,8 +175,8 @@ def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None
             "aux_layer_ids": list(dcfg.aux_layer_ids), "total_steps": total}  # fmt: skip
     bar = _progress_bar(total, start, progress)
     run = _Run(tc, out, target, dcfg, vocab, val, ckpt, total, writer, val_writer, meta, bar)
-    if start and _validation_due(run, start) and start not in _validated_steps(run):
-        _validate(run, state, start)  # a stop came after the checkpoint, before its validation
+    if start:
+        _catch_up(run, state, start, tokens_seen)
     return _steps(run, inputs, step_fn, state, start, tokens_seen, stop_after)
 
 
@@ -344,13 +344,40 @@ def _validate(run: _Run, state, step: int) -> None:
 
 def _after_step(run: _Run, state, step: int, tokens_seen: int) -> None:
     """The checkpoint, held-out validation and intermediate export due at this step."""
-    tc, total, r = run.tc, run.total, run.tc.run
-    if (r.save_every and step % r.save_every == 0) or step == total:
+    r = run.tc.run
+    if (r.save_every and step % r.save_every == 0) or step == run.total:
         run.ckpt.save(step, state, {**run.meta, "data_step": step, "tokens_seen": tokens_seen})
     if _validation_due(run, step):
         _validate(run, state, step)
-    if r.export_every and step % r.export_every == 0 and step != total:
-        export_head(
-            run.out / "heads" / f"step_{step:06d}", state, run.dcfg, run.vocab, tc, step,
-            tokens_seen,
-        )  # fmt: skip
+    if _export_due(run, step):
+        _export(run, state, step, tokens_seen)
+
+
+def _catch_up(run: _Run, state, start: int, tokens_seen: int) -> None:
+    """What a resumed run's checkpoint step was due and lacks: the step's checkpoint is saved
+    before its validation and export, so a stop between them loses those (its curve point, its
+    exported head) unless they are made here, from the restored state."""
+    if _validation_due(run, start) and start not in _validated_steps(run):
+        _validate(run, state, start)
+    if _export_due(run, start) and not _exported(run, start):
+        _export(run, state, start, tokens_seen)
+
+
+def _export_due(run: _Run, step: int) -> bool:
+    every = run.tc.run.export_every
+    return bool(every) and step % every == 0 and step != run.total
+
+
+def _export_path(run: _Run, step: int) -> Path:
+    return run.out / "heads" / f"step_{step:06d}"
+
+
+def _exported(run: _Run, step: int) -> bool:
+    """Whether the step's head was exported whole (training.json is written last), as process 0
+    sees it: every process takes the same decision (the export gathers the parameters)."""
+    done = lambda: (_export_path(run, step) / "training.json").is_file()  # noqa: E731
+    return distributed.from_primary("exported", done)
+
+
+def _export(run: _Run, state, step: int, tokens_seen: int) -> None:
+    export_head(_export_path(run, step), state, run.dcfg, run.vocab, run.tc, step, tokens_seen)

@@ -140,7 +140,6 @@ def export_head(path: Path, state, dcfg, vocab, tc: TrainConfig, step: int, toke
 
 def _write_head(path: Path, params, dcfg, vocab, tc: TrainConfig, step: int, tokens: int) -> Path:
     save_draft(path, params, dcfg, vocab, dtype=tc.run.export_dtype)
-    (path / "training.json").write_text(json.dumps({"step": step, "tokens": tokens}) + "\n")
     init_head = tc.head.init_head
     if init_head:  # a continued head keeps its ids, so their order, checked against them:
         try:  # never export a head its own order file makes unloadable
@@ -148,4 +147,6 @@ def _write_head(path: Path, params, dcfg, vocab, tc: TrainConfig, step: int, tok
                 shutil.copyfile(Path(init_head) / VOCAB_ORDER_FILE, path / VOCAB_ORDER_FILE)
         except Eagle3Error as e:
             print(f"note: {VOCAB_ORDER_FILE} of init_head not copied: {e}", file=sys.stderr)
+    # last: a head with its training.json was written whole (a resumed run exports one without)
+    (path / "training.json").write_text(json.dumps({"step": step, "tokens": tokens}) + "\n")
     return path
