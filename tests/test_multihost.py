@@ -654,10 +654,10 @@ def setup(tiny_target_dir, tmp_path_factory):
         f"--config.target={tiny_target_dir}",
         f"--config.data={_conversations(d / 'data.json', 12, 0)}",
         f"--config.val_data={_conversations(d / 'held.json', 4, 5)}",
-        "--config.val_every=5",
+        "--config.val_every=2",
         "--config.max_steps=16",
         "--config.save_every=2",
-        "--config.export_every=5",
+        "--config.export_every=4",
         "--config.mesh_data=2",
         "--config.mesh_model=2",
     ]
@@ -669,6 +669,13 @@ def setup(tiny_target_dir, tmp_path_factory):
 
 def _train_args(args: list[str], out: Path, *more: str) -> list[str]:
     return ["train", *args, f"--config.out_dir={out}", *more]
+
+
+def _same_validation(run: Path, one: Path) -> None:
+    got, want = _lines(run / "validation.jsonl"), _lines(one / "validation.jsonl")
+    assert [v["step"] for v in got] == list(range(2, 17, 2))  # written once: no step twice
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g["val_xent_0"], w["val_xent_0"], rtol=1e-5)
 
 
 def _same_run(run: Path, one: Path) -> None:
@@ -692,12 +699,9 @@ def test_training_on_two_processes_equals_one(setup):
     logs = d / "two.log"
     _wait(_launch(CLI_WORKER, _train_args(args, run), logs), logs)
     _same_run(run, one)
-    got, want = _lines(run / "validation.jsonl"), _lines(one / "validation.jsonl")
-    assert [v["step"] for v in got] == [5, 10, 15, 16]
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g["val_xent_0"], w["val_xent_0"], rtol=1e-5)
-    inter = json.loads((run / "heads/step_000005/training.json").read_text())
-    assert inter == json.loads((one / "heads/step_000005/training.json").read_text())
+    _same_validation(run, one)
+    inter = json.loads((run / "heads/step_000004/training.json").read_text())
+    assert inter == json.loads((one / "heads/step_000004/training.json").read_text())
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["12", "14", "16"]
 
 
@@ -722,11 +726,21 @@ def test_sigkill_of_every_process_then_resume(setup):
         p.wait()
     done = len(metrics.read_text().splitlines())
     assert done < 16 and not (run / "head").exists()
+    # as if the kill came after the last checkpoint, before its validation and export: the
+    # resumed processes make them up together (process 0 decides; both validate and gather)
+    last = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    kept = [v for v in _lines(run / "validation.jsonl") if v["step"] < last]
+    (run / "validation.jsonl").write_text("".join(json.dumps(v) + "\n" for v in kept))
+    (run / f"heads/step_{last:06d}/training.json").unlink(missing_ok=True)
     _wait(_launch(CLI_WORKER, _train_args(args, run, "--resume"), logs), logs)
     for i in range(PROCESSES):  # every process restored the last checkpoint, at step 4 or past it
         resumed = re.search(r"resumed from step (\d+)", Path(f"{logs}.{i}").read_text())
-        assert resumed and 4 <= int(resumed.group(1)) <= done, (i, done)
+        assert resumed and int(resumed.group(1)) == last and 4 <= last <= done, (i, done)
     _same_run(run, one)
+    _same_validation(run, one)
+    for step in (4, 8, 12):
+        want = json.loads((one / f"heads/step_{step:06d}/training.json").read_text())
+        assert json.loads((run / f"heads/step_{step:06d}/training.json").read_text()) == want
 
 
 def test_a_detected_cluster_fills_what_the_environment_leaves_unset(monkeypatch):
