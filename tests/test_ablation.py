@@ -285,7 +285,11 @@ def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
     (cells / "done" / "head").mkdir(parents=True)
     (cells / "done" / "head" / "config.json").write_text("{}")
     (cells / "going").mkdir()
-    (cells / "going" / "metrics.jsonl").write_text('{"step": 5}\n{"step": 10}\n')
+    (cells / "going" / "metrics.jsonl").write_text(  # 100 tokens a step, 18 s a step
+        '{"step": 5, "tokens": 500, "tokens_per_s": 9.0}\n'
+        '{"step": 10, "tokens": 1000, "tokens_per_s": 5.555555555555555}\n'
+        '{"step": 10, "tokens": 10'  # a line cut short
+    )
     (cells / "going" / "validation.jsonl").write_text(
         '{"step": 10, "val_acc_0": 0.5, "val_replay_tau": 1.8}\n'
     )
@@ -299,8 +303,8 @@ def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
     lines = status_lines(cell_status(ac, tmp_path), {"replay": ev, "cpu": tmp_path / "none"})
     assert lines == [
         "cell done: trained",
-        "cell going: training: step 10 of 300; held-out at step 10: acc_0 0.500, replayed chain "
-        "tau 1.80; 2.0 h of training",
+        "cell going: training: step 10 of 300 (~1.4 h left at its recent pace); held-out at "
+        "step 10: acc_0 0.500, replayed chain tau 1.80; 2.0 h of training",
         "cell later: not started",
         "harness replay: vanilla 2, eagle3@a 1 (records per method)",
         "harness cpu: not started (records per method)",
