@@ -28,6 +28,7 @@ from eagle3_jax.ablation.config import load_ablation
 from eagle3_jax.ablation.status import cell_status, status_lines
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
+from eagle3_jax.evaluation.questions import load_questions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vocab_study import grid_root, locked, run  # noqa: E402  the same stage runner and lock
@@ -66,12 +67,23 @@ def describe(overrides: dict) -> str:
     )
 
 
+def what_is_asked(args: argparse.Namespace, grid) -> tuple[str, int | None]:
+    """(bench, questions per category): the flags', else the grid's."""
+    return (
+        args.bench or grid.bench,
+        args.questions if args.questions is not None else grid.questions,
+    )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.status:
         grid = load_ablation(args.grid)
+        bench, questions = what_is_asked(args, grid)
         lines = status_lines(
-            cell_status(grid, grid_root(grid)), {"replay": Path(args.out) / "eval"}
+            cell_status(grid, grid_root(grid)),
+            {"replay": Path(args.out) / "eval"},
+            len(load_questions(bench, questions)),
         )
         print("\n".join(lines))
         return 0
@@ -87,8 +99,7 @@ def stages(args: argparse.Namespace, out: Path) -> None:
     if not args.skip_train:  # 1
         run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--no-eval", "--no-progress"])
     k, d, n = grid.tree
-    bench = args.bench or grid.bench
-    questions = args.questions if args.questions is not None else grid.questions
+    bench, questions = what_is_asked(args, grid)
     ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{k},{d},{n}", "--replay",
           "--bench", bench, "--max-new-tokens", str(grid.max_new_tokens), "--no-progress",
           "--batch-size", str(args.batch_size), "--out", str(out / "eval")]  # fmt: skip

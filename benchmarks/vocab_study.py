@@ -55,6 +55,7 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import study
 from eagle3_jax.evaluation.fingerprint import head_digest
 from eagle3_jax.evaluation.options import _parse_tree, default_tree_shape, shape_text
+from eagle3_jax.evaluation.questions import load_questions
 from eagle3_jax.training.config import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,7 +215,11 @@ def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
         f"token counts: {have(sorted(out.glob('counts_*.npy')))}",
         f"cut heads: {have(sorted((out / 'heads').glob('*')))}",
         f"draft costs: {have(sorted(out.glob('draft_cost_*.json')))}",
-        *(status_lines([], evals) if evals else ["harness: not started"]),
+        *(
+            status_lines([], evals, len(load_questions(args.bench, args.questions)))
+            if evals
+            else ["harness: not started"]
+        ),
         f"report: {'written' if (out / 'report.md').exists() else 'not yet'}",
     ]
 

@@ -300,13 +300,13 @@ def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
         "".join(json.dumps({"method": m}) + "\n" for m in ("vanilla", "vanilla", "eagle3@a"))
     )
     before = sorted(p for p in tmp_path.rglob("*"))
-    lines = status_lines(cell_status(ac, tmp_path), {"replay": ev, "cpu": tmp_path / "none"})
+    lines = status_lines(cell_status(ac, tmp_path), {"replay": ev, "cpu": tmp_path / "none"}, 80)
     assert lines == [
         "cell done: trained",
         "cell going: training: step 10 of 300 (~1.4 h left at its recent pace); held-out at "
         "step 10: acc_0 0.500, replayed chain tau 1.80; 2.0 h of training",
         "cell later: not started",
-        "harness replay: vanilla 2, eagle3@a 1 (records per method)",
-        "harness cpu: not started (records per method)",
+        "harness replay: vanilla 2, eagle3@a 1 (records per method, of 80 questions)",
+        "harness cpu: not started (records per method, of 80 questions)",
     ]
     assert sorted(p for p in tmp_path.rglob("*")) == before

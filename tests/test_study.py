@@ -303,3 +303,10 @@ def test_vocab_study_status_starts_nothing(tmp_path, capsys):
     assert text.startswith("cell ") and "draft costs: none yet" in text
     assert "harness: not started" in text and "report: not yet" in text
     assert not any(out.iterdir())
+    # a harness run under way: its records per method, of the questions it plans (Spec-Bench's
+    # 80 MT-bench questions and 20 of each other task at the default 20 a category)
+    (out / "eval_cpu").mkdir()
+    (out / "eval_cpu" / "records.jsonl").write_text('{"method": "vanilla"}\n')
+    assert vs.main(["--status", "--grid", grid, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "harness cpu: vanilla 1 (records per method, of 180 questions)" in text

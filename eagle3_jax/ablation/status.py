@@ -79,8 +79,11 @@ def records_by_method(eval_dir: Path) -> dict[str, int]:
     )
 
 
-def status_lines(cells: list[dict], evals: dict[str, Path]) -> list[str]:
-    """The cells' and the harness runs' standing as lines for a terminal."""
+def status_lines(
+    cells: list[dict], evals: dict[str, Path], planned: int | None = None
+) -> list[str]:
+    """The cells' and the harness runs' standing as lines for a terminal (`planned`: the
+    questions each method of a harness run answers)."""
     lines = []
     for r in cells:
         if r["trained"]:
@@ -102,5 +105,6 @@ def status_lines(cells: list[dict], evals: dict[str, Path]) -> list[str]:
     for name, d in evals.items():
         counts = records_by_method(d)
         text = ", ".join(f"{m} {n}" for m, n in counts.items()) if counts else "not started"
-        lines.append(f"harness {name}: {text} (records per method)")
+        of = f", of {planned} questions" if planned else ""
+        lines.append(f"harness {name}: {text} (records per method{of})")
     return lines
