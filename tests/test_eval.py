@@ -113,6 +113,9 @@ def test_end_to_end_resume_and_refusal(setup, tmp_path, capsys):
     for r in recs:
         assert r["new_tokens"] == sum(len(o) for o in r["output_ids"])
         assert all(len(o) <= 12 for o in r["output_ids"])
+        # a turn's tokens are kept once, in output_ids; its counts match them
+        assert [t["new_tokens"] for t in r["turns"]] == [len(o) for o in r["output_ids"]]
+        assert not any("output_ids" in t for t in r["turns"])
         rounds = r["target_forwards"] - r["num_generations"]
         if r["method"] == "vanilla":
             assert r["tau"] == 1.0 and r["accept_hist"] is None and r["verified_tokens"] is None

@@ -154,7 +154,9 @@ def _question_record(q: Question, m: MethodSpec, seed: int, ts: list[dict], answ
             if all(x.get("verified_tokens") is not None for x in ts)
             else None
         ),
-        "turns": ts,
+        # each turn's counts, text and time; its tokens are the record's output_ids alone (the
+        # committed results.json.gz files are a third smaller for it)
+        "turns": [{k: v for k, v in x.items() if k != "output_ids"} for x in ts],
     }
     if answers is not None:
         rec["replayed"] = True
