@@ -45,8 +45,9 @@ from eagle3_jax.vocab import DraftVocab
 
 class MetricsWriter:
     """JSONL metrics plus TensorBoard event files (process 0 only). On resume, JSONL entries past the
-    restored step are dropped so the file reads as one uninterrupted curve. `tb`: another
-    writer's TensorBoard file to add to (that writer closes it)."""
+    restored step are dropped so the file reads as one uninterrupted curve; `steps` holds the
+    steps of the entries it has (process 0). `tb`: another writer's TensorBoard file to add to
+    (that writer closes it)."""
 
     def __init__(self, path: Path, resume_step: int, tb=None):
 
@@ -54,6 +55,7 @@ class MetricsWriter:
         self.enabled = jax.process_index() == 0
         self.owns_tb = tb is None
         self.tb = None
+        self.steps: set[int] = set()
         if not self.enabled:
             return
         self.tb = SummaryWriter(path.parent / "tensorboard") if tb is None else tb
@@ -66,12 +68,14 @@ class MetricsWriter:
                     continue
                 if rec.get("step", 0) <= resume_step:
                     kept.append(line)
+                    self.steps.add(rec.get("step", 0))
         path.write_text("".join(k + "\n" for k in kept))
 
     def write(self, rec: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            self.steps.add(rec["step"])
             self.tb.scalars(
                 rec["step"], {k: v for k, v in rec.items() if k not in ("step", "epoch")}
             )
@@ -321,15 +325,10 @@ def _validation_due(run: _Run, step: int) -> bool:
 
 
 def _validated_steps(run: _Run) -> list[int]:
-    """The steps validation.jsonl holds a record of (the writer kept those up to the resume), as
-    process 0 reads it: every process takes the same decision (validation is collective)."""
-
-    def read() -> list[int]:
-        path = run.out / "validation.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return sorted({json.loads(x)["step"] for x in lines if x.strip()})
-
-    return distributed.from_primary("validated steps", read)
+    """The steps validation.jsonl holds a record of (its writer kept those up to the resume), as
+    process 0's writer has them: every process takes the same decision (validation is
+    collective)."""
+    return distributed.from_primary("validated steps", lambda: sorted(run.val_writer.steps))
 
 
 def _validate(run: _Run, state, step: int) -> None:
