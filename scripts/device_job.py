@@ -3,10 +3,10 @@
 The `device` tool (../.library/device) sends the working tree, at most 64 MiB with what `carry`
 names, to a machine that reaches nothing else: no PyPI, so neither the default target's wheel nor
 the `gguf` package nor the ShareGPT wheel. The GGUF (98 MB) travels in parts, one call each, every
-part as large as what the working tree leaves a call (`part_size`; the tree is 45.0 MiB with the
-shipped head, so six parts), the conversations in a call of their own; the machine keeps
-ignored files between calls while it is warm (30 s idle), and `run` joins the parts and checks
-their sha256.
+part as large as what the working tree leaves a call (`part_size`; the tree is 45.6 MiB with the
+shipped head, so six parts, seven at most as results are added), the conversations in a call of
+their own; the machine keeps ignored files between calls while it is warm (30 s idle), and `run`
+joins the parts and checks their sha256.
 
 Here, once (writes .device/, ignored by git):
   python scripts/device_job.py pack

@@ -125,13 +125,14 @@ def test_parts_are_sized_to_fit_a_call_with_the_working_tree(dj, c):
 
 
 def test_the_tracked_tree_leaves_room_for_the_gguf(dj, c):
-    """The repository itself must leave the device job room: at least a sixth of the 94 MiB
-    GGUF per call, so that it travels in at most six parts plus the wheels' call (four until the
-    shipped head grew to 16,384 ids: each part is a call of a short lease)."""
+    """The repository itself must leave the device job room: at least a seventh of the 94 MiB
+    GGUF per call, so that it travels in at most seven parts plus the wheels' call (each part is a
+    call of a short lease: four until the shipped head grew to 16,384 ids, six until the
+    vocabulary study's and fusion ablation's results, ~1.5 MB, were on their way)."""
     if not (c.ROOT / ".git").exists():
         pytest.skip("not a git checkout: nothing travels from here")
     tree = dj.transfer._travelling_bytes()
-    assert c.CALL_LIMIT - c.CALL_MARGIN - tree - 1 * c.MIB >= 94 * c.MIB / 6, tree / c.MIB
+    assert c.CALL_LIMIT - c.CALL_MARGIN - tree - 1 * c.MIB >= 94 * c.MIB / 7, tree / c.MIB
 
 
 def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch):
