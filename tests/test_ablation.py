@@ -271,9 +271,28 @@ def test_results_are_written_as_cells_finish(tiny_target_dir, tmp_path, monkeypa
     assert "Partial" not in (out / "report.md").read_text()
 
 
+def test_training_time_is_read_from_the_log_across_a_resume():
+    """A cell's training time is its log's intervals (tokens over tokens_per_s), the first one
+    and a resume's compile included, so a kill loses none of it; the recent pace leaves out the
+    start's interval."""
+    from eagle3_jax.ablation.status import logged_seconds, seconds_per_step
+
+    log = [  # 100 tokens a step; killed after step 10's checkpoint, resumed (the log kept 5, 10)
+        {"step": 5, "tokens": 500, "tokens_per_s": 10.0},  # 50 s: the start's compile inside
+        {"step": 10, "tokens": 1000, "tokens_per_s": 25.0},  # 20 s
+        {"step": 15, "tokens": 1500, "tokens_per_s": 12.5},  # 40 s: the resume's compile
+        {"step": 20, "tokens": 2000, "tokens_per_s": 25.0},  # 20 s
+        {"step": 20, "val_acc_0": 0.5},  # not an interval
+    ]
+    assert logged_seconds(log) == pytest.approx(130.0)
+    assert seconds_per_step(log) == pytest.approx(80.0 / 15)
+    assert seconds_per_step(log, window=1) == pytest.approx(4.0)
+    assert seconds_per_step(log[:1]) is None and logged_seconds([]) == 0.0
+
+
 def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
     """--status of the study scripts: a cell with an exported head is trained, one with logged
-    steps is training (its last validation and time so far), one without either has not
+    steps is training (its last validation and its time so far, from its log), one without either has not
     started; a harness run's records are counted per method. Nothing is written."""
     from eagle3_jax.ablation.status import cell_status, status_lines
 
@@ -293,6 +312,7 @@ def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
     (cells / "going" / "validation.jsonl").write_text(
         '{"step": 10, "val_acc_0": 0.5, "val_replay_tau": 1.8}\n'
     )
+    # an older runner's count, lost by kills: the training time is read from the log instead
     (cells / "going" / "cell.json").write_text('{"train_wall_s": 7200}')
     ev = tmp_path / "eval"
     ev.mkdir()
@@ -304,7 +324,7 @@ def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
     assert lines == [
         "cell done: trained",
         "cell going: training: step 10 of 300 (~1.4 h left at its recent pace); held-out at "
-        "step 10: acc_0 0.500, replayed chain tau 1.80; 2.0 h of training",
+        "step 10: acc_0 0.500, replayed chain tau 1.80; 2 min of training",  # 55.6 + 90 s
         "cell later: not started",
         "harness replay: vanilla 2, eagle3@a 1 (records per method, of 80 questions)",
         "harness cpu: not started (records per method, of 80 questions)",

@@ -19,12 +19,14 @@ from eagle3_jax.ablation.config import (
     feature_layers,
 )
 from eagle3_jax.ablation.report import write_outputs
+from eagle3_jax.ablation.status import logged_seconds
 from eagle3_jax.checkpoints import load_target_config
 from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.checkpoints.eagle_format import load_draft
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation.metrics import tau
 from eagle3_jax.evaluation.options import EvalOptions
+from eagle3_jax.evaluation.records import read_jsonl
 from eagle3_jax.evaluation.runner import run_eval
 from eagle3_jax.evaluation.study import read_curve
 from eagle3_jax.training.config import TrainConfig
@@ -86,11 +88,7 @@ def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
         cdir = Path(tc.run.out_dir)
         _train_cell(cell, tc, state, out, progress)
         summary = _evaluate_cell(ac, cell, cdir, progress) if ac.evaluate else None
-        rows.append(
-            cell_row(
-                cell, tc, cdir, summary, state["train_wall_s"], tcfg, ac.acc_window, ac.acc_span(tc)
-            )
-        )
+        rows.append(cell_row(cell, tc, cdir, summary, tcfg, ac.acc_window, ac.acc_span(tc)))
         write_outputs(out, result)
     return result
 
@@ -102,7 +100,7 @@ def _plan(ac: AblationConfig, cells, out: Path, tcfg) -> list[tuple[Cell, TrainC
     for cell in cells:
         tc = cell_config(ac, cell, out, tcfg)
         path = Path(tc.run.out_dir) / "cell.json"
-        state = json.loads(path.read_text()) if path.exists() else {"train_wall_s": 0.0}
+        state = json.loads(path.read_text()) if path.exists() else {}
         check_cell_config(cell, Path(tc.run.out_dir), state, tc)
         plan.append((cell, tc, state))
     return plan
@@ -133,24 +131,20 @@ def _shared_features(ac: AblationConfig, out: Path, layers, progress: bool) -> N
 
 
 def _train_cell(cell: Cell, tc: TrainConfig, state: dict, out: Path, progress: bool) -> None:
-    """Trains one cell in its folder on the shared dataset (resuming it; a finished one is left),
-    its training time added to its cell.json `state`, an interrupted run's too."""
+    """Trains one cell in its folder on the shared dataset (resuming it; a finished one is left);
+    its cell.json `state` records the cell's config (its training time is read from its log:
+    `status.logged_seconds`, which a kill cannot lose)."""
     cdir = Path(tc.run.out_dir)
     cdir.mkdir(parents=True, exist_ok=True)
     if not (cdir / "dataset.npz").exists():
         shutil.copyfile(out / "shared" / "dataset.npz", cdir / "dataset.npz")
-    state_path = cdir / "cell.json"
     state["config"] = cell_record(tc)
-    write_text_atomic(state_path, json.dumps(state) + "\n")
+    state.pop("train_wall_s", None)  # an older runner's count: what the processes it saw end ran
+    write_text_atomic(cdir / "cell.json", json.dumps(state) + "\n")
     if not (cdir / "head" / "config.json").exists():
         print(f"[{cell.name}] training {cell.overrides}", file=sys.stderr)
-        t0 = time.perf_counter()
         resume = (cdir / "checkpoints").exists() and any((cdir / "checkpoints").iterdir())
-        try:
-            train(tc, resume=resume, progress=progress)
-        finally:  # an interrupted run's time counts too (it resumes from its checkpoint)
-            state["train_wall_s"] += time.perf_counter() - t0
-            write_text_atomic(state_path, json.dumps(state) + "\n")
+        train(tc, resume=resume, progress=progress)
 
 
 def _evaluate_cell(ac: AblationConfig, cell: Cell, cdir: Path, progress: bool) -> dict:
@@ -179,7 +173,6 @@ def cell_row(
     tc: TrainConfig,
     cdir: Path,
     summary: dict | None,  # the harness summary; None: the cell was not evaluated
-    wall: float,
     tcfg,
     window: int = 1,
     span: int | None = None,
@@ -208,7 +201,9 @@ def cell_row(
         "tau_by_question": tau_by_question(cdir / "eval", summary["methods"][0]) if s else {},
         "tokens": last.get("tokens"),
         "curve": read_curve(cdir),  # held-out acc_0 and replayed chain τ against tokens read
-        "train_wall_s": wall,
+        # the kept run's wall time from its log: steps, validations, checkpoints and each
+        # resume's compile (work a stop threw away is not counted)
+        "train_wall_s": logged_seconds(read_jsonl(cdir / "metrics.jsonl")),
     }
 
 

@@ -4,54 +4,60 @@ written): each grid cell's training, and the records of each harness run. The st
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 from eagle3_jax.ablation.config import AblationConfig
-
-
-def _records(path: Path) -> list[dict]:
-    """A JSONL file's records ([] when there is none; a line cut short is left out)."""
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else ():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+from eagle3_jax.evaluation.records import read_jsonl
 
 
 def _last(path: Path) -> dict:
     """The last record of a JSONL file ({} when there is none)."""
-    recs = _records(path)
+    recs = read_jsonl(path)
     return recs[-1] if recs else {}
 
 
+def _intervals(metrics: list[dict]) -> list[tuple[int, float]]:
+    """(steps, seconds) of each logged interval of a run: a metrics.jsonl record's tokens since
+    the one before (or since the start) over its tokens_per_s is the interval's wall time, its
+    held-out validation, checkpoint and a resume's compile included. A resumed run's log keeps
+    the records up to the resume, so these are the kept trajectory's intervals; the work a stop
+    threw away (after its last checkpoint) is not among them."""
+    recs = [r for r in metrics if r.get("tokens_per_s") and "tokens" in r and "step" in r]
+    out, prev = [], {"step": 0, "tokens": 0}
+    for r in recs:
+        if r["step"] > prev["step"]:
+            out.append(
+                (r["step"] - prev["step"], (r["tokens"] - prev["tokens"]) / r["tokens_per_s"])
+            )
+        prev = r
+    return out
+
+
 def seconds_per_step(metrics: list[dict], window: int = 20) -> float | None:
-    """A run's recent pace from its last `window` metrics.jsonl intervals: each record's tokens
-    since the one before over its tokens_per_s is the interval's time (held-out validations and
-    a resume's compile fall inside the intervals after them); None with fewer than two records."""
-    recs = [r for r in metrics if "tokens_per_s" in r and "tokens" in r][-(window + 1) :]
-    pairs = [(a, b) for a, b in zip(recs, recs[1:]) if b["step"] > a["step"]]
-    secs = sum(
-        (b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in pairs if b["tokens_per_s"]
-    )
-    steps = sum(b["step"] - a["step"] for a, b in pairs)
-    return secs / steps if steps else None
+    """A run's recent pace from its last `window` logged intervals (`_intervals`; the first,
+    which holds the start's compile, left out); None with fewer than two records."""
+    recent = _intervals(metrics)[1:][-window:]
+    steps = sum(n for n, _ in recent)
+    return sum(t for _, t in recent) / steps if steps else None
+
+
+def logged_seconds(metrics: list[dict]) -> float:
+    """A run's training wall time read from its log (`_intervals`): what a kill cannot lose, as a
+    time kept by the training process itself would, nor inflate with work done twice."""
+    return sum(t for _, t in _intervals(metrics))
 
 
 def cell_status(ac: AblationConfig, root: Path) -> list[dict]:
     """Per cell of the grid whose folders are under `root`: trained (its head exported) or the
     last logged step of its budget and the time left at its recent pace, its last held-out
-    validation and its training time so far."""
+    validation and its training time so far (from its log)."""
     rows = []
     for cell in ac.cells:
         d = root / "cells" / cell.name
         val = _last(d / "validation.jsonl")
-        state = json.loads((d / "cell.json").read_text()) if (d / "cell.json").exists() else {}
         trained = (d / "head" / "config.json").exists()
-        metrics = _records(d / "metrics.jsonl")
+        metrics = read_jsonl(d / "metrics.jsonl")
         step = metrics[-1].get("step", 0) if metrics else 0
         max_steps = cell.overrides.get("max_steps", ac.base.optim.max_steps)
         pace = None if trained else seconds_per_step(metrics)
@@ -64,19 +70,15 @@ def cell_status(ac: AblationConfig, root: Path) -> list[dict]:
             "val_step": val.get("step"),
             "acc_0": val.get("val_acc_0"),
             "chain_tau": val.get("val_replay_tau"),
-            "train_s": state.get("train_wall_s"),
+            "train_s": logged_seconds(metrics),
         })  # fmt: skip
     return rows
 
 
 def records_by_method(eval_dir: Path) -> dict[str, int]:
-    """How many questions (records) a harness run has written per method."""
-    path = eval_dir / "records.jsonl"
-    if not path.exists():
-        return {}
-    return dict(
-        Counter(json.loads(x)["method"] for x in path.read_text().splitlines() if x.strip())
-    )
+    """How many questions (records) a harness run has written per method (a record being
+    written when this reads is left out)."""
+    return dict(Counter(r["method"] for r in read_jsonl(eval_dir / "records.jsonl")))
 
 
 def status_lines(
@@ -100,7 +102,9 @@ def status_lines(
                 f"replayed chain tau {r['chain_tau']:.2f}"
             )
         if r["train_s"]:
-            where += f"; {r['train_s'] / 3600:.1f} h of training"
+            t = r["train_s"]
+            where += f"; {t / 3600:.1f} h" if t >= 3600 else f"; {t / 60:.0f} min"
+            where += " of training"
         lines.append(f"cell {r['cell']}: {where}")
     for name, d in evals.items():
         counts = records_by_method(d)

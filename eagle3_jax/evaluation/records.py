@@ -34,6 +34,22 @@ def read_results(path: str | Path) -> dict:
     return res
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """A JSONL file's complete records, read only: [] when there is none, a line cut short (a
+    file being written, or an interrupted writer's) left out. For logs such as metrics.jsonl and
+    validation.jsonl; a harness run's records are `load_records`'."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").split("\n"):  # not splitlines: see below
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 def load_records(path: Path) -> list[dict]:
     """Finished records; a line cut short by an interruption is dropped (and the file repaired)."""
     if not path.exists():

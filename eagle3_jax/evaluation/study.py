@@ -11,7 +11,6 @@ the paper's measure, so every row carries both.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +19,7 @@ from eagle3_jax.accelerators import predict, specs
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.evaluation import metrics, paired
 from eagle3_jax.evaluation.questions import SPEC_BENCH_TASKS
+from eagle3_jax.evaluation.records import read_jsonl
 
 # The SpecVocab paper and README (H100, Spec-Bench, greedy, batch 1), as
 # ../shared/reference/draft-vocab-methods.md quotes them: tau on OLMo 2 1B, tokens/s on OLMo 2 7B.
@@ -222,13 +222,7 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
 def read_curve(run: Path) -> list[dict]:
     """A training run's held-out curve: step, tokens read by then, val acc_0 and the replayed
     chain tau, from its validation.jsonl and metrics.jsonl ([] when it has not validated)."""
-
-    def jsonl(path: Path) -> list[dict]:
-        if not path.exists():
-            return []
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-    tokens = {r["step"]: r.get("tokens") for r in jsonl(run / "metrics.jsonl")}
+    tokens = {r["step"]: r.get("tokens") for r in read_jsonl(run / "metrics.jsonl")}
     return [
         {
             "step": v["step"],
@@ -236,7 +230,7 @@ def read_curve(run: Path) -> list[dict]:
             "acc_0": v.get("val_acc_0"),
             "chain_tau": v.get("val_replay_tau"),
         }
-        for v in jsonl(run / "validation.jsonl")
+        for v in read_jsonl(run / "validation.jsonl")
     ]
 
 
