@@ -40,8 +40,10 @@ import dataclasses
 import gzip
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -51,7 +53,7 @@ from eagle3_jax.ablation.status import cell_status, status_lines
 from eagle3_jax.checkpoints import files_digest
 from eagle3_jax.checkpoints.atomic import exclusive, made_from, record_inputs
 from eagle3_jax.data.conversations import read_conversations
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.errors import Eagle3Error, Stopped
 from eagle3_jax.evaluation import study
 from eagle3_jax.evaluation.fingerprint import head_digest
 from eagle3_jax.evaluation.options import _parse_tree, default_tree_shape, shape_text
@@ -64,8 +66,20 @@ SHARED = ROOT.parent / "shared/data"
 
 
 def run(cmd: list[str]) -> None:
+    """One stage, as a subprocess. A SIGTERM to this driver is passed on to it (a training stage
+    then checkpoints the step in progress and stops; `locked` ends the study with its status)."""
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    here = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    if here:
+        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+    try:
+        code = proc.wait()
+    finally:
+        if here:
+            signal.signal(signal.SIGTERM, previous)
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -165,6 +179,13 @@ def locked(out: Path, what: str, stages) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except subprocess.CalledProcessError as e:  # the stage printed its own message
+        if e.returncode in (Stopped.EXIT_STATUS, -signal.SIGTERM):
+            print(
+                f"stopped by SIGTERM in a stage, where it resumes: run the same command again "
+                f"to go on ({' '.join(e.cmd)})",
+                file=sys.stderr,
+            )
+            return Stopped.EXIT_STATUS
         print(f"error: stage failed (exit {e.returncode}): {' '.join(e.cmd)}", file=sys.stderr)
         return e.returncode
     return 0

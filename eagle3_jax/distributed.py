@@ -150,9 +150,14 @@ def _from_cluster(env, address, count, pid, timeout: float) -> tuple:
     return address, count, pid
 
 
-def initialize(timeout_s: float | None = None) -> bool:
+def initialize(timeout_s: float | None = None, preemption: bool = False) -> bool:
     """Joins the cluster this process was launched in (see the module docstring); True when it
-    did (or had already), False for a single process. Call before any JAX computation."""
+    did (or had already), False for a single process. Call before any JAX computation.
+
+    `preemption`: join with JAX's preemption service, which catches SIGTERM in every process so
+    that training can stop all of them at one step (training/preemption.py). Only the training
+    commands ask for it: without it a SIGTERM ends a process as usual, where with it a command
+    that never asks for the agreed step would hold the signal until it finished."""
     if jax.distributed.is_initialized():
         return True
     address = os.environ.get(ADDRESS, "").strip() or None
@@ -192,6 +197,7 @@ def initialize(timeout_s: float | None = None) -> bool:
         f"{timeout:g} s: check that every process uses the same {ADDRESS} and {COUNT}"
     )
     done = _watchdog(message, left)
+    jax.config.update("jax_enable_preemption_service", bool(preemption))
     try:
         jax.distributed.initialize(
             coordinator_address=address,

@@ -73,7 +73,7 @@ def _launch(
     return procs
 
 
-def _wait(procs, logs: Path, timeout: float = 600) -> None:
+def _wait(procs, logs: Path, timeout: float = 600, expect: int = 0) -> None:
     deadline = time.time() + timeout
     try:
         for p in procs:
@@ -84,7 +84,7 @@ def _wait(procs, logs: Path, timeout: float = 600) -> None:
                 p.kill()
                 p.wait()
     for i, p in enumerate(procs):
-        assert p.returncode == 0, Path(f"{logs}.{i}").read_text()[-3000:]
+        assert p.returncode == expect, Path(f"{logs}.{i}").read_text()[-3000:]
 
 
 def _conversations(path: Path, n: int, seed: int) -> Path:
@@ -741,6 +741,42 @@ def test_sigkill_of_every_process_then_resume(setup):
     for step in (4, 8, 12):
         want = json.loads((one / f"heads/step_{step:06d}/training.json").read_text())
         assert json.loads((run / f"heads/step_{step:06d}/training.json").read_text()) == want
+
+
+@pytest.mark.slow  # ~90-150 s on 2 busy cores
+def test_sigterm_to_one_process_stops_both_at_one_step_then_resume(setup):
+    """A SIGTERM (a preemption notice) reaching one process of two: JAX's preemption service
+    has both stop after the same step, that step's checkpoint saved by both, exit status 143;
+    started again with --resume they go on from it to the losses and head of an uninterrupted
+    run, having lost no step."""
+    d, args, one = setup
+    run = d / "preempted"
+    logs = d / "preempted.log"
+    procs = _launch(CLI_WORKER, _train_args(args, run), logs)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    assert all(p.poll() is None for p in procs), "a process ended before the notice"
+    os.kill(procs[1].pid, signal.SIGTERM)  # process 1 only: process 0 learns of it from JAX
+    _wait(procs, logs, expect=143)
+    steps = set()
+    for i in range(PROCESSES):
+        said = re.search(r"stopped by SIGTERM after step (\d+)", Path(f"{logs}.{i}").read_text())
+        assert said, Path(f"{logs}.{i}").read_text()[-3000:]
+        steps.add(int(said.group(1)))
+    (stop,) = steps  # the same step in both
+    assert 3 <= stop < 16 and not (run / "head").exists()
+    assert max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == stop
+    assert [m["step"] for m in _lines(metrics)] == list(range(1, stop + 1))  # no step lost
+    _wait(_launch(CLI_WORKER, _train_args(args, run, "--resume"), logs), logs)
+    for i in range(PROCESSES):
+        resumed = re.search(r"resumed from step (\d+)", Path(f"{logs}.{i}").read_text())
+        assert resumed and int(resumed.group(1)) == stop
+    _same_run(run, one)
+    _same_validation(run, one)
 
 
 def test_a_detected_cluster_fills_what_the_environment_leaves_unset(monkeypatch):

@@ -310,3 +310,33 @@ def test_vocab_study_status_starts_nothing(tmp_path, capsys):
     assert vs.main(["--status", "--grid", grid, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "harness cpu: vanilla 1 (records per method, of 180 questions)" in text
+
+
+def test_a_sigterm_to_the_study_reaches_its_stage_and_ends_it_resumably(tmp_path, capsys):
+    """The study driver runs each stage as a subprocess: a SIGTERM to the driver is passed on to
+    the stage in progress (a training stage checkpoints its step and stops), and the study ends
+    with status 143 and a line saying to run the same command again."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    vs = load_script("benchmarks/vocab_study.py")
+    ready = tmp_path / "ready"
+    child = f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"
+
+    def notice():
+        for _ in range(600):
+            if ready.exists():
+                break
+            threading.Event().wait(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # to the driver (this process) only
+
+    before = signal.getsignal(signal.SIGTERM)
+    t = threading.Thread(target=notice)
+    t.start()
+    code = vs.locked(tmp_path / "out", "study", lambda out: vs.run([sys.executable, "-c", child]))
+    t.join()
+    assert code == 143
+    assert "stopped by SIGTERM in a stage" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == before  # the driver's own handling is back

@@ -1,6 +1,7 @@
 """Training end to end on a tiny target: it learns, resumes exactly, shards, online == offline."""
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -356,65 +357,83 @@ def test_tensorboard_events_and_nan_stop(tiny_target_dir, tmp_path):
 
 
 @pytest.mark.slow  # ~40-75 s on 2 cores; CI runs it (make test-slow)
-def test_sigkill_mid_run_then_resume(tiny_target_dir, tmp_path):
-    """train.py killed with SIGKILL loses at most the steps since its last checkpoint; --resume
-    continues to the same losses as a run that was never interrupted."""
+def test_sigkill_or_sigterm_mid_run_then_resume(tiny_target_dir, tmp_path):
+    """train.py killed with SIGKILL loses at most the steps since its last checkpoint; one sent
+    SIGTERM (a preemption notice, `kill`) finishes its step, checkpoints it and exits with status
+    143, losing none. --resume continues either to the losses of a run never interrupted."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
+    from eagle3_jax.training.checkpoint import Checkpoints
+
     data = _conversations(tmp_path / "data.json")
     args = [
         f"--config.target={tiny_target_dir}",
         f"--config.data={data}",
         "--config.max_steps=24",
-        "--config.save_every=3",
+        "--config.save_every=5",
     ]
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        "--config=configs/tiny.py",
-        "--no-progress",
-        *args,
-    ]
-    proc = subprocess.Popen(
-        cmd + [f"--config.out_dir={tmp_path / 'killed'}"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 10:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "training finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert len(metrics.read_text().splitlines()) < 24
-    resumed = subprocess.run(
-        cmd + [f"--config.out_dir={tmp_path / 'killed'}", "--resume"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from step" in resumed.stderr
-    clean = subprocess.run(
-        cmd + [f"--config.out_dir={tmp_path / 'clean'}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config=configs/tiny.py", "--no-progress"]
+    cmd += args
+
+    def interrupted(name: str, sig) -> subprocess.CompletedProcess:
+        log = tmp_path / f"{name}.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen(cmd + [f"--config.out_dir={tmp_path / name}"], cwd=ROOT,
+                                    env=env, stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+        metrics = tmp_path / name / "metrics.jsonl"
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 7:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "training finished before it could be stopped"
+        os.kill(proc.pid, sig)
+        proc.wait()
+        return subprocess.CompletedProcess(cmd, proc.returncode, "", log.read_text())
+
+    assert interrupted("killed", signal.SIGKILL).returncode == -signal.SIGKILL
+    assert len(_metrics(tmp_path / "killed", "step")) < 24
+    stopped = interrupted("stopped", signal.SIGTERM)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    step = int(re.search(r"stopped by SIGTERM after step (\d+)", stopped.stderr).group(1))
+    assert 7 <= step < 24 and not (tmp_path / "stopped/head").exists()
+    assert _metrics(tmp_path / "stopped", "step") == list(range(1, step + 1))
+    ckpt = Checkpoints(tmp_path / "stopped/checkpoints")
+    assert ckpt.latest_step() == step  # between two save_every steps or on one: no step lost
+    ckpt.close()
+    for name, lost in (("killed", True), ("stopped", False)):
+        resumed = subprocess.run(cmd + [f"--config.out_dir={tmp_path / name}", "--resume"],
+                                 cwd=ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert "resumed from step" in resumed.stderr
+        if not lost:
+            assert f"resumed from step {step}" in resumed.stderr
+    clean = subprocess.run(cmd + [f"--config.out_dir={tmp_path / 'clean'}"], cwd=ROOT, env=env,
+                           capture_output=True, text=True)  # fmt: skip
     assert clean.returncode == 0, clean.stderr[-2000:]
-    np.testing.assert_allclose(_losses(tmp_path / "killed"), _losses(tmp_path / "clean"), rtol=1e-5)
+    for name in ("killed", "stopped"):
+        np.testing.assert_allclose(_losses(tmp_path / name), _losses(tmp_path / "clean"), rtol=1e-5)
+
+
+def test_the_sigterm_handler_is_ours_only_around_the_steps():
+    """One process: inside StopOnSigterm a SIGTERM is only noted (the loop stops after its step);
+    the handler before it is put back after."""
+    import os
+    import signal
+
+    from eagle3_jax.training.preemption import StopOnSigterm
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopOnSigterm() as stop:
+        assert not stop.due(3)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.due(4)
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 @pytest.mark.slow  # ~40-75 s on 2 cores; CI runs it (make test-slow)

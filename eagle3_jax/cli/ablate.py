@@ -19,7 +19,7 @@ from eagle3_jax import compile_cache, distributed
 from eagle3_jax.ablation.config import load_ablation
 from eagle3_jax.ablation.report import report_markdown
 from eagle3_jax.ablation.runner import run_ablation
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.errors import Eagle3Error, Stopped
 from eagle3_jax.training.config import apply_overrides
 
 
@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     args, rest = parse_args(argv)
     compile_cache.enable()
     try:
-        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
+        # a pod / SLURM / multi-process job: join it first, SIGTERM stopping training cleanly
+        distributed.initialize(preemption=True)
         ac = load_ablation(args.config)
         ac = dataclasses.replace(ac, base=apply_overrides(ac.base, rest))
         for name in ("bench", "questions"):
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(e, file=sys.stderr)
+        return e.EXIT_STATUS
 
     print(report_markdown(result))
     return 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eagle3_jax import compile_cache, distributed
 from eagle3_jax.data import dataset as dsm
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.errors import Eagle3Error, Stopped
 from eagle3_jax.training.config import load_config
 from eagle3_jax.training.loop import train
 from eagle3_jax.training.timed import (
@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     compile_cache.enable()
     t0 = time.monotonic()
     try:
-        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
+        # a pod / SLURM / multi-process job: join it first, SIGTERM stopping training cleanly
+        distributed.initialize(preemption=True)
         tc = load_config(args.config.removeprefix("="), overrides)
         if tc.optim.grad_accum != 1:
             raise Eagle3Error("timed runs plan optimizer steps with grad_accum 1")
@@ -78,6 +79,9 @@ def main(argv=None) -> int:
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(e, file=sys.stderr)
+        return e.EXIT_STATUS
     print(json.dumps({**summary, "timed": plan}, indent=1))
     return 0
 

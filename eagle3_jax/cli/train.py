@@ -18,7 +18,7 @@ import json
 import sys
 
 from eagle3_jax import compile_cache, distributed
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.errors import Eagle3Error, Stopped
 from eagle3_jax.training.config import load_config
 from eagle3_jax.training.loop import train
 from eagle3_jax.training.prepare import precompute_features
@@ -40,7 +40,8 @@ def main(argv=None) -> int:
 
     compile_cache.enable()
     try:
-        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
+        # a pod / SLURM / multi-process job: join it first, SIGTERM stopping training cleanly
+        distributed.initialize(preemption=True)
         tc = load_config(args.config.removeprefix("="), overrides)
         if args.precompute_features:
             summary = {"features_dir": str(precompute_features(tc, progress=not args.no_progress))}
@@ -49,5 +50,8 @@ def main(argv=None) -> int:
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(e, file=sys.stderr)
+        return e.EXIT_STATUS
     print(json.dumps(summary, indent=1))
     return 0

@@ -27,6 +27,7 @@ from eagle3_jax.sharding import make_mesh
 from eagle3_jax.training.checkpoint import Checkpoints
 from eagle3_jax.training.config import TrainConfig
 from eagle3_jax.training.features import OfflineFeatures
+from eagle3_jax.training.preemption import StopOnSigterm, stopped
 from eagle3_jax.training.prepare import prepare_all, prepare_data
 from eagle3_jax.training.run_dir import check_out_dir, check_run_config, export_head, restore
 from eagle3_jax.training.start import draft_config, start_params
@@ -123,7 +124,7 @@ def train(
     (tests use it to check that --resume reproduces the uninterrupted run). A second run on the
     same out_dir is refused while this one holds it (one lock per process of a run)."""
     tc = tc.validate()
-    distributed.initialize()
+    distributed.initialize(preemption=True)  # SIGTERM: every process stops at one step
     out = Path(tc.run.out_dir)
     check_out_dir(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -252,7 +253,14 @@ class _Inputs:
 
 def _steps(run: _Run, inputs: _Inputs, step_fn, state, start: int, tokens_seen: int,
            stop_after: int | None) -> dict[str, Any]:  # fmt: skip
-    """The training steps from `start` to the run's end (or `stop_after`), then the head."""
+    """The training steps from `start` to the run's end, then the head; or to `stop_after`, or to
+    the step a SIGTERM came in (its checkpoint saved, then `Stopped`: training/preemption.py)."""
+    with StopOnSigterm() as stop:
+        return _step_loop(run, inputs, step_fn, state, start, tokens_seen, stop_after, stop)
+
+
+def _step_loop(run: _Run, inputs: _Inputs, step_fn, state, start: int, tokens_seen: int,
+               stop_after: int | None, stop: StopOnSigterm) -> dict[str, Any]:  # fmt: skip
     tc, total = run.tc, run.total
     t_last, tokens_since = time.perf_counter(), 0
     last = {}
@@ -272,6 +280,12 @@ def _steps(run: _Run, inputs: _Inputs, step_fn, state, start: int, tokens_seen: 
             t_last, tokens_since = now, 0
         run.bar.update(1)
         _after_step(run, state, step, tokens_seen)
+        if step < total and stop.due(step):  # SIGTERM: this step's checkpoint, then stop
+            if not _save_due(run, step):
+                _save(run, state, step, tokens_seen)
+            run.close()
+            run.ckpt.close()
+            raise stopped(step)
         if stop_after is not None and step >= stop_after:
             run.close()
             return {"stopped_at": step, "out_dir": str(run.out)}
@@ -343,13 +357,21 @@ def _validate(run: _Run, state, step: int) -> None:
 
 def _after_step(run: _Run, state, step: int, tokens_seen: int) -> None:
     """The checkpoint, held-out validation and intermediate export due at this step."""
-    r = run.tc.run
-    if (r.save_every and step % r.save_every == 0) or step == run.total:
-        run.ckpt.save(step, state, {**run.meta, "data_step": step, "tokens_seen": tokens_seen})
+    if _save_due(run, step):
+        _save(run, state, step, tokens_seen)
     if _validation_due(run, step):
         _validate(run, state, step)
     if _export_due(run, step):
         _export(run, state, step, tokens_seen)
+
+
+def _save_due(run: _Run, step: int) -> bool:
+    every = run.tc.run.save_every
+    return bool(every and step % every == 0) or step == run.total
+
+
+def _save(run: _Run, state, step: int, tokens_seen: int) -> None:
+    run.ckpt.save(step, state, {**run.meta, "data_step": step, "tokens_seen": tokens_seen})
 
 
 def _catch_up(run: _Run, state, start: int, tokens_seen: int) -> None:
