@@ -486,6 +486,13 @@ def test_timed_run_fits_max_steps_to_the_budget(tiny_target_dir, tmp_path, capsy
     # a run that already holds checkpoints is refused before any calibration
     assert timed.main([*args, "--minutes=30"]) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
+    # the calibration folder's name taken by a user's folder: refused, left as it was
+    mine = tmp_path / "other_calibration" / "notes.txt"
+    mine.parent.mkdir()
+    mine.write_text("mine")
+    other = [a.replace(str(tmp_path / "run"), str(tmp_path / "other")) for a in args]
+    assert timed.main([*other, "--minutes=30"]) == 2
+    assert "not a training run" in capsys.readouterr().err and mine.read_text() == "mine"
     # max_steps caps below the epochs; 20 steps and two exports: at most two heads before the end
     args = [a.replace("epochs=3", "epochs=0") for a in args]
     args = [a.replace(str(tmp_path / "run"), str(tmp_path / "run2")) for a in args]

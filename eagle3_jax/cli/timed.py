@@ -19,6 +19,7 @@ from eagle3_jax.data import dataset as dsm
 from eagle3_jax.errors import Eagle3Error, Stopped
 from eagle3_jax.training.config import load_config
 from eagle3_jax.training.loop import train
+from eagle3_jax.training.run_dir import check_out_dir
 from eagle3_jax.training.timed import (
     plan_steps,
     seconds_per_step,
@@ -52,8 +53,9 @@ def main(argv=None) -> int:
                 "out_dir (or continue that run with train.py --resume)"
             )
         cal = Path(f"{tc.run.out_dir}_calibration")
+        check_out_dir(cal)  # a folder of that name that is not a run of ours is never deleted
         if distributed.is_primary() and cal.exists():
-            shutil.rmtree(cal)
+            shutil.rmtree(cal)  # an earlier calibration: thrown away, as this one will be
         distributed.barrier("calibration folder")
         log_every = max(1, args.calibrate_steps // 8)
         cal_tc = tc.replace(
