@@ -453,6 +453,23 @@ def test_a_run_on_a_mesh_matches_one_device(tiny_target_dir, tmp_path):
     np.testing.assert_allclose(_losses(tmp_path / "mesh"), _losses(tmp_path / "one"), rtol=1e-5)
 
 
+def test_a_timed_run_stopped_while_calibrating_says_to_start_again(tmp_path, monkeypatch, capsys):
+    """SIGTERM during train-timed's calibration: exit status 143 and a line saying the run had not
+    started (the calibration is made again), not the resumable run's --resume."""
+    from eagle3_jax.cli import timed
+    from eagle3_jax.errors import Stopped
+    from eagle3_jax.training.preemption import stopped
+
+    def train(tc, progress=True):
+        raise stopped(3)
+
+    monkeypatch.setattr(timed, "train", train)
+    argv = ["--config=configs/tiny.py", f"--config.out_dir={tmp_path / 'run'}", "--minutes=5"]
+    assert timed.main(argv) == Stopped.EXIT_STATUS == 143
+    err = capsys.readouterr().err
+    assert "while calibrating, before the run itself started" in err and "--resume" not in err
+
+
 def test_timed_run_fits_max_steps_to_the_budget(tiny_target_dir, tmp_path, capsys):
     from eagle3_jax.cli import timed
     from eagle3_jax.training.timed import plan_steps

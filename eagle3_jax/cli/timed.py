@@ -67,7 +67,13 @@ def main(argv=None) -> int:
             val_data="",  # its head is thrown away: validating it would only spend the budget
         )
         t_cal = time.monotonic()
-        train(cal_tc, progress=not args.no_progress)
+        try:
+            train(cal_tc, progress=not args.no_progress)
+        except Stopped:  # nothing to resume: the calibration is thrown away and made again
+            raise Stopped(
+                "stopped by SIGTERM while calibrating, before the run itself started: run the same "
+                "command again"
+            ) from None
         # one plan for every process of a run (each timing its own would disagree on max_steps
         # and leave the others waiting at a collective): process 0 measures and decides
         plan = distributed.from_primary(
