@@ -671,6 +671,20 @@ def _train_args(args: list[str], out: Path, *more: str) -> list[str]:
     return ["train", *args, f"--config.out_dir={out}", *more]
 
 
+def _training_until(args: list[str], run: Path, logs: Path, steps: int) -> list:
+    """Both processes training into `run`, returned once its metrics.jsonl holds `steps` steps
+    (every process still running)."""
+    procs = _launch(CLI_WORKER, _train_args(args, run), logs)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            break
+        time.sleep(0.02)
+    assert all(p.poll() is None for p in procs), "a process ended before it could be stopped"
+    return procs
+
+
 def _same_validation(run: Path, one: Path) -> None:
     got, want = _lines(run / "validation.jsonl"), _lines(one / "validation.jsonl")
     assert [v["step"] for v in got] == list(range(2, 17, 2))  # written once: no step twice
@@ -712,14 +726,8 @@ def test_sigkill_of_every_process_then_resume(setup):
     d, args, one = setup
     run = d / "killed"
     logs = d / "killed.log"
-    procs = _launch(CLI_WORKER, _train_args(args, run), logs)
+    procs = _training_until(args, run, logs, 5)
     metrics = run / "metrics.jsonl"
-    deadline = time.time() + 400
-    while time.time() < deadline and all(p.poll() is None for p in procs):
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-            break
-        time.sleep(0.02)
-    assert all(p.poll() is None for p in procs), "a process ended before it could be killed"
     for p in procs:
         os.kill(p.pid, signal.SIGKILL)
     for p in procs:
@@ -752,14 +760,8 @@ def test_sigterm_to_one_process_stops_both_at_one_step_then_resume(setup):
     d, args, one = setup
     run = d / "preempted"
     logs = d / "preempted.log"
-    procs = _launch(CLI_WORKER, _train_args(args, run), logs)
+    procs = _training_until(args, run, logs, 3)
     metrics = run / "metrics.jsonl"
-    deadline = time.time() + 400
-    while time.time() < deadline and all(p.poll() is None for p in procs):
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.02)
-    assert all(p.poll() is None for p in procs), "a process ended before the notice"
     os.kill(procs[1].pid, signal.SIGTERM)  # process 1 only: process 0 learns of it from JAX
     _wait(procs, logs, expect=143)
     steps = set()
