@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from eagle3_jax.ablation.config import load_ablation
-from eagle3_jax.ablation.status import cell_status, status_lines
+from eagle3_jax.ablation.status import cell_status, running_line, status_lines
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
 from eagle3_jax.evaluation.questions import load_questions
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     if args.status:
         grid = load_ablation(args.grid)
         bench, questions = what_is_asked(args, grid)
-        lines = status_lines(
+        lines = [running_line(Path(args.out), "ablation")] + status_lines(
             cell_status(grid, grid_root(grid)),
             {"replay": Path(args.out) / "eval"},
             len(load_questions(bench, questions)),

@@ -49,7 +49,7 @@ from pathlib import Path
 import jax
 
 from eagle3_jax.ablation.config import load_ablation
-from eagle3_jax.ablation.status import cell_status, status_lines
+from eagle3_jax.ablation.status import cell_status, running_line, status_lines
 from eagle3_jax.checkpoints import files_digest
 from eagle3_jax.checkpoints.atomic import exclusive, made_from, record_inputs
 from eagle3_jax.data.conversations import read_conversations
@@ -232,6 +232,7 @@ def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     have = lambda paths: ", ".join(p.name for p in paths) or "none yet"  # noqa: E731
     evals = {p.name.removeprefix("eval_"): p for p in sorted(out.glob("eval_*")) if p.is_dir()}
     return [
+        running_line(out, "study"),
         *status_lines(cell_status(grid, root), {}),
         f"token counts: {have(sorted(out.glob('counts_*.npy')))}",
         f"cut heads: {have(sorted((out / 'heads').glob('*')))}",

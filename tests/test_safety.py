@@ -148,14 +148,17 @@ def test_bfloat16_feature_store_is_the_float32_one_rounded(tiny_target_dir, tmp_
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     import os
 
-    from eagle3_jax.checkpoints.atomic import exclusive
+    from eagle3_jax.checkpoints.atomic import exclusive, holder
 
     (tmp_path / "run").mkdir()
+    assert holder(tmp_path / "run") is None  # never locked
     with exclusive(tmp_path / "run", "--out"):
+        assert holder(tmp_path / "run") == str(os.getpid())  # what --status says
         with pytest.raises(Eagle3Error, match=f"pid {os.getpid()}"):
             with exclusive(tmp_path / "run", "--out"):
                 pass
-    with exclusive(tmp_path / "run"):  # released with its holder
+    assert holder(tmp_path / "run") is None  # released with its holder; asking took nothing
+    with exclusive(tmp_path / "run"):
         pass
     with exclusive(tmp_path / "answers.jsonl"):  # a file: the lock sits beside it
         assert (tmp_path / "answers.jsonl.lock").is_file()

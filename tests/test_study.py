@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from helpers import load_script
@@ -292,7 +293,8 @@ def test_the_report_predicts_the_papers_setting_on_an_accelerator():
 
 
 def test_vocab_study_status_starts_nothing(tmp_path, capsys):
-    """`benchmarks/vocab_study.py --status` prints each cell's and stage's standing and returns
+    """`benchmarks/vocab_study.py --status` prints whether the study runs (the pid holding its
+    lock), each cell's and stage's standing, and returns
     without training, measuring or writing (its --out stays empty)."""
     vs = load_script("benchmarks/vocab_study.py")
     out = tmp_path / "study"
@@ -300,7 +302,7 @@ def test_vocab_study_status_starts_nothing(tmp_path, capsys):
     grid = str(vs.ROOT / "configs/ablate_tiny.py")
     assert vs.main(["--status", "--grid", grid, "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("cell ") and "draft costs: none yet" in text
+    assert text.startswith("study: not running\ncell ") and "draft costs: none yet" in text
     assert "harness: not started" in text and "report: not yet" in text
     assert not any(out.iterdir())
     # a harness run under way: its records per method, of the questions it plans (Spec-Bench's
@@ -310,6 +312,9 @@ def test_vocab_study_status_starts_nothing(tmp_path, capsys):
     assert vs.main(["--status", "--grid", grid, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "harness cpu: vanilla 1 (records per method, of 180 questions)" in text
+    with vs.exclusive(out, "study"):  # the study running: its driver's pid
+        assert vs.main(["--status", "--grid", grid, "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"study: running (pid {os.getpid()})\n")
 
 
 def test_a_sigterm_to_the_study_reaches_its_stage_and_ends_it_resumably(tmp_path, capsys):

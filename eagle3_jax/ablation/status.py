@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from eagle3_jax.ablation.config import AblationConfig
+from eagle3_jax.checkpoints.atomic import holder
 from eagle3_jax.evaluation.records import read_jsonl
 
 
@@ -79,6 +80,14 @@ def records_by_method(eval_dir: Path) -> dict[str, int]:
     """How many questions (records) a harness run has written per method (a record being
     written when this reads is left out)."""
     return dict(Counter(r["method"] for r in read_jsonl(eval_dir / "records.jsonl")))
+
+
+def running_line(out: Path, what: str) -> str:
+    """Whether the study writing `out` runs now (a process holds its lock: its pid), as a line."""
+    pid = holder(out) if out.is_dir() else None
+    if pid is None:
+        return f"{what}: not running"
+    return f"{what}: running (pid {pid})"
 
 
 def status_lines(

@@ -133,6 +133,28 @@ def exclusive(path: str | os.PathLike, what: str = "output") -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def holder(path: str | os.PathLike) -> str | None:
+    """The pid (as `exclusive` wrote it) of the process holding `path`'s lock, or None when no
+    process holds it. Reads only: the lock is tried shared and let go at once, nothing written."""
+    import fcntl
+
+    path = Path(path)
+    lock = path / ".lock" if path.is_dir() else path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:  # never locked (or unreadable): nobody holds it
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def made_from(path: str | os.PathLike, inputs: dict, what: str = "output") -> bool:
     """Whether `path`, a derived file or directory, exists and was made from `inputs` (a record
     of digests and settings that decide it, kept beside it in `<path>.inputs.json` by `record_inputs`).
