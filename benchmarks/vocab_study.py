@@ -69,15 +69,24 @@ def run(cmd: list[str]) -> None:
     """One stage, as a subprocess. A SIGTERM to this driver is passed on to it (a training stage
     then checkpoints the step in progress and stops; `locked` ends the study with its status)."""
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    procs, noticed = [], []
+
+    def forward(*_):
+        noticed.append(True)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+
     here = threading.current_thread() is threading.main_thread()  # where handlers can be set
-    if here:
-        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+    if here:  # set before the stage starts: a signal in between is passed on as it starts
+        previous = signal.signal(signal.SIGTERM, forward)
     try:
-        code = proc.wait()
+        procs.append(subprocess.Popen(cmd, cwd=ROOT))
+        if noticed:
+            procs[0].send_signal(signal.SIGTERM)
+        code = procs[0].wait()
     finally:
         if here:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     if code:
         raise subprocess.CalledProcessError(code, cmd)
 

@@ -150,14 +150,13 @@ def _from_cluster(env, address, count, pid, timeout: float) -> tuple:
     return address, count, pid
 
 
-def initialize(timeout_s: float | None = None, preemption: bool = False) -> bool:
+def initialize(timeout_s: float | None = None) -> bool:
     """Joins the cluster this process was launched in (see the module docstring); True when it
     did (or had already), False for a single process. Call before any JAX computation.
 
-    `preemption`: join with JAX's preemption service, which catches SIGTERM in every process so
-    that training can stop all of them at one step (training/preemption.py). Only the training
-    commands ask for it: without it a SIGTERM ends a process as usual, where with it a command
-    that never asks for the agreed step would hold the signal until it finished."""
+    JAX's preemption service is left off: it would catch SIGTERM in every process and hold it
+    until the program asked for a sync point, which only training does, and its sync point can
+    miss a resumed run (training/preemption.py, which agrees on a stop step itself)."""
     if jax.distributed.is_initialized():
         return True
     address = os.environ.get(ADDRESS, "").strip() or None
@@ -197,7 +196,7 @@ def initialize(timeout_s: float | None = None, preemption: bool = False) -> bool
         f"{timeout:g} s: check that every process uses the same {ADDRESS} and {COUNT}"
     )
     done = _watchdog(message, left)
-    jax.config.update("jax_enable_preemption_service", bool(preemption))
+    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
             coordinator_address=address,

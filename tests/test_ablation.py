@@ -288,6 +288,16 @@ def test_training_time_is_read_from_the_log_across_a_resume():
     assert seconds_per_step(log) == pytest.approx(80.0 / 15)
     assert seconds_per_step(log, window=1) == pytest.approx(4.0)
     assert seconds_per_step(log[:1]) is None and logged_seconds([]) == 0.0
+    # records with their own interval (what the loop writes now): a resume between two logged
+    # steps (from a SIGTERM's step-12 checkpoint) times its 3 steps alone, not the 5 since step 10
+    log = [
+        {"step": 5, "tokens": 500, "tokens_per_s": 10.0, "interval_steps": 5, "interval_s": 50.0},
+        {"step": 10, "tokens": 1000, "tokens_per_s": 25.0, "interval_steps": 5, "interval_s": 20.0},
+        {"step": 15, "tokens": 1500, "tokens_per_s": 7.5, "interval_steps": 3, "interval_s": 40.0},
+        {"step": 20, "tokens": 2000, "tokens_per_s": 25.0, "interval_steps": 5, "interval_s": 20.0},
+    ]
+    assert logged_seconds(log) == pytest.approx(130.0)
+    assert seconds_per_step(log) == pytest.approx(80.0 / 13)
 
 
 def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):

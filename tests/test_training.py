@@ -420,12 +420,15 @@ def test_sigkill_or_sigterm_mid_run_then_resume(tiny_target_dir, tmp_path):
         np.testing.assert_allclose(_losses(tmp_path / name), _losses(tmp_path / "clean"), rtol=1e-5)
 
 
-def test_the_sigterm_handler_is_ours_only_around_the_steps():
-    """One process: inside StopOnSigterm a SIGTERM is only noted (the loop stops after its step);
-    the handler before it is put back after."""
+def test_the_sigterm_handler_is_ours_only_around_the_steps(tiny_target_dir, tmp_path, monkeypatch):
+    """Inside StopOnSigterm a SIGTERM is only noted (the loop stops after its step); the handler
+    before it is put back after. One that comes during the final export stops the run after its
+    head is written (Stopped, not a finished run's summary)."""
     import os
     import signal
 
+    from eagle3_jax.errors import Stopped
+    from eagle3_jax.training import loop
     from eagle3_jax.training.preemption import StopOnSigterm
 
     before = signal.getsignal(signal.SIGTERM)
@@ -433,6 +436,19 @@ def test_the_sigterm_handler_is_ours_only_around_the_steps():
         assert not stop.due(3)
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.due(4)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+    real = loop.export_head
+
+    def export_head(path, *a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)  # the notice, while the final head is written
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(loop, "export_head", export_head)
+    tc = _cfg(tiny_target_dir, tmp_path, "--config.max_steps=2", "--config.export_every=0")
+    with pytest.raises(Stopped, match=r"during the last step \(2\): the run finished"):
+        train(tc, progress=False)
+    assert (tmp_path / "run/head/config.json").is_file()
     assert signal.getsignal(signal.SIGTERM) == before
 
 

@@ -19,18 +19,24 @@ def _last(path: Path) -> dict:
 
 
 def _intervals(metrics: list[dict]) -> list[tuple[int, float]]:
-    """(steps, seconds) of each logged interval of a run: a metrics.jsonl record's tokens since
-    the one before (or since the start) over its tokens_per_s is the interval's wall time, its
-    held-out validation, checkpoint and a resume's compile included. A resumed run's log keeps
-    the records up to the resume, so these are the kept trajectory's intervals; the work a stop
-    threw away (after its last checkpoint) is not among them."""
-    recs = [r for r in metrics if r.get("tokens_per_s") and "tokens" in r and "step" in r]
+    """(steps, seconds) of each logged interval of a run: a metrics.jsonl record's interval_steps
+    and interval_s (the steps and wall time since the previous record of its process, held-out
+    validation, checkpoint and a resume's compile included). A record written before those
+    fields existed gives its tokens since the record before over its tokens_per_s, which
+    overstates a resume's first interval when the resume fell between two logged steps. A resumed
+    run's log keeps the records up to the resume, so these are the kept trajectory's intervals;
+    the work a stop threw away (after its last checkpoint) is not among them."""
     out, prev = [], {"step": 0, "tokens": 0}
-    for r in recs:
-        if r["step"] > prev["step"]:
+    for r in metrics:
+        if "interval_s" in r and "interval_steps" in r:
+            if r["interval_steps"] > 0:
+                out.append((r["interval_steps"], r["interval_s"]))
+        elif r.get("tokens_per_s") and "tokens" in r and r.get("step", 0) > prev["step"]:
             out.append(
                 (r["step"] - prev["step"], (r["tokens"] - prev["tokens"]) / r["tokens_per_s"])
             )
+        else:
+            continue
         prev = r
     return out
 

@@ -46,8 +46,7 @@ def main(argv=None) -> int:
     args, rest = parse_args(argv)
     compile_cache.enable()
     try:
-        # a pod / SLURM / multi-process job: join it first, SIGTERM stopping training cleanly
-        distributed.initialize(preemption=True)
+        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
         ac = load_ablation(args.config)
         ac = dataclasses.replace(ac, base=apply_overrides(ac.base, rest))
         for name in ("bench", "questions"):

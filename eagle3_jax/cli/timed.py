@@ -41,8 +41,7 @@ def main(argv=None) -> int:
     compile_cache.enable()
     t0 = time.monotonic()
     try:
-        # a pod / SLURM / multi-process job: join it first, SIGTERM stopping training cleanly
-        distributed.initialize(preemption=True)
+        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
         tc = load_config(args.config.removeprefix("="), overrides)
         if tc.optim.grad_accum != 1:
             raise Eagle3Error("timed runs plan optimizer steps with grad_accum 1")
@@ -83,7 +82,15 @@ def main(argv=None) -> int:
         # rounded up: at most `exports` intermediate heads before the final one
         export_every = -(-steps // (args.exports + 1)) if args.exports else 0
         run_tc = tc.replace(max_steps=steps, export_every=export_every)
-        summary = train(run_tc, progress=not args.no_progress)
+        try:
+            summary = train(run_tc, progress=not args.no_progress)
+        except (
+            Stopped
+        ) as e:  # train.py resumes it with the plan's steps (timed.json), not the config's
+            raise Stopped(
+                f"{e}; the planned run resumes with train.py --config={args.config} (and the same "
+                f"overrides) --resume --config.max_steps={steps} --config.export_every={export_every}"
+            ) from None
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -40,8 +40,7 @@ def main(argv=None) -> int:
 
     compile_cache.enable()
     try:
-        # a pod / SLURM / multi-process job: join it first, SIGTERM stopping training cleanly
-        distributed.initialize(preemption=True)
+        distributed.initialize()  # a pod / SLURM / multi-process job: join it first
         tc = load_config(args.config.removeprefix("="), overrides)
         if args.precompute_features:
             summary = {"features_dir": str(precompute_features(tc, progress=not args.no_progress))}

@@ -27,7 +27,7 @@ from eagle3_jax.sharding import make_mesh
 from eagle3_jax.training.checkpoint import Checkpoints
 from eagle3_jax.training.config import TrainConfig
 from eagle3_jax.training.features import OfflineFeatures
-from eagle3_jax.training.preemption import StopOnSigterm, stopped
+from eagle3_jax.training.preemption import StopOnSigterm, finished, stopped
 from eagle3_jax.training.prepare import prepare_all, prepare_data
 from eagle3_jax.training.run_dir import check_out_dir, check_run_config, export_head, restore
 from eagle3_jax.training.start import draft_config, start_params
@@ -124,7 +124,7 @@ def train(
     (tests use it to check that --resume reproduces the uninterrupted run). A second run on the
     same out_dir is refused while this one holds it (one lock per process of a run)."""
     tc = tc.validate()
-    distributed.initialize(preemption=True)  # SIGTERM: every process stops at one step
+    distributed.initialize()
     out = Path(tc.run.out_dir)
     check_out_dir(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -262,7 +262,7 @@ def _steps(run: _Run, inputs: _Inputs, step_fn, state, start: int, tokens_seen: 
 def _step_loop(run: _Run, inputs: _Inputs, step_fn, state, start: int, tokens_seen: int,
                stop_after: int | None, stop: StopOnSigterm) -> dict[str, Any]:  # fmt: skip
     tc, total = run.tc, run.total
-    t_last, tokens_since = time.perf_counter(), 0
+    t_last, tokens_since, step_last = time.perf_counter(), 0, start
     last = {}
     for batch in batches(inputs.ds, tc.optim.batch_size, tc.optim.seed, start_step=start,
                          num_steps=total - start, length_bucket=tc.corpus.length_bucket):  # fmt: skip
@@ -276,8 +276,8 @@ def _step_loop(run: _Run, inputs: _Inputs, step_fn, state, start: int, tokens_se
         if step % tc.run.log_every == 0 or step == total:
             now = time.perf_counter()
             last = _log(run, step, batch.epoch, loss, metrics, tokens_seen,
-                        tokens_since / (now - t_last))  # fmt: skip
-            t_last, tokens_since = now, 0
+                        (step - step_last, tokens_since, now - t_last))  # fmt: skip
+            t_last, tokens_since, step_last = now, 0, step
         run.bar.update(1)
         _after_step(run, state, step, tokens_seen)
         if step < total and stop.due(step):  # SIGTERM: this step's checkpoint, then stop
@@ -293,6 +293,8 @@ def _step_loop(run: _Run, inputs: _Inputs, step_fn, state, start: int, tokens_se
     head = run.out / "head"
     export_head(head, state, run.dcfg, run.vocab, tc, total, tokens_seen)
     run.ckpt.close()
+    if stop.due(total):  # the signal came during the last step or the export: honoured now
+        raise finished(total)
     return {"head": str(head), "steps": total, "last_metrics": last, "out_dir": str(run.out)}
 
 
@@ -311,16 +313,21 @@ def _stop_on_nan(run: _Run, loss: float, step: int) -> None:
 
 
 def _log(run: _Run, step: int, epoch: int, loss: float, metrics, tokens: int,
-         tokens_per_s: float) -> dict:  # fmt: skip
-    """Writes a metrics.jsonl record of this step (per-TTT-step metrics as name_i) and returns it."""
+         interval: tuple[int, int, float]) -> dict:  # fmt: skip
+    """Writes a metrics.jsonl record of this step (per-TTT-step metrics as name_i) and returns it.
+    `interval`: the steps, tokens and wall seconds since this process's previous record (or since
+    its loop began: a resume's first record covers its steps alone, compile included)."""
     m = jax.device_get(metrics)
+    steps, toks, secs = interval
     rec = {
         "step": step,
         "epoch": epoch,
         "loss": loss,
         "grad_norm": float(m["grad_norm"]),
         "tokens": tokens,
-        "tokens_per_s": tokens_per_s,
+        "tokens_per_s": toks / secs,
+        "interval_steps": steps,
+        "interval_s": secs,
     }
     for name in ("acc", "chain", "xent", "ploss", "sloss", "sacc"):
         if name not in m:

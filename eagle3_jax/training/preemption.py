@@ -5,20 +5,20 @@ before it evicts a pod) and a plain `kill` are a SIGTERM, followed by a SIGKILL 
 later (~30 s on Cloud TPU and GCE spot VMs). A run that died at the SIGKILL would lose every step
 since its last checkpoint; a run that stops at the notice loses none.
 
-* One process: `StopOnSigterm` installs its own SIGTERM handler around the training steps (the
-  previous one is put back after them), which only notes the signal; the loop asks `due(step)`
-  after each step and, when it is, saves that step's checkpoint and raises `Stopped`.
-* Several processes (a pod, a multi-host job): every process must stop at the same step, since
-  the checkpoint is written by all of them together, while the signal may reach one. JAX's
-  preemption service (`distributed.initialize(preemption=True)`, which the training commands
-  ask for) catches the SIGTERM in whichever process it reaches and agrees on a step with the
-  others; `due(step)` is `multihost_utils.reached_preemption_sync_point(step)`, asked at every
-  step by every process. Commands that do not train join without the service, so a SIGTERM ends
-  them as it would any program.
+`StopOnSigterm` installs a SIGTERM handler around the training steps (the one before is put back
+after them), which only notes the signal. After each step the loop asks `due(step)`; when it is,
+it saves that step's checkpoint and raises `Stopped`. In a run of several processes (a pod, a
+multi-host job) the signal may reach one of them, while the checkpoint is written by all of them
+together: `due` is then every process's note gathered (`process_allgather` of one flag, every
+step), so all of them stop after the same step. A signal that comes during the last step or the
+final export stops the run after its head is written.
 
-Outside the steps (loading, data preparation, feature precomputation) SIGTERM ends one process
-at once (what it wrote is resumable); in a multi-process run the notice is held by JAX and the
-run stops at its first training step.
+Outside the steps (loading, data preparation, feature precomputation, an `ablate` cell's
+evaluation) a SIGTERM ends the process at once, as it would any program; what it wrote resumes.
+JAX's own preemption service, which would catch SIGTERM in every process of a multi-process run
+and hold it until the program asked for a sync point, is turned off (`distributed.initialize`):
+its agreed step is the largest step any process last asked about plus one, so a notice that came
+before a resumed run's first step named a step the run had already passed, and was lost.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import signal
 import threading
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from eagle3_jax.errors import Stopped
@@ -34,25 +35,27 @@ from eagle3_jax.errors import Stopped
 
 class StopOnSigterm:
     """Context manager around the training steps; `due(step)` says whether to stop after `step`
-    (the same answer in every process of a run)."""
+    (the same answer in every process of a run: call it in every process at the same steps)."""
 
     def __init__(self):
         self.multi = jax.process_count() > 1
-        self.noticed = False  # one process: a SIGTERM came
+        self.noticed = False  # a SIGTERM reached this process
         self._previous = None
         self._installed = False
 
     def __enter__(self) -> StopOnSigterm:
         # signal handlers live in the main thread only; a run driven from another thread (rare)
         # keeps the default: SIGTERM ends it, as before
-        if not self.multi and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._note)
             self._installed = True
         return self
 
     def __exit__(self, *exc) -> None:
         if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
+            # a handler installed outside Python reads as None: the default is what can be put back
+            previous = signal.SIG_DFL if self._previous is None else self._previous
+            signal.signal(signal.SIGTERM, previous)
             self._installed = False
 
     def _note(self, signum, frame) -> None:
@@ -61,10 +64,8 @@ class StopOnSigterm:
     def due(self, step: int) -> bool:
         if not self.multi:
             return self.noticed
-        try:
-            return multihost_utils.reached_preemption_sync_point(step)
-        except RuntimeError:  # joined without JAX's preemption service: SIGTERM ends the run
-            return False
+        flags = multihost_utils.process_allgather(np.int32(self.noticed))
+        return bool(np.any(np.asarray(flags)))
 
 
 def stopped(step: int) -> Stopped:
@@ -72,4 +73,12 @@ def stopped(step: int) -> Stopped:
     return Stopped(
         f"stopped by SIGTERM after step {step}, its checkpoint saved: the run goes on from it "
         "with train.py --resume (ablate and the study scripts: the same command again)"
+    )
+
+
+def finished(step: int) -> Stopped:
+    """The `Stopped` a run raises when the signal came during its last step or export."""
+    return Stopped(
+        f"stopped by SIGTERM during the last step ({step}): the run finished and its head is "
+        "exported (ablate and the study scripts go on with the same command)"
     )
