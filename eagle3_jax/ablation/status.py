@@ -10,6 +10,7 @@ from pathlib import Path
 from eagle3_jax.ablation.config import AblationConfig
 from eagle3_jax.checkpoints.atomic import holder
 from eagle3_jax.evaluation.records import read_jsonl
+from eagle3_jax.training.timed import log_intervals
 
 
 def _last(path: Path) -> dict:
@@ -18,41 +19,20 @@ def _last(path: Path) -> dict:
     return recs[-1] if recs else {}
 
 
-def _intervals(metrics: list[dict]) -> list[tuple[int, float]]:
-    """(steps, seconds) of each logged interval of a run: a metrics.jsonl record's interval_steps
-    and interval_s (the steps and wall time since the previous record of its process, held-out
-    validation, checkpoint and a resume's compile included). A record written before those
-    fields existed gives its tokens since the record before over its tokens_per_s, which
-    overstates a resume's first interval when the resume fell between two logged steps. A resumed
-    run's log keeps the records up to the resume, so these are the kept trajectory's intervals;
-    the work a stop threw away (after its last checkpoint) is not among them."""
-    out, prev = [], {"step": 0, "tokens": 0}
-    for r in metrics:
-        if "interval_s" in r and "interval_steps" in r:
-            if r["interval_steps"] > 0:
-                out.append((r["interval_steps"], r["interval_s"]))
-        elif r.get("tokens_per_s") and "tokens" in r and r.get("step", 0) > prev["step"]:
-            out.append(
-                (r["step"] - prev["step"], (r["tokens"] - prev["tokens"]) / r["tokens_per_s"])
-            )
-        else:
-            continue
-        prev = r
-    return out
-
-
 def seconds_per_step(metrics: list[dict], window: int = 20) -> float | None:
-    """A run's recent pace from its last `window` logged intervals (`_intervals`; the first,
-    which holds the start's compile, left out); None with fewer than two records."""
-    recent = _intervals(metrics)[1:][-window:]
+    """A run's recent pace from its last `window` logged intervals
+    (`training.timed.log_intervals`; the first, which holds the start's compile, left out); None
+    with fewer than two records."""
+    recent = log_intervals(metrics)[1:][-window:]
     steps = sum(n for n, _ in recent)
     return sum(t for _, t in recent) / steps if steps else None
 
 
 def logged_seconds(metrics: list[dict]) -> float:
-    """A run's training wall time read from its log (`_intervals`): what a kill cannot lose, as a
-    time kept by the training process itself would, nor inflate with work done twice."""
-    return sum(t for _, t in _intervals(metrics))
+    """A run's training wall time read from its log (`training.timed.log_intervals`): what a
+    kill cannot lose, as a time kept by the training process itself would, nor inflate with work
+    done twice."""
+    return sum(t for _, t in log_intervals(metrics))
 
 
 def cell_status(ac: AblationConfig, root: Path) -> list[dict]:

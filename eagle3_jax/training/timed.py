@@ -26,25 +26,40 @@ from eagle3_jax.errors import Eagle3Error
 
 
 def seconds_per_step(metrics_path: Path) -> float:
-    """Seconds per step: the median over the logged intervals after the first (which pays
-    compilation). The median, not the mean: with length buckets another shape can first appear
-    mid-calibration, and its compilation would otherwise count as step time (one 16 s compile in
-    40 steps of 0.08 s would plan a sixth of the steps).
-
-    Each record's tokens_per_s covers the steps since the previous record, so the interval ending
-    at record k lasts (tokens_k - tokens_{k-1}) / tokens_per_s_k seconds.
-    """
+    """Seconds per step: the median over the logged intervals (`log_intervals`) after the first
+    (which pays compilation). The median, not the mean: with length buckets another shape can
+    first appear mid-calibration, and its compilation would otherwise count as step time (one
+    16 s compile in 40 steps of 0.08 s would plan a sixth of the steps)."""
     recs = [json.loads(line) for line in metrics_path.read_text().split("\n") if line.strip()]
     if len(recs) < 2:
         raise Eagle3Error(
             f"{metrics_path} holds {len(recs)} logged steps: the calibration needs 2 or more "
             "(raise --calibrate-steps or lower log_every)"
         )
-    per_step = [
-        (b["tokens"] - a["tokens"]) / b["tokens_per_s"] / (b["step"] - a["step"])
-        for a, b in zip(recs, recs[1:])
-    ]
-    return statistics.median(per_step)
+    return statistics.median(t / n for n, t in log_intervals(recs)[1:])
+
+
+def log_intervals(metrics: list[dict]) -> list[tuple[int, float]]:
+    """(steps, seconds) of each logged interval of a run: a metrics.jsonl record's interval_steps
+    and interval_s (the steps and wall time since the previous record of its process, held-out
+    validation, checkpoint and a resume's compile included). A record written before those
+    fields existed gives its tokens since the record before over its tokens_per_s, which
+    overstates a resume's first interval when the resume fell between two logged steps. A resumed
+    run's log keeps the records up to the resume, so these are the kept trajectory's intervals;
+    the work a stop threw away (after its last checkpoint) is not among them."""
+    out, prev = [], {"step": 0, "tokens": 0}
+    for r in metrics:
+        if "interval_s" in r and "interval_steps" in r:
+            if r["interval_steps"] > 0:
+                out.append((r["interval_steps"], r["interval_s"]))
+        elif r.get("tokens_per_s") and "tokens" in r and r.get("step", 0) > prev["step"]:
+            out.append(
+                (r["step"] - prev["step"], (r["tokens"] - prev["tokens"]) / r["tokens_per_s"])
+            )
+        else:
+            continue
+        prev = r
+    return out
 
 
 def plan_steps(budget_s: float, sec_per_step: float, cap: int, safety: float = 0.9) -> int:
