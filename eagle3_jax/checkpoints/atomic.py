@@ -107,6 +107,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _lock_path(path: Path) -> Path:
+    """Where `path`'s lock lives: a directory's `.lock` inside it, a file's `<file>.lock` beside."""
+    return path / ".lock" if path.is_dir() else path.with_name(path.name + ".lock")
+
+
 @contextlib.contextmanager
 def exclusive(path: str | os.PathLike, what: str = "output") -> Iterator[None]:
     """An advisory lock (fcntl) held while a job writes `path` (a directory: its `.lock` file; a
@@ -114,8 +119,7 @@ def exclusive(path: str | os.PathLike, what: str = "output") -> Iterator[None]:
     holder's pid; the lock goes with the process (a killed job leaves nothing to clean up)."""
     import fcntl
 
-    path = Path(path)
-    lock = path / ".lock" if path.is_dir() else path.with_name(path.name + ".lock")
+    lock = _lock_path(Path(path))
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -146,10 +150,8 @@ def holder(path: str | os.PathLike) -> str | None:
     process holds it. Reads only: the lock is tried shared and let go at once, nothing written."""
     import fcntl
 
-    path = Path(path)
-    lock = path / ".lock" if path.is_dir() else path.with_name(path.name + ".lock")
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        fd = os.open(_lock_path(Path(path)), os.O_RDONLY)
     except OSError:  # never locked (or unreadable): nobody holds it
         return None
     try:

@@ -84,9 +84,8 @@ def main(argv=None) -> int:
         run_tc = tc.replace(max_steps=steps, export_every=export_every)
         try:
             summary = train(run_tc, progress=not args.no_progress)
-        except (
-            Stopped
-        ) as e:  # train.py resumes it with the plan's steps (timed.json), not the config's
+        except Stopped as e:
+            # train.py resumes it with the plan's steps (timed.json), not the config's
             raise Stopped(
                 f"{e}; the planned run resumes with train.py --config={args.config} (and the same "
                 f"overrides) --resume --config.max_steps={steps} --config.export_every={export_every}"

@@ -18,11 +18,11 @@ overrides apply to both runs.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.evaluation.records import read_jsonl
 
 
 def seconds_per_step(metrics_path: Path) -> float:
@@ -30,7 +30,7 @@ def seconds_per_step(metrics_path: Path) -> float:
     (which pays compilation). The median, not the mean: with length buckets another shape can
     first appear mid-calibration, and its compilation would otherwise count as step time (one
     16 s compile in 40 steps of 0.08 s would plan a sixth of the steps)."""
-    recs = [json.loads(line) for line in metrics_path.read_text().split("\n") if line.strip()]
+    recs = read_jsonl(metrics_path)
     if len(recs) < 2:
         raise Eagle3Error(
             f"{metrics_path} holds {len(recs)} logged steps: the calibration needs 2 or more "
