@@ -174,8 +174,10 @@ def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch)
     vs = seen["study"]
     assert (vs.minutes, vs.questions, vs.max_new_tokens, vs.reserve_s) == (9, 20, 256, 30.0)
     assert vs.grid.endswith("configs/vocab_study_smollm2.py") and vs.study_arg == []
+    dj.main(["round-cost", "--target", "olmo2_7b, olmo2_1b", "--head", "eagle3,specvocab,eagle3"])
+    assert (seen["step"].target, seen["step"].head) == ("olmo2_7b,olmo2_1b", "eagle3,specvocab")
     for bad in (["--trees", "10/8/60,wide"], ["--batches", "0"], ["--target", "llama3"],
-                ["--head", "fr-spec"]):  # fmt: skip
+                ["--head", "fr-spec"], ["--head", "eagle3,fr-spec"], ["--target", ","]):  # fmt: skip
         with pytest.raises(SystemExit):
             dj.main(["round-cost", *bad])
 
@@ -211,7 +213,7 @@ def test_round_cost_times_each_program_beside_its_prediction(dj, tmp_path, monke
         assert q["predicted"] == pytest.approx(rnd["predicted_ms"] / plain["predicted_ms"])
         assert q["speedup_measured"] == pytest.approx(q["tau_model"] / q["measured"])
     report = (folder / "report.md").read_text()
-    assert report.count("| round | chain 1/8/9 |") == 2 and "speedup at τ" in report
+    assert report.count("| round | eagle3 | chain 1/8/9 |") == 2 and "speedup at τ" in report
     back = tmp_path / "back"
     assert dj.transfer.unpack(argparse.Namespace(files_at=str(out), dest=str(back))) == 0
     assert (back / "round_cost" / "report.md").read_text() == report
@@ -228,11 +230,13 @@ def test_round_timing_skips_what_its_deadline_cannot_hold(dj, tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert res["rows"] == [] and len(res["skipped"]) == 6  # plain and two trees, two batches
     for line, (b, what) in zip(res["skipped"], [
-        (1, "plain step"), (1, "round 10/8/60"), (1, "round chain 1/8/9"),
-        (2, "plain step"), (2, "round 10/8/60"), (2, "round chain 1/8/9"),
+        (1, "plain step"), (1, "round 10/8/60, eagle3 head"),
+        (1, "round chain 1/8/9, eagle3 head"), (2, "plain step"),
+        (2, "round 10/8/60, eagle3 head"), (2, "round chain 1/8/9, eagle3 head"),
     ]):  # fmt: skip
         m = re.fullmatch(
-            rf"batch {b} {what}: needs ~(\d+) s \(compile ~\d+ s, 5 calls\), (\d+) s left", line
+            rf"tiny batch {b} {what}: needs ~(\d+) s \(compile ~\d+ s, 5 calls\), (\d+) s left",
+            line,
         )
         assert m and int(m[1]) > int(m[2]), line
     report = (out / "report.md").read_text()
@@ -240,23 +244,31 @@ def test_round_timing_skips_what_its_deadline_cannot_hold(dj, tmp_path):
     out = tmp_path / "shorter"
     assert rt.main([*TINY, "--out", str(out), "--deadline-s", "5"]) == 0
     (line,) = json.loads((out / "results.json").read_text())["skipped"]
-    assert re.fullmatch(r"everything: the weights need ~20 s, \d s left", line), line
+    assert re.fullmatch(r"tiny: the weights need ~20 s, \d s left", line), line
 
 
 def test_round_cost_table(dj):
-    """The table: each program measured beside its prediction, the ratio rows, the skips."""
-    row = {"batch": 1, "program": "plain step", "tree": None, "median_ms": 3.5, "p10_ms": 3.4,
-           "p90_ms": 3.71, "predicted_ms": 3.21, "measured_over_predicted": 3.5 / 3.21}  # fmt: skip
-    rnd = {**row, "program": "round", "tree": "10/8/60", "median_ms": 12.0, "p10_ms": 11.5,
-           "p90_ms": 13.0, "predicted_ms": 5.92, "measured_over_predicted": 12 / 5.92}  # fmt: skip
-    ratio = {"batch": 1, "tree": "10/8/60", "measured": 12 / 3.5, "predicted": 5.92 / 3.21,
-             "tau_model": 6.5, "speedup_measured": 6.5 * 3.5 / 12,
-             "speedup_predicted": 6.5 * 3.21 / 5.92}  # fmt: skip
-    skip = "batch 8 round chain 1/8/9: needs ~80 s (compile ~70 s, 23 calls), 31 s left"
-    text = dj.round_cost.table({"rows": [row, rnd], "ratios": [ratio], "skipped": [skip]})
-    assert "| 1 | plain step | - | 3.5 [3.4-3.71] | 3.21 | 1.09 |" in text
-    assert "| 1 | round | 10/8/60 | 12.0 [11.5-13.0] | 5.92 | 2.03 |" in text
-    assert "| 1 | 10/8/60 | 3.43 | 1.84 | 6.50 | 1.90 | 3.52 |" in text
+    """The table: each program measured beside its prediction, the ratio rows, each other head's
+    round against EAGLE-3's, the skips."""
+    row = {"target": "olmo2_7b", "batch": 1, "program": "plain step", "head": None, "tree": None,
+           "median_ms": 3.5, "p10_ms": 3.4, "p90_ms": 3.71, "predicted_ms": 3.21,
+           "measured_over_predicted": 3.5 / 3.21}  # fmt: skip
+    rnd = {**row, "program": "round", "head": "eagle3", "tree": "10/8/60", "median_ms": 12.0,
+           "p10_ms": 11.5, "p90_ms": 13.0, "predicted_ms": 5.92,
+           "measured_over_predicted": 12 / 5.92}  # fmt: skip
+    ratio = {"target": "olmo2_7b", "batch": 1, "head": "eagle3", "tree": "10/8/60",
+             "measured": 12 / 3.5, "predicted": 5.92 / 3.21, "tau_model": 6.5,
+             "speedup_measured": 6.5 * 3.5 / 12, "speedup_predicted": 6.5 * 3.21 / 5.92}  # fmt: skip
+    over = {"target": "olmo2_7b", "batch": 1, "head": "specvocab", "tree": "10/8/60",
+            "measured": 1.0123, "predicted": 0.98}  # fmt: skip
+    skip = "olmo2_7b batch 8 round chain 1/8/9, eagle3 head: needs ~80 s (compile ~70 s, 23 calls), 31 s left"
+    text = dj.round_cost.table(
+        {"rows": [row, rnd], "ratios": [ratio], "over_eagle3": [over], "skipped": [skip]}
+    )
+    assert "| olmo2_7b | 1 | plain step | - | - | 3.5 [3.4-3.71] | 3.21 | 1.09 |" in text
+    assert "| olmo2_7b | 1 | round | eagle3 | 10/8/60 | 12.0 [11.5-13.0] | 5.92 | 2.03 |" in text
+    assert "| olmo2_7b | 1 | eagle3 | 10/8/60 | 3.43 | 1.84 | 6.50 | 1.90 | 3.52 |" in text
+    assert "| olmo2_7b | 1 | specvocab | 10/8/60 | 1.012 | 0.980 |" in text
     assert text.endswith(f"- {skip}\n")
 
 
@@ -275,7 +287,7 @@ def test_round_timing_records_a_failed_program_and_runs_the_next(dj, tmp_path, m
     res = json.loads((out / "results.json").read_text())
     assert [r["program"] for r in res["rows"]] == ["plain step"] and res["ratios"] == []
     assert res["failed"] == [
-        f"batch 1 round {t}: RuntimeError: RESOURCE_EXHAUSTED: out of memory"
+        f"tiny batch 1 round {t}, eagle3 head: RuntimeError: RESOURCE_EXHAUSTED: out of memory"
         for t in ("10/8/60", "chain 1/8/9")
     ]
     assert (out / "report.md").read_text().endswith(f"- {res['failed'][-1]}\n")
@@ -326,38 +338,68 @@ def test_vocab_study_step_runs_the_study_and_packs_what_is_done(dj, c, tmp_path,
         dj.main(["vocab-study", "--minutes", "12", "--out", str(out)])
 
 
-@pytest.mark.parametrize("head", ["target_lm_head", "specvocab"])
-def test_round_timing_drafts_with_each_vocabulary_head(dj, tmp_path, head):
-    """--head times the round with that output layer (the toy's full 256 ids, or SpecVocab's
-    speculator and 32 candidates) beside the cost model's prediction for the same head."""
+def test_round_timing_drafts_with_each_vocabulary_head(dj, tmp_path):
+    """--head times each tree's round with every output layer named (the toy's 64 draft ids, its
+    full 256 ids, SpecVocab's speculator and 32 candidates) on one target's weights, each beside
+    the cost model's prediction for that head, and each other head against EAGLE-3's round."""
     from device_steps import round_timing as rt
 
-    tcfg, dcfg = rt.shapes("tiny", head)
-    assert dcfg.draft_vocab_size == tcfg.vocab_size and dcfg.uses_target_head
-    assert bool(dcfg.speculator_rank) == (head == "specvocab")
-    out = tmp_path / head
-    argv = [*TINY[:-1], "1", "--trees", "chain", "--head", head, "--warmup", "1", "--reps", "2"]
-    assert rt.main([*argv, "--out", str(out), "--deadline-s", "300"]) == 0
+    heads = ("eagle3", "target_lm_head", "specvocab")
+    out = tmp_path / "heads"
+    argv = [*TINY[:-1], "1", "--trees", "chain", "--head", ",".join(heads), "--warmup", "1",
+            "--reps", "2", "--out", str(out), "--deadline-s", "300"]  # fmt: skip
+    assert rt.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
-    assert res["head"] == head and not res["failed"] and not res["skipped"]
-    (rnd,) = [r for r in res["rows"] if r["program"] == "round"]
-    pred = rt.predictions(tcfg, dcfg, "h200", 1, 32, ["chain"])["chain"]["ms"]
-    _, eagle3 = rt.shapes("tiny", "eagle3")
-    other = rt.predictions(tcfg, eagle3, "h200", 1, 32, ["chain"])["chain"]["ms"]
-    assert rnd["predicted_ms"] == pytest.approx(pred) and rnd["median_ms"] > 0
-    assert pred != pytest.approx(other)  # the prediction is this head's, not EAGLE-3's
+    assert res["head"] == ",".join(heads) and not res["failed"] and not res["skipped"]
+    rows = [r for r in res["rows"] if r["program"] == "round"]
+    assert [r["head"] for r in rows] == list(heads)
+    preds = {}
+    for head, rnd in zip(heads, rows, strict=True):
+        tcfg, dcfg = rt.shapes("tiny", head)
+        assert (dcfg.draft_vocab_size == tcfg.vocab_size) == (head != "eagle3")
+        assert bool(dcfg.speculator_rank) == (head == "specvocab")
+        preds[head] = rt.predictions(tcfg, dcfg, "h200", 1, 32, "chain")["ms"]
+        assert rnd["predicted_ms"] == pytest.approx(preds[head]) and rnd["median_ms"] > 0
+    assert preds["target_lm_head"] != pytest.approx(preds["eagle3"])  # each head's own
+    by_head = {r["head"]: r for r in rows}
+    assert [q["head"] for q in res["over_eagle3"]] == ["target_lm_head", "specvocab"]
+    for q in res["over_eagle3"]:
+        mine, ref = by_head[q["head"]], by_head["eagle3"]
+        assert q["measured"] == pytest.approx(mine["median_ms"] / ref["median_ms"])
+        assert q["predicted"] == pytest.approx(mine["predicted_ms"] / ref["predicted_ms"])
+    assert [q["head"] for q in res["ratios"]] == list(heads)
     report = (out / "report.md").read_text()
-    assert f"{head} head" in report and f"for the {head} head read the round / plain" in report
-    if head == "specvocab":  # a level's rows share their candidates: the shared gather runs
-        import jax
-        import numpy as np
+    assert "| tiny | 1 | round | specvocab | chain 1/8/9 |" in report
+    assert "| tiny | 1 | specvocab | chain 1/8/9 |" in report and "against EAGLE-3's" in report
+    # a level's rows share their candidates under the zero speculator: the shared gather runs
+    import jax
+    import numpy as np
 
-        from eagle3_jax.models import draft_output
+    from eagle3_jax.models import draft_output
 
-        x = rt.random_inputs(tcfg, dcfg)
-        h = jax.random.normal(jax.random.key(3), (1, 10, dcfg.hidden_size)).astype(
-            jax.numpy.bfloat16
-        )
-        _, cand = draft_output.speculator_candidates(x.dparams, h, dcfg)
-        assert np.unique(np.asarray(cand)).size == dcfg.spec_candidates
-        assert draft_output.union_capacity(10, dcfg.spec_candidates, tcfg.vocab_size) < 10 * 32
+    tcfg, dcfg = rt.shapes("tiny", "specvocab")
+    x = rt.random_inputs(tcfg, dcfg)
+    h = jax.random.normal(jax.random.key(3), (1, 10, dcfg.hidden_size)).astype(jax.numpy.bfloat16)
+    _, cand = draft_output.speculator_candidates(x.dparams, h, dcfg)
+    assert np.unique(np.asarray(cand)).size == dcfg.spec_candidates
+    assert draft_output.union_capacity(10, dcfg.spec_candidates, tcfg.vocab_size) < 10 * 32
+
+
+def test_round_timing_shapes_every_named_target(dj):
+    """Every target --target takes has a shape the programs run with: the loaders' where the
+    published config.json is kept (accelerators.specs.REAL_TARGETS), else accelerators.specs'
+    own, with plain products either way."""
+    from device_steps import round_timing as rt
+
+    round_cost = dj.round_cost
+
+    from eagle3_jax.accelerators import specs
+    from eagle3_jax.config import PLAIN_PRODUCTS
+
+    for name in round_cost.TARGETS:
+        for head in round_cost.HEADS:
+            tcfg, dcfg = rt.shapes(name, head)
+            assert tcfg.products == PLAIN_PRODUCTS and dcfg.hidden_size == tcfg.hidden_size
+        if name != "tiny":
+            assert tcfg.vocab_size == specs.TARGETS[name].vocab_size
+            assert tcfg.num_layers == specs.TARGETS[name].num_layers

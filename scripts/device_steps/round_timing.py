@@ -45,7 +45,7 @@ import numpy as np
 from device_steps.round_cost import TREE_NAMES, add_args, table
 from eagle3_jax.accelerators import acceptance, predict, roofline, specs
 from eagle3_jax.accelerators.programs import CHAIN_TREE
-from eagle3_jax.config import DraftConfig, TargetConfig
+from eagle3_jax.config import PLAIN_PRODUCTS, DraftConfig, TargetConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.sampling import Sampling
@@ -65,10 +65,11 @@ COMPILE_S = {"init": 20.0, "plain": 40.0, "10/8/60": 90.0, "chain": 70.0}
 
 
 def shapes(name: str, head: str = "eagle3") -> tuple[TargetConfig, DraftConfig]:
-    """The target and head timed: `llama31_8b` (Llama-3.1-8B) or `tiny` (a 4-layer toy with the
-    same structure, for the CPU test; no EOS id, so every row keeps running), with the `head`
-    of `accelerators.predict.vocab_method_heads` (the toy's: 64 draft ids, or all 256 ids,
-    SpecVocab at rank 8 with 32 candidates)."""
+    """The target and head timed: a target of `accelerators.specs` (its published config.json
+    sizes: `target_config` where the loaders' fields are kept, else `TARGETS`) or `tiny` (a
+    4-layer toy with the same structure, for the CPU test; no EOS id, so every row keeps running),
+    with the `head` of `accelerators.predict.vocab_method_heads` (the toy's: 64 draft ids, or all
+    256 ids, SpecVocab at rank 8 with 32 candidates)."""
     if name == "tiny":
         base = specs.target_config("llama31_8b")
         tcfg = dataclasses.replace(
@@ -76,7 +77,10 @@ def shapes(name: str, head: str = "eagle3") -> tuple[TargetConfig, DraftConfig]:
             num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(),
         )  # fmt: skip
         return tcfg, predict.vocab_method_heads(tcfg, draft_vocab=64, candidates=32)[head]
-    tcfg = specs.target_config(name)
+    if name in specs.REAL_TARGETS:
+        tcfg = specs.target_config(name)
+    else:
+        tcfg = dataclasses.replace(specs.TARGETS[name], products=PLAIN_PRODUCTS)
     return tcfg, predict.vocab_method_heads(tcfg)[head]
 
 
@@ -97,10 +101,18 @@ class Inputs:
     dcfg: DraftConfig
 
 
-def random_inputs(tcfg: TargetConfig, dcfg: DraftConfig, dtype=jnp.bfloat16) -> Inputs:
+def random_target(tcfg: TargetConfig, dtype=jnp.bfloat16) -> dict:
     init_t = jax.jit(functools.partial(tgt.init_params, tcfg, dtype=dtype))
+    return jax.block_until_ready(init_t(jax.random.key(0)))
+
+
+def random_inputs(
+    tcfg: TargetConfig, dcfg: DraftConfig, dtype=jnp.bfloat16, tparams=None
+) -> Inputs:
+    """A head's random weights beside the target's (`tparams`, made here when None)."""
+    if tparams is None:
+        tparams = random_target(tcfg, dtype)
     init_d = jax.jit(functools.partial(drf.init_params, dcfg, dtype=dtype))
-    tparams = init_t(jax.random.key(0))
     dparams = attach_target_head(init_d(jax.random.key(1)), dcfg, tparams, tcfg)
     if dcfg.speculator_rank:
         # a zero speculator scores every id alike, so every row's candidates are the same ids
@@ -110,7 +122,7 @@ def random_inputs(tcfg: TargetConfig, dcfg: DraftConfig, dtype=jnp.bfloat16) -> 
         dparams = {**dparams, "spec_a": jnp.zeros_like(dparams["spec_a"])}
     vd, v = dcfg.draft_vocab_size, tcfg.vocab_size
     vocab = DraftVocab(jnp.zeros((vd,), jnp.int32), jnp.arange(v) < vd)  # the first Vd ids
-    jax.block_until_ready((tparams, dparams))
+    jax.block_until_ready(dparams)
     return Inputs(tparams, dparams, vocab, tcfg, dcfg)
 
 
@@ -178,25 +190,28 @@ def time_calls(compiled, fixed: tuple, state, warmup: int, reps: int) -> list[fl
 
 class Budget:
     """What is left before the deadline, and whether a program's estimated compile and calls fit.
-    Estimates are scaled by the first compilation timed against its estimate, and raised by any
+    `COMPILE_S` is a guess for a 32-layer target; once a compilation is timed, estimates scale
+    with the target's layers and by that compilation against its estimate, and are raised by any
     later one slower than its scaled estimate (a first program found in the compilation cache
     must not make the next, compiled afresh, look cheap)."""
 
     def __init__(self, deadline_s: float, t0: float):
-        self.deadline, self.t0, self.scale = deadline_s, t0, 1.0
+        self.deadline, self.t0, self.scale = deadline_s, t0, None
 
     def left(self) -> float:
         return self.deadline - (time.monotonic() - self.t0)
 
-    def need(self, what: str, calls: int, call_s: float) -> float:
-        return self.estimate(what) + calls * call_s + 5.0
+    def need(self, what: str, calls: int, call_s: float, layers: int = 32) -> float:
+        return self.estimate(what, layers) + calls * call_s + 5.0
 
-    def estimate(self, what: str) -> float:
-        return COMPILE_S[what] * self.scale
+    def estimate(self, what: str, layers: int = 32) -> float:
+        if self.scale is None:  # nothing timed yet: the 32-layer guess, whatever the target
+            return COMPILE_S[what]
+        return COMPILE_S[what] * self.scale * layers / 32
 
-    def learn(self, what: str, seconds: float, first: bool) -> None:
-        ratio = seconds / COMPILE_S[what]
-        self.scale = max(ratio, 0.05) if first else max(self.scale, ratio)
+    def learn(self, what: str, seconds: float, layers: int = 32) -> None:
+        ratio = seconds / (COMPILE_S[what] * layers / 32)
+        self.scale = max(ratio, 0.05) if self.scale is None else max(self.scale, ratio)
 
 
 def _stats(ts: list[float]) -> dict:
@@ -220,33 +235,30 @@ def predict_device(name: str) -> specs.Device:
     return known[key]
 
 
-def predictions(tcfg, dcfg, device: str, b: int, context: int, trees: list[str]) -> dict:
-    """The cost model's times (ms) and cache slots on one chip: "plain" and each tree's round,
-    with τ from its acceptance model at EAGLE-3's Llama-3.1-8B τ (for the speedups)."""
+def predictions(tcfg, dcfg, device: str, b: int, context: int, tree: str | None) -> dict:
+    """The cost model's time (ms) and cache slots on one chip of the plain step (`tree` None) or
+    of one tree's round with this head, with τ from its acceptance model at EAGLE-3's Llama-3.1-8B
+    τ (for the speedups)."""
     dev = predict_device(device)
-    accept = acceptance.llama_acceptance()
-    slots = roofline.slots_for(context)
-    out = {
-        "plain": {"ms": roofline.plain_step(tcfg, b, slots).time_s(dev, 1) * 1e3, "slots": slots}
-    }
-    for name in trees:
-        tree = TREES[name]
-        pr = predict.predict(dev, tcfg, tree, accept.tau(tree), b, context, dcfg=dcfg, chips=1)
-        out[name] = {
-            "ms": pr.round_s * 1e3,
-            "slots": roofline.slots_for(context, tree),
-            "tau": pr.tau,
-        }
-    return out
+    if tree is None:
+        slots = roofline.slots_for(context)
+        return {"ms": roofline.plain_step(tcfg, b, slots).time_s(dev, 1) * 1e3, "slots": slots}
+    shape = TREES[tree]
+    tau = acceptance.llama_acceptance().tau(shape)
+    pr = predict.predict(dev, tcfg, shape, tau, b, context, dcfg=dcfg, chips=1)
+    return {"ms": pr.round_s * 1e3, "slots": roofline.slots_for(context, shape), "tau": pr.tau}
 
 
 def measure(args) -> dict:
+    """Every target in turn (its random weights made once, every head's beside them); at each
+    batch its plain step, then each tree's round with each head. What the deadline cannot hold
+    is skipped and named."""
     t0 = time.monotonic()
     budget = Budget(args.deadline_s, t0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trees = [t for t in args.trees.split(",") if t]
-    tcfg, dcfg = shapes(args.target, args.head)
+    heads = [h for h in args.head.split(",") if h]
     dev = jax.devices()[0]
     res: dict = {
         "target": args.target,
@@ -265,76 +277,94 @@ def measure(args) -> dict:
         "state": "zeros, no prefill",
         "rows": [],
         "ratios": [],
+        "over_eagle3": [],
         "skipped": [],
         "failed": [],
+        "init_s": {},
     }
     save = lambda: _write_json(out / "results.json", res)  # noqa: E731
-    if budget.left() < budget.estimate("init"):
-        line = f"everything: the weights need ~{budget.estimate('init'):.0f} s, "
-        res["skipped"].append(line + f"{budget.left():.0f} s left")
-        print(f"skipped {res['skipped'][-1]}", flush=True)
-        save()
-        return res
-    t = time.monotonic()
-    x = random_inputs(tcfg, dcfg)
-    res["init_s"] = time.monotonic() - t
-    first, call_s = True, 0.05
-    for b in [int(v) for v in args.batches.split(",")]:
-        pred = predictions(tcfg, dcfg, args.predict_device, b, args.prompt + args.new, trees)
-        plain_ms = None
-        for name in ["plain", *trees]:
-            calls = args.warmup + args.reps
-            need = budget.need(name, calls, call_s)
-            if need > budget.left():
-                what = "plain step" if name == "plain" else f"round {tree_label(name)}"
-                line = (
-                    f"batch {b} {what}: needs ~{need:.0f} s (compile ~{budget.estimate(name):.0f}"
-                    f" s, {calls} calls), {budget.left():.0f} s left"
-                )
-                res["skipped"].append(line)
-                print(f"skipped {line}", flush=True)
-                continue
-            t = time.monotonic()
-            try:  # one program's failure (out of memory at batch 8, say) leaves the others
-                if name == "plain":
-                    lowered, fixed, state, shape = plain_program(x, b, args.prompt, args.new)
-                else:
-                    lowered, fixed, state, shape = round_program(
-                        x, b, args.prompt, args.new, TREES[name]
-                    )
-                compiled = lowered.compile()
-                compile_s = time.monotonic() - t
-                budget.learn(name, compile_s, first)
-                first = False
-                stats = _stats(time_calls(compiled, fixed, state, args.warmup, args.reps))
-            except Exception as e:  # noqa: BLE001
-                what = "plain step" if name == "plain" else f"round {tree_label(name)}"
-                res["failed"].append(f"batch {b} {what}: {type(e).__name__}: {str(e)[:300]}")
-                print(f"failed {res['failed'][-1]}", flush=True)
-                save()
-                continue
-            call_s = max(call_s, stats["p90_ms"] / 1e3)
-            p = pred[name]
-            row = {
-                "batch": b, "program": "plain step" if name == "plain" else "round",
-                "tree": None if name == "plain" else tree_label(name), "slots": shape.slots,
-                "model_slots": p["slots"], "compile_s": compile_s, **stats,
-                "predicted_ms": p["ms"], "measured_over_predicted": stats["median_ms"] / p["ms"],
-            }  # fmt: skip
-            res["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            if name == "plain":
-                plain_ms = stats["median_ms"]
-            elif plain_ms is not None:
-                measured = stats["median_ms"] / plain_ms
-                predicted = p["ms"] / pred["plain"]["ms"]
-                res["ratios"].append({
-                    "batch": b, "tree": tree_label(name), "measured": measured, "predicted": predicted,
-                    "tau_model": p["tau"], "speedup_measured": p["tau"] / measured,
-                    "speedup_predicted": p["tau"] / predicted,
-                })  # fmt: skip
+    call_s = 0.05
+    for target in [t for t in args.target.split(",") if t]:
+        tcfg, _ = shapes(target)
+        layers = tcfg.num_layers
+        if budget.left() < budget.estimate("init", layers):
+            line = f"{target}: the weights need ~{budget.estimate('init', layers):.0f} s, "
+            res["skipped"].append(line + f"{budget.left():.0f} s left")
+            print(f"skipped {res['skipped'][-1]}", flush=True)
             save()
-            del state, compiled, lowered
+            continue
+        t = time.monotonic()
+        tparams = random_target(tcfg)
+        xs = {h: random_inputs(tcfg, shapes(target, h)[1], tparams=tparams) for h in heads}
+        res["init_s"][target] = time.monotonic() - t
+        for b in [int(v) for v in args.batches.split(",")]:
+            plain_ms, rounds = None, {}
+            for tree, head in [(None, None), *((tr, h) for tr in trees for h in heads)]:
+                name = "plain" if tree is None else tree
+                what = "plain step" if tree is None else f"round {tree_label(tree)}, {head} head"
+                calls = args.warmup + args.reps
+                need = budget.need(name, calls, call_s, layers)
+                if need > budget.left():
+                    line = (
+                        f"{target} batch {b} {what}: needs ~{need:.0f} s (compile "
+                        f"~{budget.estimate(name, layers):.0f} s, {calls} calls), "
+                        f"{budget.left():.0f} s left"
+                    )
+                    res["skipped"].append(line)
+                    print(f"skipped {line}", flush=True)
+                    continue
+                x = xs[head or heads[0]]
+                t = time.monotonic()
+                try:  # one program's failure (out of memory at batch 8, say) leaves the others
+                    if tree is None:
+                        lowered, fixed, state, shape = plain_program(x, b, args.prompt, args.new)
+                    else:
+                        lowered, fixed, state, shape = round_program(
+                            x, b, args.prompt, args.new, TREES[tree]
+                        )
+                    compiled = lowered.compile()
+                    compile_s = time.monotonic() - t
+                    budget.learn(name, compile_s, layers)
+                    stats = _stats(time_calls(compiled, fixed, state, args.warmup, args.reps))
+                except Exception as e:  # noqa: BLE001
+                    res["failed"].append(f"{target} batch {b} {what}: {type(e).__name__}: "
+                                         f"{str(e)[:300]}")  # fmt: skip
+                    print(f"failed {res['failed'][-1]}", flush=True)
+                    save()
+                    continue
+                call_s = max(call_s, stats["p90_ms"] / 1e3)
+                p = predictions(tcfg, x.dcfg, args.predict_device, b, res["context"], tree)
+                row = {
+                    "target": target, "batch": b,
+                    "program": "plain step" if tree is None else "round", "head": head,
+                    "tree": None if tree is None else tree_label(tree), "slots": shape.slots,
+                    "model_slots": p["slots"], "compile_s": compile_s, **stats,
+                    "predicted_ms": p["ms"],
+                    "measured_over_predicted": stats["median_ms"] / p["ms"],
+                }  # fmt: skip
+                res["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                if tree is None:
+                    plain_ms, plain_pred = stats["median_ms"], p["ms"]
+                else:
+                    rounds[tree, head] = (stats["median_ms"], p["ms"])
+                    if plain_ms is not None:
+                        measured, predicted = stats["median_ms"] / plain_ms, p["ms"] / plain_pred
+                        res["ratios"].append({
+                            "target": target, "batch": b, "head": head, "tree": tree_label(tree),
+                            "measured": measured, "predicted": predicted, "tau_model": p["tau"],
+                            "speedup_measured": p["tau"] / measured,
+                            "speedup_predicted": p["tau"] / predicted,
+                        })  # fmt: skip
+                    if head != "eagle3" and (tree, "eagle3") in rounds:
+                        ref = rounds[tree, "eagle3"]
+                        res["over_eagle3"].append({
+                            "target": target, "batch": b, "head": head, "tree": tree_label(tree),
+                            "measured": stats["median_ms"] / ref[0], "predicted": p["ms"] / ref[1],
+                        })  # fmt: skip
+                save()
+                del state, compiled, lowered
+        del xs, tparams
     res["wall_s"] = time.monotonic() - t0
     save()
     return res
