@@ -135,6 +135,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         "batch 1 (greedy outputs, target passes and acceptance are the same at any batch)",
     )  # fmt: skip
     ap.add_argument("--mesh", default=None, help="the harness's --mesh DATAxMODEL")
+    ap.add_argument(
+        "--round-cost", default=str(ROOT / "benchmarks/results/round_cost_h200"),
+        help="the methods' rounds timed on an accelerator (scripts/device_job.py round-cost "
+        "--head ...): every results.json under this folder goes into the report",
+    )  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "runs/vocab_study_eval"))
     ap.add_argument("--publish", default=None, help="copy the report and results here")
     ap.add_argument("--skip-train", action="store_true", help="the grid's heads exist: stage 1 off")
@@ -335,7 +340,10 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
             cmd += ["--draft", f"{name}={paths[name]}"]
         made(recall, {"heads": {n: digests[n] for n in spec_heads}}, lambda: run(cmd))
     curves = {c.name: study.read_curve(root / "cells" / c.name) for c in grid.cells}  # 7
-    text, summary = study.report(runs, heads, reference, costs, curves)
+    timed = [
+        json.loads(p.read_text()) for p in sorted(Path(args.round_cost).glob("*/results.json"))
+    ]
+    text, summary = study.report(runs, heads, reference, costs, curves, timed)
     if recall.exists():
         text += "\n## SpecVocab speculator recall (held-out answers, first draft step)\n\n"
         text += recall.with_suffix(".md").read_text()

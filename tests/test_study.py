@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from helpers import load_script
@@ -11,6 +12,7 @@ from helpers import load_script
 from eagle3_jax.evaluation import study
 
 TREE = [10, 8, 60]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _results(tree=TREE, n=6):
@@ -289,7 +291,33 @@ def test_the_report_predicts_the_papers_setting_on_an_accelerator():
     assert tps == pytest.approx(204.7 / 189.3)
     assert summary["implied_tau_ratio"][0] == pytest.approx(tps * sv["tau_ratio_to_match"])
     text = "\n".join(lines)
-    assert "predicted, not measured" in text and "| olmo2_7b | specvocab |" in text
+    assert "(predicted)" in text and "| olmo2_7b | specvocab |" in text
+
+
+def test_the_report_puts_the_measured_rounds_beside_the_model():
+    """The committed H200 round-cost runs (benchmarks/results/round_cost_h200): every other head's
+    round against EAGLE-3's as measured and predicted, the rounds' times, and the τ the paper's
+    7B throughput needs under the measured 10/8/60 ratio; nothing measured leaves no section."""
+    assert study.measured_section([]) == ([], {})
+    folder = ROOT / "benchmarks/results/round_cost_h200"
+    measured = [json.loads(p.read_text()) for p in sorted(folder.glob("*/results.json"))]
+    lines, summary = study.measured_section(measured)
+    rows = {(r["target"], r["tree"], r["head"]): r for r in summary["rows"]}
+    assert {k for k in rows if k[0].startswith("olmo2")} == {
+        (t, tree, h) for t in ("olmo2_1b", "olmo2_7b") for tree in ("10/8/60", "chain 1/8/9")
+        for h in ("specvocab", "target_lm_head")
+    }  # fmt: skip
+    (res,) = [r for r in measured if r["target"].startswith("olmo2_7b")]
+    ms = {(r["target"], r["head"]): r["median_ms"] for r in res["rows"] if r["program"] == "round"}
+    sv = rows["olmo2_7b", "10/8/60", "specvocab"]
+    assert sv["measured"] == pytest.approx(ms["olmo2_7b", "specvocab"] / ms["olmo2_7b", "eagle3"])
+    tps, _ = study.paper_specvocab_over_eagle3()
+    assert summary["implied_tau_ratio_olmo2_7b"] == pytest.approx(tps * sv["measured"])
+    text = "\n".join(lines)
+    assert "measured (gpu NVIDIA H200)" in text
+    assert f"| olmo2_7b | 10/8/60 | specvocab | {ms['olmo2_7b', 'specvocab']:.2f} |" in text
+    text, summary = study.report({}, HEADS, "ref", {}, None, measured)
+    assert "## The paper's setting, measured" in text and "accelerator_measured" in summary
 
 
 def test_vocab_study_status_starts_nothing(tmp_path, capsys):

@@ -306,7 +306,7 @@ def accelerator_section(context: int = 2048) -> tuple[list[str], dict]:
     fused (the lower bound); then the τ the paper's 7B throughput implies."""
     tree = TreeConfig(10, 8, 60)
     lines = [
-        "## The paper's setting on an accelerator (predicted, not measured)",
+        "## The paper's setting on an accelerator (predicted)",
         "",
         f"Cost model (docs/cost_model.md): one H100, batch 1, {context} tokens of context, tree "
         "10/8/60, heads sized like the target (EAGLE-3 over 32k ids; FR-Spec and VocabTrim heads "
@@ -341,17 +341,71 @@ def accelerator_section(context: int = 2048) -> tuple[list[str], dict]:
     return lines, {"rows": rows, "paper_tps_ratio_olmo2_7b": tps, "implied_tau_ratio": implied}
 
 
+def measured_section(measured: Sequence[dict]) -> tuple[list[str], dict]:
+    """The methods' rounds timed on an accelerator (`scripts/device_job.py round-cost --head ...`:
+    random weights at the paper's targets' shapes, batch 1; `measured`: its results.json files),
+    each head's round against EAGLE-3's beside the cost model's ratio, and the τ the paper's 7B
+    throughput needs under the measured ratio ([], {} when nothing was measured)."""
+    rows = [
+        {**q, "device": res.get("device"), "predicted_for": res.get("predicted_for")}
+        for res in measured
+        for q in res.get("over_eagle3", [])
+    ]
+    if not rows:
+        return [], {}
+    rounds = {
+        (r["target"], r["batch"], r["tree"], r["head"]): r["median_ms"]
+        for res in measured
+        for r in res.get("rows", [])
+        if r["program"] == "round"
+    }
+    devices = sorted({r["device"] for r in rows})
+    lines = [
+        f"## The paper's setting, measured ({', '.join(devices)})",
+        "",
+        "Each head's round timed on the accelerator (`scripts/device_job.py round-cost`: random "
+        "bf16 weights at the target's shape, batch 1, 2,048 cache slots; medians of 20 calls) "
+        "against EAGLE-3's round on the same target and tree, beside the cost model's ratio for "
+        "the same device: the τ over EAGLE-3's a method needs to match its speedup.",
+        "",
+        "| target | tree | head | round ms | EAGLE-3's round ms | ratio measured | predicted |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        key = (r["target"], r["batch"], r["tree"])
+        lines.append(
+            f"| {r['target']} | {r['tree']} | {r['head']} | {fmt(rounds.get((*key, r['head'])))} "
+            f"| {fmt(rounds.get((*key, 'eagle3')))} | {r['measured']:.3f} | {r['predicted']:.3f} |"
+        )
+    tps, _ = paper_specvocab_over_eagle3()
+    sv = [
+        r for r in rows
+        if (r["target"], r["head"], r["batch"]) == ("olmo2_7b", "specvocab", 1)
+        and r["tree"].startswith("10/8/60")
+    ]  # fmt: skip
+    implied = tps * sv[0]["measured"] if sv else None
+    if implied:
+        lines += [
+            "",
+            f"Under the measured 10/8/60 ratio, the paper's x{tps:.3f} tokens/s on OLMo 2 7B needs "
+            f"x{implied:.3f} τ from SpecVocab over EAGLE-3 on this engine.",
+        ]
+    return lines + [""], {"rows": rows, "implied_tau_ratio_olmo2_7b": implied}
+
+
 def report(
     runs: dict[str, dict],
     heads: Sequence[StudyHead],
     reference: str,
     costs: dict[str, dict[str, dict]],
     curves: dict[str, list[dict]] | None = None,
+    measured: Sequence[dict] = (),
 ) -> tuple[str, dict]:
     """The study's report.md text and its JSON summary, from one harness results.json per tree
     (`runs`: tree name -> results), the heads' drafting times at each tree's top-k (`costs`: tree
-    name -> head -> benchmarks/draft_cost.py row) and held-out curves (`curves`: head ->
-    `read_curve`)."""
+    name -> head -> benchmarks/draft_cost.py row), held-out curves (`curves`: head ->
+    `read_curve`) and the heads' rounds timed on an accelerator (`measured`: round-cost
+    results.json files, `measured_section`)."""
     summary = {"reference": reference, "trees": {}}
     lines = [
         "# The draft-vocabulary study",
@@ -370,6 +424,10 @@ def report(
         summary["curves"] = {k: v[-1] for k, v in curves.items() if v}
     section, summary["accelerator_prediction"] = accelerator_section()
     lines += section
+    section, timed = measured_section(measured)
+    if section:
+        lines += section
+        summary["accelerator_measured"] = timed
     return "\n".join(lines), summary
 
 

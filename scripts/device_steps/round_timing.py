@@ -59,9 +59,11 @@ from eagle3_jax.vocab import DraftVocab
 TREES = {"10/8/60": ACCELERATOR_TREE, "chain": CHAIN_TREE}
 assert tuple(TREES) == TREE_NAMES
 
-# estimated compile seconds per program at Llama-3.1-8B shapes on a GPU (unrolled layers), no
-# measurement behind them; the step rescales them by the first compilation it times (`Budget`)
-COMPILE_S = {"init": 20.0, "plain": 40.0, "10/8/60": 90.0, "chain": 70.0}
+# estimated seconds per program at a 32-layer target on a GPU, a little above what an H200 took
+# on 2026-12-04 (jax 0.11.2, a cold compilation cache; benchmarks/results/round_cost_h200): the
+# random weights 65-102 s at 7-8B (their initializer's compilation: 3-5 s once cached), the plain
+# step 8-10 s, a round 13-34 s; the step rescales them by the first compilation it times (`Budget`)
+COMPILE_S = {"init": 110.0, "plain": 15.0, "10/8/60": 40.0, "chain": 35.0}
 
 
 def shapes(name: str, head: str = "eagle3") -> tuple[TargetConfig, DraftConfig]:
