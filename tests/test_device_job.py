@@ -208,6 +208,7 @@ def test_round_cost_times_each_program_beside_its_prediction(dj, tmp_path, monke
     for r in rows:
         assert r["reps"] == 2 and 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
         assert r["predicted_ms"] > 0 and r["slots"] == r["model_slots"] == 256
+        assert r["kernels"] > 0 and r["unknown_trips"] == 0
         assert r["measured_over_predicted"] == pytest.approx(r["median_ms"] / r["predicted_ms"])
     for q, (plain, rnd) in zip(res["ratios"], [rows[:2], rows[2:]], strict=True):
         assert q["measured"] == pytest.approx(rnd["median_ms"] / plain["median_ms"])
@@ -249,6 +250,29 @@ def test_round_timing_skips_what_its_deadline_cannot_hold(dj, tmp_path, monkeypa
     assert rt.main([*TINY, "--out", str(out), "--deadline-s", "5"]) == 0
     (line,) = json.loads((out / "results.json").read_text())["skipped"]
     assert re.fullmatch(r"tiny: the weights need ~20 s, \d s left", line), line
+
+
+def test_launches_counts_each_kernel_of_a_call(dj):
+    """The static kernel count of a compiled program: linear in a loop's trip count (its body
+    once a trip), a conditional's dearer branch, nothing for parameters and tuples."""
+    import jax
+    import jax.numpy as jnp
+    from device_steps.round_timing import launches
+
+    def hlo(trips, branch=True):
+        def f(x):
+            y = jax.lax.fori_loop(0, trips, lambda i, c: jnp.tanh(c @ x) + i, x)
+            if not branch:
+                return y
+            return jax.lax.cond(y.sum() > 0, lambda: jnp.exp(y * 2) @ x, lambda: y - 1)
+
+        return jax.jit(f).lower(jnp.ones((4, 4))).compile().as_text()
+
+    n5, n10, n20 = (launches(hlo(t))["kernels"] for t in (5, 10, 20))
+    assert n10 - n5 > 0 and n20 - n10 == 2 * (n10 - n5)  # the body, once a trip
+    assert launches(hlo(5))["unknown_trips"] == 0
+    assert launches(hlo(5, branch=False))["kernels"] < n5  # the branch's kernels count
+    assert launches(jax.jit(lambda x: x).lower(jnp.ones(3)).compile().as_text())["kernels"] <= 1
 
 
 def test_round_cost_table(dj):

@@ -117,7 +117,8 @@ def _ms(v: float) -> str:
 
 
 def table(res: dict) -> str:
-    """results.json as markdown: each program measured beside its prediction, then a round in
+    """results.json as markdown: each program measured beside its prediction (and the kernels a
+    call launches, `round_timing.launches`), then a round in
     plain steps (measured and predicted) and the speedup each gives at the model's τ, then each
     other head's round against EAGLE-3's, then what was skipped and what failed."""
     lines = [
@@ -130,18 +131,18 @@ def table(res: dict) -> str:
         f"{res.get('predicted_for')}, one chip. jax {res.get('jax')}.",
         "",
         "| target | batch | program | head | tree | measured ms, median [p10-p90] | predicted ms "
-        "| measured / predicted |",
-        "|---|---:|---|---|---|---:|---:|---:|",
+        "| measured / predicted | kernels a call |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|",
     ]
     for r in res.get("rows", []):
         lines.append(
             f"| {r.get('target', res.get('target'))} | {r['batch']} | {r['program']} "
             f"| {r.get('head') or '-'} | {r['tree'] or '-'} | {_ms(r['median_ms'])} "
             f"[{_ms(r['p10_ms'])}-{_ms(r['p90_ms'])}] | {_ms(r['predicted_ms'])} "
-            f"| {r['measured_over_predicted']:.2f} |"
+            f"| {r['measured_over_predicted']:.2f} | {r.get('kernels', '-')} |"
         )
     if not res.get("rows"):
-        lines.append("| - | - | nothing measured | | | | | |")
+        lines.append("| - | - | nothing measured | | | | | | |")
     if res.get("ratios"):
         lines += [
             "",

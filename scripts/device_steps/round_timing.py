@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -216,6 +217,64 @@ class Budget:
         self.scale = max(ratio, 0.05) if self.scale is None else max(self.scale, ratio)
 
 
+# instructions of an optimized HLO module that launch no kernel of their own
+_NO_KERNEL = {
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+    "opt-barrier", "partition-id", "replica-id", "add-dependency",
+}  # fmt: skip
+
+
+def launches(hlo: str) -> dict:
+    """A static count of the kernels one call of a compiled program launches, from its optimized
+    HLO text (`compiled.as_text()`): every instruction of the entry computation but those in
+    `_NO_KERNEL` (a fusion, a library call, a copy: one each), a while loop's body and condition
+    times its known trip count (once, counted in "unknown_trips", where XLA left none), a
+    conditional's dearest branch, a call's computation. What a per-kernel launch cost would
+    add to the roofline's time is this count times that cost."""
+    comps: dict[str, list[tuple[str, str]]] = {}
+    cur, entry = None, None
+    for line in hlo.split("\n"):
+        head = re.match(r"(ENTRY )?%(\S+) \(.*\{$", line)
+        if head:
+            cur = head[2]
+            comps[cur] = []
+            entry = cur if head[1] else entry
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None:
+            op = re.search(r"=\s.*?\s([a-z][a-z0-9-]*)\(", line)
+            if op:
+                comps[cur].append((op[1], line))
+    unknown = [0]
+
+    def named(line: str, key: str) -> list[str]:
+        m = re.search(rf"{key}=\{{([^}}]*)\}}", line) or re.search(rf"{key}=(%[\w.-]+)", line)
+        return [t.strip().lstrip("%") for t in m[1].split(",")] if m else []
+
+    def count(name: str) -> int:
+        n = 0
+        for op, line in comps.get(name, []):
+            if op == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                unknown[0] += trips is None
+                k = int(trips[1]) if trips else 1
+                (body,), (cond,) = named(line, "body"), named(line, "condition")
+                n += k * (count(body) + count(cond)) + count(cond)
+            elif op == "conditional":
+                branches = named(line, "branch_computations") or [
+                    *named(line, "true_computation"),
+                    *named(line, "false_computation"),
+                ]
+                n += max((count(b) for b in branches), default=0)
+            elif op == "call":
+                n += sum(count(c) for c in named(line, "to_apply"))
+            elif op not in _NO_KERNEL:
+                n += 1
+        return n
+
+    return {"kernels": count(entry) if entry else 0, "unknown_trips": unknown[0]}
+
+
 def _stats(ts: list[float]) -> dict:
     a = np.asarray(ts) * 1e3
     return {
@@ -326,6 +385,7 @@ def measure(args) -> dict:
                         )
                     compiled = lowered.compile()
                     compile_s = time.monotonic() - t
+                    kernels = launches(compiled.as_text())
                     budget.learn(name, compile_s, layers)
                     stats = _stats(time_calls(compiled, fixed, state, args.warmup, args.reps))
                 except Exception as e:  # noqa: BLE001
@@ -340,7 +400,7 @@ def measure(args) -> dict:
                     "target": target, "batch": b,
                     "program": "plain step" if tree is None else "round", "head": head,
                     "tree": None if tree is None else tree_label(tree), "slots": shape.slots,
-                    "model_slots": p["slots"], "compile_s": compile_s, **stats,
+                    "model_slots": p["slots"], "compile_s": compile_s, **stats, **kernels,
                     "predicted_ms": p["ms"],
                     "measured_over_predicted": stats["median_ms"] / p["ms"],
                 }  # fmt: skip
