@@ -296,7 +296,9 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
                  lambda s=sources[src], f=family, n=size, d=dst: run(
                      [PY, "-m", "eagle3_jax", "vocab", "trim", "--draft", str(paths[s]),
                       "--counts", str(counts[f]), "--size", str(n), "--out", str(d), *model[:2]]))  # fmt: skip
-            heads.append(study.StudyHead(name, family, size, f"cut from {sources[src]}"))
+            heads.append(
+                study.StudyHead(name, family, size, f"cut from {sources[src]}", vocab_size)
+            )
             paths[name] = dst
     drafts = [f"{h.name}={paths[h.name]}" for h in heads]
     digests = {h.name: head_digest(paths[h.name]) for h in heads}

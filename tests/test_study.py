@@ -39,7 +39,7 @@ def _results(tree=TREE, n=6):
 
 HEADS = [
     study.StudyHead("ref", "eagle3", 8192),
-    study.StudyHead("spec", "specvocab", None),
+    study.StudyHead("spec", "specvocab", None, "", 49152),
     study.StudyHead("absent", "frspec", 8192),
 ]
 COSTS = {
@@ -127,6 +127,28 @@ def test_replayed_heads_have_tau_and_no_speed(tmp_path):
     assert all(p.stat().st_size > 1000 for p in study.plot(summary, None, tmp_path))
 
 
+def test_a_missing_reference_or_a_head_without_rounds_leaves_dashes():
+    """A reference that did not run in a tree pairs nothing (its absence said, every other row
+    "-", not "reference"); a head listed in the run without records (or rounds) has no speed and
+    no throughput ratio, and the report still comes out; tasks outside Spec-Bench keep columns."""
+    res = _results()
+    for r in res["records"]:
+        if r["task"] == "qa":
+            r["task"] = "gsm8k"
+    text, _ = study.report({"t": res}, HEADS, "absent", {}, None)
+    assert "`absent` did not run in this tree: nothing is paired." in text
+    assert "| spec | - | - |" in text and "| ref | - | - |" in text
+    assert "gsm8k" in text.split("| tau | tokens/s")[0].splitlines()[-1]
+    res = _results()
+    res["records"] = [r for r in res["records"] if not r["method"].endswith("@spec")]
+    rows = {r["head"]: r for r in study.head_rows(res, HEADS, "ref", {})}
+    assert rows["spec"]["tokens_per_s"] is None and "throughput" not in rows["spec"].get(
+        "vs_reference", {}
+    )
+    text, _ = study.report({"t": res}, HEADS, "ref", {}, None)
+    assert "| ref | reference | reference |" in text
+
+
 def test_a_run_with_two_tree_shapes_is_refused():
     res = _results()
     res["config"]["methods"][2]["tree"] = [4, 4, 16]
@@ -137,13 +159,15 @@ def test_a_run_with_two_tree_shapes_is_refused():
 def test_report_and_plots(tmp_path):
     runs = {"10/8/60": _results(), "cpu": _results(tree=[2, 3, 4])}
     curves = {"ref": [{"step": 50, "tokens": 100, "acc_0": 0.5, "chain_tau": 1.9},
-                      {"step": 200, "tokens": 400, "acc_0": 0.6, "chain_tau": 2.1}]}  # fmt: skip
+                      {"step": 200, "tokens": 400, "acc_0": 0.6, "chain_tau": 2.1}],
+              "spec": [{"step": 50, "tokens": None, "acc_0": 0.5, "chain_tau": 1.9}]}  # fmt: skip
     costs = {"10/8/60": COSTS, "cpu": {"ref": {"step_ms_rows1": 2.0, "step_ms_rows2": 3.0}}}
     text, summary = study.report(runs, HEADS, "ref", costs, curves)
     assert "| spec | specvocab | 49,152 (all) |" in text
     assert "4.53 | 204.7" in text and "4.31 | 189.3" in text  # the paper's columns
     assert "+1.25 (" in text  # spec's paired tau difference
     assert "| ref | 200 | 400 | 0.60 | 2.10 | 1.90 |" in text
+    assert "| spec | 50 | - | 0.50 | 1.90 | - |" in text
     assert summary["trees"]["cpu"]["tree"] == [2, 3, 4]
     assert summary["trees"]["cpu"]["rows"][0]["draft_round_ms"] == pytest.approx(2.0 + 2 * 3.0)
     assert "| head | output layer | step r1 | step r2 |" in text
@@ -171,8 +195,12 @@ def test_read_curve_joins_validation_with_tokens_read(tmp_path):
 def test_cells_map_to_the_methods_they_stand_for():
     v = 49152
     assert study.head_of_cell("a", {"draft_vocab_size": 8192}, v) == study.StudyHead(
-        "a", "eagle3", 8192
+        "a", "eagle3", 8192, "", v
     )
+    olmo = study.head_of_cell("f", {"draft_vocab_size": 100352, "lm_head_source": "target"}, 100352)
+    assert (olmo.vocab, olmo.target_vocab) == (None, 100352)
+    assert study._vocab(olmo.vocab, olmo.target_vocab) == "100,352 (all)"
+    assert study._vocab(None) == "all" and study._vocab(8192, 100352) == "8,192"
     full = {"draft_vocab_size": v, "remat": True}
     assert study.head_of_cell("b", full, v).family == "full"
     assert study.head_of_cell("c", {**full, "lm_head_source": "target"}, v).family == (
@@ -315,7 +343,7 @@ def test_the_report_puts_the_measured_rounds_beside_the_model():
     assert summary["implied_tau_ratio_olmo2_7b"] == pytest.approx(tps * sv["measured"])
     text = "\n".join(lines)
     assert "measured (gpu NVIDIA H200)" in text
-    assert f"| olmo2_7b | 10/8/60 | specvocab | {ms['olmo2_7b', 'specvocab']:.2f} |" in text
+    assert f"| olmo2_7b | 1 | 10/8/60 | specvocab | {ms['olmo2_7b', 'specvocab']:.2f} |" in text
     text, summary = study.report({}, HEADS, "ref", {}, None, measured)
     assert "## The paper's setting, measured" in text and "accelerator_measured" in summary
 

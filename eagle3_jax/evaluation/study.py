@@ -35,12 +35,14 @@ FAMILIES = ("eagle3", "frspec", "vocabtrim", "specvocab", "full", "target_lm_hea
 @dataclasses.dataclass(frozen=True)
 class StudyHead:
     """One head of the study: its harness draft name, the method family it stands for (one of
-    FAMILIES), its draft vocabulary size (None: the full 49,152-id output) and how it was made."""
+    FAMILIES), its draft vocabulary size (None: the target's whole vocabulary, `target_vocab`
+    ids where known) and how it was made."""
 
     name: str
     family: str
     vocab: int | None
     note: str = ""
+    target_vocab: int | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -54,12 +56,13 @@ def head_of_cell(name: str, overrides: dict, vocab_size: int) -> StudyHead:
     vd = overrides.get("draft_vocab_size", vocab_size)
     if overrides.get("speculator_rank"):
         aux = overrides.get("speculator_loss_weight")
-        return StudyHead(name, "specvocab", None, "no auxiliary loss" if aux == 0 else "")
+        note = "no auxiliary loss" if aux == 0 else ""
+        return StudyHead(name, "specvocab", None, note, vocab_size)
     if overrides.get("lm_head_source") == "target":
-        return StudyHead(name, "target_lm_head", None, "FR-Spec's source, untrimmed")
+        return StudyHead(name, "target_lm_head", None, "FR-Spec's source, untrimmed", vocab_size)
     if vd < vocab_size:
-        return StudyHead(name, "eagle3", vd)
-    return StudyHead(name, "full", None, "VocabTrim's source, untrimmed")
+        return StudyHead(name, "eagle3", vd, "", vocab_size)
+    return StudyHead(name, "full", None, "VocabTrim's source, untrimmed", vocab_size)
 
 
 def label_of(results: dict, head: str) -> str | None:
@@ -98,7 +101,9 @@ def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: 
     """One row per head that ran: tau per task and overall, throughput, speedup, time per round,
     paired tau difference and throughput ratio against `reference`, drafting times."""
     recs = results["records"]
-    tasks = [t for t in SPEC_BENCH_TASKS if any(r["task"] == t for r in recs)]
+    present = list(dict.fromkeys(r["task"] for r in recs))  # Spec-Bench's order, then the rest
+    tasks = [t for t in SPEC_BENCH_TASKS if t in present]
+    tasks += [t for t in present if t not in tasks]
     vanilla = [r for r in recs if r["method"] == metrics.VANILLA]
     ref = label_of(results, reference)
     tree = tree_of(results)
@@ -116,6 +121,7 @@ def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: 
             "head": h.name,
             "family": h.family,
             "vocab": h.vocab,
+            "target_vocab": h.target_vocab,
             "label": label,
             "questions": len({str(r["question_id"]) for r in mine}),
             "tau": metrics.tau(mine),
@@ -146,14 +152,17 @@ def fmt(x, digits=2, suffix="") -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x:.{digits}f}{suffix}"
 
 
-def _vocab(v):
-    return "49,152 (all)" if v is None else f"{v:,}"
+def _vocab(v: int | None, total: int | None = None) -> str:
+    """A head's draft vocabulary as its table text: its size, or the target's whole one."""
+    if v is not None:
+        return f"{v:,}"
+    return f"{total:,} (all)" if total else "all"
 
 
-def paired_text(d: dict | None) -> str:
-    """A `Paired.as_dict()` as its table text; "reference" for None (the reference row)."""
+def paired_text(d: dict | None, none: str = "reference") -> str:
+    """A `Paired.as_dict()` as its table text; `none` for None (the reference's own row)."""
     if not d:
-        return "reference"
+        return none
     return paired.Paired(d["mean"], d["lo"], d["hi"], d["n"], d["ratio"]).text()
 
 
@@ -184,6 +193,8 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
             else []
         ),
         "",
+        "ms/round is a head's wall time over its rounds, each answer's prefill included.",
+        "",
         "| head | method | Vd | "
         + " | ".join(tasks)
         + " | tau | tokens/s | speedup | ms/round | draft ms/round "
@@ -193,16 +204,20 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
     for r in rows:
         out.append(
             f"| {r['head']}{' (replayed)' if r.get('replayed') else ''} | {r['family']} | "
-            f"{_vocab(r['vocab'])} | "
+            f"{_vocab(r['vocab'], r.get('target_vocab'))} | "
             + " | ".join(fmt(r["tau_by_task"][t]) for t in tasks)
             + f" | {fmt(r['tau'])} | {fmt(r['tokens_per_s'], 1)} | {fmt(r['speedup'], 2, 'x')}"
             f" | {fmt(r['round_ms'], 1)} | {fmt(r['draft_round_ms'], 1)} | {_paper_cells(r['family'])} |"
         )
+    ran = any(r["head"] == reference for r in rows)
     out += [
         "",
         f"Paired against `{reference}`, question by question (mean and 95 % t interval; * the "
         "interval excludes no difference): tau difference, throughput ratio, and tau difference "
-        "per task.",
+        "per task. These are means over questions (each question's tau pooled over its turns; "
+        "the throughput ratio a geometric mean), so they need not equal the differences of the "
+        "table's pooled tau and tokens/s.",
+        *([] if ran else ["", f"`{reference}` did not run in this tree: nothing is paired."]),
         "",
         "| head | tau - ref | throughput / ref | " + " | ".join(tasks) + " |",
         "|" + " --- |" * (3 + len(tasks)),
@@ -210,10 +225,11 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
     for r in rows:
         vs = r.get("vs_reference")
         by_task = r.get("vs_reference_by_task", {})
+        none = "reference" if r["head"] == reference else "-"
         out.append(
-            f"| {r['head']} | {paired_text(vs and vs['tau'])} | "
-            f"{'-' if vs and r['replayed'] else paired_text(vs and vs['throughput'])} | "
-            + " | ".join(paired_text(by_task.get(t)) if vs else "-" for t in tasks)
+            f"| {r['head']} | {paired_text(vs and vs['tau'], none)} | "
+            f"{paired_text(vs and vs.get('throughput'), '-' if vs else none)} | "
+            + " | ".join(paired_text(by_task.get(t), "-") if vs else "-" for t in tasks)
             + " |"
         )
     return out + [""]
@@ -287,7 +303,7 @@ def curve_section(curves: dict[str, list[dict]]) -> list[str]:
         earlier = [p for p in pts if p["step"] <= last["step"] - 100]
         prev = earlier[-1].get("chain_tau") if earlier else None
         out.append(
-            f"| {name} | {last['step']} | {last.get('tokens', '-')} | {fmt(last.get('acc_0'))} "
+            f"| {name} | {last['step']} | {last.get('tokens') or '-'} | {fmt(last.get('acc_0'))} "
             f"| {fmt(last.get('chain_tau'))} | {fmt(prev)} |"
         )
     return out + [""]
@@ -354,28 +370,32 @@ def measured_section(measured: Sequence[dict]) -> tuple[list[str], dict]:
     if not rows:
         return [], {}
     rounds = {
-        (r["target"], r["batch"], r["tree"], r["head"]): r["median_ms"]
+        (res.get("device"), r["target"], r["batch"], r["tree"], r["head"]): r["median_ms"]
         for res in measured
         for r in res.get("rows", [])
         if r["program"] == "round"
     }
-    devices = sorted({r["device"] for r in rows})
+    devices = sorted({str(r["device"]) for r in rows})
+    sizes = sorted({(res.get("context"), res.get("reps")) for res in measured})
     lines = [
         f"## The paper's setting, measured ({', '.join(devices)})",
         "",
         "Each head's round timed on the accelerator (`scripts/device_job.py round-cost`: random "
-        "bf16 weights at the target's shape, batch 1, 2,048 cache slots; medians of 20 calls) "
-        "against EAGLE-3's round on the same target and tree, beside the cost model's ratio for "
-        "the same device: the τ over EAGLE-3's a method needs to match its speedup.",
+        "bf16 weights at the target's shape; caches for "
+        + ", ".join(f"{c} tokens, medians of {n} calls" for c, n in sizes)
+        + ") against EAGLE-3's round on the same device, target, batch and tree, beside the cost "
+        "model's ratio: the τ over EAGLE-3's a method needs to match its speedup.",
         "",
-        "| target | tree | head | round ms | EAGLE-3's round ms | ratio measured | predicted |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| device | target | batch | tree | head | round ms | EAGLE-3's round ms | ratio measured "
+        "| predicted |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        key = (r["target"], r["batch"], r["tree"])
+        key = (r["device"], r["target"], r["batch"], r["tree"])
         lines.append(
-            f"| {r['target']} | {r['tree']} | {r['head']} | {fmt(rounds.get((*key, r['head'])))} "
-            f"| {fmt(rounds.get((*key, 'eagle3')))} | {r['measured']:.3f} | {r['predicted']:.3f} |"
+            f"| {r['device']} | {r['target']} | {r['batch']} | {r['tree']} | {r['head']} "
+            f"| {fmt(rounds.get((*key, r['head'])))} | {fmt(rounds.get((*key, 'eagle3')))} "
+            f"| {r['measured']:.3f} | {r['predicted']:.3f} |"
         )
     tps, _ = paper_specvocab_over_eagle3()
     sv = [
@@ -383,12 +403,13 @@ def measured_section(measured: Sequence[dict]) -> tuple[list[str], dict]:
         if (r["target"], r["head"], r["batch"]) == ("olmo2_7b", "specvocab", 1)
         and r["tree"].startswith("10/8/60")
     ]  # fmt: skip
-    implied = tps * sv[0]["measured"] if sv else None
+    implied = tps * sv[-1]["measured"] if sv else None  # the last run measured
     if implied:
         lines += [
             "",
-            f"Under the measured 10/8/60 ratio, the paper's x{tps:.3f} tokens/s on OLMo 2 7B needs "
-            f"x{implied:.3f} τ from SpecVocab over EAGLE-3 on this engine.",
+            f"Under the measured 10/8/60 ratio ({sv[-1]['device']}), the paper's x{tps:.3f} "
+            f"tokens/s on OLMo 2 7B needs x{implied:.3f} τ from SpecVocab over EAGLE-3 on this "
+            "engine.",
         ]
     return lines + [""], {"rows": rows, "implied_tau_ratio_olmo2_7b": implied}
 
@@ -477,12 +498,14 @@ def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list
 
     if curves:
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        for name, pts in curves.items():
-            pts = [p for p in pts if p.get("chain_tau") is not None]
-            ax.plot([p.get("tokens", p["step"]) for p in pts], [p["chain_tau"] for p in pts], "o-")
+        shown = {n: [p for p in pts if p.get("chain_tau") is not None] for n, pts in curves.items()}
+        # one unit for the axis: tokens read where every point has them, else steps
+        key = "tokens" if all(p.get("tokens") for v in shown.values() for p in v) else "step"
+        for name, pts in shown.items():
+            ax.plot([p[key] for p in pts], [p["chain_tau"] for p in pts], "o-")
             if pts:
-                ax.annotate(name, (pts[-1].get("tokens", pts[-1]["step"]), pts[-1]["chain_tau"]))
-        ax.set_xlabel("training tokens read")
+                ax.annotate(name, (pts[-1][key], pts[-1]["chain_tau"]))
+        ax.set_xlabel("training tokens read" if key == "tokens" else "training steps")
         ax.set_ylabel("held-out replayed chain tau")
         fig.tight_layout()
         paths.append(out / "training_curves.png")
