@@ -4,7 +4,8 @@ Every method in a harness run answers the same questions, so the honest comparis
 question: d_q = x_q(method) - x_q(reference), and the interval is Student's t over the d_q. tau is
 compared as a difference (tokens per round); throughput as a ratio, taken on the log scale
 (log tokens/s, then exponentiated), so "1.05 (1.02-1.08)" reads "5 % faster, between 2 and 8 %".
-Seeds of one question are averaged first: the question is the unit, not the run.
+The records of one question (its seeds, its turns) are pooled first (tokens over target passes,
+or over time): the question is the unit, not the run.
 """
 
 from __future__ import annotations
