@@ -7,7 +7,8 @@ head_init="target") on the same 1,600 regenerated conversations in the same orde
 batch 4, lr 1e-3; never an evaluation set), one factor changed from EAGLE-3's recipe each:
 
   low_mid_high   EAGLE-3: the inputs to target layers (2, 15, 27) of 30
-  top_layer      the top layer alone (the input to the last layer, 29): EAGLE-1/2's feature
+  top_layer      the top layer alone: the last layer's output after the final norm (id 30, what
+                 the LM head reads), EAGLE-1/2's feature
   four_layers    (2, 10, 20, 27)
   ttt_3          (2, 15, 27) with a shorter training-time test (3 steps instead of 7)
 
@@ -36,7 +37,7 @@ def get_config() -> AblationConfig:
         max_steps=400,
         length_bucket=128,
         feature_dtype="bfloat16",
-        feature_layers=(2, 10, 15, 20, 27, 29),
+        feature_layers=(2, 10, 15, 20, 27, 30),
         head_init="target",
         draft_vocab_size=8192,
         save_every=25,
@@ -51,7 +52,7 @@ def get_config() -> AblationConfig:
         base=base,
         cells=(
             Cell("low_mid_high", {"aux_layer_ids": (2, 15, 27)}),
-            Cell("top_layer", {"aux_layer_ids": (29,)}),
+            Cell("top_layer", {"aux_layer_ids": (30,)}),
             Cell("four_layers", {"aux_layer_ids": (2, 10, 20, 27)}),
             Cell("ttt_3", {"aux_layer_ids": (2, 15, 27), "ttt_steps": 3}),
         ),

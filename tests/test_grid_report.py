@@ -44,6 +44,30 @@ def test_rows_pair_every_cell_with_the_reference():
     assert not rows["same"]["vs_reference"]["real"]
 
 
+def test_mt_bench_categories_get_their_own_columns():
+    """Records that carry MT-bench's subcategory are grouped by it (a task without one is its
+    own); records written before categories were kept fall back to their task."""
+    res = _results()
+    for r in res["records"]:
+        if r["task"] == "mt_bench":
+            r["category"] = "writing" if r["question_id"] % 4 == 1 else "coding"
+    rows = {r["cell"]: r for r in grid_report.cell_rows(res, CELLS, "ref")}
+    assert list(rows["top"]["tau_by_task"]) == ["qa", "writing", "coding"]
+    assert set(rows["top"]["vs_reference_by_task"]) == {"qa", "writing", "coding"}
+    text, _ = grid_report.report(res, CELLS, "ref", {})
+    assert "| cell | qa | writing | coding |" in text and "Not in this run: absent." in text
+
+
+def test_a_missing_reference_pairs_nothing():
+    """A reference the run lacks: said at the top, every row "-" (not "reference"), no line
+    about real differences."""
+    text, summary = grid_report.report(_results(), CELLS, "absent", {})
+    assert "`absent` did not run: nothing is paired below." in text
+    assert "| top | layers 29 | 2.12 | - |" in text and "reference |" not in text
+    assert "real at 95 %" not in text and "Real differences" not in text
+    assert summary["real"] == []
+
+
 def test_report_says_which_differences_are_real(tmp_path):
     curves = {"ref": [{"step": 50, "tokens": 100, "acc_0": 0.5, "chain_tau": 1.9},
                       {"step": 100, "tokens": 200, "acc_0": 0.61, "chain_tau": 2.1}],

@@ -141,6 +141,7 @@ def _question_record(q: Question, m: MethodSpec, seed: int, ts: list[dict], answ
     rec = {
         "question_id": q.id,
         "task": q.task,
+        "category": q.category,  # MT-bench's subcategory; a task is its own otherwise
         "method": m.label,
         "seed": seed,
         "num_generations": len(ts),

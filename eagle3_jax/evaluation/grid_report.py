@@ -13,16 +13,18 @@ import math
 from pathlib import Path
 
 from eagle3_jax.evaluation import metrics, paired
+from eagle3_jax.evaluation.paired import category_of
 from eagle3_jax.evaluation.questions import SPEC_BENCH_TASKS
 from eagle3_jax.evaluation.study import fmt, label_of, paired_text, tree_of
 
 
 def cell_rows(results: dict, cells: dict[str, str], reference: str) -> list[dict]:
-    """One row per cell that ran (`cells`: name -> what differs): tau overall and per task,
-    whether it was replayed, and tau's paired difference against `reference` with its 95 %
-    interval, overall and per task."""
+    """One row per cell that ran (`cells`: name -> what differs): tau overall and per category
+    (`paired.category_of`: MT-bench's eight subcategories, a task its own), whether it was
+    replayed, and tau's paired difference against `reference` with its 95 % interval, overall
+    and per category."""
     recs = results["records"]
-    seen = list(dict.fromkeys(r["task"] for r in recs))  # Spec-Bench's order first
+    seen = list(dict.fromkeys(category_of(r) for r in recs))  # Spec-Bench's tasks first
     tasks = [t for t in SPEC_BENCH_TASKS if t in seen] + [
         t for t in seen if t not in SPEC_BENCH_TASKS
     ]
@@ -40,12 +42,14 @@ def cell_rows(results: dict, cells: dict[str, str], reference: str) -> list[dict
             "questions": len({str(r["question_id"]) for r in mine}),
             "replayed": bool(mine) and all(r.get("replayed") for r in mine),
             "tau": metrics.tau(mine),
-            "tau_by_task": {t: metrics.tau([r for r in mine if r["task"] == t]) for t in tasks},
+            "tau_by_task": {
+                t: metrics.tau([r for r in mine if category_of(r) == t]) for t in tasks
+            },
         }
         if ref is not None and label != ref:
             row["vs_reference"] = paired.compare(recs, label, ref)["tau"].as_dict()
             row["vs_reference_by_task"] = {
-                t: paired.compare(recs, label, ref, task=t)["tau"].as_dict() for t in tasks
+                t: paired.compare(recs, label, ref, category=t)["tau"].as_dict() for t in tasks
             }
         rows.append(row)
     return rows
@@ -59,15 +63,28 @@ def report(
     title: str = "Ablation",
 ) -> tuple[str, dict]:
     """(report.md text, JSON summary) of a grid measured in one harness run."""
+
+    def none(r: dict) -> str:  # a row without a paired difference
+        return "reference" if r["cell"] == reference else "-"
+
     rows = cell_rows(results, cells, reference)
     tasks = list(rows[0]["tau_by_task"]) if rows else []
     k, d, n = tree_of(results)[:3]
     replayed = any(r["replayed"] for r in rows)
     real = [r["cell"] for r in rows if r.get("vs_reference", {}).get("real")]
+    ran = {r["cell"] for r in rows}
+    n_q = max((r["questions"] for r in rows), default=0)
+    missing = [c for c in cells if c not in ran]
     lines = [
         f"# {title}",
         "",
-        f"Every cell's head against `{reference}` on the same {rows[0]['questions'] if rows else 0} "
+        *(
+            [f"`{reference}` did not run: nothing is paired below.", ""]
+            if reference not in ran
+            else []
+        ),
+        *([f"Not in this run: {', '.join(missing)}.", ""] if missing else []),
+        f"Every cell's head against `{reference}` on the same {n_q} "
         f"questions ({', '.join(tasks)}), greedy, tree top-k {k}, depth {d}, {n} nodes, max "
         f"{results['config'].get('max_new_tokens', '?')} new tokens a turn"
         + (
@@ -90,14 +107,16 @@ def report(
     for r in rows:
         last = (curves.get(r["cell"]) or [{}])[-1]
         lines.append(
-            f"| {r['cell']} | {r['what']} | {fmt(r['tau'])} | {paired_text(r.get('vs_reference'))} | "
+            f"| {r['cell']} | {r['what']} "
+            f"| {fmt(r['tau'])} | {paired_text(r.get('vs_reference'), none(r))} | "
             + " | ".join(fmt(r["tau_by_task"][t]) for t in tasks)
             + f" | {fmt(last.get('acc_0'), 3)} | {fmt(last.get('chain_tau'))} "
             f"| {last.get('step', '-')} |"
         )
     lines += [
         "",
-        "Per task, tau - ref (95 %):",
+        "Per category, tau - ref (95 %; each interval on its own, no correction for comparing "
+        "several cells and categories):",
         "",
         "| cell | " + " | ".join(tasks) + " |",
         "|" + " --- |" * (1 + len(tasks)),
@@ -109,13 +128,14 @@ def report(
             + " | ".join(paired_text(by.get(t)) if by else "-" for t in tasks)
             + " |"
         )
-    lines += [
-        "",
-        f"Real differences from `{reference}` at 95 %: {', '.join(real)}."
-        if real
-        else f"No difference from `{reference}` is real at 95 %.",
-        "",
-    ]
+    if reference in ran:
+        lines += [
+            "",
+            f"Real differences from `{reference}` at 95 %: {', '.join(real)}."
+            if real
+            else f"No difference from `{reference}` is real at 95 %.",
+        ]
+    lines.append("")
     summary = {"reference": reference, "tree": [k, d, n], "rows": rows, "real": real}
     summary["curves"] = {c: v[-1] for c, v in curves.items() if v}
     return "\n".join(lines), summary
@@ -146,12 +166,13 @@ def plot(summary: dict, curves: dict[str, list[dict]], out: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name, pts in curves.items():
-        pts = [p for p in pts if p.get("chain_tau") is not None]
+    shown = {n: [p for p in pts if p.get("chain_tau") is not None] for n, pts in curves.items()}
+    # one unit for the axis: tokens read where every point has them, else steps
+    key = "tokens" if all(p.get("tokens") for v in shown.values() for p in v) else "step"
+    for name, pts in shown.items():
         if pts:
-            ax.plot([p.get("tokens") or p["step"] for p in pts], [p["chain_tau"] for p in pts],
-                    "o-", label=name)  # fmt: skip
-    ax.set_xlabel("training tokens read")
+            ax.plot([p[key] for p in pts], [p["chain_tau"] for p in pts], "o-", label=name)
+    ax.set_xlabel("training tokens read" if key == "tokens" else "training steps")
     ax.set_ylabel("held-out replayed chain tau")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -110,10 +110,24 @@ def paired_difference(
     return Paired(m, lo, hi, len(keys))
 
 
-def compare(records: Sequence[dict], method: str, reference: str, task: str | None = None) -> dict:
-    """`method` against `reference` on the same questions (of one task, when given): tau as a
-    difference, throughput as a ratio, each a `Paired`."""
-    recs = [r for r in records if task in (None, r.get("task"))]
+def category_of(record: dict) -> str:
+    """A record's category (MT-bench's subcategory; records written before categories were
+    kept, and tasks without any, give their task)."""
+    return record.get("category") or record["task"]
+
+
+def compare(
+    records: Sequence[dict],
+    method: str,
+    reference: str,
+    task: str | None = None,
+    category: str | None = None,
+) -> dict:
+    """`method` against `reference` on the same questions (of one task, or one `category_of`,
+    when given): tau as a difference, throughput as a ratio, each a `Paired`."""
+    recs = [
+        r for r in records if task in (None, r.get("task")) and category in (None, category_of(r))
+    ]
     tau_m, tau_r = (per_question(recs, x, metrics.tau) for x in (method, reference))
     tps_m, tps_r = (per_question(recs, x, metrics.throughput) for x in (method, reference))
     return {
