@@ -15,7 +15,7 @@ from pathlib import Path
 from eagle3_jax.evaluation import metrics, paired
 from eagle3_jax.evaluation.paired import category_of
 from eagle3_jax.evaluation.questions import SPEC_BENCH_TASKS
-from eagle3_jax.evaluation.study import fmt, label_of, paired_text, tree_of
+from eagle3_jax.evaluation.study import curve_points, fmt, label_of, paired_text, tree_of
 
 
 def cell_rows(results: dict, cells: dict[str, str], reference: str) -> list[dict]:
@@ -166,9 +166,7 @@ def plot(summary: dict, curves: dict[str, list[dict]], out: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    shown = {n: [p for p in pts if p.get("chain_tau") is not None] for n, pts in curves.items()}
-    # one unit for the axis: tokens read where every point has them, else steps
-    key = "tokens" if all(p.get("tokens") for v in shown.values() for p in v) else "step"
+    shown, key = curve_points(curves)
     for name, pts in shown.items():
         if pts:
             ax.plot([p[key] for p in pts], [p["chain_tau"] for p in pts], "o-", label=name)

@@ -452,6 +452,14 @@ def report(
     return "\n".join(lines), summary
 
 
+def curve_points(curves: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], str]:
+    """(each curve's points with a replayed chain tau, the x key for all of them): tokens read
+    where every point has them, else steps, so that one axis never mixes the two."""
+    shown = {n: [p for p in pts if p.get("chain_tau") is not None] for n, pts in curves.items()}
+    key = "tokens" if all(p.get("tokens") for v in shown.values() for p in v) else "step"
+    return shown, key
+
+
 def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list[Path]:
     """tau difference and throughput ratio against the reference with their intervals (one panel
     per tree), draft time per round against tau, and the held-out training curves."""
@@ -498,9 +506,7 @@ def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list
 
     if curves:
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        shown = {n: [p for p in pts if p.get("chain_tau") is not None] for n, pts in curves.items()}
-        # one unit for the axis: tokens read where every point has them, else steps
-        key = "tokens" if all(p.get("tokens") for v in shown.values() for p in v) else "step"
+        shown, key = curve_points(curves)
         for name, pts in shown.items():
             ax.plot([p[key] for p in pts], [p["chain_tau"] for p in pts], "o-")
             if pts:
