@@ -14,7 +14,7 @@ from pathlib import Path
 
 from eagle3_jax.evaluation import metrics, paired
 from eagle3_jax.evaluation.paired import category_of
-from eagle3_jax.evaluation.questions import SPEC_BENCH_TASKS
+from eagle3_jax.evaluation.questions import task_order
 from eagle3_jax.evaluation.study import curve_points, fmt, label_of, paired_text, tree_of
 
 
@@ -24,10 +24,7 @@ def cell_rows(results: dict, cells: dict[str, str], reference: str) -> list[dict
     replayed, and tau's paired difference against `reference` with its 95 % interval, overall
     and per category."""
     recs = results["records"]
-    seen = list(dict.fromkeys(category_of(r) for r in recs))  # Spec-Bench's tasks first
-    tasks = [t for t in SPEC_BENCH_TASKS if t in seen] + [
-        t for t in seen if t not in SPEC_BENCH_TASKS
-    ]
+    tasks = task_order(category_of(r) for r in recs)
     ref = label_of(results, reference)
     rows = []
     for name, what in cells.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from eagle3_jax.errors import Eagle3Error
@@ -147,8 +148,9 @@ def load_questions(bench: str, n: int | None = None) -> list[Question]:
     return limit_per_task(qs, n)
 
 
-def task_order(questions: list[Question]) -> list[str]:
-    """Tasks in Spec-Bench's order first, then the others in order of appearance."""
-    present = list(dict.fromkeys(q.task for q in questions))
+def task_order(tasks: Iterable[str]) -> list[str]:
+    """The distinct tasks (or categories) named: Spec-Bench's in its order first, then the others
+    in order of appearance."""
+    present = list(dict.fromkeys(tasks))
     known = [t for t in SPEC_BENCH_TASKS if t in present]
     return known + [t for t in present if t not in known]

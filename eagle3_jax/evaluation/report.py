@@ -35,7 +35,7 @@ def write_outputs(out: Path, records, questions, methods, seeds, opts) -> dict:
         if str(r["question_id"]) in ids and r["method"] in labels and r["seed"] in seeds
     ]
     mine.sort(key=lambda r: (r["seed"], order[str(r["question_id"])], labels.index(r["method"])))
-    tasks = task_order(questions)
+    tasks = task_order(q.task for q in questions)
     summary = metrics.summarize(mine, labels, tasks, greedy=opts.temperature == 0)
     summary = strict_json(summary)
     config = json.loads((out / "config.json").read_text())

@@ -18,7 +18,7 @@ from pathlib import Path
 from eagle3_jax.accelerators import predict, specs
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.evaluation import metrics, paired
-from eagle3_jax.evaluation.questions import SPEC_BENCH_TASKS
+from eagle3_jax.evaluation.questions import task_order
 from eagle3_jax.evaluation.records import read_jsonl
 
 # The SpecVocab paper and README (H100, Spec-Bench, greedy, batch 1), as
@@ -101,9 +101,7 @@ def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: 
     """One row per head that ran: tau per task and overall, throughput, speedup, time per round,
     paired tau difference and throughput ratio against `reference`, drafting times."""
     recs = results["records"]
-    present = list(dict.fromkeys(r["task"] for r in recs))  # Spec-Bench's order, then the rest
-    tasks = [t for t in SPEC_BENCH_TASKS if t in present]
-    tasks += [t for t in present if t not in tasks]
+    tasks = task_order(r["task"] for r in recs)
     vanilla = [r for r in recs if r["method"] == metrics.VANILLA]
     ref = label_of(results, reference)
     tree = tree_of(results)
