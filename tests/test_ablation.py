@@ -303,7 +303,8 @@ def test_training_time_is_read_from_the_log_across_a_resume():
 def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
     """--status of the study scripts: a cell with an exported head is trained, one with logged
     steps is training (its last validation and its time so far, from its log), one without either has not
-    started; a harness run's records are counted per method. Nothing is written."""
+    started; a harness run's records are counted per method, with the time it has left at its
+    pace (a method not started at the others' speculative pace). Nothing is written."""
     from eagle3_jax.ablation.status import cell_status, status_lines
 
     ac = AblationConfig(
@@ -326,8 +327,17 @@ def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
     (cells / "going" / "cell.json").write_text('{"train_wall_s": 7200}')
     ev = tmp_path / "eval"
     ev.mkdir()
-    (ev / "records.jsonl").write_text(
-        "".join(json.dumps({"method": m}) + "\n" for m in ("vanilla", "vanilla", "eagle3@a"))
+    methods = ["vanilla", "eagle3@a", "eagle3@b"]
+    (ev / "config.json").write_text(json.dumps({"methods": [{"label": m} for m in methods]}))
+    (ev / "records.jsonl").write_text(  # vanilla 10 s a question; a replayed head 30 s
+        "".join(
+            json.dumps({"method": m, "wall_time_s": w, "replay_time_s": r}) + "\n"
+            for m, w, r in (
+                ("vanilla", 8.0, None),
+                ("vanilla", 12.0, None),
+                ("eagle3@a", 0.0, 30.0),
+            )
+        )
     )
     before = sorted(p for p in tmp_path.rglob("*"))
     lines = status_lines(cell_status(ac, tmp_path), {"replay": ev, "cpu": tmp_path / "none"}, 80)
@@ -336,7 +346,9 @@ def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
         "cell going: training: step 10 of 300 (~1.4 h left at its recent pace); held-out at "
         "step 10: acc_0 0.500, replayed chain tau 1.80; 2 min of training",  # 55.6 + 90 s
         "cell later: not started",
-        "harness replay: vanilla 2, eagle3@a 1 (records per method, of 80 questions)",
+        # 78 x 10 s + 79 x 30 s + 80 x 30 s (b, not started, at a's pace) = 5,550 s
+        "harness replay: vanilla 2, eagle3@a 1 (records per method, of 80 questions; ~1.5 h "
+        "left at its pace)",
         "harness cpu: not started (records per method, of 80 questions)",
     ]
     assert sorted(p for p in tmp_path.rglob("*")) == before

@@ -4,6 +4,7 @@ written): each grid cell's training, and the records of each harness run. The st
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -68,6 +69,27 @@ def records_by_method(eval_dir: Path) -> dict[str, int]:
     return dict(Counter(r["method"] for r in read_jsonl(eval_dir / "records.jsonl")))
 
 
+def harness_left_s(eval_dir: Path, planned: int) -> float | None:
+    """A harness run's time left at its pace: per method (OUT/config.json's), the questions it
+    has not answered times its mean time a record (decoding's and replay's), a method without
+    records at the mean of the others' speculative methods (vanilla's when there are none); None
+    before the first record or without config.json."""
+    try:
+        labels = [m["label"] for m in json.loads((eval_dir / "config.json").read_text())["methods"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    times: dict[str, list[float]] = {}
+    for r in read_jsonl(eval_dir / "records.jsonl"):
+        t = float(r.get("wall_time_s") or 0.0) + float(r.get("replay_time_s") or 0.0)
+        times.setdefault(r.get("method"), []).append(t)
+    means = {m: sum(ts) / len(ts) for m, ts in times.items() if m in labels}
+    if not means:
+        return None
+    spec = [t for m, t in means.items() if m != "vanilla"] or list(means.values())
+    fill = sum(spec) / len(spec)
+    return sum(max(planned - len(times.get(m, [])), 0) * means.get(m, fill) for m in labels)
+
+
 def running_line(out: Path, what: str) -> str:
     """Whether the study writing `out` runs now (a process holds its lock: its pid), as a line."""
     pid = holder(out) if out.is_dir() else None
@@ -105,5 +127,7 @@ def status_lines(
         counts = records_by_method(d)
         text = ", ".join(f"{m} {n}" for m, n in counts.items()) if counts else "not started"
         of = f", of {planned} questions" if planned else ""
-        lines.append(f"harness {name}: {text} (records per method{of})")
+        left = harness_left_s(d, planned) if planned else None
+        pace = f"; ~{left / 3600:.1f} h left at its pace" if left else ""
+        lines.append(f"harness {name}: {text} (records per method{of}{pace})")
     return lines
