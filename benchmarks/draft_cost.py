@@ -16,8 +16,9 @@ branches cost differently): each row records the union's size and capacity. The 
 depth-2 tree's (its rows see the context and their own scratch slot; a deeper tree's cache has
 more scratch slots, which the mask hides). With `--tree`, a whole round after the same context:
 where the tree has a verify threshold, which levels run depends on that one context's scores.
-fp32, batch 1, jitted, medians of `reps`. Prints a table, writes
-benchmarks/results/draft_cost.json.
+fp32, batch 1, jitted; every head's calls are timed in turns, `reps` times, and each time is a
+median (`Interleaved`: heads of the same shape then time alike beside other work). Prints a table,
+writes benchmarks/results/draft_cost.json.
 """
 
 from __future__ import annotations
@@ -51,14 +52,30 @@ from eagle3_jax.prompts import encode_chat
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _median_ms(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+class Interleaved:
+    """Calls timed in turns: each is compiled and warmed when added, then every repetition runs
+    each call once (the order rotated by one each repetition), so load that drifts on a shared
+    machine falls on every head alike; a call's time is the median of its repetitions, in ms."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def add(self, fn, *args) -> int:
+        """Registers fn(*args) (run once now: compile and warm-up); returns its index."""
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+        self.calls.append(functools.partial(fn, *args))
+        return len(self.calls) - 1
+
+    def run(self, reps: int) -> list[float]:
+        times: list[list[float]] = [[] for _ in self.calls]
+        n = len(self.calls)
+        for rep in range(reps):
+            for j in range(n):
+                i = (j + rep) % n
+                t0 = time.perf_counter()
+                jax.block_until_ready(self.calls[i]())
+                times[i].append(time.perf_counter() - t0)
+        return [1e3 * float(np.median(t)) for t in times]
 
 
 def union_of(params, hidden, dcfg) -> dict:
@@ -139,14 +156,14 @@ def level_hidden(params, embed, lv: Level, dcfg, sizes: tuple) -> jax.Array:
     ).hidden  # fmt: skip
 
 
-def round_ms(target, head, embed, prompt: list[int], tree: TreeConfig, reps: int) -> float:
+def round_call(target, head, embed, prompt: list[int], tree: TreeConfig) -> tuple:
     """A whole drafting round as decoding runs it (`drafters.eagle3_drafter`: the last pairs
     encoded, the root's children, depth - 1 levels, the tree selected) after the context's
-    prefill; the median of `reps`."""
+    prefill -> (fn, *args) for `Interleaved.add`."""
     state, shape = prefilled(target, head, embed, prompt, tree)
     fn = jax.jit(drafters.eagle3_drafter, static_argnames=("dcfg", "shape", "tree"))
     run = functools.partial(fn, dcfg=head.cfg, shape=shape, tree=tree)
-    return _median_ms(run, head.params, embed, head.vocab, state, reps=reps)
+    return run, head.params, embed, head.vocab, state
 
 
 def main() -> None:
@@ -171,7 +188,7 @@ def main() -> None:
     extra = max(2 * max(rows_list), tree.round_slots + 1 if tree else 0)  # the level, the round
     room = target.cfg.max_position_embeddings - extra - 16  # and the prefill's new tokens
     prompt = context_ids(target.tokenizer, min(args.context, room))
-    results = []
+    results, timer, slots = [], Interleaved(), []  # slots: (row, key, call index)
     for name, path in parse_drafts(args.draft).items():
         head = load_head(path, target)
         params, dcfg, vocab = head.params, head.cfg, head.vocab
@@ -191,14 +208,17 @@ def main() -> None:
         row = {"head": name, "path": str(path), "kind": kind_of(dcfg), "top_k": k}
         for r in rows_list:
             lv, sizes = real_level(target, head, emb, prompt, r)
-            row[f"step_ms_rows{r}"] = _median_ms(step, params, lv, sizes, reps=args.reps)
+            slots.append((row, f"step_ms_rows{r}", timer.add(step, params, lv, sizes)))
             hidden = jax.jit(level_hidden, static_argnums=(3, 4))(params, emb, lv, dcfg, sizes)
-            row[f"output_ms_rows{r}"] = _median_ms(output, params, hidden, reps=args.reps)
+            slots.append((row, f"output_ms_rows{r}", timer.add(output, params, hidden)))
             if dcfg.speculator_rank:
                 row[f"union_rows{r}"] = union_of(params, hidden, dcfg)
         if tree is not None:
-            row["round_ms"] = round_ms(target, head, emb, prompt, tree, args.reps)
+            slots.append((row, "round_ms", timer.add(*round_call(target, head, emb, prompt, tree))))
         results.append(row)
+    ms = timer.run(args.reps)  # every head's calls in turns
+    for row, key, i in slots:
+        row[key] = ms[i]
     print(f"one draft step (layer + output top-{args.top_k}), context {len(prompt)}, fp32, ms")
     head = f"{'head':<14} {'kind':<28}" + "".join(
         f" {'step r' + str(r):>9} {'out r' + str(r):>8}" for r in rows_list
@@ -217,6 +237,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": cpu_model(), "jax": jax.__version__}
     meta.update(context=len(prompt), reps=args.reps, rows=rows_list, tree=args.tree)
+    meta["timing"] = "interleaved"  # every head's calls in turns, medians (Interleaved)
     out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -243,7 +243,9 @@ def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     grid = dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
     root = grid_root(grid)
     out = Path(args.out)
-    have = lambda paths: ", ".join(p.name for p in paths) or "none yet"  # noqa: E731
+    have = lambda paths: (  # noqa: E731
+        ", ".join(p.name for p in paths if not p.name.endswith(".inputs.json")) or "none yet"
+    )
     evals = {p.name.removeprefix("eval_"): p for p in sorted(out.glob("eval_*")) if p.is_dir()}
     return [
         running_line(out, "study"),
@@ -311,8 +313,8 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
                "--tree", shape_text(shape), *model]  # fmt: skip
         for d in drafts:
             cmd += ["--draft", d]
-        made(cost, {"heads": digests, "tree": list(shape), "round": "timed whole"},
-             lambda c=cmd: run(c))  # fmt: skip  # 4
+        timing = {"round": "timed whole", "timing": "heads in turns"}
+        made(cost, {"heads": digests, "tree": list(shape), **timing}, lambda c=cmd: run(c))  # 4
         costs[name] = {r["head"]: r for r in json.loads(cost.read_text())["rows"]}
         ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{shape_text(shape)}",
               "--bench", args.bench, "--questions", str(args.questions), "--draft-vocab", "full",

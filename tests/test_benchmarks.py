@@ -158,3 +158,21 @@ def test_draft_cost_times_a_tree_level_as_decoding_runs_it(spec_setup):
     np.testing.assert_allclose(np.asarray(got), np.asarray(hidden), rtol=1e-5, atol=1e-5)
     _, mine = draft_output.draft_topk(dparams, got, dcfg, vocab, r)
     assert (np.asarray(mine) == np.asarray(children)).all()
+
+
+def test_draft_cost_times_heads_in_turns():
+    """Interleaved: every call runs once when added (compile, warm-up), then once per repetition
+    in an order rotated each time, so each head meets the machine's drifting load alike; one
+    median a call, in the order they were added."""
+    order = []
+
+    def call(name):
+        order.append(name)
+        return jnp.zeros(())
+
+    timer = draft_cost.Interleaved()
+    assert [timer.add(call, n) for n in "abc"] == [0, 1, 2]
+    assert order == ["a", "b", "c"]
+    ms = timer.run(reps=4)
+    assert order[3:] == list("abcbcacababc")
+    assert len(ms) == 3 and all(t >= 0 for t in ms)
