@@ -166,8 +166,8 @@ def test_report_and_plots(tmp_path):
     assert "| spec | specvocab | 49,152 (all) |" in text
     assert "4.53 | 204.7" in text and "4.31 | 189.3" in text  # the paper's columns
     assert "+1.25 (" in text  # spec's paired tau difference
-    assert "| ref | 200 | 400 | 0.60 | 2.10 | 1.90 |" in text
-    assert "| spec | 50 | - | 0.50 | 1.90 | - |" in text
+    assert "| ref | 200 | 400 | 0.600 | 2.10 | 1.90 |" in text
+    assert "| spec | 50 | - | 0.500 | 1.90 | - |" in text
     assert summary["trees"]["cpu"]["tree"] == [2, 3, 4]
     assert summary["trees"]["cpu"]["rows"][0]["draft_round_ms"] == pytest.approx(2.0 + 2 * 3.0)
     assert "| head | output layer | step r1 | step r2 |" in text

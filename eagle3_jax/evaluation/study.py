@@ -300,8 +300,9 @@ def curve_section(curves: dict[str, list[dict]]) -> list[str]:
         last = pts[-1]
         earlier = [p for p in pts if p["step"] <= last["step"] - 100]
         prev = earlier[-1].get("chain_tau") if earlier else None
+        tokens = f"{last['tokens']:,}" if last.get("tokens") else "-"
         out.append(
-            f"| {name} | {last['step']} | {last.get('tokens') or '-'} | {fmt(last.get('acc_0'))} "
+            f"| {name} | {last['step']} | {tokens} | {fmt(last.get('acc_0'), 3)} "
             f"| {fmt(last.get('chain_tau'))} | {fmt(prev)} |"
         )
     return out + [""]
@@ -490,14 +491,27 @@ def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name, t in trees.items():
+    # one panel per tree (their rounds differ in size); a head keeps its colour and marker
+    heads = list(dict.fromkeys(r["head"] for t in trees.values() for r in t["rows"]))
+    style = {h: (f"C{i % 10}", "osD^v<>ph*"[i % 10]) for i, h in enumerate(heads)}
+    fig, axes = plt.subplots(1, len(trees), figsize=(1.5 + 4.5 * len(trees), 4.5), squeeze=False)
+    for ax, (name, t) in zip(axes[0], trees.items()):
         for r in t["rows"]:
-            ax.scatter(r["draft_round_ms"], r["tau"])
-            ax.annotate(f"{r['head']} ({name})", (r["draft_round_ms"], r["tau"]), fontsize=7)
-    ax.set_xlabel("drafting time per round (ms)")
-    ax.set_ylabel("tau")
-    fig.tight_layout()
+            x, y = r["draft_round_ms"], r["tau"]
+            if not all(v is not None and math.isfinite(v) for v in (x, y)):
+                continue  # a head without records or without a drafting time
+            color, marker = style[r["head"]]
+            ax.scatter(x, y, color=color, marker=marker, label=r["head"])
+        ax.set_title(f"tree {name}")
+        ax.set_xlabel("drafting time per round (ms)")
+        ax.set_ylabel("tau")
+    handles = {}
+    for ax in axes[0]:
+        for hd, lb in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lb, hd)
+    if handles:
+        fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1 - 1.4 / (1.5 + 4.5 * len(trees)), 1))
     paths.append(out / "tau_vs_draft_cost.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
@@ -506,9 +520,8 @@ def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
         shown, key = curve_points(curves)
         for name, pts in shown.items():
-            ax.plot([p[key] for p in pts], [p["chain_tau"] for p in pts], "o-")
-            if pts:
-                ax.annotate(name, (pts[-1][key], pts[-1]["chain_tau"]))
+            ax.plot([p[key] for p in pts], [p["chain_tau"] for p in pts], "o-", label=name)
+        ax.legend(fontsize=8)
         ax.set_xlabel("training tokens read" if key == "tokens" else "training steps")
         ax.set_ylabel("held-out replayed chain tau")
         fig.tight_layout()
