@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         lines = [running_line(Path(args.out), "ablation")] + status_lines(
             cell_status(grid, grid_root(grid)),
             {"replay": Path(args.out) / "eval"},
-            len(load_questions(bench, questions)),
+            load_questions(bench, questions),
         )
         print("\n".join(lines))
         return 0

@@ -254,7 +254,7 @@ def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
         f"cut heads: {have(sorted((out / 'heads').glob('*')))}",
         f"draft costs: {have(sorted(out.glob('draft_cost_*.json')))}",
         *(
-            status_lines([], evals, len(load_questions(args.bench, args.questions)))
+            status_lines([], evals, load_questions(args.bench, args.questions))
             if evals
             else ["harness: not started"]
         ),

@@ -10,6 +10,7 @@ import pytest
 from eagle3_jax.ablation.config import AblationConfig, Cell, vary
 from eagle3_jax.cli.ablate import main
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.evaluation.questions import Question
 from eagle3_jax.training.config import TrainConfig, flatten
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,25 +330,28 @@ def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
     ev.mkdir()
     methods = ["vanilla", "eagle3@a", "eagle3@b"]
     (ev / "config.json").write_text(json.dumps({"methods": [{"label": m} for m in methods]}))
-    (ev / "records.jsonl").write_text(  # vanilla 10 s a question; a replayed head 30 s
+    # 80 questions: 40 of two turns (MT-bench's), 40 of one
+    qs = [Question(str(i), "t", ("a", "b") if i < 40 else ("a",)) for i in range(80)]
+    (ev / "records.jsonl").write_text(  # vanilla 5 s a turn; a replayed head 15 s a turn
         "".join(
-            json.dumps({"method": m, "wall_time_s": w, "replay_time_s": r}) + "\n"
-            for m, w, r in (
-                ("vanilla", 8.0, None),
-                ("vanilla", 12.0, None),
-                ("eagle3@a", 0.0, 30.0),
+            json.dumps({"question_id": q, "method": m, "wall_time_s": w, "replay_time_s": r}) + "\n"
+            for q, m, w, r in (
+                ("0", "vanilla", 8.0, None),
+                ("1", "vanilla", 12.0, None),
+                ("0", "eagle3@a", 0.0, 30.0),
             )
         )
     )
     before = sorted(p for p in tmp_path.rglob("*"))
-    lines = status_lines(cell_status(ac, tmp_path), {"replay": ev, "cpu": tmp_path / "none"}, 80)
+    lines = status_lines(cell_status(ac, tmp_path), {"replay": ev, "cpu": tmp_path / "none"}, qs)
     assert lines == [
         "cell done: trained",
         "cell going: training: step 10 of 300 (~1.4 h left at its recent pace); held-out at "
         "step 10: acc_0 0.500, replayed chain tau 1.80; 2 min of training",  # 55.6 + 90 s
         "cell later: not started",
-        # 78 x 10 s + 79 x 30 s + 80 x 30 s (b, not started, at a's pace) = 5,550 s
-        "harness replay: vanilla 2, eagle3@a 1 (records per method, of 80 questions; ~1.5 h "
+        # 120 turns: vanilla 116 x 5 s, a 118 x 15 s, b (not started, at a's pace) 120 x 15 s
+        # = 4,150 s
+        "harness replay: vanilla 2, eagle3@a 1 (records per method, of 80 questions; ~1.2 h "
         "left at its pace)",
         "harness cpu: not started (records per method, of 80 questions)",
     ]

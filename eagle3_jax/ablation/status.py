@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 from eagle3_jax.ablation.config import AblationConfig
@@ -69,25 +70,35 @@ def records_by_method(eval_dir: Path) -> dict[str, int]:
     return dict(Counter(r["method"] for r in read_jsonl(eval_dir / "records.jsonl")))
 
 
-def harness_left_s(eval_dir: Path, planned: int) -> float | None:
-    """A harness run's time left at its pace: per method (OUT/config.json's), the questions it
-    has not answered times its mean time a record (decoding's and replay's), a method without
+def harness_left_s(eval_dir: Path, questions: Sequence) -> float | None:
+    """A harness run's time left at its pace: per method (OUT/config.json's), the user turns of
+    the `questions` (`Question`s) it has not answered times its mean time a turn (decoding's and
+    replay's: an MT-bench question's two turns cost about twice another's one), a method without
     records at the mean of the others' speculative methods (vanilla's when there are none); None
     before the first record or without config.json."""
     try:
         labels = [m["label"] for m in json.loads((eval_dir / "config.json").read_text())["methods"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    times: dict[str, list[float]] = {}
+    turns = {str(q.id): len(q.turns) for q in questions}
+    spent: dict[str, list[float]] = {}  # method -> [seconds, turns]
+    done: dict[str, set[str]] = {}
     for r in read_jsonl(eval_dir / "records.jsonl"):
+        m, qid = r.get("method"), str(r.get("question_id"))
         t = float(r.get("wall_time_s") or 0.0) + float(r.get("replay_time_s") or 0.0)
-        times.setdefault(r.get("method"), []).append(t)
-    means = {m: sum(ts) / len(ts) for m, ts in times.items() if m in labels}
-    if not means:
+        acc = spent.setdefault(m, [0.0, 0])
+        acc[0] += t
+        acc[1] += turns.get(qid, len(r.get("turns") or [None]))
+        done.setdefault(m, set()).add(qid)
+    pace = {m: t / n for m, (t, n) in spent.items() if m in labels and n}
+    if not pace:
         return None
-    spec = [t for m, t in means.items() if m != "vanilla"] or list(means.values())
+    spec = [t for m, t in pace.items() if m != "vanilla"] or list(pace.values())
     fill = sum(spec) / len(spec)
-    return sum(max(planned - len(times.get(m, [])), 0) * means.get(m, fill) for m in labels)
+    return sum(
+        sum(n for qid, n in turns.items() if qid not in done.get(m, ())) * pace.get(m, fill)
+        for m in labels
+    )
 
 
 def running_line(out: Path, what: str) -> str:
@@ -99,10 +110,10 @@ def running_line(out: Path, what: str) -> str:
 
 
 def status_lines(
-    cells: list[dict], evals: dict[str, Path], planned: int | None = None
+    cells: list[dict], evals: dict[str, Path], questions: Sequence | None = None
 ) -> list[str]:
-    """The cells' and the harness runs' standing as lines for a terminal (`planned`: the
-    questions each method of a harness run answers)."""
+    """The cells' and the harness runs' standing as lines for a terminal (`questions`: the
+    `Question`s each method of a harness run answers)."""
     lines = []
     for r in cells:
         if r["trained"]:
@@ -126,8 +137,8 @@ def status_lines(
     for name, d in evals.items():
         counts = records_by_method(d)
         text = ", ".join(f"{m} {n}" for m, n in counts.items()) if counts else "not started"
-        of = f", of {planned} questions" if planned else ""
-        left = harness_left_s(d, planned) if planned else None
+        of = f", of {len(questions)} questions" if questions else ""
+        left = harness_left_s(d, questions) if questions else None
         pace = f"; ~{left / 3600:.1f} h left at its pace" if left else ""
         lines.append(f"harness {name}: {text} (records per method{of}{pace})")
     return lines
