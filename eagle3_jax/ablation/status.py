@@ -64,18 +64,12 @@ def cell_status(ac: AblationConfig, root: Path) -> list[dict]:
     return rows
 
 
-def records_by_method(eval_dir: Path) -> dict[str, int]:
-    """How many questions (records) a harness run has written per method (a record being
-    written when this reads is left out)."""
-    return dict(Counter(r["method"] for r in read_jsonl(eval_dir / "records.jsonl")))
-
-
-def harness_left_s(eval_dir: Path, questions: Sequence) -> float | None:
+def harness_left_s(eval_dir: Path, questions: Sequence, records: list[dict]) -> float | None:
     """A harness run's time left at its pace: per method (OUT/config.json's), the user turns of
     the `questions` (`Question`s) it has not answered times its mean time a turn (decoding's and
     replay's: an MT-bench question's two turns cost about twice another's one), a method without
     records at the mean of the others' speculative methods (vanilla's when there are none); None
-    before the first record or without config.json."""
+    before the first record or without config.json. `records`: the run's records.jsonl, read."""
     try:
         labels = [m["label"] for m in json.loads((eval_dir / "config.json").read_text())["methods"]]
     except (OSError, ValueError, KeyError, TypeError):
@@ -83,7 +77,7 @@ def harness_left_s(eval_dir: Path, questions: Sequence) -> float | None:
     turns = {str(q.id): len(q.turns) for q in questions}
     spent: dict[str, list[float]] = {}  # method -> [seconds, turns]
     done: dict[str, set[str]] = {}
-    for r in read_jsonl(eval_dir / "records.jsonl"):
+    for r in records:
         m, qid = r.get("method"), str(r.get("question_id"))
         t = float(r.get("wall_time_s") or 0.0) + float(r.get("replay_time_s") or 0.0)
         acc = spent.setdefault(m, [0.0, 0])
@@ -135,10 +129,11 @@ def status_lines(
             where += " of training"
         lines.append(f"cell {r['cell']}: {where}")
     for name, d in evals.items():
-        counts = records_by_method(d)
+        records = read_jsonl(d / "records.jsonl")  # a record being written is left out
+        counts = Counter(r["method"] for r in records)  # questions answered, per method
         text = ", ".join(f"{m} {n}" for m, n in counts.items()) if counts else "not started"
         of = f", of {len(questions)} questions" if questions else ""
-        left = harness_left_s(d, questions) if questions else None
+        left = harness_left_s(d, questions, records) if questions else None
         pace = f"; ~{left / 3600:.1f} h left at its pace" if left else ""
         lines.append(f"harness {name}: {text} (records per method{of}{pace})")
     return lines

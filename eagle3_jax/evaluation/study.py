@@ -494,7 +494,8 @@ def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list
     # one panel per tree (their rounds differ in size); a head keeps its colour and marker
     heads = list(dict.fromkeys(r["head"] for t in trees.values() for r in t["rows"]))
     style = {h: (f"C{i % 10}", "osD^v<>ph*"[i % 10]) for i, h in enumerate(heads)}
-    fig, axes = plt.subplots(1, len(trees), figsize=(1.5 + 4.5 * len(trees), 4.5), squeeze=False)
+    width = 1.5 + 4.5 * len(trees)  # inches: the panels and 1.5 for the legend
+    fig, axes = plt.subplots(1, len(trees), figsize=(width, 4.5), squeeze=False)
     for ax, (name, t) in zip(axes[0], trees.items()):
         for r in t["rows"]:
             x, y = r["draft_round_ms"], r["tau"]
@@ -511,7 +512,7 @@ def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list
             handles.setdefault(lb, hd)
     if handles:
         fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=7)
-    fig.tight_layout(rect=(0, 0, 1 - 1.4 / (1.5 + 4.5 * len(trees)), 1))
+    fig.tight_layout(rect=(0, 0, 1 - 1.4 / width, 1))
     paths.append(out / "tau_vs_draft_cost.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
