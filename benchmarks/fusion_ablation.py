@@ -3,22 +3,26 @@
 
   .venv/bin/python benchmarks/fusion_ablation.py --publish benchmarks/results/fusion_ablation
 
-Stages (rerun the same command after any stop; each resumes or skips what is done):
-  1. the grid's heads are trained (`python -m eagle3_jax ablate --config GRID --no-eval`: one
-     feature store, the same data in the same order and the same step budget for every cell,
-     each head validated on held-out conversations along the way: its curve);
-  2. one harness run: plain decoding and every cell's head on the grid's questions and tree,
-     each head replayed over plain decoding's greedy answers (`eval --replay`, docs/replay.md:
-     the tau decoding gives, from draft-only rounds);
-  3. the report (eagle3_jax.evaluation.grid_report): tau per cell and task, per-question paired
-     differences against --reference with 95 % intervals, the held-out curves, plots. With
-     --publish DIR: report.md, summary.json, the plots, the curves and results.json.gz.
+Each cell is measured to the end before the next, and its results are kept under
+RESULTS/groups/CELL (RESULTS: --publish, else --out), stamped with what decides them (its training
+config, the target, the questions, the tree): they stand without its head, so a fresh machine with
+them committed goes on with the next cell. Rerun the same command after any stop; each stage
+resumes or skips what is done. Per cell:
+  1. its head is trained (`python -m eagle3_jax ablate --config GRID --cells CELL --no-eval`:
+     one feature store, the same data in the same order and the same step budget for every
+     cell, each head validated on held-out conversations along the way: its curve);
+  2. one harness run of plain decoding and its head on the grid's questions and tree, the head
+     replayed over plain decoding's greedy answers (`eval --replay`, docs/replay.md: the tau
+     decoding gives, from draft-only rounds).
+Then 3, the report (eagle3_jax.evaluation.grid_report) from every cell's results: tau per cell
+and task, per-question paired differences against --reference with 95 % intervals, the held-out
+curves, plots. With --publish DIR: report.md, summary.json, the plots and the curves go there
+beside the groups.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import shutil
 import sys
@@ -26,12 +30,22 @@ from pathlib import Path
 
 from eagle3_jax.ablation.config import load_ablation
 from eagle3_jax.ablation.status import cell_status, running_line, status_lines
+from eagle3_jax.checkpoints import resolve_target, target_digest
+from eagle3_jax.checkpoints.atomic import made_from, record_inputs
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
 from eagle3_jax.evaluation.questions import load_questions
+from eagle3_jax.evaluation.records import read_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vocab_study import grid_root, locked, run  # noqa: E402  the same stage runner and lock
+from vocab_study import (  # noqa: E402  the same stage runner, lock and groups
+    cell_curve,
+    cell_key,
+    grid_root,
+    locked,
+    publish_group,
+    run,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -82,7 +96,7 @@ def main(argv=None) -> int:
         bench, questions = what_is_asked(args, grid)
         lines = [running_line(Path(args.out), "ablation")] + status_lines(
             cell_status(grid, grid_root(grid)),
-            {"replay": Path(args.out) / "eval"},
+            {p.name: p for p in sorted((Path(args.out) / "eval").glob("*")) if p.is_dir()},
             load_questions(bench, questions),
         )
         print("\n".join(lines))
@@ -96,27 +110,50 @@ def stages(args: argparse.Namespace, out: Path) -> None:
     if args.reference not in names:
         raise Eagle3Error(f"--reference {args.reference} is not a cell of {args.grid}: {names}")
     root = grid_root(grid)
-    if not args.skip_train:  # 1
-        run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--no-eval", "--no-progress"])
     k, d, n = grid.tree
     bench, questions = what_is_asked(args, grid)
-    ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{k},{d},{n}", "--replay",
-          "--bench", bench, "--max-new-tokens", str(grid.max_new_tokens), "--no-progress",
-          "--batch-size", str(args.batch_size), "--out", str(out / "eval")]  # fmt: skip
-    if grid.base.corpus.target:
-        ev += ["--target", str(grid.base.corpus.target)]
-    if grid.dtype:
-        ev += ["--dtype", grid.dtype]
-    if questions:
-        ev += ["--questions", str(questions)]
+    target = resolve_target(grid.base.corpus.target or None)
+    results = Path(args.publish or out) / "groups"
+    common = {
+        "target": target_digest(target, times=False),
+        "bench": bench,
+        "questions": questions,
+        "tree": list(grid.tree),
+        "max_new_tokens": grid.max_new_tokens,
+        "batch_size": args.batch_size,
+        "dtype": grid.dtype,
+    }
     for c in grid.cells:
-        ev += ["--draft", f"{c.name}={root / 'cells' / c.name / 'head'}"]
-    run(ev)  # 2 (resumes from its records)
-    results = json.loads((out / "eval" / "results.json").read_text())
-    curves = {c.name: study.read_curve(root / "cells" / c.name) for c in grid.cells}  # 3
+        gdir = results / c.name
+        key = {**cell_key(grid, c), **common}
+        if made_from(gdir, key, what="ablation group"):
+            print(f"ablation: cell {c.name} measured already ({gdir})", file=sys.stderr)
+            continue
+        if not args.skip_train:  # 1
+            run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--cells", c.name,
+                 "--no-eval", "--no-progress"])  # fmt: skip
+        ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{k},{d},{n}",
+              "--replay", "--bench", bench, "--max-new-tokens", str(grid.max_new_tokens),
+              "--no-progress", "--batch-size", str(args.batch_size),
+              "--out", str(out / "eval" / c.name),
+              "--draft", f"{c.name}={root / 'cells' / c.name / 'head'}"]  # fmt: skip
+        if grid.base.corpus.target:
+            ev += ["--target", str(grid.base.corpus.target)]
+        if grid.dtype:
+            ev += ["--dtype", grid.dtype]
+        if questions:
+            ev += ["--questions", str(questions)]
+        run(ev)  # 2 (resumes from its records)
+        files = {"results.json.gz": out / "eval" / c.name / "results.json"}
+        publish_group(files, root / "cells" / c.name, gdir)
+        record_inputs(gdir, key)
+    groups = [read_results(results / c.name / "results.json.gz") for c in grid.cells]  # 3
+    merged = study.merge_groups(groups)
+    curves = {c.name: cell_curve(results.parent, c.name, study.read_curve(results / c.name))
+              for c in grid.cells}  # fmt: skip
     cells = {c.name: describe(c.overrides) for c in grid.cells}
     text, summary = grid_report.report(
-        results, cells, args.reference, curves, title="Which target layers to fuse"
+        merged, cells, args.reference, curves, title="Which target layers to fuse"
     )
     (out / "report.md").write_text(text)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -127,10 +164,8 @@ def stages(args: argparse.Namespace, out: Path) -> None:
         (pub / "curves").mkdir(parents=True, exist_ok=True)
         for p in [out / "report.md", out / "summary.json", *pngs]:
             shutil.copy2(p, pub / p.name)
-        with gzip.open(pub / "results.json.gz", "wt") as f:
-            f.write((out / "eval" / "results.json").read_text())
-        for c in grid.cells:
-            (pub / "curves" / f"{c.name}.json").write_text(json.dumps(curves[c.name]) + "\n")
+        for name, curve in curves.items():
+            (pub / "curves" / f"{name}.json").write_text(json.dumps(curve) + "\n")
         print(f"published to {pub}")
 
 

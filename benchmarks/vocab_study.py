@@ -10,27 +10,33 @@ What the flags leave open comes from the grid: FR-Spec/VocabTrim sizes = its EAG
 vocabularies, the reference = its first EAGLE-3 cell, the trees = its tree (plus this machine's
 default tree on a CPU), replay on a CPU backend only.
 
-Stages (rerun the same command after any stop; each stage resumes or skips what is done):
-  1. the grid's heads are trained (`python -m eagle3_jax ablate --config GRID`: one feature store,
-     the same data in the same order, the same step budget for every cell);
-  2. token counts: FR-Spec's from --frspec-corpus (a general corpus, every role), VocabTrim's from
-     target-generated text (the regenerated answers the heads were trained on);
-  3. FR-Spec and VocabTrim heads at every --sizes, cut from the target-lm_head and full-vocabulary
-     cells (`python -m eagle3_jax vocab trim`);
-  4. drafting time per step of every head at each tree's top-k, and per round of the tree
-     (benchmarks/draft_cost.py);
-  5. one harness run per tree (--trees; `cpu` is decode.py's default tree on this machine):
-     plain decoding and every head, interleaved per question, each head at its own vocabulary;
-     on an accelerator every tree decodes for real (τ and speedup); on a CPU the `cpu` tree does,
-     and at the other trees each head is replayed over plain decoding's greedy answers (`eval
-     --replay`: the same τ as decoding, draft-only rounds, so ten heads at the 60-node tree cost
-     hours less; their speed is stage 4's drafting time; untimed, they run --replay-batch-size
-     questions a batch);
-  6. SpecVocab's speculator recall on held-out answers (benchmarks/speculator_recall.py);
-  7. the report (eagle3_jax.evaluation.study): the paper-shaped table, per-question paired
-     intervals against --reference, drafting time per step and per round, training curves, plots.
-     With --publish DIR: report.md, summary.json, the plots, draft costs, the curves and one
-     results.json.gz per tree are copied there (the study's committed results).
+Each cell of the grid is a group: the cell and the heads cut from it (FR-Spec from the target's
+output layer, VocabTrim from a full own lm_head). Groups are measured one after another, each to
+the end, and a measured group's results are kept under RESULTS/groups/CELL (RESULTS: --publish,
+else --out), stamped with what decides them (the cell's training config, the target, the
+questions, the trees, the counts' corpora): they stand without the heads, so a fresh machine
+with them committed goes on with the next cell, and the report needs no head at all. Rerun the
+same command after any stop; each stage resumes or skips what is done. Per group:
+  1. its cell is trained (`python -m eagle3_jax ablate --config GRID --cells CELL`: one feature
+     store, the same data in the same order, the same step budget for every cell);
+  2. token counts, where it cuts heads: FR-Spec's from --frspec-corpus (a general corpus, every
+     role), VocabTrim's from target-generated text (the answers the heads were trained on);
+  3. its FR-Spec or VocabTrim heads at every --sizes (`python -m eagle3_jax vocab trim`);
+  4. drafting time per step of its heads at each tree's top-k, and per round of the tree
+     (benchmarks/draft_cost.py), timed in turns with a calibration head (the grid's init_trunk:
+     the same files on every machine), by which the report puts every group's times on one scale;
+  5. one harness run per tree (--trees; `cpu` is decode.py's default tree on this machine) of
+     plain decoding and its heads, interleaved per question, each head at its own vocabulary: on
+     an accelerator every tree decodes for real (τ and speedup); on a CPU the `cpu` tree does, and
+     at the other trees each head is replayed over plain decoding's greedy answers (`eval
+     --replay`: the same τ as decoding, draft-only rounds; their speed is stage 4's drafting
+     time; untimed, they run --replay-batch-size questions a batch). Every speedup is over the
+     group's own plain decoding, and heads of different groups are paired question by question;
+  6. SpecVocab's speculator recall on held-out answers (benchmarks/speculator_recall.py).
+Then 7, the report (eagle3_jax.evaluation.study) from every group's results: the paper-shaped
+table, per-question paired intervals against --reference, drafting time per step and per round,
+training curves, plots. With --publish DIR: report.md, summary.json, the plots and the curves go
+there beside the groups (the study's committed results).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
+import hashlib
 import json
 import shutil
 import signal
@@ -50,7 +57,7 @@ import jax
 
 from eagle3_jax.ablation.config import load_ablation
 from eagle3_jax.ablation.status import cell_status, running_line, status_lines
-from eagle3_jax.checkpoints import files_digest
+from eagle3_jax.checkpoints import files_digest, resolve_target, target_digest
 from eagle3_jax.checkpoints.atomic import exclusive, made_from, record_inputs
 from eagle3_jax.data.conversations import read_conversations
 from eagle3_jax.errors import Eagle3Error, Stopped
@@ -58,11 +65,13 @@ from eagle3_jax.evaluation import study
 from eagle3_jax.evaluation.fingerprint import head_digest
 from eagle3_jax.evaluation.options import _parse_tree, default_tree_shape, shape_text
 from eagle3_jax.evaluation.questions import load_questions
+from eagle3_jax.evaluation.records import read_results
 from eagle3_jax.training.config import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 SHARED = ROOT.parent / "shared/data"
+CALIBRATION = "calibration"  # the head every group's drafting times are timed beside
 
 
 def run(cmd: list[str]) -> None:
@@ -212,14 +221,14 @@ def settings(args: argparse.Namespace, grid, root: Path) -> dict:
     trees = args.trees or ",".join(map(str, grid.tree)) + (" cpu" if cpu else "")
     replay = args.replay == "yes" or (args.replay == "auto" and cpu)
     corpus = grid.base.corpus
-    generated = args.generated or (
-        str(root / "shared" / "regenerated.jsonl") if corpus.regenerate else corpus.data
-    )
+    regenerated = str(root / "shared" / "regenerated.jsonl") if corpus.regenerate else None
+    generated = args.generated or regenerated or corpus.data
     shared = SHARED / "sharegpt/ShareGPT_V3_unfiltered_cleaned_split_first5000.json"
     frspec = args.frspec_corpus or str(
         shared if shared.exists() else ROOT / "data/sharegpt_conversations.jsonl.gz"
     )
-    return dict(trees=trees, replay=replay, generated=generated, frspec=frspec)
+    return dict(trees=trees, replay=replay, generated=generated, frspec=frspec,
+                regenerated=regenerated)  # fmt: skip
 
 
 def from_heads(args: argparse.Namespace, heads: list) -> tuple[list[int], str]:
@@ -246,10 +255,17 @@ def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     have = lambda paths: (  # noqa: E731
         ", ".join(p.name for p in paths if not p.name.endswith(".inputs.json")) or "none yet"
     )
-    evals = {p.name.removeprefix("eval_"): p for p in sorted(out.glob("eval_*")) if p.is_dir()}
+    evals = {  # one harness run per tree and group: eval_TREE/CELL
+        f"{p.parent.name.removeprefix('eval_')} {p.name}": p
+        for p in sorted(out.glob("eval_*/*"))
+        if p.is_dir()
+    }
+    groups = Path(args.publish or out) / "groups"
+    measured = [c.name for c in grid.cells if (groups / c.name).is_dir()]
     return [
         running_line(out, "study"),
         *status_lines(cell_status(grid, root), {}),
+        f"groups measured ({groups}): {', '.join(measured) or 'none yet'}",
         f"token counts: {have(sorted(out.glob('counts_*.npy')))}",
         f"cut heads: {have(sorted((out / 'heads').glob('*')))}",
         f"draft costs: {have(sorted(out.glob('draft_cost_*.json')))}",
@@ -262,7 +278,39 @@ def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     ]
 
 
+def corpus_identity(corpus: str, regenerated: bool) -> str:
+    """A counts corpus's identity across machines: its files' content, or for the answers the
+    grid regenerates (made by stage 1, from what `cell_key` holds) just that."""
+    if regenerated:
+        return "the grid's regenerated answers"
+    h = hashlib.sha256()
+    for p in corpus.split(","):
+        h.update(Path(p).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cell_key(grid, cell) -> dict:
+    """What decides a cell's head: its whole training config but the run's bookkeeping (where it
+    writes, how often it checkpoints, logs and validates), paths relative to the repository."""
+    cfg = dataclasses.asdict(grid.base.replace(**cell.overrides))
+    cfg["run"] = {"export_dtype": cfg["run"]["export_dtype"]}
+    key = {"cell": cell.name, "overrides": dict(cell.overrides), "config": cfg}
+    # as its stamp reads back (tuples as lists)
+    return json.loads(json.dumps(key, sort_keys=True, default=str).replace(str(ROOT) + "/", ""))
+
+
+def group_heads(cell_head, sizes: list[int]) -> list[tuple[str, str]]:
+    """(family, source family) of the heads cut from a cell: FR-Spec from the target's output
+    layer, VocabTrim from a full own lm_head, at every size."""
+    cut = {"target_lm_head": "frspec", "full": "vocabtrim"}.get(cell_head.family)
+    return [(f"{cut}_{n}", cut) for n in sizes] if cut else []
+
+
 def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
+    """Stage 2 once, then per cell (a group: the cell and the heads cut from it) stages 1 and 3-6,
+    its results kept under RESULTS/groups/CELL (RESULTS: --publish, else --out) and stamped with
+    what made them; then the report from every group's results. A group's results stand without
+    its heads: a fresh machine that has them (committed) goes on with the next cell."""
     grid = load_ablation(args.grid)
     grid = dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
     root = grid_root(grid)
@@ -270,56 +318,90 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
     model = []  # the target (and dtype) every stage that loads one reads
     if grid.base.corpus.target:
         model += ["--target", str(grid.base.corpus.target)]
-    if not args.skip_train:  # 1
-        run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--no-eval",
-             "--no-progress", *overrides])  # fmt: skip
-    vocab_size = json.loads((root / "cells" / grid.cells[0].name / "head/config.json").read_text())[
-        "vocab_size"
-    ]
-    heads = [study.head_of_cell(c.name, c.overrides, vocab_size) for c in grid.cells]
-    paths = {c.name: root / "cells" / c.name / "head" for c in grid.cells}
-    counts = {"frspec": out / "counts_frspec.npy", "vocabtrim": out / "counts_generated.npy"}
-    for family, corpus, roles in (("frspec", st["frspec"], "all"),
-                                  ("vocabtrim", st["generated"], "assistant")):  # fmt: skip
-        made(counts[family], {"corpus": files_digest(corpus.split(",")), "roles": roles},  # 2
-             lambda c=corpus, r=roles, f=family: run(
-                 [PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", c, "--roles", r,
-                  "--out", str(counts[f]), *model[:2]]))  # fmt: skip
-    sources = {h.family: h.name for h in heads if h.family in ("target_lm_head", "full")}
-    sizes, reference = from_heads(args, heads)
-    for size in sizes:  # 3
-        for family, src in (("frspec", "target_lm_head"), ("vocabtrim", "full")):
-            if src not in sources:
-                continue
-            name = f"{family}_{size}"
-            dst = out / "heads" / name
-            made(dst, {"source": head_digest(paths[sources[src]]), "size": size,
-                       "counts": files_digest([counts[family]])},
-                 lambda s=sources[src], f=family, n=size, d=dst: run(
-                     [PY, "-m", "eagle3_jax", "vocab", "trim", "--draft", str(paths[s]),
-                      "--counts", str(counts[f]), "--size", str(n), "--out", str(d), *model[:2]]))  # fmt: skip
-            heads.append(
-                study.StudyHead(name, family, size, f"cut from {sources[src]}", vocab_size)
-            )
-            paths[name] = dst
-    drafts = [f"{h.name}={paths[h.name]}" for h in heads]
-    digests = {h.name: head_digest(paths[h.name]) for h in heads}
+    target = resolve_target(grid.base.corpus.target or None)
+    vocab_size = json.loads((target / "config.json").read_text())["vocab_size"]
+    cell_heads = {c.name: study.head_of_cell(c.name, c.overrides, vocab_size) for c in grid.cells}
+    sizes, reference = from_heads(args, list(cell_heads.values()))
+    counts = {  # family: (the counts' file, its corpus, the roles counted); made by stage 2
+        "frspec": (out / "counts_frspec.npy", st["frspec"], "all"),
+        "vocabtrim": (out / "counts_generated.npy", st["generated"], "assistant"),
+    }
     trees = tree_shapes(st["trees"])
-    costs, runs = {}, {}
+    calibration = grid.base.head.init_trunk or None  # the same files on every machine
+    results = Path(args.publish or out) / "groups"
+    common = {
+        "target": target_digest(target, times=False),
+        "counts": {
+            f: [corpus_identity(c, c == st["regenerated"]), roles]
+            for f, (_, c, roles) in counts.items()
+        },
+        "sizes": sizes,
+        "trees": {n: list(t) for n, t in trees.items()},
+        "replay": st["replay"],
+        "bench": args.bench,
+        "questions": args.questions,
+        "max_new_tokens": args.max_new_tokens,
+        "replay_batch_size": args.replay_batch_size,
+        "calibration": calibration and head_digest(calibration),
+        "dtype": grid.dtype,
+    }
+    for cell in grid.cells:
+        gdir = results / cell.name
+        key = {**cell_key(grid, cell), **common}
+        if made_from(gdir, key, what="study group"):
+            print(f"study: group {cell.name} measured already ({gdir})", file=sys.stderr)
+            continue
+        group_stages(args, overrides, out, grid, cell, cell_heads[cell.name], sizes, counts,
+                     trees, st, model, calibration, vocab_size)  # fmt: skip
+        files = {}
+        for t in trees:
+            files[f"results_{t}.json.gz"] = out / f"eval_{t}" / cell.name / "results.json"
+            files[f"draft_cost_{t}.json"] = out / f"draft_cost_{t}_{cell.name}.json"
+        for suffix in (".json", ".md"):
+            files[f"speculator_recall{suffix}"] = out / f"speculator_recall_{cell.name}{suffix}"
+        publish_group(files, root / "cells" / cell.name, gdir)
+        record_inputs(gdir, key)
+    report_stage(args, out, grid, results, cell_heads, sizes, reference, trees, root)
+
+
+def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, st, model,
+                 calibration, vocab_size) -> None:  # fmt: skip
+    """One group's stages: its cell trained (1), its cuts (3), its heads' drafting time beside
+    the calibration head (4), one harness run per tree of plain decoding and its heads (5), and
+    SpecVocab's speculator recall (6), all under --out."""
+    root = grid_root(grid)
+    if not args.skip_train:  # 1
+        run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--cells", cell.name,
+             "--no-eval", "--no-progress", *overrides])  # fmt: skip
+    paths = {cell.name: root / "cells" / cell.name / "head"}
+    for name, family in group_heads(head, sizes):
+        npy, corpus, roles = counts[family]
+        made(npy, {"corpus": files_digest(corpus.split(",")), "roles": roles},  # 2
+             lambda: run([PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", corpus,
+                          "--roles", roles, "--out", str(npy), *model[:2]]))  # fmt: skip
+        dst = out / "heads" / name  # 3
+        made(dst, {"source": head_digest(paths[cell.name]), "size": int(name.split("_")[-1]),
+                   "counts": files_digest([npy])},
+             lambda n=name, d=dst: run(
+                 [PY, "-m", "eagle3_jax", "vocab", "trim", "--draft", str(paths[cell.name]),
+                  "--counts", str(npy), "--size", n.split("_")[-1], "--out", str(d),
+                  *model[:2]]))  # fmt: skip
+        paths[name] = dst
+    drafts = [f"{n}={p}" for n, p in paths.items()]
+    digests = {n: head_digest(p) for n, p in paths.items()}
     for name, shape in trees.items():
-        cost = out / f"draft_cost_{name}.json"
+        cost = out / f"draft_cost_{name}_{cell.name}.json"
         cmd = [PY, "benchmarks/draft_cost.py", "--out", str(cost), "--top-k", str(shape[0]),
                "--rows", ",".join(dict.fromkeys(["1", str(shape[0])])),
                "--tree", shape_text(shape), *model]  # fmt: skip
-        for d in drafts:
+        for d in drafts + ([f"{CALIBRATION}={calibration}"] if calibration else []):
             cmd += ["--draft", d]
-        timing = {"round": "timed whole", "timing": "heads in turns"}
+        timing = {"round": "timed whole", "timing": "heads in turns", "calibration": calibration}
         made(cost, {"heads": digests, "tree": list(shape), **timing}, lambda c=cmd: run(c))  # 4
-        costs[name] = {r["head"]: r for r in json.loads(cost.read_text())["rows"]}
         ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{shape_text(shape)}",
               "--bench", args.bench, "--questions", str(args.questions), "--draft-vocab", "full",
               "--max-new-tokens", str(args.max_new_tokens), "--no-progress",
-              "--out", str(out / f"eval_{name}"), *model]  # fmt: skip
+              "--out", str(out / f"eval_{name}" / cell.name), *model]  # fmt: skip
         if grid.dtype:
             ev += ["--dtype", grid.dtype]
         if args.mesh:
@@ -329,44 +411,103 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
         for d in drafts:
             ev += ["--draft", d]
         run(ev)  # 5 (resumes from its records)
-        runs[name] = json.loads((out / f"eval_{name}" / "results.json").read_text())
-    recall = out / "speculator_recall.json"
-    spec_heads = [h.name for h in heads if h.family == "specvocab"]
-    if spec_heads:  # 6
+    if head.family == "specvocab":  # 6
+        recall = out / f"speculator_recall_{cell.name}.json"
         held_out = grid.base.run.val_data.split(",")[0]  # never trained on
         n = min(40, len(read_conversations(held_out)[0])) if held_out else 0
         ks = [k for k in (64, 256, 1024, 2048) if k < vocab_size] or [max(vocab_size // 4, 1)]
         cmd = [PY, "benchmarks/speculator_recall.py", "--out", str(recall), *model,
-               "--k", ",".join(map(str, ks))]  # fmt: skip
+               "--k", ",".join(map(str, ks)), "--draft", f"{cell.name}={paths[cell.name]}"]  # fmt: skip
         if n:
             cmd += ["--data", str(held_out), "--records", f"0:{n}"]
-        for name in spec_heads:
-            cmd += ["--draft", f"{name}={paths[name]}"]
-        made(recall, {"heads": {n: digests[n] for n in spec_heads}}, lambda: run(cmd))
-    curves = {c.name: study.read_curve(root / "cells" / c.name) for c in grid.cells}  # 7
+        made(recall, {"heads": {cell.name: digests[cell.name]}}, lambda: run(cmd))
+
+
+def publish_group(files: dict[str, Path], cell_dir: Path, gdir: Path) -> None:
+    """A measured group's results into `gdir`, whole or not at all: `files` (name in the group
+    -> the file it copies; a name ending in .gz is its file gzipped), then its cell's held-out
+    curve and config from `cell_dir` (the metrics gzipped)."""
+    tmp = gdir.with_name(gdir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)  # ours: a publish cut short
+    tmp.mkdir(parents=True)
+    files = {**files, "metrics.jsonl.gz": cell_dir / "metrics.jsonl"}
+    for f in ("validation.jsonl", "train_config.json", "cell.json"):
+        files[f] = cell_dir / f
+    for name, src in files.items():
+        if not src.exists():
+            continue
+        if name.endswith(".gz"):
+            with gzip.open(tmp / name, "wb") as f:
+                f.write(src.read_bytes())
+        else:
+            shutil.copy2(src, tmp / name)
+    tmp.rename(gdir)
+
+
+def read_group(gdir: Path) -> dict:
+    """A published group: {"runs": tree -> results, "costs": tree -> rows by head, "recall":
+    markdown or None, "curve": its held-out curve}."""
+    runs = {p.name[len("results_") : -len(".json.gz")]: read_results(p)
+            for p in sorted(gdir.glob("results_*.json.gz"))}  # fmt: skip
+    costs = {
+        p.stem.removeprefix("draft_cost_"): {
+            r["head"]: r for r in json.loads(p.read_text())["rows"]
+        }
+        for p in sorted(gdir.glob("draft_cost_*.json"))
+        if not p.name.endswith(".inputs.json")
+    }
+    md = gdir / "speculator_recall.md"
+    return {"runs": runs, "costs": costs, "recall": md.read_text() if md.exists() else None,
+            "curve": study.read_curve(gdir)}  # fmt: skip
+
+
+def report_stage(args, out, grid, results, cell_heads, sizes, reference, trees, root) -> None:
+    """7: the report from every group's published results (no head needed), into --out, and
+    with --publish beside the groups."""
+    groups = {c.name: read_group(results / c.name) for c in grid.cells}
+    heads = []
+    for c in grid.cells:
+        heads.append(cell_heads[c.name])
+        for name, family in group_heads(cell_heads[c.name], sizes):
+            src = cell_heads[c.name]
+            heads.append(study.StudyHead(name, family, int(name.split("_")[-1]),
+                                         f"cut from {c.name}", src.target_vocab))  # fmt: skip
+    runs = {t: study.merge_groups([g["runs"][t] for g in groups.values()]) for t in trees}
+    costs = {
+        t: study.calibrated_costs([g["costs"][t] for g in groups.values()], CALIBRATION)
+        for t in trees
+    }
+    # each cell's curve as first published (a cell retrained on a fresh machine validates its
+    # last step only: `cell_curve`)
+    curves = {c.name: cell_curve(results.parent, c.name, groups[c.name]["curve"])
+              for c in grid.cells}  # fmt: skip
     timed = [
         json.loads(p.read_text()) for p in sorted(Path(args.round_cost).glob("*/results.json"))
     ]
     text, summary = study.report(runs, heads, reference, costs, curves, timed)
-    if recall.exists():
+    recalls = [g["recall"] for g in groups.values() if g["recall"]]
+    if recalls:
         text += "\n## SpecVocab speculator recall (held-out answers, first draft step)\n\n"
-        text += recall.with_suffix(".md").read_text()
+        text += "\n".join(recalls)
     (out / "report.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     pngs = study.plot(summary, curves, out)
     print(text)
     if args.publish:
         pub = Path(args.publish)
-        pub.mkdir(parents=True, exist_ok=True)
-        for p in [out / "report.md", out / "summary.json", *pngs, *out.glob("draft_cost_*.json")]:
+        for p in [out / "report.md", out / "summary.json", *pngs]:
             shutil.copy2(p, pub / p.name)
-        for name in trees:
-            with gzip.open(pub / f"results_{name}.json.gz", "wt") as f:
-                f.write((out / f"eval_{name}" / "results.json").read_text())
-        for c in grid.cells:
-            (pub / "curves").mkdir(exist_ok=True)
-            (pub / "curves" / f"{c.name}.json").write_text(json.dumps(curves[c.name]) + "\n")
+        (pub / "curves").mkdir(exist_ok=True)
+        for name, curve in curves.items():
+            (pub / "curves" / f"{name}.json").write_text(json.dumps(curve) + "\n")
         print(f"published to {pub}")
+
+
+def cell_curve(pub: Path, name: str, group_curve: list[dict]) -> list[dict]:
+    """A cell's held-out curve: the one committed beside the study (PUB/NAME, from its first
+    training) where that holds more points than the group's own run, else the group's."""
+    first = study.read_curve(pub / name) if (pub / name).is_dir() else []
+    return first if len(first) > len(group_curve) else group_curve
 
 
 if __name__ == "__main__":

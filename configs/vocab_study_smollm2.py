@@ -54,13 +54,13 @@ def get_config() -> AblationConfig:
     spec = {**full, "lm_head_source": "target", "speculator_rank": 72}
     return AblationConfig(
         base=base,
-        cells=(
+        cells=(  # cheapest first: benchmarks/vocab_study.py measures and keeps them in turn
             Cell("eagle3_vd8192", {"draft_vocab_size": 8192}),
-            Cell("specvocab", spec),
-            Cell("target_lm_head", {**full, "lm_head_source": "target"}),
-            Cell("full_vocab", full),
             Cell("eagle3_vd16384", {"draft_vocab_size": 16384}),
+            Cell("target_lm_head", {**full, "lm_head_source": "target"}),
             Cell("specvocab_noaux", {**spec, "speculator_loss_weight": 0.0}),
+            Cell("specvocab", spec),
+            Cell("full_vocab", full),
         ),
         out_dir="runs/vocab_study",
         bench="mt_bench",

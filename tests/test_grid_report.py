@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,8 +87,9 @@ def test_report_says_which_differences_are_real(tmp_path):
 
 @pytest.mark.slow  # two tiny heads trained and a replayed harness run, in subprocesses: ~2 min
 def test_fusion_ablation_end_to_end(tiny_target_dir, tmp_path, monkeypatch):
-    """benchmarks/fusion_ablation.py on the tiny two-cell grid: trains, replays every head in one
-    harness run, reports and publishes; a rerun redoes nothing."""
+    """benchmarks/fusion_ablation.py on the tiny two-cell grid: trains and replays each cell's head
+    in its own harness run, publishes each cell's results as it finishes, reports from them;
+    a rerun redoes nothing, and without the heads (a fresh machine) it only reports."""
     from test_ablation import _data  # the tests' folder is on sys.path (rootdir conftest)
 
     data, qs = _data(tmp_path)
@@ -118,14 +120,20 @@ def test_fusion_ablation_end_to_end(tiny_target_dir, tmp_path, monkeypatch):
     assert fusion_ablation.main(argv) == 0
     text = (pub / "report.md").read_text()
     assert "| default | " in text and "| top_layer_only | layers 5, TTT steps 2 |" in text
-    with gzip.open(pub / "results.json.gz", "rt") as f:
-        recs = json.load(f)["records"]
-    heads = [r for r in recs if r["method"] != "vanilla"]
-    assert heads and all(r["replayed"] for r in heads)
-    assert {r["method"] for r in recs} >= {"vanilla"} and len({r["method"] for r in heads}) == 2
+    for cell in ("default", "top_layer_only"):
+        assert (pub / "groups" / f"{cell}.inputs.json").is_file()
+        with gzip.open(pub / "groups" / cell / "results.json.gz", "rt") as f:
+            recs = json.load(f)["records"]
+        heads = [r for r in recs if r["method"] != "vanilla"]
+        assert heads and all(r["replayed"] for r in heads)
+        assert {r["method"] for r in recs} >= {"vanilla"} and len({r["method"] for r in heads}) == 1
     curve = json.loads((pub / "curves/default.json").read_text())
     assert [p["step"] for p in curve] == [2, 4]
-    before = (tmp_path / "eval/eval/records.jsonl").read_bytes()
+    before = (tmp_path / "eval/eval/default/records.jsonl").read_bytes()
     assert fusion_ablation.main(argv + ["--skip-train"]) == 0
-    assert (tmp_path / "eval/eval/records.jsonl").read_bytes() == before
+    assert (tmp_path / "eval/eval/default/records.jsonl").read_bytes() == before
+    shutil.rmtree(tmp_path / "runs" / "cells")  # the heads gone: the report from the groups
+    report = (pub / "report.md").read_text()
+    assert fusion_ablation.main([*argv[:-3], str(tmp_path / "eval2"), *argv[-2:]]) == 0
+    assert (pub / "report.md").read_text() == report
     assert fusion_ablation.main([*argv[:2], "--reference", "nope", *argv[4:]]) == 2

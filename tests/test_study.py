@@ -98,6 +98,68 @@ def test_rows_measure_each_head_against_the_reference():
     assert spec["round_ms"] == pytest.approx(1e3 * 6 / (3 * 10 + 3 * 16))
 
 
+def _split(res: dict, slow: float = 1.0) -> list[dict]:
+    """The run as two group runs, each head beside its own plain decoding; the second group's
+    machine `slow` times slower at everything."""
+    parts = []
+    for i, label in enumerate(m["label"] for m in res["config"]["methods"][1:]):
+        methods = [res["config"]["methods"][0]] + [
+            m for m in res["config"]["methods"] if m["label"] == label
+        ]
+        f = slow if i else 1.0
+        recs = [
+            {**r, "wall_time_s": r["wall_time_s"] * f}
+            for r in res["records"]
+            if r["method"] in ("vanilla", label)
+        ]
+        config = {**res["config"], "methods": methods, "target_digest": f"t{i}"}
+        parts.append({"config": config, "records": recs})
+    return parts
+
+
+def test_groups_measured_apart_merge_into_the_one_run_s_rows():
+    """Heads measured in separate group runs, each beside its own plain decoding: merged, their
+    rows equal the one run's (tau, speedup, paired tau and throughput); on a slower machine the
+    speedups and the paired throughput ratio stand, as each is taken over the group's own plain
+    decoding. Runs that differ in more than their heads are refused."""
+    one = {r["head"]: r for r in study.head_rows(_results(), HEADS, "ref", COSTS)}
+    for slow in (1.0, 3.0):
+        merged = study.merge_groups(_split(_results(), slow))
+        assert [m["label"] for m in merged["config"]["methods"]] == [
+            m["label"] for m in _results()["config"]["methods"]
+        ]
+        rows = {r["head"]: r for r in study.head_rows(merged, HEADS, "ref", COSTS)}
+        for head in ("ref", "spec"):
+            assert rows[head]["tau"] == pytest.approx(one[head]["tau"])
+            assert rows[head]["speedup"] == pytest.approx(one[head]["speedup"])
+        for k in ("tau", "throughput"):
+            assert rows["spec"]["vs_reference"][k]["mean"] == pytest.approx(
+                one["spec"]["vs_reference"][k]["mean"]
+            )
+    parts = _split(_results())
+    parts[1]["config"]["max_new_tokens"] = 128
+    with pytest.raises(ValueError, match="differ in max_new_tokens"):
+        study.merge_groups(parts)
+
+
+def test_drafting_times_from_separate_runs_are_scaled_by_the_calibration_head():
+    """Each timing run also times the calibration head: a run on a machine twice as slow has its
+    times halved to the runs' common scale (the calibration's median over runs), the measured
+    times kept as *_raw; without a calibration head, times stand as measured."""
+    fast = {"calibration": {"round_ms": 10.0, "step_ms_rows1": 1.0}, "a": {"round_ms": 30.0,
+            "step_ms_rows1": 2.0, "kind": "own lm_head"}}  # fmt: skip
+    slow = {"calibration": {"round_ms": 30.0, "step_ms_rows1": 3.0}, "b": {"round_ms": 90.0,
+            "step_ms_rows1": 9.0}}  # fmt: skip
+    costs = study.calibrated_costs([fast, slow], "calibration")
+    assert set(costs) == {"a", "b"}
+    assert costs["a"]["round_ms"] == pytest.approx(30.0 * 20 / 10)  # median 20 over 10
+    assert costs["b"]["round_ms"] == pytest.approx(90.0 * 20 / 30)  # the same ratio to the head
+    assert costs["b"]["round_ms_raw"] == 90.0 and costs["b"]["step_ms_rows1"] == pytest.approx(6.0)
+    assert costs["a"]["kind"] == "own lm_head"
+    raw = study.calibrated_costs([{"a": {"round_ms": 30.0}}], None)
+    assert raw["a"]["round_ms"] == 30.0 and "scale" not in raw["a"]
+
+
 def _replayed(res: dict) -> dict:
     """The run as `eval --replay` writes it: the heads' records replayed, decoding time 0."""
     for r in res["records"]:
@@ -281,11 +343,33 @@ def test_the_paper_grid_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path,
                  "vocabtrim_40"):  # fmt: skip
         assert f"| {head}" in text, head
     assert "(replayed)" in text  # the grid's tree, replayed on this CPU
-    with gzip.open(pub / "results_2-2-4.json.gz", "rt") as f:
-        recs = json.load(f)["records"]
-    assert all(r.get("replayed") for r in recs if r["method"] != "vanilla")
-    with gzip.open(pub / "results_cpu.json.gz", "rt") as f:
-        assert not any(r.get("replayed") for r in json.load(f)["records"])
+    # each cell's group (the cell and the heads cut from it) published on its own, stamped
+    groups = pub / "groups"
+    assert sorted(p.name for p in groups.iterdir() if p.is_dir()) == sorted(
+        ["eagle3_vd40", "specvocab", "target_lm_head", "full_vocab"]
+    )
+    for cell in ("eagle3_vd40", "specvocab", "target_lm_head", "full_vocab"):
+        assert (groups / f"{cell}.inputs.json").is_file()
+        with gzip.open(groups / cell / "results_2-2-4.json.gz", "rt") as f:
+            recs = json.load(f)["records"]
+        assert recs and all(r.get("replayed") for r in recs if r["method"] != "vanilla")
+        with gzip.open(groups / cell / "results_cpu.json.gz", "rt") as f:
+            assert not any(r.get("replayed") for r in json.load(f)["records"])
+        costs = json.loads((groups / cell / "draft_cost_cpu.json").read_text())["rows"]
+        assert cell in {r["head"] for r in costs}  # (this grid has no trunk to calibrate by)
+    with gzip.open(groups / "target_lm_head" / "results_cpu.json.gz", "rt") as f:
+        drafts = json.load(f)["config"]["drafts"]
+    assert sorted(drafts) == ["frspec_40", "target_lm_head"]  # the cut head runs in its group
+    # a fresh machine with the published groups: the study only reports (its --out is empty,
+    # no cell's head exists, nothing trains or measures; the counts are made again, the same)
+    import shutil
+
+    shutil.rmtree(tmp_path / "grid" / "cells")
+    before = (pub / "report.md").read_text()
+    argv2 = [a if a != str(tmp_path / "study") else str(tmp_path / "study2") for a in argv]
+    assert vocab_study.main(argv2) == 0
+    assert (pub / "report.md").read_text() == before
+    assert not (tmp_path / "grid" / "cells").exists()
     regen = tmp_path / "grid/shared/regenerated.jsonl"
     assert regen.exists()  # VocabTrim counted the target's own answers
     assert made_from_ok(tmp_path / "study/counts_generated.npy", regen)
@@ -363,11 +447,12 @@ def test_vocab_study_status_starts_nothing(tmp_path, capsys):
     assert not any(out.iterdir())
     # a harness run under way: its records per method, of the questions it plans (Spec-Bench's
     # 80 MT-bench questions and 20 of each other task at the default 20 a category)
-    (out / "eval_cpu").mkdir()
-    (out / "eval_cpu" / "records.jsonl").write_text('{"method": "vanilla"}\n')
+    (out / "eval_cpu" / "default").mkdir(parents=True)  # the tree's run of one group
+    (out / "eval_cpu" / "default" / "records.jsonl").write_text('{"method": "vanilla"}\n')
     assert vs.main(["--status", "--grid", grid, "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "harness cpu: vanilla 1 (records per method, of 180 questions)" in text
+    assert "harness cpu default: vanilla 1 (records per method, of 180 questions)" in text
+    assert "groups measured" in text and "none yet" in text
     with vs.exclusive(out, "study"):  # the study running: its driver's pid
         assert vs.main(["--status", "--grid", grid, "--out", str(out)]) == 0
     assert capsys.readouterr().out.startswith(f"study: running (pid {os.getpid()})\n")

@@ -149,10 +149,12 @@ def load_target(
     return Target(params, cfg, tok, path)
 
 
-def target_digest(path: str | os.PathLike) -> str:
+def target_digest(path: str | os.PathLike, times: bool = True) -> str:
     """A short digest of a target directory: its config's content and each weight file's name,
     size and modification time. A target replaced at the same path digests differently, and
-    computing it reads no weights (an 8B checkpoint is hashed in milliseconds)."""
+    computing it reads no weights (an 8B checkpoint is hashed in milliseconds). `times=False`
+    leaves the times out: the target's identity across machines (a fresh conversion of the same
+    GGUF file, a copy of the same checkpoint)."""
     import hashlib
 
     path = Path(path)
@@ -165,7 +167,7 @@ def target_digest(path: str | os.PathLike) -> str:
     )
     for f in weights:
         st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns if times else ''}".encode())
     return h.hexdigest()[:16]
 
 

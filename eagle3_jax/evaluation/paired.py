@@ -110,6 +110,13 @@ def paired_difference(
     return Paired(m, lo, hi, len(keys))
 
 
+def over_baseline(tps: dict[str, float], baseline: Sequence[dict]) -> dict[str, float]:
+    """Each question's throughput over plain decoding's of the same question in `baseline` (a
+    run's vanilla records); questions without a timed baseline are left out."""
+    base = per_question(baseline, metrics.VANILLA, metrics.throughput)
+    return {q: v / base[q] for q, v in tps.items() if base.get(q, 0) > 0}
+
+
 def category_of(record: dict) -> str:
     """A record's category (MT-bench's subcategory; records written before categories were
     kept, and tasks without any, give their task)."""
@@ -122,14 +129,24 @@ def compare(
     reference: str,
     task: str | None = None,
     category: str | None = None,
+    baselines: dict[str, Sequence[dict]] | None = None,
 ) -> dict:
     """`method` against `reference` on the same questions (of one task, or one `category_of`,
-    when given): tau as a difference, throughput as a ratio, each a `Paired`."""
-    recs = [
-        r for r in records if task in (None, r.get("task")) and category in (None, category_of(r))
-    ]
+    when given): tau as a difference, throughput as a ratio, each a `Paired`.
+
+    `baselines` ({method: the plain-decoding records of the run it was timed in}) is for
+    methods timed in different runs: each question's throughput is then taken over its own
+    run's plain decoding of that question (its speedup) before the two are compared. In one run
+    the baseline cancels and the ratio is the plain one."""
+    keep = lambda r: task in (None, r.get("task")) and category in (None, category_of(r))  # noqa: E731
+    recs = [r for r in records if keep(r)]
     tau_m, tau_r = (per_question(recs, x, metrics.tau) for x in (method, reference))
     tps_m, tps_r = (per_question(recs, x, metrics.throughput) for x in (method, reference))
+    if baselines and method in baselines and reference in baselines:
+        tps_m, tps_r = (
+            over_baseline(tps, [r for r in baselines[x] if keep(r)])
+            for tps, x in ((tps_m, method), (tps_r, reference))
+        )
     return {
         "tau": paired_difference(tau_m, tau_r),
         "throughput": paired_difference(tps_m, tps_r, ratio=True),

@@ -37,12 +37,15 @@ def read_results(path: str | Path) -> dict:
 def read_jsonl(path: str | Path) -> list[dict]:
     """A JSONL file's complete records, read only: [] when there is none, a line cut short (a
     file being written, or an interrupted writer's) left out. For logs such as metrics.jsonl and
-    validation.jsonl; a harness run's records are `load_records`'."""
+    validation.jsonl (or the same gzipped: how large logs are committed); a harness run's
+    records are `load_records`'."""
     path = Path(path)
     if not path.exists():
         return []
+    raw = path.read_bytes()
+    text = (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8")
     out = []
-    for line in path.read_text(encoding="utf-8").split("\n"):  # not splitlines: see below
+    for line in text.split("\n"):  # not splitlines: see below
         try:
             out.append(json.loads(line))
         except ValueError:

@@ -15,6 +15,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from eagle3_jax.accelerators import predict, specs
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.evaluation import metrics, paired
@@ -81,6 +83,75 @@ def tree_of(results: dict) -> tuple:
     return shapes.pop()
 
 
+def merge_groups(parts: Sequence[dict]) -> dict:
+    """One tree's results from its groups' harness runs (benchmarks/vocab_study.py runs each
+    cell, with the heads cut from it, as its own run beside its own plain decoding, so that a
+    finished group outlives the machine and the heads that made it): every group's heads, the
+    first group's plain decoding as `vanilla`, and under `baselines` each head's own group's
+    plain decoding, over which its speedup and its paired throughput are taken. The runs must
+    agree on all but their heads (the same target files, questions, budget and batch)."""
+    if not parts:
+        raise ValueError("no group results to merge")
+    # target_digest holds the target files' times, which a fresh machine's conversion changes:
+    # the groups' stamps (benchmarks/vocab_study.py) hold the target's identity instead
+    mine = ("target", "target_digest", "drafts", "methods", "draft_digests", "draft_vocab")
+    common = [{k: v for k, v in p["config"].items() if k not in mine} for p in parts]
+    for c in common[1:]:
+        if c != common[0]:
+            diff = sorted(k for k in set(c) | set(common[0]) if c.get(k) != common[0].get(k))
+            raise ValueError(f"group runs differ in {', '.join(diff)}: they cannot be merged")
+    config = {**parts[0]["config"], "methods": [], "drafts": {}, "draft_digests": {}}
+    records, baselines = [], {}
+    for i, p in enumerate(parts):
+        vanilla = [r for r in p["records"] if r["method"] == metrics.VANILLA]
+        labels = {}  # a run of one head labels it without its name: named here, as in a run of many
+        for m in p["config"]["methods"]:
+            if m["kind"] == "vanilla":
+                if i == 0:
+                    config["methods"].insert(0, m)
+                continue
+            draft = m.get("draft")
+            label = m["label"] if not draft or "@" in m["label"] else f"{m['label']}@{draft}"
+            if label in baselines:
+                raise ValueError(f"method {label} is in two group runs")
+            labels[m["label"]] = label
+            config["methods"].append({**m, "label": label})
+            baselines[label] = vanilla
+        config["drafts"].update(p["config"].get("drafts") or {})
+        config["draft_digests"].update(p["config"].get("draft_digests") or {})
+        records += vanilla if i == 0 else []
+        records += [
+            {**r, "method": labels[r["method"]]} for r in p["records"] if r["method"] in labels
+        ]
+    return {"config": config, "records": records, "baselines": baselines}
+
+
+def calibrated_costs(parts: Sequence[dict], calibration: str | None) -> dict[str, dict]:
+    """head -> benchmarks/draft_cost.py row, from several timing runs (`parts`: each a
+    draft_cost.json's rows by head). Where every run also timed the `calibration` head (the
+    same files each time), each run's times are scaled by that head's median time over the runs
+    over its time in this run, so heads timed on different days (or machines) compare as if
+    timed together; `scale` records the factor and `*_ms_raw` the times as measured."""
+    out: dict[str, dict] = {}
+    cal = [p.get(calibration) for p in parts] if calibration else []
+    for p, c in zip(parts, cal or [None] * len(parts)):
+        scale = {}
+        if c is not None and all(x is not None for x in cal):
+            keys = [k for k in c if k.endswith("_ms") or "_ms_" in k]
+            scale = {k: float(np.median([x[k] for x in cal])) / c[k] for k in keys if c[k]}
+        for head, row in p.items():
+            if head == calibration:
+                continue
+            row = dict(row)
+            for k, f in scale.items():
+                if row.get(k) is not None:
+                    row[f"{k}_raw"], row[k] = row[k], row[k] * f
+            if scale:
+                row["scale"] = {k: round(f, 4) for k, f in scale.items()}
+            out[head] = row
+    return out
+
+
 def round_draft_ms(cost: dict | None, tree: tuple) -> float:
     """Drafting time of one round of `tree` = (top_k, depth, nodes, ...): the round as timed
     whole (benchmarks/draft_cost.py --tree: the drafter as decoding runs it), else composed from
@@ -103,6 +174,7 @@ def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: 
     recs = results["records"]
     tasks = task_order(r["task"] for r in recs)
     vanilla = [r for r in recs if r["method"] == metrics.VANILLA]
+    baselines = results.get("baselines") or {}  # merged groups: each head's own plain decoding
     ref = label_of(results, reference)
     tree = tree_of(results)
     rows = []
@@ -126,7 +198,7 @@ def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: 
             "tau_by_task": {t: metrics.tau([r for r in mine if r["task"] == t]) for t in tasks},
             "replayed": replayed,
             "tokens_per_s": metrics.throughput(mine) if timed else None,
-            "speedup": metrics.speedup(mine, vanilla) if timed else None,
+            "speedup": metrics.speedup(mine, baselines.get(label, vanilla)) if timed else None,
             "round_ms": 1e3 * sum(float(r["wall_time_s"]) for r in mine) / rounds
             if timed
             else None,
@@ -134,7 +206,7 @@ def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: 
             "draft_round_ms": round_draft_ms(costs.get(h.name), tree),
         }
         if ref is not None and label != ref:
-            cmp = paired.compare(recs, label, ref)
+            cmp = paired.compare(recs, label, ref, baselines=baselines)
             row["vs_reference"] = {
                 k: v.as_dict() for k, v in cmp.items() if timed or k != "throughput"
             }
@@ -235,8 +307,12 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
 
 def read_curve(run: Path) -> list[dict]:
     """A training run's held-out curve: step, tokens read by then, val acc_0 and the replayed
-    chain tau, from its validation.jsonl and metrics.jsonl ([] when it has not validated)."""
-    tokens = {r["step"]: r.get("tokens") for r in read_jsonl(run / "metrics.jsonl")}
+    chain tau, from its validation.jsonl and metrics.jsonl (or metrics.jsonl.gz, as a cell's
+    curve is committed; [] when it has not validated)."""
+    metrics_file = run / "metrics.jsonl"
+    if not metrics_file.exists() and (run / "metrics.jsonl.gz").exists():
+        metrics_file = run / "metrics.jsonl.gz"
+    tokens = {r["step"]: r.get("tokens") for r in read_jsonl(metrics_file)}
     return [
         {
             "step": v["step"],

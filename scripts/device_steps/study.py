@@ -4,8 +4,10 @@ accelerator, within one call's budget (issue 33 item 5).
 The study resumes stage by stage and cell by cell from runs/ (ignored by git, so the machine keeps
 it between calls while it is warm): a call that runs out of time is followed by the same call,
 which goes on where it stopped. On an accelerator every tree decodes for real (τ and speedup).
-Whatever is finished (the published report, every cell's training curve, the logs) is packed into
-$OUT/vocab_study.tar.gz after every call, so a lease that ends midway still returns the curves.
+Whatever is finished (each measured group's results, the published report, every cell's training
+curve, the logs) is packed into $OUT/vocab_study.tar.gz after every call, so a lease that ends
+midway still returns the groups it measured; committed, they let the next lease (or a CPU) go on
+with the next cell.
 
   carry [".device/pK", ".device/whl"]  python3 scripts/device_job.py vocab-study --minutes 9 --out $OUT
   (after the GGUF's parts, as `run`; again while warm to continue)
