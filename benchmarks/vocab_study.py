@@ -307,10 +307,10 @@ def group_heads(cell_head, sizes: list[int]) -> list[tuple[str, str]]:
 
 
 def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
-    """Stage 2 once, then per cell (a group: the cell and the heads cut from it) stages 1 and 3-6,
-    its results kept under RESULTS/groups/CELL (RESULTS: --publish, else --out) and stamped with
-    what made them; then the report from every group's results. A group's results stand without
-    its heads: a fresh machine that has them (committed) goes on with the next cell."""
+    """Per cell (a group: the cell and the heads cut from it) stages 1-6, its results kept under
+    RESULTS/groups/CELL (RESULTS: --publish, else --out) and stamped with what decides them, and
+    the report (7) of the groups kept so far. A group's results stand without its heads: a fresh
+    machine that has them (committed) goes on with the next cell."""
     grid = load_ablation(args.grid)
     grid = dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
     root = grid_root(grid)
@@ -361,7 +361,8 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
             files[f"speculator_recall{suffix}"] = out / f"speculator_recall_{cell.name}{suffix}"
         publish_group(files, root / "cells" / cell.name, gdir)
         record_inputs(gdir, key)
-    report_stage(args, out, grid, results, cell_heads, sizes, reference, trees, root)
+        report_stage(args, out, grid, results, cell_heads, sizes, reference, trees)
+    report_stage(args, out, grid, results, cell_heads, sizes, reference, trees)
 
 
 def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, st, model,
@@ -461,12 +462,15 @@ def read_group(gdir: Path) -> dict:
             "curve": study.read_curve(gdir)}  # fmt: skip
 
 
-def report_stage(args, out, grid, results, cell_heads, sizes, reference, trees, root) -> None:
-    """7: the report from every group's published results (no head needed), into --out, and
-    with --publish beside the groups."""
-    groups = {c.name: read_group(results / c.name) for c in grid.cells}
+def report_stage(args, out, grid, results, cell_heads, sizes, reference, trees) -> None:
+    """7: the report from the groups' published results (no head needed), into --out, and with
+    --publish beside the groups; made after each group, of the groups kept so far."""
+    kept = [c for c in grid.cells if (results / f"{c.name}.inputs.json").is_file()]
+    if not kept:
+        return
+    groups = {c.name: read_group(results / c.name) for c in kept}
     heads = []
-    for c in grid.cells:
+    for c in kept:
         heads.append(cell_heads[c.name])
         for name, family in group_heads(cell_heads[c.name], sizes):
             src = cell_heads[c.name]
@@ -479,12 +483,18 @@ def report_stage(args, out, grid, results, cell_heads, sizes, reference, trees, 
     }
     # each cell's curve as first published (a cell retrained on a fresh machine validates its
     # last step only: `cell_curve`)
-    curves = {c.name: cell_curve(results.parent, c.name, groups[c.name]["curve"])
+    curves = {c.name: cell_curve(results.parent, c.name, groups[c.name]["curve"]
+                                 if c.name in groups else [])
               for c in grid.cells}  # fmt: skip
     timed = [
         json.loads(p.read_text()) for p in sorted(Path(args.round_cost).glob("*/results.json"))
     ]
     text, summary = study.report(runs, heads, reference, costs, curves, timed)
+    if len(kept) < len(grid.cells):
+        left = [c.name for c in grid.cells if c not in kept]
+        text = text.replace("\n\n", f"\n\nGroups measured so far: {len(kept)} of "
+                            f"{len(grid.cells)} (still to come: {', '.join(left)}).\n\n", 1)  # fmt: skip
+    summary["groups"] = [c.name for c in kept]
     recalls = [g["recall"] for g in groups.values() if g["recall"]]
     if recalls:
         text += "\n## SpecVocab speculator recall (held-out answers, first draft step)\n\n"
