@@ -31,7 +31,7 @@ from pathlib import Path
 from eagle3_jax.ablation.config import load_ablation
 from eagle3_jax.ablation.status import cell_status, running_line, status_lines
 from eagle3_jax.checkpoints import resolve_target, target_digest
-from eagle3_jax.checkpoints.atomic import made_from, record_inputs
+from eagle3_jax.checkpoints.atomic import record_inputs
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
 from eagle3_jax.evaluation.questions import load_questions
@@ -40,9 +40,9 @@ from eagle3_jax.evaluation.records import read_results
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vocab_study import (  # noqa: E402  the same stage runner, lock and groups
     cell_curve,
-    cell_key,
     grid_root,
     locked,
+    pending_groups,
     publish_group,
     run,
 )
@@ -123,12 +123,7 @@ def stages(args: argparse.Namespace, out: Path) -> None:
         "batch_size": args.batch_size,
         "dtype": grid.dtype,
     }
-    for c in grid.cells:
-        gdir = results / c.name
-        key = {**cell_key(grid, c), **common}
-        if made_from(gdir, key, what="ablation group"):
-            print(f"ablation: cell {c.name} measured already ({gdir})", file=sys.stderr)
-            continue
+    for c, gdir, key in pending_groups(grid, results, common, "ablation"):
         if not args.skip_train:  # 1
             run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--cells", c.name,
                  "--no-eval", "--no-progress"])  # fmt: skip

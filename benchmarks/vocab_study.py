@@ -299,6 +299,21 @@ def cell_key(grid, cell) -> dict:
     return json.loads(json.dumps(key, sort_keys=True, default=str).replace(str(ROOT) + "/", ""))
 
 
+def pending_groups(grid, results: Path, common: dict, what: str) -> list[tuple]:
+    """(cell, its folder under `results`, its stamp) of each cell not measured yet, in the
+    grid's order; all checked first, so that a group kept from other inputs is refused before
+    hours of work (`made_from`)."""
+    pending = []
+    for cell in grid.cells:
+        gdir = results / cell.name
+        key = {**cell_key(grid, cell), **common}
+        if made_from(gdir, key, what=f"{what} group"):
+            print(f"{what}: group {cell.name} measured already ({gdir})", file=sys.stderr)
+        else:
+            pending.append((cell, gdir, key))
+    return pending
+
+
 def group_heads(cell_head, sizes: list[int]) -> list[tuple[str, str]]:
     """(family, source family) of the heads cut from a cell: FR-Spec from the target's output
     layer, VocabTrim from a full own lm_head, at every size."""
@@ -345,12 +360,7 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
         "calibration": calibration and head_digest(calibration),
         "dtype": grid.dtype,
     }
-    for cell in grid.cells:
-        gdir = results / cell.name
-        key = {**cell_key(grid, cell), **common}
-        if made_from(gdir, key, what="study group"):
-            print(f"study: group {cell.name} measured already ({gdir})", file=sys.stderr)
-            continue
+    for cell, gdir, key in pending_groups(grid, results, common, "study"):
         group_stages(args, overrides, out, grid, cell, cell_heads[cell.name], sizes, counts,
                      trees, st, model, calibration, vocab_size)  # fmt: skip
         files = {}
