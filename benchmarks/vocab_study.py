@@ -57,7 +57,12 @@ import jax
 
 from eagle3_jax.ablation.config import load_ablation
 from eagle3_jax.ablation.status import cell_status, running_line, status_lines
-from eagle3_jax.checkpoints import files_digest, resolve_target, target_digest
+from eagle3_jax.checkpoints import (
+    files_digest,
+    load_target_config,
+    resolve_target,
+    target_digest,
+)
 from eagle3_jax.checkpoints.atomic import exclusive, made_from, record_inputs
 from eagle3_jax.data.conversations import read_conversations
 from eagle3_jax.errors import Eagle3Error, Stopped
@@ -334,7 +339,7 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
     if grid.base.corpus.target:
         model += ["--target", str(grid.base.corpus.target)]
     target = resolve_target(grid.base.corpus.target or None)
-    vocab_size = json.loads((target / "config.json").read_text())["vocab_size"]
+    vocab_size = load_target_config(target).vocab_size
     cell_heads = {c.name: study.head_of_cell(c.name, c.overrides, vocab_size) for c in grid.cells}
     sizes, reference = from_heads(args, list(cell_heads.values()))
     counts = {  # family: (the counts' file, its corpus, the roles counted); made by stage 2
