@@ -327,10 +327,11 @@ def group_heads(cell_head, sizes: list[int]) -> list[tuple[str, str]]:
 
 
 def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
-    """Per cell (a group: the cell and the heads cut from it) stages 1-6, its results kept under
-    RESULTS/groups/CELL (RESULTS: --publish, else --out) and stamped with what decides them, and
-    the report (7) of the groups kept so far. A group's results stand without its heads: a fresh
-    machine that has them (committed) goes on with the next cell."""
+    """The report (7) of the groups kept so far, then per cell not yet measured (a group: the cell
+    and the heads cut from it) stages 1-6, its results kept under RESULTS/groups/CELL (RESULTS:
+    --publish, else --out) and stamped with what decides them, and the report again. A group's
+    results stand without its heads: a fresh machine that has them (committed) goes on with the
+    next cell."""
     grid = load_ablation(args.grid)
     grid = dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
     root = grid_root(grid)
@@ -365,7 +366,9 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
         "calibration": calibration and head_digest(calibration),
         "dtype": grid.dtype,
     }
-    for cell, gdir, key in pending_groups(grid, results, common, "study"):
+    pending = pending_groups(grid, results, common, "study")
+    report_stage(args, out, grid, results, cell_heads, sizes, reference, trees)  # 7, of those kept
+    for cell, gdir, key in pending:
         group_stages(args, overrides, out, grid, cell, cell_heads[cell.name], sizes, counts,
                      trees, st, model, calibration, vocab_size)  # fmt: skip
         files = {}
@@ -377,7 +380,6 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
         publish_group(files, root / "cells" / cell.name, gdir)
         record_inputs(gdir, key)
         report_stage(args, out, grid, results, cell_heads, sizes, reference, trees)
-    report_stage(args, out, grid, results, cell_heads, sizes, reference, trees)
 
 
 def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, st, model,

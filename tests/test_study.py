@@ -145,7 +145,8 @@ def test_groups_measured_apart_merge_into_the_one_run_s_rows():
 def test_drafting_times_from_separate_runs_are_scaled_by_the_calibration_head():
     """Each timing run also times the calibration head: a run on a machine twice as slow has its
     times halved to the runs' common scale (the calibration's median over runs), the measured
-    times kept as *_raw; without a calibration head, times stand as measured."""
+    times kept under `measured`, and the cost table says so; without a calibration head, times
+    stand as measured."""
     fast = {"calibration": {"round_ms": 10.0, "step_ms_rows1": 1.0}, "a": {"round_ms": 30.0,
             "step_ms_rows1": 2.0, "kind": "own lm_head"}}  # fmt: skip
     slow = {"calibration": {"round_ms": 30.0, "step_ms_rows1": 3.0}, "b": {"round_ms": 90.0,
@@ -154,7 +155,10 @@ def test_drafting_times_from_separate_runs_are_scaled_by_the_calibration_head():
     assert set(costs) == {"a", "b"}
     assert costs["a"]["round_ms"] == pytest.approx(30.0 * 20 / 10)  # median 20 over 10
     assert costs["b"]["round_ms"] == pytest.approx(90.0 * 20 / 30)  # the same ratio to the head
-    assert costs["b"]["round_ms_raw"] == 90.0 and costs["b"]["step_ms_rows1"] == pytest.approx(6.0)
+    assert costs["b"]["measured"]["round_ms"] == 90.0
+    assert costs["b"]["step_ms_rows1"] == pytest.approx(6.0)
+    text = "\n".join(study.cost_section("t", costs, [study.StudyHead("a", "eagle3", 8192)]))
+    assert "| a | " in text and "calibration head" in text
     assert costs["a"]["kind"] == "own lm_head"
     raw = study.calibrated_costs([{"a": {"round_ms": 30.0}}], None)
     assert raw["a"]["round_ms"] == 30.0 and "scale" not in raw["a"]

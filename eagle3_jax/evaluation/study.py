@@ -131,7 +131,7 @@ def calibrated_costs(parts: Sequence[dict], calibration: str | None) -> dict[str
     draft_cost.json's rows by head). Where every run also timed the `calibration` head (the
     same files each time), each run's times are scaled by that head's median time over the runs
     over its time in this run, so heads timed on different days (or machines) compare as if
-    timed together; `scale` records the factor and `*_ms_raw` the times as measured."""
+    timed together; `scale` records the factors and `measured` the times as timed."""
     out: dict[str, dict] = {}
     cal = [p.get(calibration) for p in parts] if calibration else []
     for p, c in zip(parts, cal or [None] * len(parts)):
@@ -143,10 +143,9 @@ def calibrated_costs(parts: Sequence[dict], calibration: str | None) -> dict[str
             if head == calibration:
                 continue
             row = dict(row)
-            for k, f in scale.items():
-                if row.get(k) is not None:
-                    row[f"{k}_raw"], row[k] = row[k], row[k] * f
             if scale:
+                row["measured"] = {k: row[k] for k in scale if row.get(k) is not None}
+                row.update({k: v * scale[k] for k, v in row["measured"].items()})
                 row["scale"] = {k: round(f, 4) for k, f in scale.items()}
             out[head] = row
     return out
@@ -359,6 +358,13 @@ def cost_section(name: str, costs: dict[str, dict], heads: Sequence[StudyHead]) 
                     )
     if notes:
         out += ["", "SpecVocab's timed level: " + "; ".join(notes) + "."]
+    if any(c.get("scale") for c in costs.values()):
+        out += [
+            "",
+            "Heads timed in different runs (one per group), each beside the same calibration "
+            "head: every run's times are scaled by that head's median over the runs over its "
+            "time in the run (each group's draft_cost file holds the times as measured).",
+        ]
     return out + [""]
 
 
