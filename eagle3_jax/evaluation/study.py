@@ -1,7 +1,8 @@
 """The draft-vocabulary study's report: every head against EAGLE-3 on the same questions, per tree.
 
-Input: one harness results.json per tree shape (the same heads and questions in each), the heads'
-drafting times (benchmarks/draft_cost.py) and their held-out training curves. Output: a table
+Input: one harness results.json per tree shape (the same questions for every head; the runs of
+the study's groups joined by `merge_groups`), the heads' drafting times (benchmarks/draft_cost.py;
+several runs put on one scale by `calibrated_costs`) and their held-out training curves. Output: a table
 shaped like the SpecVocab paper's (tau per Spec-Bench task, throughput, speedup) with the paper's
 figures beside it, per-question paired differences against the reference head with 95 %
 intervals, drafting time per step and per round, and plots. Speed without the draft's cost is not
