@@ -31,7 +31,6 @@ from pathlib import Path
 from eagle3_jax.ablation.config import load_ablation
 from eagle3_jax.ablation.status import cell_status, running_line, status_lines
 from eagle3_jax.checkpoints import resolve_target, target_digest
-from eagle3_jax.checkpoints.atomic import record_inputs
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
 from eagle3_jax.evaluation.questions import load_questions
@@ -140,8 +139,7 @@ def stages(args: argparse.Namespace, out: Path) -> None:
             ev += ["--questions", str(questions)]
         run(ev)  # 2 (resumes from its records)
         files = {"results.json.gz": out / "eval" / c.name / "results.json"}
-        publish_group(files, root / "cells" / c.name, gdir)
-        record_inputs(gdir, key)
+        publish_group(files, root / "cells" / c.name, gdir, key)
     groups = [read_results(results / c.name / "results.json.gz") for c in grid.cells]  # 3
     merged = study.merge_groups(groups)
     curves = {c.name: cell_curve(results.parent, c.name, study.read_curve(results / c.name))

@@ -266,7 +266,7 @@ def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
         if p.is_dir()
     }
     groups = Path(args.publish or out) / "groups"
-    measured = [c.name for c in grid.cells if (groups / c.name).is_dir()]
+    measured = [c.name for c in kept_groups(grid, groups)]
     return [
         running_line(out, "study"),
         *status_lines(cell_status(grid, root), {}),
@@ -319,11 +319,21 @@ def pending_groups(grid, results: Path, common: dict, what: str) -> list[tuple]:
     return pending
 
 
-def group_heads(cell_head, sizes: list[int]) -> list[tuple[str, str]]:
-    """(family, source family) of the heads cut from a cell: FR-Spec from the target's output
+def group_heads(cell_head, sizes: list[int]) -> list[tuple[str, str, int]]:
+    """(name, family, size) of the heads cut from a cell: FR-Spec from the target's output
     layer, VocabTrim from a full own lm_head, at every size."""
     cut = {"target_lm_head": "frspec", "full": "vocabtrim"}.get(cell_head.family)
-    return [(f"{cut}_{n}", cut) for n in sizes] if cut else []
+    return [(f"{cut}_{n}", cut, n) for n in sizes] if cut else []
+
+
+def kept_groups(grid, results: Path) -> list:
+    """The grid's cells whose group is kept under `results`: its folder and its stamp
+    (`publish_group`)."""
+    return [
+        c
+        for c in grid.cells
+        if (results / c.name).is_dir() and (results / f"{c.name}.inputs.json").is_file()
+    ]
 
 
 def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
@@ -377,8 +387,7 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
             files[f"draft_cost_{t}.json"] = out / f"draft_cost_{t}_{cell.name}.json"
         for suffix in (".json", ".md"):
             files[f"speculator_recall{suffix}"] = out / f"speculator_recall_{cell.name}{suffix}"
-        publish_group(files, root / "cells" / cell.name, gdir)
-        record_inputs(gdir, key)
+        publish_group(files, root / "cells" / cell.name, gdir, key)
         report_stage(args, out, grid, results, cell_heads, sizes, reference, trees)
 
 
@@ -392,17 +401,17 @@ def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, s
         run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--cells", cell.name,
              "--no-eval", "--no-progress", *overrides])  # fmt: skip
     paths = {cell.name: root / "cells" / cell.name / "head"}
-    for name, family in group_heads(head, sizes):
+    for name, family, size in group_heads(head, sizes):
         npy, corpus, roles = counts[family]
         made(npy, {"corpus": files_digest(corpus.split(",")), "roles": roles},  # 2
              lambda: run([PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", corpus,
                           "--roles", roles, "--out", str(npy), *model[:2]]))  # fmt: skip
         dst = out / "heads" / name  # 3
-        made(dst, {"source": head_digest(paths[cell.name]), "size": int(name.split("_")[-1]),
+        made(dst, {"source": head_digest(paths[cell.name]), "size": size,
                    "counts": files_digest([npy])},
-             lambda n=name, d=dst: run(
+             lambda: run(
                  [PY, "-m", "eagle3_jax", "vocab", "trim", "--draft", str(paths[cell.name]),
-                  "--counts", str(npy), "--size", n.split("_")[-1], "--out", str(d),
+                  "--counts", str(npy), "--size", str(size), "--out", str(dst),
                   *model[:2]]))  # fmt: skip
         paths[name] = dst
     drafts = [f"{n}={p}" for n, p in paths.items()]
@@ -441,10 +450,12 @@ def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, s
         made(recall, {"heads": {cell.name: digests[cell.name]}}, lambda: run(cmd))
 
 
-def publish_group(files: dict[str, Path], cell_dir: Path, gdir: Path) -> None:
+def publish_group(files: dict[str, Path], cell_dir: Path, gdir: Path, key: dict) -> None:
     """A measured group's results into `gdir`, whole or not at all: `files` (name in the group
     -> the file it copies; a name ending in .gz is its file gzipped), then its cell's held-out
-    curve and config from `cell_dir` (the metrics gzipped)."""
+    curve and config from `cell_dir` (the metrics gzipped). Its stamp (`key`) is written before
+    the folder takes its name, so a stop in between leaves a stamp without a group (measured
+    again), never a group without a stamp (refused by `made_from`)."""
     tmp = gdir.with_name(gdir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)  # ours: a publish cut short
     tmp.mkdir(parents=True)
@@ -459,6 +470,7 @@ def publish_group(files: dict[str, Path], cell_dir: Path, gdir: Path) -> None:
                 f.write(src.read_bytes())
         else:
             shutil.copy2(src, tmp / name)
+    record_inputs(gdir, key)
     tmp.rename(gdir)
 
 
@@ -482,17 +494,16 @@ def read_group(gdir: Path) -> dict:
 def report_stage(args, out, grid, results, cell_heads, sizes, reference, trees) -> None:
     """7: the report from the groups' published results (no head needed), into --out, and with
     --publish beside the groups; made after each group, of the groups kept so far."""
-    kept = [c for c in grid.cells if (results / f"{c.name}.inputs.json").is_file()]
+    kept = kept_groups(grid, results)
     if not kept:
         return
     groups = {c.name: read_group(results / c.name) for c in kept}
     heads = []
     for c in kept:
         heads.append(cell_heads[c.name])
-        for name, family in group_heads(cell_heads[c.name], sizes):
-            src = cell_heads[c.name]
-            heads.append(study.StudyHead(name, family, int(name.split("_")[-1]),
-                                         f"cut from {c.name}", src.target_vocab))  # fmt: skip
+        for name, family, size in group_heads(cell_heads[c.name], sizes):
+            heads.append(study.StudyHead(name, family, size, f"cut from {c.name}",
+                                         cell_heads[c.name].target_vocab))  # fmt: skip
     runs = {t: study.merge_groups([g["runs"][t] for g in groups.values()]) for t in trees}
     costs = {
         t: study.calibrated_costs([g["costs"][t] for g in groups.values()], CALIBRATION)
