@@ -76,3 +76,41 @@ def test_the_shipped_head_speculates_exactly_and_accepts(smollm2, draft_vocab):
         assert got.output_ids[0] == ref
         new, rounds = new + len(ref) - 1, rounds + got.target_forwards[0] - 1
     assert new / rounds > 1.1, new / rounds
+
+
+def test_the_vocab_study_grid_reads_the_default_target_s_vocabulary():
+    """configs/vocab_study_smollm2.py on the converted default: the target's vocabulary comes from
+    its own config (49,152, not a tokenizer's or a head's), so the full-vocabulary cells are the
+    whole vocabulary, the reduced ones EAGLE-3, and FR-Spec/VocabTrim are cut at their sizes. (A
+    study run once read the size elsewhere and called every full cell 'reduced'.)"""
+    import sys
+    from pathlib import Path
+
+    from eagle3_jax.ablation.config import load_ablation
+    from eagle3_jax.checkpoints import load_target_config, resolve_target
+    from eagle3_jax.evaluation import study
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import vocab_study
+
+    grid = load_ablation(str(root / "configs/vocab_study_smollm2.py"))
+    vocab = load_target_config(resolve_target(grid.base.corpus.target or None)).vocab_size
+    assert vocab == 49152
+    heads = {c.name: study.head_of_cell(c.name, c.overrides, vocab) for c in grid.cells}
+    assert {n: (h.family, h.vocab) for n, h in heads.items()} == {
+        "eagle3_vd8192": ("eagle3", 8192),
+        "eagle3_vd16384": ("eagle3", 16384),
+        "target_lm_head": ("target_lm_head", None),
+        "specvocab_noaux": ("specvocab", None),
+        "specvocab": ("specvocab", None),
+        "full_vocab": ("full", None),
+    }
+    args, _ = vocab_study.parse_args([])
+    sizes, reference = vocab_study.from_heads(args, list(heads.values()))
+    assert (sizes, reference) == ([8192, 16384], "eagle3_vd8192")
+    cut = {n: list(vocab_study.group_heads(h, sizes)) for n, h in heads.items()}
+    assert cut["target_lm_head"] == [("frspec_8192", "frspec", 8192),
+                                     ("frspec_16384", "frspec", 16384)]  # fmt: skip
+    assert [n for n, _, _ in cut["full_vocab"]] == ["vocabtrim_8192", "vocabtrim_16384"]
+    assert not cut["eagle3_vd8192"] and not cut["specvocab"]
