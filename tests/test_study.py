@@ -317,8 +317,19 @@ def test_the_paper_grid_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path,
 
     from test_ablation import _data  # the tests' folder is on sys.path (rootdir conftest)
 
+    from eagle3_jax.training.config import load_config
+    from eagle3_jax.training.loop import train
+
     root = Path(__file__).resolve().parents[1]
     data, qs = _data(tmp_path)
+    # the grid's trunk, as the shipped head is the SmolLM2 grid's: every cell starts from it and
+    # every group's drafting times are taken beside it (the calibration head)
+    trunk = train(
+        load_config(root / "configs/tiny.py").replace(
+            target=str(tiny_target_dir), data=str(data), num_conversations=8, max_steps=2,
+            batch_size=2, epochs=0, out_dir=str(tmp_path / "trunk")),
+        progress=False,
+    )["head"]  # fmt: skip
     grid = tmp_path / "grid.py"
     grid.write_text(
         "import sys\n"
@@ -330,6 +341,7 @@ def test_the_paper_grid_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path,
         f"    base = load_config({str(root / 'configs/tiny.py')!r}).replace(\n"
         f"        target={str(tiny_target_dir)!r}, data={str(data)!r}, num_conversations=8,\n"
         "        regen_max_new_tokens=10, max_steps=3, batch_size=2, epochs=0)\n"
+        f"    base = base.replace(init_trunk={str(trunk)!r})\n"
         "    g = paper_grid(base, 'tiny', hidden_size=64, draft_vocab_size=40, tree=(2, 2, 4),\n"
         "                   dtype=None)\n"
         f"    return dataclasses.replace(g, out_dir={str(tmp_path / 'grid')!r})\n"
@@ -360,7 +372,11 @@ def test_the_paper_grid_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path,
         with gzip.open(groups / cell / "results_cpu.json.gz", "rt") as f:
             assert not any(r.get("replayed") for r in json.load(f)["records"])
         costs = json.loads((groups / cell / "draft_cost_cpu.json").read_text())["rows"]
-        assert cell in {r["head"] for r in costs}  # (this grid has no trunk to calibrate by)
+        assert {cell, "calibration"} <= {r["head"] for r in costs}
+    # each group's drafting times scaled by the calibration head's median over the groups
+    rows = json.loads((pub / "summary.json").read_text())["trees"]["cpu"]["rows"]
+    assert len(rows) == 6 and all(r["draft_scale"]["round_ms"] > 0 for r in rows)
+    assert "each beside the same calibration head" in text
     with gzip.open(groups / "target_lm_head" / "results_cpu.json.gz", "rt") as f:
         drafts = json.load(f)["config"]["drafts"]
     assert sorted(drafts) == ["frspec_40", "target_lm_head"]  # the cut head runs in its group

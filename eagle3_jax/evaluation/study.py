@@ -204,6 +204,8 @@ def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: 
             else None,
             "draft_step_ms": (costs.get(h.name) or {}).get("step_ms_rows1", float("nan")),
             "draft_round_ms": round_draft_ms(costs.get(h.name), tree),
+            # the factors its run's times were scaled by (`calibrated_costs`); None: as timed
+            "draft_scale": (costs.get(h.name) or {}).get("scale"),
         }
         if ref is not None and label != ref:
             cmp = paired.compare(recs, label, ref, baselines=baselines)
