@@ -223,6 +223,39 @@ def test_init_trunk_takes_fc_layer_and_norm_and_leaves_the_output_layer(tiny_tar
         spec.replace(init_head=head).validate()
 
 
+def test_specvocab_without_its_auxiliary_loss_trains_the_target_lm_head_head(
+    tiny_target_dir, tmp_path
+):
+    """With speculator_loss_weight 0 nothing reaches the speculator (its top-k passes no
+    gradient): the exact head trains to the same weights and losses as the cell without a
+    speculator, and the speculator stays the SVD start. The study's no-aux SpecVocab cell
+    therefore differs from the target-lm_head cell in its speculator alone."""
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.checkpoints.eagle_format import load_draft
+    from eagle3_jax.models import draft as drf
+
+    base = _cfg(tiny_target_dir, tmp_path, "--config.max_steps=4").replace(
+        draft_vocab_size=10**6, lm_head_source="target", export_dtype="float32"
+    )
+    plain = train(base.replace(out_dir=str(tmp_path / "plain")), progress=False)["head"]
+    noaux = base.replace(
+        out_dir=str(tmp_path / "noaux"), speculator_rank=4, speculator_loss_weight=0.0
+    )
+    spec = train(noaux, progress=False)["head"]
+    assert _losses(tmp_path / "plain") == _losses(tmp_path / "noaux")
+    got, cfg, _, _ = load_draft(spec)
+    want, _, _, _ = load_draft(plain)
+    for k in ("fc", "layer", "final_norm"):
+        jax.tree.map(np.testing.assert_array_equal, got[k], want[k])
+    target = load_target(str(tiny_target_dir))
+    blank = {k: v for k, v in got.items() if not k.startswith("spec_")}
+    svd = drf.init_speculator_svd(
+        {**blank, **drf.init_params(cfg, jax.random.PRNGKey(0))}, target.params, target.cfg, cfg
+    )
+    for k in ("spec_a", "spec_b"):
+        np.testing.assert_allclose(got[k], svd[k], rtol=1e-5, atol=1e-6)
+
+
 def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
     # held-out validation every 3 steps, on 4 new conversations and a copy of a training one
     held = json.loads(_conversations(tmp_path / "held.json", n=4, seed=5).read_text())
