@@ -187,13 +187,25 @@ def test_init_head_continues_a_head_with_its_vocabulary(tiny_target_dir, tmp_pat
         train(other, progress=False)
 
 
+def _assert_svd_speculator(got, cfg, tiny_target_dir):
+    """The head's speculator is the SVD start on the target's output embedding."""
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.models import draft as drf
+
+    target = load_target(str(tiny_target_dir))
+    blank = {k: v for k, v in got.items() if not k.startswith("spec_")}
+    svd = drf.init_speculator_svd(
+        {**blank, **drf.init_params(cfg, jax.random.PRNGKey(0))}, target.params, target.cfg, cfg
+    )
+    for k in ("spec_a", "spec_b"):
+        np.testing.assert_allclose(got[k], svd[k], rtol=1e-5, atol=1e-6)
+
+
 def test_init_trunk_takes_fc_layer_and_norm_and_leaves_the_output_layer(tiny_target_dir, tmp_path):
     """A target-lm_head SpecVocab head started from the trunk of an own-lm_head head: its fc,
     layer and final norm are that head's, its speculator the SVD start; other aux layers are
     refused by name."""
-    from eagle3_jax.checkpoints import load_target
     from eagle3_jax.checkpoints.eagle_format import load_draft
-    from eagle3_jax.models import draft as drf
 
     first = _cfg(
         tiny_target_dir, tmp_path, "--config.max_steps=3", f"--config.out_dir={tmp_path / 'a'}"
@@ -209,13 +221,7 @@ def test_init_trunk_takes_fc_layer_and_norm_and_leaves_the_output_layer(tiny_tar
     for k in ("fc", "layer", "final_norm"):
         jax.tree.map(np.testing.assert_array_equal, got[k], trunk[k])
     assert "lm_head" not in got and cfg.speculator_rank == 4
-    target = load_target(str(tiny_target_dir))
-    blank = {k: v for k, v in got.items() if not k.startswith("spec_")}
-    svd = drf.init_speculator_svd(
-        {**blank, **drf.init_params(cfg, jax.random.PRNGKey(0))}, target.params, target.cfg, cfg
-    )
-    for k in ("spec_a", "spec_b"):
-        np.testing.assert_allclose(got[k], svd[k], rtol=1e-5, atol=1e-6)
+    _assert_svd_speculator(got, cfg, tiny_target_dir)
     other = spec.replace(out_dir=str(tmp_path / "c"), aux_layer_ids=(1,))
     with pytest.raises(Eagle3Error, match="init_trunk .* aux_layer_ids"):
         train(other, progress=False)
@@ -230,9 +236,7 @@ def test_specvocab_without_its_auxiliary_loss_trains_the_target_lm_head_head(
     gradient): the exact head trains to the same weights and losses as the cell without a
     speculator, and the speculator stays the SVD start. The study's no-aux SpecVocab cell
     therefore differs from the target-lm_head cell in its speculator alone."""
-    from eagle3_jax.checkpoints import load_target
     from eagle3_jax.checkpoints.eagle_format import load_draft
-    from eagle3_jax.models import draft as drf
 
     base = _cfg(tiny_target_dir, tmp_path, "--config.max_steps=4").replace(
         draft_vocab_size=10**6, lm_head_source="target", export_dtype="float32"
@@ -247,13 +251,7 @@ def test_specvocab_without_its_auxiliary_loss_trains_the_target_lm_head_head(
     want, _, _, _ = load_draft(plain)
     for k in ("fc", "layer", "final_norm"):
         jax.tree.map(np.testing.assert_array_equal, got[k], want[k])
-    target = load_target(str(tiny_target_dir))
-    blank = {k: v for k, v in got.items() if not k.startswith("spec_")}
-    svd = drf.init_speculator_svd(
-        {**blank, **drf.init_params(cfg, jax.random.PRNGKey(0))}, target.params, target.cfg, cfg
-    )
-    for k in ("spec_a", "spec_b"):
-        np.testing.assert_allclose(got[k], svd[k], rtol=1e-5, atol=1e-6)
+    _assert_svd_speculator(got, cfg, tiny_target_dir)
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, tmp_path):
