@@ -28,9 +28,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from eagle3_jax.ablation.config import load_ablation
+from eagle3_jax.ablation.config import load_ablation, trained_head
 from eagle3_jax.ablation.status import cell_status, running_line, status_lines
-from eagle3_jax.checkpoints import resolve_target, target_digest
+from eagle3_jax.checkpoints import load_target_config, resolve_target, target_digest
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
 from eagle3_jax.evaluation.questions import load_questions
@@ -63,7 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "runs/fusion_ablation_eval"))
     ap.add_argument("--publish", default=None, help="copy the report and results here")
-    ap.add_argument("--skip-train", action="store_true", help="the grid's heads exist: stage 1 off")
+    ap.add_argument(
+        "--skip-train", action="store_true",
+        help="stage 1 off: every cell still to measure has its head, trained under the cell's "
+        "config (its cell.json, checked before any work)",
+    )  # fmt: skip
     ap.add_argument(
         "--status", action="store_true",
         help="print where the ablation stands (cells, harness records) and start nothing",
@@ -122,7 +126,12 @@ def stages(args: argparse.Namespace, out: Path) -> None:
         "batch_size": args.batch_size,
         "dtype": grid.dtype,
     }
-    for c, gdir, key in pending_groups(grid, results, common, "ablation"):
+    pending = pending_groups(grid, results, common, "ablation")
+    if args.skip_train:  # every head there, trained under its cell's config, before any work
+        tcfg = load_target_config(target)
+        for c, _, _ in pending:
+            trained_head(grid, c, root, tcfg)
+    for c, gdir, key in pending:
         if not args.skip_train:  # 1
             run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--cells", c.name,
                  "--no-eval", "--no-progress"])  # fmt: skip

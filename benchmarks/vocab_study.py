@@ -55,7 +55,7 @@ from pathlib import Path
 
 import jax
 
-from eagle3_jax.ablation.config import load_ablation
+from eagle3_jax.ablation.config import load_ablation, trained_head
 from eagle3_jax.ablation.status import cell_status, running_line, status_lines
 from eagle3_jax.checkpoints import (
     files_digest,
@@ -156,7 +156,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     )  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "runs/vocab_study_eval"))
     ap.add_argument("--publish", default=None, help="copy the report and results here")
-    ap.add_argument("--skip-train", action="store_true", help="the grid's heads exist: stage 1 off")
+    ap.add_argument(
+        "--skip-train", action="store_true",
+        help="stage 1 off: every cell still to measure has its head, trained under the cell's "
+        "config (its cell.json, checked before any work)",
+    )  # fmt: skip
     ap.add_argument(
         "--status", action="store_true",
         help="print where the study stands (cells, stages, harness records) and start nothing",
@@ -350,7 +354,8 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
     if grid.base.corpus.target:
         model += ["--target", str(grid.base.corpus.target)]
     target = resolve_target(grid.base.corpus.target or None)
-    vocab_size = load_target_config(target).vocab_size
+    tcfg = load_target_config(target)
+    vocab_size = tcfg.vocab_size
     cell_heads = {c.name: study.head_of_cell(c.name, c.overrides, vocab_size) for c in grid.cells}
     sizes, reference = from_heads(args, list(cell_heads.values()))
     counts = {  # family: (the counts' file, its corpus, the roles counted); made by stage 2
@@ -377,10 +382,13 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
         "dtype": grid.dtype,
     }
     pending = pending_groups(grid, results, common, "study")
+    if args.skip_train:  # every head there, trained under its cell's config, before any work
+        for cell, _, _ in pending:
+            trained_head(grid, cell, root, tcfg)
     report_stage(args, out, grid, results, cell_heads, sizes, reference, trees)  # 7, of those kept
     for cell, gdir, key in pending:
         group_stages(args, overrides, out, grid, cell, cell_heads[cell.name], sizes, counts,
-                     trees, st, model, calibration, vocab_size)  # fmt: skip
+                     trees, st, model, calibration, vocab_size, common["target"])  # fmt: skip
         files = {}
         for t in trees:
             files[f"results_{t}.json.gz"] = out / f"eval_{t}" / cell.name / "results.json"
@@ -392,10 +400,11 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
 
 
 def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, st, model,
-                 calibration, vocab_size) -> None:  # fmt: skip
+                 calibration, vocab_size, target_key) -> None:  # fmt: skip
     """One group's stages: its cell trained (1), its cuts (3), its heads' drafting time beside
     the calibration head (4), one harness run per tree of plain decoding and its heads (5), and
-    SpecVocab's speculator recall (6), all under --out."""
+    SpecVocab's speculator recall (6), all under --out. Each stage's output is stamped with the
+    digests of what it read (the heads, the calibration head, the target: `target_key`)."""
     root = grid_root(grid)
     if not args.skip_train:  # 1
         run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--cells", cell.name,
@@ -403,7 +412,8 @@ def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, s
     paths = {cell.name: root / "cells" / cell.name / "head"}
     for name, family, size in group_heads(head, sizes):
         npy, corpus, roles = counts[family]
-        made(npy, {"corpus": files_digest(corpus.split(",")), "roles": roles},  # 2
+        made(npy, {"corpus": files_digest(corpus.split(",")), "roles": roles,  # 2
+                   "target": target_key},
              lambda: run([PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", corpus,
                           "--roles", roles, "--out", str(npy), *model[:2]]))  # fmt: skip
         dst = out / "heads" / name  # 3
@@ -423,8 +433,10 @@ def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, s
                "--tree", shape_text(shape), *model]  # fmt: skip
         for d in drafts + ([f"{CALIBRATION}={calibration}"] if calibration else []):
             cmd += ["--draft", d]
-        timing = {"round": "timed whole", "timing": "heads in turns", "calibration": calibration}
-        made(cost, {"heads": digests, "tree": list(shape), **timing}, lambda c=cmd: run(c))  # 4
+        timed = {"heads": digests, "calibration": calibration and head_digest(calibration),
+                 "target": target_key, "tree": list(shape), "round": "timed whole",
+                 "timing": "heads in turns"}  # fmt: skip
+        made(cost, timed, lambda c=cmd: run(c))  # 4
         ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{shape_text(shape)}",
               "--bench", args.bench, "--questions", str(args.questions), "--draft-vocab", "full",
               "--max-new-tokens", str(args.max_new_tokens), "--no-progress",
@@ -447,7 +459,8 @@ def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, s
                "--k", ",".join(map(str, ks)), "--draft", f"{cell.name}={paths[cell.name]}"]  # fmt: skip
         if n:
             cmd += ["--data", str(held_out), "--records", f"0:{n}"]
-        made(recall, {"heads": {cell.name: digests[cell.name]}}, lambda: run(cmd))
+        stamp = {"heads": {cell.name: digests[cell.name]}, "target": target_key}
+        made(recall, stamp, lambda: run(cmd))
 
 
 def publish_group(files: dict[str, Path], cell_dir: Path, gdir: Path, key: dict) -> None:

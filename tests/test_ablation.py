@@ -225,6 +225,33 @@ def test_a_cell_trained_under_another_config_is_refused(tmp_path):
         check_cell_config(cell, tmp_path, {}, tc.replace(max_steps=160))
 
 
+def test_skip_train_measures_only_a_head_trained_under_its_cells_config(tiny_target_dir, tmp_path):
+    """The study scripts' --skip-train (`trained_head`): a cell with no finished head, a head
+    with no record of its config, or one trained under another config is refused, naming the
+    cell; the head of a cell trained under the grid's config is what is measured."""
+    from eagle3_jax.ablation.config import cell_config, cell_record, load_ablation, trained_head
+    from eagle3_jax.checkpoints import load_target_config
+
+    ac = load_ablation(ROOT / "configs/ablate_tiny.py")
+    ac = dataclasses.replace(ac, base=ac.base.replace(target=str(tiny_target_dir)))
+    tcfg, out = load_target_config(str(tiny_target_dir)), tmp_path / "g"
+    cell = ac.cells[-1]
+    cdir = out / "cells" / cell.name
+    with pytest.raises(Eagle3Error, match=rf"'{cell.name}' has no trained head"):
+        trained_head(ac, cell, out, tcfg)
+    (cdir / "head").mkdir(parents=True)
+    (cdir / "head/config.json").write_text("{}")
+    with pytest.raises(Eagle3Error, match="no record of the config"):
+        trained_head(ac, cell, out, tcfg)
+    tc = cell_config(ac, cell, out, tcfg)
+    (cdir / "cell.json").write_text(json.dumps({"config": cell_record(tc)}))
+    assert trained_head(ac, cell, out, tcfg) == cdir / "head"
+    other = cell_record(tc.replace(lr=tc.optim.lr * 2))
+    (cdir / "cell.json").write_text(json.dumps({"config": other}))
+    with pytest.raises(Eagle3Error, match=r"another config \(lr\)"):
+        trained_head(ac, cell, out, tcfg)
+
+
 def test_results_are_written_as_cells_finish(tiny_target_dir, tmp_path, monkeypatch):
     """A grid stopped after its first cell keeps that cell's row in results.json and a report
     marked partial, naming the cells still to come; the complete grid's report is not marked."""

@@ -176,3 +176,25 @@ def check_cell_config(cell: Cell, cdir: Path, state: dict, tc: TrainConfig) -> N
             f"cell {cell.name!r} in {cdir} was trained with another config ({', '.join(diff)}): "
             "delete that directory to train it again, or use another out_dir"
         )
+
+
+def trained_head(ac: AblationConfig, cell: Cell, out: Path, tcfg) -> Path:
+    """The head of a cell trained already under `out` (what the study scripts' --skip-train
+    measure): refused when the cell has no finished head, no record of its config, or a record
+    of another config than the grid's (`check_cell_config`), so that results kept under the
+    cell's config are never measured on a head trained under another."""
+    tc = cell_config(ac, cell, out, tcfg)
+    cdir = Path(tc.run.out_dir)
+    if not (cdir / "head" / "config.json").is_file():
+        raise Eagle3Error(
+            f"--skip-train: cell {cell.name!r} has no trained head ({cdir / 'head'}): run "
+            "without --skip-train to train it"
+        )
+    path = cdir / "cell.json"
+    if not path.is_file() and not (cdir / "train_config.json").is_file():
+        raise Eagle3Error(
+            f"--skip-train: cell {cell.name!r} in {cdir} has no record of the config it was "
+            "trained with (cell.json): run without --skip-train to train it here"
+        )
+    check_cell_config(cell, cdir, json.loads(path.read_text()) if path.is_file() else {}, tc)
+    return cdir / "head"
