@@ -120,8 +120,8 @@ def _split(res: dict, slow: float = 1.0) -> list[dict]:
 def test_groups_measured_apart_merge_into_the_one_run_s_rows():
     """Heads measured in separate group runs, each beside its own plain decoding: merged, their
     rows equal the one run's (tau, speedup, paired tau and throughput); on a slower machine the
-    speedups and the paired throughput ratio stand, as each is taken over the group's own plain
-    decoding. Runs that differ in more than their heads are refused."""
+    speedups and the paired ratio stand, as each is taken over the group's own plain decoding
+    (a ratio of speedups, and so labelled). Runs that differ in more than their heads are refused."""
     one = {r["head"]: r for r in study.head_rows(_results(), HEADS, "ref", COSTS)}
     for slow in (1.0, 3.0):
         merged = study.merge_groups(_split(_results(), slow))
@@ -136,6 +136,19 @@ def test_groups_measured_apart_merge_into_the_one_run_s_rows():
             assert rows["spec"]["vs_reference"][k]["mean"] == pytest.approx(
                 one["spec"]["vs_reference"][k]["mean"]
             )
+        # so the report calls the paired speed column what it compares: speedups across runs
+        text = "\n".join(study.tree_section("t", merged, list(rows.values()), "ref"))
+        assert "| head | tau - ref | speedup / ref |" in text
+        assert "question by question over 6 questions" in text
+    text = "\n".join(study.tree_section("t", _results(), list(one.values()), "ref"))
+    assert "| head | tau - ref | throughput / ref |" in text  # one run: its plain decoding cancels
+    for cut in ("vanilla", "eagle3"):  # a group (or one head of it) short of a question
+        parts = _split(_results())
+        parts[1]["records"] = [
+            r for r in parts[1]["records"] if r["question_id"] != 5 or cut not in r["method"]
+        ]
+        with pytest.raises(ValueError, match="answered 5 questions, not the 6"):
+            study.merge_groups(parts)
     parts = _split(_results())
     parts[1]["config"]["max_new_tokens"] = 128
     with pytest.raises(ValueError, match="differ in max_new_tokens"):
@@ -146,7 +159,7 @@ def test_drafting_times_from_separate_runs_are_scaled_by_the_calibration_head():
     """Each timing run also times the calibration head: a run on a machine twice as slow has its
     times halved to the runs' common scale (the calibration's median over runs), the measured
     times kept under `measured`, and the cost table says so; without a calibration head, times
-    stand as measured."""
+    stand as measured; a head timed in two runs is refused, not one of them silently kept."""
     fast = {"calibration": {"round_ms": 10.0, "step_ms_rows1": 1.0}, "a": {"round_ms": 30.0,
             "step_ms_rows1": 2.0, "kind": "own lm_head"}}  # fmt: skip
     slow = {"calibration": {"round_ms": 30.0, "step_ms_rows1": 3.0}, "b": {"round_ms": 90.0,
@@ -162,6 +175,8 @@ def test_drafting_times_from_separate_runs_are_scaled_by_the_calibration_head():
     assert costs["a"]["kind"] == "own lm_head"
     raw = study.calibrated_costs([{"a": {"round_ms": 30.0}}], None)
     assert raw["a"]["round_ms"] == 30.0 and "scale" not in raw["a"]
+    with pytest.raises(ValueError, match="head a was timed in two runs"):
+        study.calibrated_costs([fast, {**slow, "a": fast["a"]}], "calibration")
 
 
 def _replayed(res: dict) -> dict:
@@ -380,6 +395,16 @@ def test_the_paper_grid_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path,
     with gzip.open(groups / "target_lm_head" / "results_cpu.json.gz", "rt") as f:
         drafts = json.load(f)["config"]["drafts"]
     assert sorted(drafts) == ["frspec_40", "target_lm_head"]  # the cut head runs in its group
+    # the drafting times are stamped with what was timed: the heads, the calibration head and
+    # the target, by content (a head edited in place under the same path is timed again)
+    from eagle3_jax.checkpoints import files_digest, target_digest
+    from eagle3_jax.checkpoints.atomic import made_from
+    from eagle3_jax.evaluation.fingerprint import head_digest
+
+    target = target_digest(str(tiny_target_dir), times=False)
+    stamp = json.loads((tmp_path / "study/draft_cost_cpu_specvocab.json.inputs.json").read_text())
+    assert stamp["calibration"] == head_digest(trunk) and stamp["target"] == target
+    assert stamp["heads"] == {"specvocab": head_digest(tmp_path / "grid/cells/specvocab/head")}
     # a fresh machine with the published groups: the study only reports (its --out is empty,
     # no cell's head exists, nothing trains or measures; the counts are made again, the same)
     import shutil
@@ -392,14 +417,8 @@ def test_the_paper_grid_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path,
     assert not (tmp_path / "grid" / "cells").exists()
     regen = tmp_path / "grid/shared/regenerated.jsonl"
     assert regen.exists()  # VocabTrim counted the target's own answers
-    assert made_from_ok(tmp_path / "study/counts_generated.npy", regen)
-
-
-def made_from_ok(artefact, corpus) -> bool:
-    from eagle3_jax.checkpoints import files_digest
-    from eagle3_jax.checkpoints.atomic import made_from
-
-    return made_from(artefact, {"corpus": files_digest([str(corpus)]), "roles": "assistant"})
+    counted = {"corpus": files_digest([str(regen)]), "roles": "assistant", "target": target}
+    assert made_from(tmp_path / "study/counts_generated.npy", counted)
 
 
 def test_the_report_predicts_the_papers_setting_on_an_accelerator():

@@ -102,9 +102,23 @@ def merge_groups(parts: Sequence[dict]) -> dict:
             diff = sorted(k for k in set(c) | set(common[0]) if c.get(k) != common[0].get(k))
             raise ValueError(f"group runs differ in {', '.join(diff)}: they cannot be merged")
     config = {**parts[0]["config"], "methods": [], "drafts": {}, "draft_digests": {}}
-    records, baselines = [], {}
+    records, baselines, asked = [], {}, None
     for i, p in enumerate(parts):
         vanilla = [r for r in p["records"] if r["method"] == metrics.VANILLA]
+        # every head paired on the questions of every other: each group's plain decoding and
+        # heads answered the same ones (a run cut short, or from another question set, is not)
+        by_method = {}
+        for r in p["records"]:
+            by_method.setdefault(r["method"], set()).add(str(r["question_id"]))
+        mine = by_method.get(metrics.VANILLA, set())
+        asked = mine if asked is None else asked
+        odd = {m: q for m, q in by_method.items() if q != asked}
+        if odd:
+            m, q = next(iter(odd.items()))
+            raise ValueError(
+                f"group run {i} ({m}) answered {len(q)} questions, not the {len(asked)} of the "
+                f"first group's plain decoding ({len(q ^ asked)} differ): they cannot be merged"
+            )
         labels = {}  # a run of one head labels it without its name: named here, as in a run of many
         for m in p["config"]["methods"]:
             if m["kind"] == "vanilla":
@@ -143,6 +157,8 @@ def calibrated_costs(parts: Sequence[dict], calibration: str | None) -> dict[str
         for head, row in p.items():
             if head == calibration:
                 continue
+            if head in out:  # which run's time would stand is not ours to pick
+                raise ValueError(f"head {head} was timed in two runs: keep one of them")
             row = dict(row)
             if scale:
                 row["measured"] = {k: row[k] for k in scale if row.get(k) is not None}
@@ -243,6 +259,19 @@ def _paper_cells(family: str) -> str:
     return f"{fmt(p.get('tau_olmo2_1b'))} | {fmt(p.get('tps_olmo2_7b'), 1)}"
 
 
+def paired_speed(results: dict) -> str:
+    """What the paired speed column compares: "throughput" when the heads were timed in one run
+    (its plain decoding cancels), "speedup" when merged from groups timed in separate runs
+    (`merge_groups`: each question's throughput over its own run's plain decoding first)."""
+    return "speedup" if results.get("baselines") else "throughput"
+
+
+def paired_n(rows: list[dict]) -> int:
+    """How many questions the heads are paired on (those every head and the reference
+    answered; `merge_groups` refuses groups that answered different ones)."""
+    return max((r["vs_reference"]["tau"]["n"] for r in rows if "vs_reference" in r), default=0)
+
+
 def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> list[str]:
     """The markdown for one tree's run: the paper-shaped table, then the paired table."""
     tasks = list(rows[0]["tau_by_task"]) if rows else []
@@ -282,16 +311,28 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
             f" | {fmt(r['round_ms'], 1)} | {fmt(r['draft_round_ms'], 1)} | {_paper_cells(r['family'])} |"
         )
     ran = any(r["head"] == reference for r in rows)
+    speed = paired_speed(results)
     out += [
         "",
-        f"Paired against `{reference}`, question by question (mean and 95 % t interval; * the "
-        "interval excludes no difference): tau difference, throughput ratio, and tau difference "
+        f"Paired against `{reference}`, question by question over {paired_n(rows)} questions "
+        "(mean and 95 % t interval; * the "
+        f"interval excludes no difference): tau difference, {speed} ratio, and tau difference "
         "per task. These are means over questions (each question's tau pooled over its turns; "
-        "the throughput ratio a geometric mean), so they need not equal the differences of the "
-        "table's pooled tau and tokens/s.",
+        f"the {speed} ratio a geometric mean), so they need not equal the differences of the "
+        f"table's pooled tau and {'speedup' if speed == 'speedup' else 'tokens/s'}.",
+        *(
+            [
+                "The heads were timed in separate runs (one per group), so each question's "
+                "throughput is first taken over its own run's plain decoding of that question: "
+                "the ratio compares speedups, not raw tokens/s across runs."
+            ]
+            if speed == "speedup"
+            and any((r.get("vs_reference") or {}).get("throughput") for r in rows)
+            else []
+        ),
         *([] if ran else ["", f"`{reference}` did not run in this tree: nothing is paired."]),
         "",
-        "| head | tau - ref | throughput / ref | " + " | ".join(tasks) + " |",
+        f"| head | tau - ref | {speed} / ref | " + " | ".join(tasks) + " |",
         "|" + " --- |" * (3 + len(tasks)),
     ]
     for r in rows:
@@ -520,7 +561,11 @@ def report(
     ]
     for name, results in runs.items():
         rows = head_rows(results, heads, reference, costs.get(name, {}))
-        summary["trees"][name] = {"tree": list(tree_of(results)), "rows": rows}
+        summary["trees"][name] = {
+            "tree": list(tree_of(results)),
+            "paired_speed": paired_speed(results),
+            "rows": rows,
+        }
         lines += tree_section(name, results, rows, reference)
     for name, tree_costs in costs.items():
         lines += cost_section(name, tree_costs, heads)
@@ -545,8 +590,8 @@ def curve_points(curves: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], 
 
 
 def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list[Path]:
-    """tau difference and throughput ratio against the reference with their intervals (one panel
-    per tree), draft time per round against tau, and the held-out training curves."""
+    """tau difference and throughput (or speedup: `paired_speed`) ratio against the reference with
+    their intervals (one panel per tree), draft time per round against tau, and the held-out training curves."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -568,8 +613,9 @@ def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list
                 )
             ax.axvline(null, color="grey", lw=0.8)
             ax.set_yticks(list(ys), [r["head"] for r in rows])
+            speed = t.get("paired_speed", "throughput")
             ax.set_title(
-                f"tree {name}: " + ("tau - ref" if key == "tau" else "throughput / ref") + " (95 %)"
+                f"tree {name}: " + ("tau - ref" if key == "tau" else f"{speed} / ref") + " (95 %)"
             )
     fig.tight_layout()
     paths.append(out / "paired.png")
