@@ -590,8 +590,9 @@ def curve_points(curves: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], 
 
 
 def plot(summary: dict, curves: dict[str, list[dict]] | None, out: Path) -> list[Path]:
-    """tau difference and throughput (or speedup: `paired_speed`) ratio against the reference with
-    their intervals (one panel per tree), draft time per round against tau, and the held-out training curves."""
+    """tau difference and throughput (or speedup: `paired_speed`) ratio against the reference
+    with their intervals (one panel per tree), draft time per round against tau, and the
+    held-out training curves."""
     import matplotlib
 
     matplotlib.use("Agg")
