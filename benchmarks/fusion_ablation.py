@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vocab_study import (  # noqa: E402  the same stage runner, lock and groups
     cell_curve,
     grid_root,
+    kept_groups,
     locked,
     pending_groups,
     publish_group,
@@ -102,7 +103,9 @@ def main(argv=None) -> int:
             {p.name: p for p in sorted((Path(args.out) / "eval").glob("*")) if p.is_dir()},
             load_questions(bench, questions),
         )
-        print("\n".join(lines))
+        groups = Path(args.publish or args.out) / "groups"
+        kept = ", ".join(c.name for c in kept_groups(grid, groups)) or "none yet"
+        print("\n".join(lines + [f"groups measured ({groups}): {kept}"]))
         return 0
     return locked(Path(args.out), "fusion ablation", lambda out: stages(args, out))
 

@@ -497,6 +497,23 @@ def test_vocab_study_status_starts_nothing(tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"study: running (pid {os.getpid()})\n")
 
 
+def test_fusion_ablation_status_names_the_groups_kept(tmp_path, capsys):
+    """`benchmarks/fusion_ablation.py --status --publish DIR` names the cells whose group is kept
+    under DIR/groups (a folder and its stamp; a folder without one is not kept) and writes nothing."""
+    fa = load_script("benchmarks/fusion_ablation.py")
+    pub, out = tmp_path / "pub", tmp_path / "eval"
+    (pub / "groups" / "default").mkdir(parents=True)
+    (pub / "groups" / "default.inputs.json").write_text("{}")
+    (pub / "groups" / "top_layer_only").mkdir()  # a publish cut short: no stamp
+    grid = str(fa.ROOT / "configs/ablate_tiny.py")
+    before = sorted(tmp_path.rglob("*"))
+    assert fa.main(["--status", "--grid", grid, "--out", str(out), "--publish", str(pub)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("ablation: not running\n")
+    assert f"groups measured ({pub / 'groups'}): default\n" in text
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_a_sigterm_to_the_study_reaches_its_stage_and_ends_it_resumably(tmp_path, capsys):
     """The study driver runs each stage as a subprocess: a SIGTERM to the driver is passed on to
     the stage in progress (a training stage checkpoints its step and stops), and the study ends
