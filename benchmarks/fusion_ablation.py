@@ -153,7 +153,7 @@ def stages(args: argparse.Namespace, out: Path) -> None:
         files = {"results.json.gz": out / "eval" / c.name / "results.json"}
         publish_group(files, root / "cells" / c.name, gdir, key)
     groups = [read_results(results / c.name / "results.json.gz") for c in grid.cells]  # 3
-    merged = study.merge_groups(groups)
+    merged = study.merge_groups(groups, [c.name for c in grid.cells])
     curves = {c.name: cell_curve(results.parent, c.name, study.read_curve(results / c.name))
               for c in grid.cells}  # fmt: skip
     cells = {c.name: describe(c.overrides) for c in grid.cells}

@@ -388,7 +388,8 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
     report_stage(args, out, grid, results, cell_heads, sizes, reference, trees)  # 7, of those kept
     for cell, gdir, key in pending:
         group_stages(args, overrides, out, grid, cell, cell_heads[cell.name], sizes, counts,
-                     trees, st, model, calibration, vocab_size, common["target"])  # fmt: skip
+                     trees, st, model, calibration, vocab_size, common["target"],
+                     files_digest([target]))  # fmt: skip
         files = {}
         for t in trees:
             files[f"results_{t}.json.gz"] = out / f"eval_{t}" / cell.name / "results.json"
@@ -400,11 +401,13 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
 
 
 def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, st, model,
-                 calibration, vocab_size, target_key) -> None:  # fmt: skip
+                 calibration, vocab_size, target_key, target_files) -> None:  # fmt: skip
     """One group's stages: its cell trained (1), its cuts (3), its heads' drafting time beside
     the calibration head (4), one harness run per tree of plain decoding and its heads (5), and
     SpecVocab's speculator recall (6), all under --out. Each stage's output is stamped with the
-    digests of what it read (the heads, the calibration head, the target: `target_key`)."""
+    digests of what it read: the heads, the calibration head, the data; the target's identity
+    (`target_key`) for the timings, its files (`target_files`: weights and tokenizer, by name,
+    size and time) for what its weights or tokenizer decide (the counts, the recall)."""
     root = grid_root(grid)
     if not args.skip_train:  # 1
         run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--cells", cell.name,
@@ -413,7 +416,7 @@ def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, s
     for name, family, size in group_heads(head, sizes):
         npy, corpus, roles = counts[family]
         made(npy, {"corpus": files_digest(corpus.split(",")), "roles": roles,  # 2
-                   "target": target_key},
+                   "target": target_files},
              lambda: run([PY, "-m", "eagle3_jax", "vocab", "count", "--corpus", corpus,
                           "--roles", roles, "--out", str(npy), *model[:2]]))  # fmt: skip
         dst = out / "heads" / name  # 3
@@ -459,7 +462,8 @@ def group_stages(args, overrides, out, grid, cell, head, sizes, counts, trees, s
                "--k", ",".join(map(str, ks)), "--draft", f"{cell.name}={paths[cell.name]}"]  # fmt: skip
         if n:
             cmd += ["--data", str(held_out), "--records", f"0:{n}"]
-        stamp = {"heads": {cell.name: digests[cell.name]}, "target": target_key}
+        stamp = {"heads": {cell.name: digests[cell.name]}, "target": target_files,
+                 "data": held_out and files_digest([held_out]), "records": n, "k": ks}  # fmt: skip
         made(recall, stamp, lambda: run(cmd))
 
 
@@ -517,9 +521,10 @@ def report_stage(args, out, grid, results, cell_heads, sizes, reference, trees) 
         for name, family, size in group_heads(cell_heads[c.name], sizes):
             heads.append(study.StudyHead(name, family, size, f"cut from {c.name}",
                                          cell_heads[c.name].target_vocab))  # fmt: skip
-    runs = {t: study.merge_groups([g["runs"][t] for g in groups.values()]) for t in trees}
+    names = list(groups)
+    runs = {t: study.merge_groups([g["runs"][t] for g in groups.values()], names) for t in trees}
     costs = {
-        t: study.calibrated_costs([g["costs"][t] for g in groups.values()], CALIBRATION)
+        t: study.calibrated_costs([g["costs"][t] for g in groups.values()], CALIBRATION, names)
         for t in trees
     }
     # each cell's curve as first published (a cell retrained on a fresh machine validates its

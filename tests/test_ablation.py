@@ -243,6 +243,9 @@ def test_skip_train_measures_only_a_head_trained_under_its_cells_config(tiny_tar
     (cdir / "head/config.json").write_text("{}")
     with pytest.raises(Eagle3Error, match="no record of the config"):
         trained_head(ac, cell, out, tcfg)
+    (cdir / "cell.json").write_text(json.dumps({"step": 3}))  # a state, but no config in it
+    with pytest.raises(Eagle3Error, match="no record of the config"):
+        trained_head(ac, cell, out, tcfg)
     tc = cell_config(ac, cell, out, tcfg)
     (cdir / "cell.json").write_text(json.dumps({"config": cell_record(tc)}))
     assert trained_head(ac, cell, out, tcfg) == cdir / "head"

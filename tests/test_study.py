@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import load_script
 
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import study
 
 TREE = [10, 8, 60]
@@ -121,7 +122,8 @@ def test_groups_measured_apart_merge_into_the_one_run_s_rows():
     """Heads measured in separate group runs, each beside its own plain decoding: merged, their
     rows equal the one run's (tau, speedup, paired tau and throughput); on a slower machine the
     speedups and the paired ratio stand, as each is taken over the group's own plain decoding
-    (a ratio of speedups, and so labelled). Runs that differ in more than their heads are refused."""
+    (a ratio of speedups, and so labelled). Runs that differ in more than their heads are refused,
+    naming the group; one group merged alone is one run."""
     one = {r["head"]: r for r in study.head_rows(_results(), HEADS, "ref", COSTS)}
     for slow in (1.0, 3.0):
         merged = study.merge_groups(_split(_results(), slow))
@@ -142,16 +144,27 @@ def test_groups_measured_apart_merge_into_the_one_run_s_rows():
         assert "question by question over 6 questions" in text
     text = "\n".join(study.tree_section("t", _results(), list(one.values()), "ref"))
     assert "| head | tau - ref | throughput / ref |" in text  # one run: its plain decoding cancels
+    alone = study.merge_groups([_results()])  # one group kept: still one run
+    text = "\n".join(study.tree_section("t", alone, list(one.values()), "ref"))
+    assert "| head | tau - ref | throughput / ref |" in text and "separate runs" not in text
+    short = {**one["spec"], "vs_reference": {**one["spec"]["vs_reference"]}}
+    short["vs_reference"]["tau"] = {**short["vs_reference"]["tau"], "n": 5}
+    assert study.paired_n([one["ref"], one["spec"], {**short, "head": "spec2"}]) == "5-6"
+    assert study.paired_n([one["ref"]]) == ""  # nothing paired: no count
     for cut in ("vanilla", "eagle3"):  # a group (or one head of it) short of a question
         parts = _split(_results())
         parts[1]["records"] = [
             r for r in parts[1]["records"] if r["question_id"] != 5 or cut not in r["method"]
         ]
-        with pytest.raises(ValueError, match="answered 5 questions, not the 6"):
-            study.merge_groups(parts)
+        with pytest.raises(
+            Eagle3Error, match="group b .*answered 5 questions, not the 6 of group a"
+        ):
+            study.merge_groups(parts, ["a", "b"])
     parts = _split(_results())
     parts[1]["config"]["max_new_tokens"] = 128
-    with pytest.raises(ValueError, match="differ in max_new_tokens"):
+    with pytest.raises(
+        Eagle3Error, match="group #1's run differs from group #0's in max_new_tokens"
+    ):
         study.merge_groups(parts)
 
 
@@ -175,8 +188,8 @@ def test_drafting_times_from_separate_runs_are_scaled_by_the_calibration_head():
     assert costs["a"]["kind"] == "own lm_head"
     raw = study.calibrated_costs([{"a": {"round_ms": 30.0}}], None)
     assert raw["a"]["round_ms"] == 30.0 and "scale" not in raw["a"]
-    with pytest.raises(ValueError, match="head a was timed in two runs"):
-        study.calibrated_costs([fast, {**slow, "a": fast["a"]}], "calibration")
+    with pytest.raises(Eagle3Error, match=r"head a was timed in two runs \(groups g0 and g1\)"):
+        study.calibrated_costs([fast, {**slow, "a": fast["a"]}], "calibration", ["g0", "g1"])
 
 
 def _replayed(res: dict) -> dict:
@@ -417,8 +430,14 @@ def test_the_paper_grid_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path,
     assert not (tmp_path / "grid" / "cells").exists()
     regen = tmp_path / "grid/shared/regenerated.jsonl"
     assert regen.exists()  # VocabTrim counted the target's own answers
-    counted = {"corpus": files_digest([str(regen)]), "roles": "assistant", "target": target}
-    assert made_from(tmp_path / "study/counts_generated.npy", counted)
+    # the counts depend on the target's tokenizer: stamped with its files, not its identity
+    files = files_digest([tiny_target_dir])
+    counted = {"corpus": files_digest([str(regen)]), "roles": "assistant", "target": files}
+    assert made_from(tmp_path / "study2/counts_generated.npy", counted)
+    recall = json.loads(
+        (tmp_path / "study/speculator_recall_specvocab.json.inputs.json").read_text()
+    )
+    assert recall["target"] == files and recall["data"] and recall["records"] and recall["k"]
 
 
 def test_the_report_predicts_the_papers_setting_on_an_accelerator():

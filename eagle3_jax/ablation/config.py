@@ -191,10 +191,11 @@ def trained_head(ac: AblationConfig, cell: Cell, out: Path, tcfg) -> Path:
             "without --skip-train to train it"
         )
     path = cdir / "cell.json"
-    if not path.is_file() and not (cdir / "train_config.json").is_file():
+    state = json.loads(path.read_text()) if path.is_file() else {}
+    if state.get("config") is None and not (cdir / "train_config.json").is_file():
         raise Eagle3Error(
             f"--skip-train: cell {cell.name!r} in {cdir} has no record of the config it was "
             "trained with (cell.json): run without --skip-train to train it here"
         )
-    check_cell_config(cell, cdir, json.loads(path.read_text()) if path.is_file() else {}, tc)
+    check_cell_config(cell, cdir, state, tc)
     return cdir / "head"

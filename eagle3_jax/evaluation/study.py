@@ -20,6 +20,7 @@ import numpy as np
 
 from eagle3_jax.accelerators import predict, specs
 from eagle3_jax.decoding.tree import TreeConfig
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import metrics, paired
 from eagle3_jax.evaluation.questions import task_order
 from eagle3_jax.evaluation.records import read_jsonl
@@ -84,23 +85,29 @@ def tree_of(results: dict) -> tuple:
     return shapes.pop()
 
 
-def merge_groups(parts: Sequence[dict]) -> dict:
+def merge_groups(parts: Sequence[dict], names: Sequence[str] | None = None) -> dict:
     """One tree's results from its groups' harness runs (benchmarks/vocab_study.py runs each
     cell, with the heads cut from it, as its own run beside its own plain decoding, so that a
     finished group outlives the machine and the heads that made it): every group's heads, the
     first group's plain decoding as `vanilla`, and under `baselines` each head's own group's
     plain decoding, over which its speedup and its paired throughput are taken. The runs must
-    agree on all but their heads (the same target files, questions, budget and batch)."""
+    agree on all but their heads (the same target files, questions, budget and batch); runs
+    that do not are refused (Eagle3Error) naming the group (`names`: each part's, else its
+    index)."""
     if not parts:
         raise ValueError("no group results to merge")
+    names = list(names) if names is not None else [f"#{i}" for i in range(len(parts))]
     # target_digest holds the target files' times, which a fresh machine's conversion changes:
     # the groups' stamps (benchmarks/vocab_study.py) hold the target's identity instead
     mine = ("target", "target_digest", "drafts", "methods", "draft_digests", "draft_vocab")
     common = [{k: v for k, v in p["config"].items() if k not in mine} for p in parts]
-    for c in common[1:]:
+    for name, c in zip(names[1:], common[1:]):
         if c != common[0]:
             diff = sorted(k for k in set(c) | set(common[0]) if c.get(k) != common[0].get(k))
-            raise ValueError(f"group runs differ in {', '.join(diff)}: they cannot be merged")
+            raise Eagle3Error(
+                f"group {name}'s run differs from group {names[0]}'s in {', '.join(diff)}: "
+                "they cannot be merged (remeasure one, or move it away)"
+            )
     config = {**parts[0]["config"], "methods": [], "drafts": {}, "draft_digests": {}}
     records, baselines, asked = [], {}, None
     for i, p in enumerate(parts):
@@ -115,9 +122,10 @@ def merge_groups(parts: Sequence[dict]) -> dict:
         odd = {m: q for m, q in by_method.items() if q != asked}
         if odd:
             m, q = next(iter(odd.items()))
-            raise ValueError(
-                f"group run {i} ({m}) answered {len(q)} questions, not the {len(asked)} of the "
-                f"first group's plain decoding ({len(q ^ asked)} differ): they cannot be merged"
+            raise Eagle3Error(
+                f"group {names[i]} ({m}) answered {len(q)} questions, not the {len(asked)} of "
+                f"group {names[0]}'s plain decoding ({len(q ^ asked)} differ): they cannot be "
+                "merged (remeasure one, or move it away)"
             )
         labels = {}  # a run of one head labels it without its name: named here, as in a run of many
         for m in p["config"]["methods"]:
@@ -128,7 +136,7 @@ def merge_groups(parts: Sequence[dict]) -> dict:
             draft = m.get("draft")
             label = m["label"] if not draft or "@" in m["label"] else f"{m['label']}@{draft}"
             if label in baselines:
-                raise ValueError(f"method {label} is in two group runs")
+                raise Eagle3Error(f"method {label} is in two group runs (group {names[i]})")
             labels[m["label"]] = label
             config["methods"].append({**m, "label": label})
             baselines[label] = vanilla
@@ -138,18 +146,23 @@ def merge_groups(parts: Sequence[dict]) -> dict:
         records += [
             {**r, "method": labels[r["method"]]} for r in p["records"] if r["method"] in labels
         ]
-    return {"config": config, "records": records, "baselines": baselines}
+    return {"config": config, "records": records, "baselines": baselines, "runs": len(parts)}
 
 
-def calibrated_costs(parts: Sequence[dict], calibration: str | None) -> dict[str, dict]:
+def calibrated_costs(
+    parts: Sequence[dict], calibration: str | None, names: Sequence[str] | None = None
+) -> dict[str, dict]:
     """head -> benchmarks/draft_cost.py row, from several timing runs (`parts`: each a
     draft_cost.json's rows by head). Where every run also timed the `calibration` head (the
     same files each time), each run's times are scaled by that head's median time over the runs
     over its time in this run, so heads timed on different days (or machines) compare as if
-    timed together; `scale` records the factors and `measured` the times as timed."""
+    timed together; `scale` records the factors and `measured` the times as timed. A head in
+    two runs is refused (Eagle3Error), naming both (`names`: each part's, else its index)."""
+    names = list(names) if names is not None else [f"#{i}" for i in range(len(parts))]
     out: dict[str, dict] = {}
+    where: dict[str, str] = {}
     cal = [p.get(calibration) for p in parts] if calibration else []
-    for p, c in zip(parts, cal or [None] * len(parts)):
+    for name, p, c in zip(names, parts, cal or [None] * len(parts)):
         scale = {}
         if c is not None and all(x is not None for x in cal):
             keys = [k for k in c if k.endswith("_ms") or "_ms_" in k]
@@ -158,13 +171,17 @@ def calibrated_costs(parts: Sequence[dict], calibration: str | None) -> dict[str
             if head == calibration:
                 continue
             if head in out:  # which run's time would stand is not ours to pick
-                raise ValueError(f"head {head} was timed in two runs: keep one of them")
+                raise Eagle3Error(
+                    f"head {head} was timed in two runs (groups {where[head]} and {name}): "
+                    "keep one of them"
+                )
             row = dict(row)
             if scale:
                 row["measured"] = {k: row[k] for k in scale if row.get(k) is not None}
                 row.update({k: v * scale[k] for k, v in row["measured"].items()})
                 row["scale"] = {k: round(f, 4) for k, f in scale.items()}
             out[head] = row
+            where[head] = name
     return out
 
 
@@ -262,14 +279,19 @@ def _paper_cells(family: str) -> str:
 def paired_speed(results: dict) -> str:
     """What the paired speed column compares: "throughput" when the heads were timed in one run
     (its plain decoding cancels), "speedup" when merged from groups timed in separate runs
-    (`merge_groups`: each question's throughput over its own run's plain decoding first)."""
-    return "speedup" if results.get("baselines") else "throughput"
+    (`merge_groups`: each question's throughput over its own run's plain decoding first). One
+    merged group is one run."""
+    return "speedup" if results.get("runs", 1) > 1 else "throughput"
 
 
-def paired_n(rows: list[dict]) -> int:
-    """How many questions the heads are paired on (those every head and the reference
-    answered; `merge_groups` refuses groups that answered different ones)."""
-    return max((r["vs_reference"]["tau"]["n"] for r in rows if "vs_reference" in r), default=0)
+def paired_n(rows: list[dict]) -> str:
+    """How many questions the heads' tau is paired on, as text ("180", or "170-180" where
+    heads answered different numbers; `merge_groups` refuses groups that did). "" when nothing
+    is paired."""
+    ns = sorted({r["vs_reference"]["tau"]["n"] for r in rows if r.get("vs_reference")})
+    if not ns:
+        return ""
+    return f"{ns[0]}" if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
 
 
 def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> list[str]:
@@ -314,8 +336,9 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
     speed = paired_speed(results)
     out += [
         "",
-        f"Paired against `{reference}`, question by question over {paired_n(rows)} questions "
-        "(mean and 95 % t interval; * the "
+        f"Paired against `{reference}`, question by question"
+        + (f" over {paired_n(rows)} questions " if paired_n(rows) else " ")
+        + "(mean and 95 % t interval; * the "
         f"interval excludes no difference): tau difference, {speed} ratio, and tau difference "
         "per task. These are means over questions (each question's tau pooled over its turns; "
         f"the {speed} ratio a geometric mean), so they need not equal the differences of the "
