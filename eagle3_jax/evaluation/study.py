@@ -85,6 +85,11 @@ def tree_of(results: dict) -> tuple:
     return shapes.pop()
 
 
+def _group_names(parts: Sequence, names: Sequence[str] | None) -> list[str]:
+    """What a refusal calls each group run: its name, else "#i" for its index."""
+    return list(names) if names is not None else [f"#{i}" for i in range(len(parts))]
+
+
 def merge_groups(parts: Sequence[dict], names: Sequence[str] | None = None) -> dict:
     """One tree's results from its groups' harness runs (benchmarks/vocab_study.py runs each
     cell, with the heads cut from it, as its own run beside its own plain decoding, so that a
@@ -96,7 +101,7 @@ def merge_groups(parts: Sequence[dict], names: Sequence[str] | None = None) -> d
     index)."""
     if not parts:
         raise ValueError("no group results to merge")
-    names = list(names) if names is not None else [f"#{i}" for i in range(len(parts))]
+    names = _group_names(parts, names)
     # target_digest holds the target files' times, which a fresh machine's conversion changes:
     # the groups' stamps (benchmarks/vocab_study.py) hold the target's identity instead
     mine = ("target", "target_digest", "drafts", "methods", "draft_digests", "draft_vocab")
@@ -158,7 +163,7 @@ def calibrated_costs(
     over its time in this run, so heads timed on different days (or machines) compare as if
     timed together; `scale` records the factors and `measured` the times as timed. A head in
     two runs is refused (Eagle3Error), naming both (`names`: each part's, else its index)."""
-    names = list(names) if names is not None else [f"#{i}" for i in range(len(parts))]
+    names = _group_names(parts, names)
     out: dict[str, dict] = {}
     where: dict[str, str] = {}
     cal = [p.get(calibration) for p in parts] if calibration else []
@@ -333,11 +338,11 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
             f" | {fmt(r['round_ms'], 1)} | {fmt(r['draft_round_ms'], 1)} | {_paper_cells(r['family'])} |"
         )
     ran = any(r["head"] == reference for r in rows)
-    speed = paired_speed(results)
+    speed, n_paired = paired_speed(results), paired_n(rows)
     out += [
         "",
         f"Paired against `{reference}`, question by question"
-        + (f" over {paired_n(rows)} questions " if paired_n(rows) else " ")
+        + (f" over {n_paired} questions " if n_paired else " ")
         + "(mean and 95 % t interval; * the "
         f"interval excludes no difference): tau difference, {speed} ratio, and tau difference "
         "per task. These are means over questions (each question's tau pooled over its turns; "
