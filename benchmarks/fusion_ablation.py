@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from eagle3_jax.ablation.config import load_ablation, trained_head
-from eagle3_jax.ablation.status import cell_status, running_line, status_lines
+from eagle3_jax.ablation.status import cell_status, running_line, status_lines, store_line
 from eagle3_jax.checkpoints import load_target_config, resolve_target, target_digest
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
@@ -98,8 +98,10 @@ def main(argv=None) -> int:
     if args.status:
         grid = load_ablation(args.grid)
         bench, questions = what_is_asked(args, grid)
-        lines = [running_line(Path(args.out), "ablation")] + status_lines(
-            cell_status(grid, grid_root(grid)),
+        root = grid_root(grid)
+        lines = [running_line(Path(args.out), "ablation"), store_line(root / "features")]
+        lines += status_lines(
+            cell_status(grid, root),
             {p.name: p for p in sorted((Path(args.out) / "eval").glob("*")) if p.is_dir()},
             load_questions(bench, questions),
         )

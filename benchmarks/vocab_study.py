@@ -56,7 +56,7 @@ from pathlib import Path
 import jax
 
 from eagle3_jax.ablation.config import load_ablation, trained_head
-from eagle3_jax.ablation.status import cell_status, running_line, status_lines
+from eagle3_jax.ablation.status import cell_status, running_line, status_lines, store_line
 from eagle3_jax.checkpoints import (
     files_digest,
     load_target_config,
@@ -273,6 +273,7 @@ def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     measured = [c.name for c in kept_groups(grid, groups)]
     return [
         running_line(out, "study"),
+        store_line(root / "features"),
         *status_lines(cell_status(grid, root), {}),
         f"groups measured ({groups}): {', '.join(measured) or 'none yet'}",
         f"token counts: {have(sorted(out.glob('counts_*.npy')))}",

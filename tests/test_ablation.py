@@ -386,3 +386,32 @@ def test_status_reads_where_each_cell_and_harness_run_stands(tmp_path):
         "harness cpu: not started (records per method, of 80 questions)",
     ]
     assert sorted(p for p in tmp_path.rglob("*")) == before
+
+
+def test_status_says_where_the_shared_feature_store_stands(tmp_path):
+    """--status's feature-store line: not started, being built (the batches done over every
+    process's progress file, of their total where the files record it), ready once features.json
+    is written; a progress file being replaced is skipped, not an error."""
+    from eagle3_jax.ablation.status import store_line
+
+    store = tmp_path / "features"
+    assert store_line(store) == "feature store: not started"
+    part = tmp_path / "features.partial"
+    part.mkdir()
+    assert store_line(store) == "feature store: being built (0 batches done)"
+    (part / "progress.json").write_text('{"done_batches": 453, "total_batches": 1200}')
+    assert store_line(store) == "feature store: being built (453 of 1,200 batches done)"
+    (part / "progress.json").write_text('{"done_batches": 453}')  # begun before totals were kept
+    assert store_line(store) == "feature store: being built (453 batches done)"
+    (part / "progress.json").unlink()
+    for p, (done, total) in enumerate([(300, 600), (250, 600)]):  # two processes' shards
+        (part / f"shard{p}").mkdir()
+        (part / f"shard{p}" / "progress.json").write_text(
+            json.dumps({"done_batches": done, "total_batches": total})
+        )
+    (part / "shard2").mkdir()
+    (part / "shard2" / "progress.json").write_text('{"done_bat')  # cut short while replaced
+    assert store_line(store) == "feature store: being built (550 of 1,200 batches done)"
+    store.mkdir()
+    (store / "features.json").write_text("{}")
+    assert store_line(store) == "feature store: ready"

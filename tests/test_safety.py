@@ -87,6 +87,7 @@ def _read(path, layers):
 
 def test_feature_store_resumes_exactly_and_checks_its_inputs(tiny_target_dir, tmp_path,
                                                              monkeypatch):  # fmt: skip
+    from eagle3_jax.ablation.status import store_line
     from eagle3_jax.checkpoints import load_target
     from eagle3_jax.training import features
 
@@ -108,10 +109,13 @@ def test_feature_store_resumes_exactly_and_checks_its_inputs(tiny_target_dir, tm
     with pytest.raises(KeyboardInterrupt):
         features.precompute(target, ds, layers, tmp_path / "f", 3, False, 4, checkpoint_seconds=0)
     assert (tmp_path / "f.partial" / features.PROGRESS).is_file()
+    # what --status of the study scripts says of it: the batches done, of the plan's
+    assert store_line(tmp_path / "f") == "feature store: being built (2 of 4 batches done)"
     calls["n"] = -100  # the resumed run computes the remaining batches only
     out = features.precompute(target, ds, layers, tmp_path / "f", 3, False, 4)
     assert calls["n"] == -100 + 2  # 4 batches of 3 over 10 records, 2 were done
     got = _read(out, layers)
+    assert store_line(out) == "feature store: ready"
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
     # a finished or partial store is not reused for other inputs, and names what differs

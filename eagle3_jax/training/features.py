@@ -151,7 +151,8 @@ def precompute(
     shard = (count, me)
     store = _Store(tmp, shard, plan, layers, target.cfg.hidden_size, ds.input_ids.shape[1], dtype,
                    done)  # fmt: skip
-    store.progress = {"inputs": want, "processes": count, "batch_size": batch_size}
+    store.progress = {"inputs": want, "processes": count, "batch_size": batch_size,
+                      "total_batches": len(plan.starts)}  # fmt: skip
     fn = jax.jit(target_features, static_argnames=("tcfg", "aux_ids"))
     last = time.monotonic()
     desc = "features" if count == 1 else f"features (process 0's share of {count})"
