@@ -501,7 +501,10 @@ def test_vocab_study_status_starts_nothing(tmp_path, capsys):
     grid = str(vs.ROOT / "configs/ablate_tiny.py")
     assert vs.main(["--status", "--grid", grid, "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("study: not running\ncell ") and "draft costs: none yet" in text
+    assert (
+        text.startswith("study: not running\nfeature store: ") and "draft costs: none yet" in text
+    )
+    assert "\ncell default: " in text
     assert "harness: not started" in text and "report: not yet" in text
     assert not any(out.iterdir())
     # a harness run under way: its records per method, of the questions it plans (Spec-Bench's
@@ -529,7 +532,7 @@ def test_fusion_ablation_status_names_the_groups_kept(tmp_path, capsys):
     before = sorted(tmp_path.rglob("*"))
     assert fa.main(["--status", "--grid", grid, "--out", str(out), "--publish", str(pub)]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("ablation: not running\n")
+    assert text.startswith("ablation: not running\nfeature store: ")
     assert f"groups measured ({pub / 'groups'}): default\n" in text
     assert sorted(tmp_path.rglob("*")) == before
 
