@@ -12,7 +12,7 @@ from pathlib import Path
 from eagle3_jax.ablation.config import AblationConfig
 from eagle3_jax.checkpoints.atomic import holder
 from eagle3_jax.evaluation.records import read_jsonl
-from eagle3_jax.training.features import META, PROGRESS
+from eagle3_jax.training.features import META, build_progress
 from eagle3_jax.training.timed import log_intervals
 
 
@@ -98,22 +98,15 @@ def harness_left_s(eval_dir: Path, questions: Sequence, records: list[dict]) -> 
 
 def store_line(features_dir: Path) -> str:
     """Where a grid's shared feature store stands, as a line: ready (its features.json), being
-    built (`FEATURES.partial`: the batches its processes' progress.json files count done, of
-    their total where they record it), or not started."""
+    built (`training.features.build_progress`: the batches done, of their total where the
+    progress files record it), or not started."""
     if (features_dir / META).exists():
         return "feature store: ready"
-    tmp = features_dir.with_name(features_dir.name + ".partial")
-    if not tmp.is_dir():
+    progress = build_progress(features_dir)
+    if progress is None:
         return "feature store: not started"
-    done, totals = 0, []
-    for f in [tmp / PROGRESS, *sorted(tmp.glob(f"shard*/{PROGRESS}"))]:
-        try:
-            state = json.loads(f.read_text())
-        except (OSError, ValueError):  # absent, or being replaced
-            continue
-        done += int(state.get("done_batches", 0))
-        totals.append(state.get("total_batches"))  # None from a store begun before it was kept
-    of = f" of {sum(totals):,}" if totals and None not in totals else ""
+    done, total = progress
+    of = f" of {total:,}" if total is not None else ""
     return f"feature store: being built ({done:,}{of} batches done)"
 
 

@@ -93,6 +93,26 @@ def _migrate(out: Path, meta: dict, want: dict) -> None:
     write_text_atomic(out / META, json.dumps(meta))
 
 
+def _partial(out: Path) -> Path:
+    """Where the store at `out` is built before it is renamed into place."""
+    return out.with_name(out.name + ".partial")
+
+
+def build_progress(out_dir: str | Path) -> tuple[int, int | None] | None:
+    """How far a store being built at `out_dir` has come, read from its files alone: (batches
+    done, their total, None where a progress file from before totals were kept leaves it
+    unknown) over every process's progress file, a file being replaced skipped; None when no
+    partial store is there."""
+    tmp = _partial(Path(out_dir))
+    if not tmp.is_dir():
+        return None
+    states = [_read_progress(f) for f in [tmp / PROGRESS, *sorted(tmp.glob(f"shard*/{PROGRESS}"))]]
+    states = [st for st in states if st is not None]
+    totals = [st.get("total_batches") for st in states]
+    total = sum(totals) if totals and None not in totals else None
+    return sum(int(st.get("done_batches", 0)) for st in states), total
+
+
 def _progress_path(tmp: Path, count: int, me: int) -> Path:
     return tmp / PROGRESS if count == 1 else tmp / f"shard{me}" / PROGRESS
 
@@ -135,7 +155,7 @@ def precompute(
     if _finished(out, want, legacy):
         return out
     check_destination(out, overwrite=False, what="features_dir")  # empty or absent
-    tmp = out.with_name(out.name + ".partial")
+    tmp = _partial(out)
     with distributed.primary_first("features: start") if count > 1 else contextlib.nullcontext():
         if me == 0:  # process 0 keeps a partial store of these inputs, or clears one of ours
             _start_partial(tmp, want, legacy, count)
