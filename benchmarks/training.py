@@ -46,7 +46,7 @@ def worker(args) -> dict:
     vocab = build_from_counts(
         np.random.default_rng(0).integers(1, 100, cfg.vocab_size), tc.head.draft_vocab_size
     )
-    dcfg = draft_config(tc, cfg, vocab)
+    dcfg = draft_config(tc, cfg, vocab.draft_size)
     tx = make_optimizer(tc.optim, 1000)
     state = init_state(start_params(tc, dcfg, target, vocab, mesh), tx, mesh)
     state_sh = target_sh = None

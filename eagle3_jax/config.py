@@ -238,9 +238,12 @@ class DraftConfig:
 
     `aux_layer_ids` use OUR convention: HF `hidden_states` indices, i.e. the INPUTS to target layers
     (default (2, L//2, L-3)). SGLang/SpecForge configs name the same tensors as layer OUTPUTS, one
-    less; the checkpoint converter translates. `rope` is the draft's own (theta 10000 unless the
-    head's config says otherwise), not the target's. `products`: how a few rows are multiplied
-    (config.ProductPolicy), a property of the machine: the loaders give the target's.
+    less; the checkpoint converter translates. `final_norm_aux`: the largest id is L, the target's
+    final NORMED state (HF `hidden_states[L]`, what the LM head reads: EAGLE-1/2's feature), which
+    only eagle3_jax captures (every runtime captures layer inputs; docs/interop.md). `rope` is the
+    draft's own (theta 10000 unless the head's config says otherwise), not the target's.
+    `products`: how a few rows are multiplied (config.ProductPolicy), a property of the machine:
+    the loaders give the target's.
     """
 
     hidden_size: int
@@ -263,6 +266,7 @@ class DraftConfig:
     speculator_rank: int = 0  # SpecVocab: > 0 adds spec_a [D, r] and spec_b [r, V]
     spec_candidates: int = 0  # SpecVocab: exact-logit candidates per drafted row (decode time);
     # 0 = min(2048, V), the published k
+    final_norm_aux: bool = False
     products: ProductPolicy = PLAIN_PRODUCTS
 
     def __post_init__(self):

@@ -348,8 +348,16 @@ def test_mapping_inconsistent_with_target_is_refused(tmp_path):
         ef.check_compatible(cfg, voc, dataclasses.replace(TARGET, vocab_size=101), embed)
     with pytest.raises(Eagle3Error, match="target_hidden_size 48 != the target's hidden size 64"):
         ef.check_compatible(cfg, voc, dataclasses.replace(TARGET, hidden_size=64), embed)
-    with pytest.raises(Eagle3Error, match=r"include \[5\], outside the target's layers 0..4"):
+    with pytest.raises(Eagle3Error, match=r"include \[4, 5\], outside the target's layers 0..3"):
+        ef.check_compatible(cfg, voc, dataclasses.replace(TARGET, num_layers=4), embed)
+    # id L from an official config is the last layer's pre-norm output, which we do not capture
+    with pytest.raises(Eagle3Error, match="include 5: .* BEFORE the final norm"):
         ef.check_compatible(cfg, voc, dataclasses.replace(TARGET, num_layers=5), embed)
+    # a head of ours that read the final normed state runs on a target of its depth only
+    normed = dataclasses.replace(cfg, final_norm_aux=True)
+    ef.check_compatible(normed, voc, dataclasses.replace(TARGET, num_layers=5), embed)
+    with pytest.raises(Eagle3Error, match="target with 5 layers .* this target has 8"):
+        ef.check_compatible(normed, voc, TARGET, embed)
     with pytest.raises(Eagle3Error, match="no embed_tokens.weight"):
         ef.check_compatible(cfg, voc, TARGET)
     with pytest.raises(Eagle3Error, match=r"t2d has shape \(97,\), expected \[101\]"):

@@ -37,6 +37,30 @@ def test_every_ablation_grid_loads(path):
     assert any(c in path.read_text() for c in GRID_COMMANDS)  # its launch command
 
 
+def test_every_cell_of_the_default_target_s_grids_builds_its_head():
+    """Each cell's head as training and decoding build it (draft_config, which checks the aux ids
+    as decoding will), on the embedded default every such grid trains: a cell refused there would
+    stop its grid hours in. The fusion ablation's top_layer cell reads id 30, the final normed
+    state, and is the one head marked final_norm_aux."""
+    from eagle3_jax.ablation.config import cell_config, load_ablation
+    from eagle3_jax.checkpoints import load_target_config
+    from eagle3_jax.training.prepare import draft_size
+    from eagle3_jax.training.start import draft_config
+
+    tcfg = load_target_config(None)
+    marked = {}
+    for path in GRIDS:
+        grid = load_ablation(path)
+        if grid.base.corpus.target is not None:
+            continue
+        for cell in grid.cells:
+            tc = cell_config(grid, cell, Path(grid.out_dir), tcfg)
+            dcfg = draft_config(tc, tcfg, draft_size(tc, tcfg.vocab_size))
+            if dcfg.final_norm_aux:
+                marked[f"{path.stem}/{cell.name}"] = dcfg.aux_layer_ids
+    assert marked == {"fusion_ablation_smollm2/top_layer": (30,)}
+
+
 def test_overrides_use_field_types():
     cfg = load_config(
         CONFIGS[0],

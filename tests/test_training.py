@@ -356,9 +356,60 @@ def test_online_and_offline_features_give_the_same_losses(tiny_target_dir, tmp_p
     bad = offline.replace(out_dir=str(tmp_path / "bad"), aux_layer_ids=(0, 2, 3))
     with pytest.raises(Eagle3Error, match="not \\[0\\]"):
         train(bad, progress=False)
-    final = bad.replace(aux_layer_ids=(2, 6))  # 6 = the final normed state
-    with pytest.raises(Eagle3Error, match="final NORMED state"):
-        train(final, progress=False)
+
+
+def test_a_head_on_the_final_normed_state_trains_and_decodes_what_it_trained_on(
+    sharp_target_dir, tmp_path
+):
+    """Aux id L (6 here): the final normed state, EAGLE-1/2's feature and the fusion ablation's
+    top_layer cell. Training marks the head final_norm_aux, decoding feeds it the tensor training
+    did (it drafts whole chains the target accepts) and the output is plain greedy decoding's; the
+    same ids without the mark (an official config's pre-norm "output of layer L-1") are refused,
+    and so is the speculators export (vLLM captures layer inputs only)."""
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
+    from eagle3_jax.checkpoints.heads import Head, load_head
+    from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
+
+    tc = _cfg(
+        sharp_target_dir,
+        tmp_path,
+        "--config.max_steps=160",
+        "--config.lr=1e-2",
+        "--config.log_every=20",
+        "--config.ttt_steps=2",
+        "--config.draft_vocab_size=97",
+        "--config.regenerate=true",
+        "--config.regen_max_new_tokens=24",
+        "--config.aux_layer_ids=2,6",
+    )
+    summary = train(tc, progress=False)
+    assert _metrics(tmp_path / "run", "acc_0")[-1] > 0.9
+    hf = json.loads((Path(summary["head"]) / "config.json").read_text())
+    assert hf["eagle3_jax"] == {"final_norm_aux": True}
+    assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 6]
+
+    target = load_target(str(sharp_target_dir))
+    dparams, dcfg, vocab, _ = load_head(summary["head"], target)
+    assert dcfg.final_norm_aux and dcfg.aux_layer_ids == (2, 6)
+    regen = Path(tc.run.out_dir) / "regenerated.jsonl"
+    prompts = [json.loads(x)["prompt_ids"] for x in regen.read_text().splitlines()[:4]]
+    tree = TreeConfig(top_k=2, depth=2, total_tokens=5)
+    spec = generate_ids(
+        target, Head(dparams, dcfg, vocab), prompts, DecodeOptions("eagle3", 24, tree, eos_ids=())
+    )
+    plain = generate_ids(target, None, prompts, DecodeOptions("vanilla", 24, tree, eos_ids=()))
+    assert spec.output_ids == plain.output_ids
+    assert np.asarray(spec.accept_hist)[:, 2].sum() > 20  # whole chains accepted
+
+    hf.pop("eagle3_jax")  # the same ids as an official config names them: pre-norm, refused
+    (Path(summary["head"]) / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(Eagle3Error, match="BEFORE the final norm"):
+        load_draft(summary["head"], target.cfg)
+    with pytest.raises(Eagle3Error, match="vLLM captures only layer inputs"):
+        save_draft(tmp_path / "spec", dparams, dcfg, vocab, layout="speculators",
+                   verifier=("t", ["LlamaForCausalLM"]))  # fmt: skip
+    assert not (tmp_path / "spec").exists()
 
 
 def test_length_buckets_leave_the_loss_unchanged(tiny_target_dir, tmp_path):

@@ -31,7 +31,8 @@ from eagle3_jax.evaluation.runner import run_eval
 from eagle3_jax.evaluation.study import read_curve
 from eagle3_jax.training.config import TrainConfig
 from eagle3_jax.training.loop import train
-from eagle3_jax.training.prepare import precompute_features
+from eagle3_jax.training.prepare import draft_size, precompute_features
+from eagle3_jax.training.start import draft_config
 
 
 def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bool = True) -> dict:
@@ -94,11 +95,13 @@ def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
 
 
 def _plan(ac: AblationConfig, cells, out: Path, tcfg) -> list[tuple[Cell, TrainConfig, dict]]:
-    """(cell, its TrainConfig, its cell.json state) of each cell, every cell's config checked
-    first: a refusal must not come after hours of work."""
+    """(cell, its TrainConfig, its cell.json state) of each cell, every cell's config and head
+    checked first (the head as training and decoding will build it): a refusal must not come
+    after hours of work."""
     plan = []
     for cell in cells:
         tc = cell_config(ac, cell, out, tcfg)
+        draft_config(tc, tcfg, draft_size(tc, tcfg.vocab_size))
         path = Path(tc.run.out_dir) / "cell.json"
         state = json.loads(path.read_text()) if path.exists() else {}
         check_cell_config(cell, Path(tc.run.out_dir), state, tc)

@@ -266,16 +266,7 @@ def check_compatible(
             f"draft vocab_size {draft_cfg.vocab_size} != the target's vocab size "
             f"{target_cfg.vocab_size}: the head was trained for another tokenizer"
         )
-    # Id L is refused too: target.forward captures the final NORMED state there, while the official
-    # "output of layer L-1" is pre-norm, so a head asking for it would silently read another tensor.
-    bad = [i for i in draft_cfg.aux_layer_ids if not 0 <= i < target_cfg.num_layers]
-    if bad:
-        raise Eagle3Error(
-            f"draft aux layer ids {draft_cfg.aux_layer_ids} (inputs to target "
-            f"layers) include {bad}, outside the target's layers "
-            f"0..{target_cfg.num_layers - 1}: the head was trained for a deeper "
-            "target, or its ids are off by one"
-        )
+    check_aux_ids(draft_cfg, target_cfg)
     vocab_lib.check(
         vocab,
         target_cfg.vocab_size,
@@ -294,6 +285,35 @@ def check_compatible(
             f"{target_cfg.hidden_size} and the head carries no embed_tokens.weight: "
             "the target's embedding cannot feed it; use a checkpoint that includes "
             "one"
+        )
+
+
+def check_aux_ids(draft_cfg: dr.DraftConfig, target_cfg: TargetConfig) -> None:
+    """The head's aux ids name tensors this target has: layer inputs 0..L-1, and id L (the final
+    normed state) only for a head that says it was trained on it (`final_norm_aux`). Without that
+    flag id L is refused: it comes from an official "output of layer L-1", which is PRE-norm, and
+    target.forward captures the normed state there, so the head would silently read another
+    tensor."""
+    ids, n = draft_cfg.aux_layer_ids, target_cfg.num_layers
+    if draft_cfg.final_norm_aux and max(ids) != n:
+        raise Eagle3Error(
+            f"the head reads the final normed state of a target with {max(ids)} layers (aux ids "
+            f"{ids}, final_norm_aux), this target has {n}: it was trained for another target"
+        )
+    top = n if draft_cfg.final_norm_aux else n - 1
+    bad = [i for i in ids if not 0 <= i <= top]
+    if bad == [n]:
+        raise Eagle3Error(
+            f"draft aux layer ids {ids} include {n}: in an official config that is the output of "
+            f"the last layer BEFORE the final norm, which eagle3_jax does not capture (id {n} here "
+            "is the normed state, read only by heads whose config says final_norm_aux)"
+        )
+    if bad:
+        raise Eagle3Error(
+            f"draft aux layer ids {ids} (inputs to target "
+            f"layers) include {bad}, outside the target's layers "
+            f"0..{n - 1}: the head was trained for a deeper "
+            "target, or its ids are off by one"
         )
 
 
@@ -341,6 +361,11 @@ def save_draft(
     hf = draft_config_to_hf(cfg, dtype)
     tensors = _official_tensors(params, cfg, vocab, np_dtype, embed)
     if layout == layouts.SPECULATORS:
+        if cfg.final_norm_aux:
+            raise Eagle3Error(
+                f"the head reads the target's final normed state (aux ids {cfg.aux_layer_ids}, "
+                "final_norm_aux): vLLM captures only layer inputs, so it cannot run this head"
+            )
         if verifier is None:
             raise Eagle3Error(
                 "the speculators layout names its verifier (the target): give its name or path"

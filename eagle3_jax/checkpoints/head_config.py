@@ -1,8 +1,9 @@
 """An EAGLE-3 head's config.json, both ways: `draft_config_from_hf` reads an official (or
 SpecForge, SGLang, vLLM) config into a DraftConfig and refuses what we cannot run;
 `draft_config_to_hf` writes one that every runtime reads. Our output-layer extensions (a head
-reading the target's lm_head, SpecVocab) travel in an "eagle3_jax" block, absent from a plain
-head's config.
+reading the target's lm_head, SpecVocab) and a head fed the target's final normed state
+(`final_norm_aux`: no other runtime captures it) travel in an "eagle3_jax" block, absent from a
+plain head's config.
 
 `eagle_config.eagle_aux_hidden_state_layer_ids` names target layer OUTPUTS; our
 `DraftConfig.aux_layer_ids` name layer INPUTS (HF hidden_states indices), so ours = theirs + 1;
@@ -77,11 +78,12 @@ def draft_config_from_hf(
     )
 
 
-_OUTPUT_FIELDS = ("lm_head_source", "speculator_rank", "spec_candidates")
+_OUTPUT_FIELDS = ("lm_head_source", "speculator_rank", "spec_candidates", "final_norm_aux")
 
 
 def _output_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """Our output-layer extension (config.json "eagle3_jax" block); absent in official heads."""
+    """Our extensions (config.json "eagle3_jax" block: the output layer, a feature read from the
+    final normed state); absent in official heads."""
     ext = hf.get("eagle3_jax") or {}
     bad = sorted(set(ext) - set(_OUTPUT_FIELDS))
     if bad:
@@ -142,7 +144,7 @@ def draft_config_to_hf(cfg: dr.DraftConfig, torch_dtype: str = "bfloat16") -> di
 
 
 def _output_to_hf(cfg: dr.DraftConfig) -> dict[str, Any]:
-    """Non-default output layers only: a plain EAGLE-3 head's config.json stays official."""
+    """Non-default extensions only: a plain EAGLE-3 head's config.json stays official."""
     default = dr.DraftConfig.__dataclass_fields__
     ext = {f: getattr(cfg, f) for f in _OUTPUT_FIELDS if getattr(cfg, f) != default[f].default}
     if cfg.speculator_rank:

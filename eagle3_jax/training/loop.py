@@ -163,7 +163,7 @@ def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None
         prepare_data(tc, load_target(tc.corpus.target, dtype=DTYPES[tc.compute.param_dtype]), out)
     target = load_target(tc.corpus.target, dtype=DTYPES[tc.compute.param_dtype], mesh=mesh)
     ds, val, vocab = prepare_all(tc, target, out)
-    dcfg = draft_config(tc, target.cfg, vocab)
+    dcfg = draft_config(tc, target.cfg, vocab.draft_size)
     total = tc.optim.max_steps or tc.optim.epochs * steps_per_epoch(ds, tc.optim.batch_size)
     tx = make_optimizer(tc.optim, total)
     state = init_state(start_params(tc, dcfg, target, vocab, mesh), tx, mesh)

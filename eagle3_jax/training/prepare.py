@@ -150,16 +150,25 @@ def prepare_validation(tc: TrainConfig, target, ds, out: Path):
     return val
 
 
+def draft_size(tc: TrainConfig, vocab_size: int) -> int:
+    """The draft vocabulary size Vd a run trains: the full vocabulary when the config asks for as
+    many ids or more, or when the head reads the target's output layer."""
+    if tc.head.draft_vocab_size >= vocab_size or tc.head.lm_head_source == "target":
+        return vocab_size
+    return tc.head.draft_vocab_size
+
+
 def prepare_vocab(tc: TrainConfig, ds, vocab_size: int, out: Path):
 
     path = out / "vocab.npz"
     if path.exists():
         z = np.load(path)
         return DraftVocab(z["d2t"], z["t2d"])
+    size = draft_size(tc, vocab_size)
     vocab = (
         identity(vocab_size)
-        if tc.head.draft_vocab_size >= vocab_size or tc.head.lm_head_source == "target"
-        else build_from_counts(token_counts(ds, vocab_size), tc.head.draft_vocab_size)
+        if size == vocab_size
+        else build_from_counts(token_counts(ds, vocab_size), size)
     )
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.checkpoints.eagle_format import load_draft
+from eagle3_jax.checkpoints.eagle_format import check_aux_ids, load_draft
 from eagle3_jax.config import DTYPES
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
@@ -17,23 +17,21 @@ from eagle3_jax.training.config import TrainConfig
 from eagle3_jax.training.step import place
 
 
-def draft_config(tc: TrainConfig, tcfg, vocab) -> drf.DraftConfig:
-    """The head this run trains: its aux layers (checked against the target), output layer and
-    draft vocabulary size."""
+def draft_config(tc: TrainConfig, tcfg, draft_size: int) -> drf.DraftConfig:
+    """The head this run trains: its aux layers (checked against the target as decoding will
+    check them; id L, the final normed state, marks the head `final_norm_aux`), output layer and
+    draft vocabulary size. A grid builds every cell's before training any (ablation.runner)."""
     aux_ids = tcfg.check_aux_layer_ids(tc.head.aux_layer_ids or tcfg.default_aux_layer_ids())
-    if tcfg.num_layers in aux_ids:
-        raise Eagle3Error(
-            f"aux layer id {tcfg.num_layers} is the target's final NORMED state, which a head "
-            "cannot be decoded with (check_compatible refuses it): use ids below "
-            f"{tcfg.num_layers}, e.g. {tcfg.num_layers - 1} for the input to the last layer"
-        )
-    return drf.DraftConfig.from_target(
+    dcfg = drf.DraftConfig.from_target(
         tcfg,
-        draft_vocab_size=vocab.draft_size,
+        draft_vocab_size=draft_size,
         aux_layer_ids=aux_ids,
         lm_head_source=tc.head.lm_head_source,
         speculator_rank=tc.head.speculator_rank,
+        final_norm_aux=tcfg.num_layers in aux_ids,  # id L: the final normed state (EAGLE-1/2's)
     )
+    check_aux_ids(dcfg, tcfg)
+    return dcfg
 
 
 def start_params(tc: TrainConfig, dcfg, target, vocab, mesh):
