@@ -17,12 +17,14 @@ resumes or skips what is done. Per cell:
 Then 3, the report (eagle3_jax.evaluation.grid_report) from every cell's results: tau per cell
 and task, per-question paired differences against --reference with 95 % intervals, the held-out
 curves, plots. With --publish DIR: report.md, summary.json, the plots and the curves go there
-beside the groups.
+beside the groups. `--config.FIELD=VALUE` overrides the grid's base TrainConfig (every cell), as
+`ablate` takes it (a target on disk: `--config.target=DIR`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -35,6 +37,7 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
 from eagle3_jax.evaluation.questions import load_questions
 from eagle3_jax.evaluation.records import read_results
+from eagle3_jax.training.config import apply_overrides
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vocab_study import (  # noqa: E402  the same stage runner, lock and groups
@@ -51,7 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    """(the ablation's flags, the grid's `--config.FIELD=VALUE` overrides)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--grid", default=str(ROOT / "configs/fusion_ablation_smollm2.py"))
     ap.add_argument("--reference", default="low_mid_high", help="the cell others are paired with")
@@ -73,7 +77,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--status", action="store_true",
         help="print where the ablation stands (cells, harness records) and start nothing",
     )  # fmt: skip
-    return ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    bad = [a for a in rest if not a.startswith("--config.")]
+    if bad:
+        ap.error(f"unrecognized arguments: {' '.join(bad)}")
+    return args, rest
+
+
+def load_grid(path: str, overrides: list[str]):
+    """The grid with `--config.FIELD=VALUE` applied to its base (every cell)."""
+    grid = load_ablation(path)
+    return dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
 
 
 def describe(overrides: dict) -> str:
@@ -94,9 +108,9 @@ def what_is_asked(args: argparse.Namespace, grid) -> tuple[str, int | None]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args, overrides = parse_args(argv)
     if args.status:
-        grid = load_ablation(args.grid)
+        grid = load_grid(args.grid, overrides)
         bench, questions = what_is_asked(args, grid)
         root = grid_root(grid)
         lines = [running_line(Path(args.out), "ablation"), store_line(root / "features")]
@@ -109,11 +123,11 @@ def main(argv=None) -> int:
         kept = ", ".join(c.name for c in kept_groups(grid, groups)) or "none yet"
         print("\n".join(lines + [f"groups measured ({groups}): {kept}"]))
         return 0
-    return locked(Path(args.out), "fusion ablation", lambda out: stages(args, out))
+    return locked(Path(args.out), "fusion ablation", lambda out: stages(args, overrides, out))
 
 
-def stages(args: argparse.Namespace, out: Path) -> None:
-    grid = load_ablation(args.grid)
+def stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
+    grid = load_grid(args.grid, overrides)
     names = [c.name for c in grid.cells]
     if args.reference not in names:
         raise Eagle3Error(f"--reference {args.reference} is not a cell of {args.grid}: {names}")
@@ -139,7 +153,7 @@ def stages(args: argparse.Namespace, out: Path) -> None:
     for c, gdir, key in pending:
         if not args.skip_train:  # 1
             run([PY, "-m", "eagle3_jax", "ablate", "--config", args.grid, "--cells", c.name,
-                 "--no-eval", "--no-progress"])  # fmt: skip
+                 "--no-eval", "--no-progress", *overrides])  # fmt: skip
         ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{k},{d},{n}",
               "--replay", "--bench", bench, "--max-new-tokens", str(grid.max_new_tokens),
               "--no-progress", "--batch-size", str(args.batch_size),

@@ -47,6 +47,11 @@ the cost model's prediction (device_steps/round_timing.py); into $OUT/round_cost
 the machine is warm; what is finished goes into $OUT/vocab_study.tar.gz after every call:
   python3 scripts/device_job.py vocab-study --minutes 9 --out $OUT   (again to continue)
 
+`fusion-ablation` (after the GGUF's parts, as `run`): the fusion ablation
+(benchmarks/fusion_ablation.py, its four cells trained on the device and replayed), the same way;
+$OUT/fusion_ablation.tar.gz after every call:
+  python3 scripts/device_job.py fusion-ablation --minutes 9 --out $OUT   (again to continue)
+
 This file parses the command line; the steps live in device_steps/: common.py (paths, the log,
 phases and their environment), transfer.py (pack, check, unpack), turns.py (run, bench),
 round_cost.py and round_timing.py, study.py.
@@ -137,7 +142,9 @@ def main(argv=None) -> int:
     rc.add_argument("--minutes", type=float, default=8.0, help="the step's whole budget")
     rc.add_argument("--out", default=os.environ.get("OUT"), help="default: runs/ (round_cost/)")
     vs = sub.add_parser("vocab-study", help="device: the draft-vocabulary study, resumable")
-    study.add_args(vs)
+    study.add_args(vs, study.STUDIES["vocab-study"])
+    fa = sub.add_parser("fusion-ablation", help="device: the fusion ablation, resumable")
+    study.add_args(fa, study.STUDIES["fusion-ablation"])
     args = p.parse_args(argv)
     cmds = {
         "pack": transfer.pack,
@@ -147,6 +154,7 @@ def main(argv=None) -> int:
         "unpack": transfer.unpack,
         "round-cost": round_cost.step,
         "vocab-study": study.step,
+        "fusion-ablation": study.step,
     }
     return cmds[args.cmd](args)
 

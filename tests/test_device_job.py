@@ -174,6 +174,15 @@ def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch)
     vs = seen["study"]
     assert (vs.minutes, vs.questions, vs.max_new_tokens, vs.reserve_s) == (9, 20, 256, 30.0)
     assert vs.grid.endswith("configs/vocab_study_smollm2.py") and vs.study_arg == []
+    del seen["study"]
+    dj.main(["fusion-ablation", "--minutes", "9"])
+    fa = seen["study"]
+    assert fa.grid.endswith("configs/fusion_ablation_smollm2.py") and fa.questions is None
+    assert dj.study.command(fa)[1:] == [
+        "benchmarks/fusion_ablation.py", "--grid", fa.grid,
+        "--out", str(dj.c.ROOT / "runs/fusion_ablation_device"),
+        "--publish", str(dj.c.ROOT / "runs/fusion_ablation_device/published"),
+    ]  # fmt: skip
     del seen["step"]  # comma lists: kept in order, once each, spaces dropped
     dj.main(["round-cost", "--target", "olmo2_7b, olmo2_1b", "--head", "eagle3,specvocab,eagle3"])
     assert (seen["step"].target, seen["step"].head) == ("olmo2_7b,olmo2_1b", "eagle3,specvocab")
@@ -321,49 +330,51 @@ def test_round_timing_records_a_failed_program_and_runs_the_next(dj, tmp_path, m
     assert (out / "report.md").read_text().endswith(f"- {res['failed'][-1]}\n")
 
 
-def test_vocab_study_step_runs_the_study_and_packs_what_is_done(dj, c, tmp_path, monkeypatch):
-    """`vocab-study` runs benchmarks/vocab_study.py as one phase within the call's budget (the
-    target passed as a grid override in dry runs) and packs the published report, every cell's
-    curve and the logs into one tarball, also when the phase ran out of time (resumable)."""
+@pytest.mark.parametrize("cmd", ["vocab-study", "fusion-ablation"])
+def test_a_study_step_runs_the_study_and_packs_what_is_done(dj, c, tmp_path, monkeypatch, cmd):
+    """`vocab-study` and `fusion-ablation` run their benchmarks/ driver as one phase within the
+    call's budget (the target passed as a grid override in dry runs) and pack the published
+    report and groups, every cell's curve and the logs into one tarball, also when the phase ran
+    out of time (resumable)."""
     import tarfile
 
-    st = dj.study
+    st = dj.study.STUDIES[cmd]
+    name = st.name
     root = tmp_path / "repo"
     monkeypatch.setattr(c, "ROOT", root)
-    monkeypatch.setattr(st, "STUDY", root / "runs/vocab_study_device")
-    monkeypatch.setattr(st, "PUBLISHED", root / "runs/vocab_study_device/published")
-    monkeypatch.setattr(st, "grid_root", lambda grid: root / "runs/vocab_study")
+    monkeypatch.setattr(dj.study, "grid_root", lambda grid: root / f"runs/{name}")
     monkeypatch.setattr(c, "env", lambda args: {})
     calls = []
 
-    def phase(log, name, cmd, env, timeout_s, log_dir=None):
-        calls.append((name, cmd, timeout_s))
-        (st.PUBLISHED / "curves").mkdir(parents=True, exist_ok=True)
-        (st.PUBLISHED / "report.md").write_text("# study\n")
-        (st.PUBLISHED / "curves/a.json").write_text("[]\n")
-        cell = root / "runs/vocab_study/cells/a"
+    def phase(log, phase_name, cmd, env, timeout_s, log_dir=None):
+        calls.append((phase_name, cmd, timeout_s))
+        (st.published / "curves").mkdir(parents=True, exist_ok=True)
+        (st.published / "report.md").write_text("# study\n")
+        (st.published / "curves/a.json").write_text("[]\n")
+        cell = root / f"runs/{name}/cells/a"
         cell.mkdir(parents=True, exist_ok=True)
         (cell / "validation.jsonl").write_text('{"step": 50}\n')
-        (log_dir / "vocab_study.log").write_text("ran\n")
+        (log_dir / f"{name}.log").write_text("ran\n")
         return -9  # out of time: the next call continues
 
     monkeypatch.setattr(c, "phase", phase)
     out = tmp_path / "out"
-    assert dj.main(["vocab-study", "--minutes", "2", "--out", str(out), "--target", "/t",
+    assert dj.main([cmd, "--minutes", "2", "--out", str(out), "--target", "/t",
                     "--questions", "3", "--study-arg=--skip-train"]) == 0  # fmt: skip
-    ((name, cmd, timeout_s),) = calls
-    assert name == "vocab_study" and 0 < timeout_s <= 120 - 30
-    assert cmd[1] == "benchmarks/vocab_study.py" and "--skip-train" in cmd
-    assert cmd[cmd.index("--questions") + 1] == "3" and cmd[-1] == "--config.target=/t"
-    assert cmd[cmd.index("--publish") + 1] == str(st.PUBLISHED)
-    with tarfile.open(out / "vocab_study.tar.gz") as tar:
+    ((phase_name, argv, timeout_s),) = calls
+    assert phase_name == name and 0 < timeout_s <= 120 - 30
+    assert argv[1] == f"benchmarks/{name}.py" and "--skip-train" in argv
+    assert argv[argv.index("--questions") + 1] == "3" and argv[-1] == "--config.target=/t"
+    assert argv[argv.index("--publish") + 1] == str(root / f"runs/{name}_device/published")
+    assert ("--max-new-tokens" in argv) == (cmd == "vocab-study")  # the fusion grid's own
+    with tarfile.open(out / f"{name}.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"runs/vocab_study_device/published/report.md",
-            "runs/vocab_study_device/published/curves/a.json",
-            "runs/vocab_study/cells/a/validation.jsonl",
-            "runs/vocab_study_device/vocab_study.log"} <= names  # fmt: skip
+    assert {f"runs/{name}_device/published/report.md",
+            f"runs/{name}_device/published/curves/a.json",
+            f"runs/{name}/cells/a/validation.jsonl",
+            f"runs/{name}_device/{name}.log"} <= names  # fmt: skip
     with pytest.raises(SystemExit):  # the device tool's 10-minute command limit
-        dj.main(["vocab-study", "--minutes", "12", "--out", str(out)])
+        dj.main([cmd, "--minutes", "12", "--out", str(out)])
 
 
 def test_round_timing_drafts_with_each_vocabulary_head(dj, tmp_path):

@@ -537,6 +537,19 @@ def test_fusion_ablation_status_names_the_groups_kept(tmp_path, capsys):
     assert sorted(tmp_path.rglob("*")) == before
 
 
+def test_fusion_ablation_takes_the_grid_s_overrides_and_refuses_other_flags():
+    """`--config.FIELD=VALUE` reaches the grid's base (every cell; the device step's dry runs
+    name a target this way); any other unknown flag is an error."""
+    fa = load_script("benchmarks/fusion_ablation.py")
+    args, overrides = fa.parse_args(["--config.target=/t", "--config.max_steps=8"])
+    assert overrides == ["--config.target=/t", "--config.max_steps=8"] and args.publish is None
+    grid = fa.load_grid(args.grid, overrides)
+    assert (grid.base.corpus.target, grid.base.optim.max_steps) == ("/t", 8)
+    assert fa.load_grid(args.grid, []).base.optim.max_steps == 1200
+    with pytest.raises(SystemExit):
+        fa.parse_args(["--steps=8"])
+
+
 def test_a_sigterm_to_the_study_reaches_its_stage_and_ends_it_resumably(tmp_path, capsys):
     """The study driver runs each stage as a subprocess: a SIGTERM to the driver is passed on to
     the stage in progress (a training stage checkpoints its step and stops), and the study ends

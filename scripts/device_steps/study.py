@@ -1,62 +1,102 @@
-"""The draft-vocabulary study (benchmarks/vocab_study.py, the SmolLM2 grid by default) on a lent
-accelerator, within one call's budget (issue 33 item 5).
+"""The SmolLM2 studies on a lent accelerator, each within one call's budget (issue 33): the
+draft-vocabulary study (benchmarks/vocab_study.py, item 5) and the fusion ablation
+(benchmarks/fusion_ablation.py, item 3).
 
-The study resumes stage by stage and cell by cell from runs/ (ignored by git, so the machine keeps
-it between calls while it is warm): a call that runs out of time is followed by the same call,
-which goes on where it stopped. On an accelerator every tree decodes for real (τ and speedup).
-Whatever is finished (each measured group's results, the published report, every cell's training
-curve, the logs) is packed into $OUT/vocab_study.tar.gz after every call, so a lease that ends
-midway still returns the groups it measured; committed, they let the next lease (or a CPU) go on
-with the next cell.
+A study resumes stage by stage and cell by cell from runs/ (ignored by git, so the machine keeps it
+between calls while it is warm): a call that runs out of time is followed by the same call, which
+goes on where it stopped. Whatever is finished (each measured group's results, the published
+report, every cell's training curve, the logs) is packed into $OUT/STUDY.tar.gz after every call,
+so a lease that ends midway still returns the groups it measured. On an accelerator the vocabulary
+study decodes every tree for real (τ and speedup); the fusion ablation replays its heads (τ only,
+as on the CPU) and trains all four cells there, so that they share a platform.
 
   carry [".device/pK", ".device/whl"]  python3 scripts/device_job.py vocab-study --minutes 9 --out $OUT
+  carry [".device/pK", ".device/whl"]  python3 scripts/device_job.py fusion-ablation --minutes 9 --out $OUT
   (after the GGUF's parts, as `run`; again while warm to continue)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import tarfile
 from pathlib import Path
 
 from device_steps import common as c
 
-GRID = c.ROOT / "configs" / "vocab_study_smollm2.py"
-STUDY = c.ROOT / "runs" / "vocab_study_device"  # the study's --out (its harness runs, heads)
-PUBLISHED = STUDY / "published"
-ARCHIVE = "vocab_study.tar.gz"
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    name: str  # the phase, the log and the tarball's stem
+    script: str  # the study's driver, from the repository root
+    grid: str  # its default grid, under configs/
+    sizes: bool  # whether the driver takes --max-new-tokens (the fusion ablation's is the grid's)
+
+    @property
+    def home(self) -> Path:
+        """The study's --out on the device (its harness runs); --publish is home/published."""
+        return c.ROOT / "runs" / f"{self.name}_device"
+
+    @property
+    def published(self) -> Path:
+        return self.home / "published"
+
+    @property
+    def archive(self) -> str:
+        return f"{self.name}.tar.gz"
 
 
-def add_args(p) -> None:
+STUDIES = {
+    "vocab-study": Study(
+        "vocab_study", "benchmarks/vocab_study.py", "vocab_study_smollm2.py", sizes=True
+    ),
+    "fusion-ablation": Study(
+        "fusion_ablation", "benchmarks/fusion_ablation.py", "fusion_ablation_smollm2.py", False
+    ),
+}
+
+
+def add_args(p, study: Study) -> None:
     p.add_argument("--minutes", type=float, required=True, help="this call's budget")
-    p.add_argument("--out", default=None, help="default: runs/vocab_study_device/out")
-    p.add_argument("--grid", default=str(GRID))
-    p.add_argument("--questions", type=int, default=20, help="per Spec-Bench task")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--out", default=None, help=f"default: runs/{study.name}_device/out")
+    p.add_argument("--grid", default=str(c.ROOT / "configs" / study.grid))
+    if study.sizes:
+        p.add_argument("--questions", type=int, default=20, help="per Spec-Bench task")
+        p.add_argument("--max-new-tokens", type=int, default=256)
+    else:
+        p.add_argument(
+            "--questions", type=int, default=None, help="per category; default the grid's"
+        )
     p.add_argument("--reserve-s", type=float, default=30.0, help="kept for packing")
     p.add_argument("--target", default=None, help="a converted target (CPU dry runs)")
     p.add_argument("--no-install", action="store_true")
     p.add_argument(
-        "--study-arg", action="append", default=[], help="passed to vocab_study.py (repeatable)"
+        "--study-arg", action="append", default=[], help=f"passed to {study.script} (repeatable)"
     )
+    p.set_defaults(study=study)
 
 
 def command(args) -> list[str]:
     """The study's command line (run as a phase)."""
-    cmd = [sys.executable, "benchmarks/vocab_study.py", "--grid", args.grid,
-           "--out", str(STUDY), "--publish", str(PUBLISHED),
-           "--questions", str(args.questions), "--max-new-tokens", str(args.max_new_tokens),
-           *args.study_arg]  # fmt: skip
+    st: Study = args.study
+    cmd = [sys.executable, st.script, "--grid", args.grid, "--out", str(st.home),
+           "--publish", str(st.published)]  # fmt: skip
+    if args.questions is not None:
+        cmd += ["--questions", str(args.questions)]
+    if st.sizes:
+        cmd += ["--max-new-tokens", str(args.max_new_tokens)]
+    cmd += args.study_arg
     if args.target:
         cmd.append(f"--config.target={args.target}")
     return cmd
 
 
 def step(args) -> int:
+    st: Study = args.study
     c.check_budget(args.minutes)
-    out = Path(args.out or STUDY / "out")
+    out = Path(args.out or st.home / "out")
     out.mkdir(parents=True, exist_ok=True)
-    log = c.Log(STUDY / "device_log.txt")
+    log = c.Log(st.home / "device_log.txt")
     log(f"start: {c.accelerator()}")
     rc = 1
     try:
@@ -64,11 +104,13 @@ def step(args) -> int:
         if not args.target and not c.gguf_ready(log):
             return 1
         left = log.left(args.minutes) - args.reserve_s
-        rc = c.phase(log, "vocab_study", command(args), env, left, log_dir=STUDY)
-        log("the study finished" if rc == 0 else f"the study stopped (rc {rc}): call again")
+        rc = c.phase(log, st.name, command(args), env, left, log_dir=st.home)
+        log(
+            f"the {st.name} finished" if rc == 0 else f"the {st.name} stopped (rc {rc}): call again"
+        )
     finally:
-        n = pack(out, grid_root(args.grid))
-        log(f"packed {n} files into {out / ARCHIVE}")
+        n = pack(st, out, grid_root(args.grid))
+        log(f"packed {n} files into {out / st.archive}")
     return 0 if rc in (0, -9) else rc  # -9: out of time, resumable
 
 
@@ -81,17 +123,18 @@ def grid_root(grid: str) -> Path:
     return out if out.is_absolute() else c.ROOT / out
 
 
-def pack(out: Path, root: Path) -> int:
-    """The published report, every cell's curve and config, and the logs, as one tarball (the
-    device tool returns at most 8 files)."""
-    files = [p for p in sorted(PUBLISHED.rglob("*")) if p.is_file()] if PUBLISHED.exists() else []
+def pack(st: Study, out: Path, root: Path) -> int:
+    """The published report and groups, every cell's curve and config, and the logs, as one
+    tarball (the device tool returns at most 8 files)."""
+    pub = st.published
+    files = [p for p in sorted(pub.rglob("*")) if p.is_file()] if pub.exists() else []
     for cell in sorted((root / "cells").glob("*")) if (root / "cells").exists() else []:
         files += [cell / n for n in ("metrics.jsonl", "validation.jsonl", "train_config.json",
                                      "cell.json") if (cell / n).exists()]  # fmt: skip
-    files += sorted(STUDY.glob("*.log")) + sorted(STUDY.glob("device_log.txt"))
-    tmp = out / (ARCHIVE + ".tmp")
+    files += sorted(st.home.glob("*.log")) + sorted(st.home.glob("device_log.txt"))
+    tmp = out / (st.archive + ".tmp")
     with tarfile.open(tmp, "w:gz") as tar:
         for f in files:
             tar.add(f, arcname=str(f.relative_to(c.ROOT)))
-    tmp.replace(out / ARCHIVE)
+    tmp.replace(out / st.archive)
     return len(files)
