@@ -99,6 +99,29 @@ def test_rows_measure_each_head_against_the_reference():
     assert spec["round_ms"] == pytest.approx(1e3 * 6 / (3 * 10 + 3 * 16))
 
 
+def test_a_head_is_also_paired_with_eagle3_at_its_own_size():
+    """VocabTrim at 16,384 ids is paired with the reference (EAGLE-3 at 8,192) and with EAGLE-3
+    at 16,384 too; here that head drafts exactly as the reference did, so both pairings agree.
+    Neither EAGLE-3 head gets a second pairing, and the report has the size-matched table."""
+    res = _results()
+    ref_label = res["config"]["methods"][1]["label"]
+    label = ref_label.replace("@ref", "@e16")
+    res["config"]["methods"].append({**res["config"]["methods"][1], "label": label, "draft": "e16"})
+    res["records"] += [{**r, "method": label} for r in res["records"] if r["method"] == ref_label]
+    heads = [study.StudyHead("ref", "eagle3", 8192), study.StudyHead("e16", "eagle3", 16384),
+             study.StudyHead("spec", "vocabtrim", 16384)]  # fmt: skip
+    rows = {r["head"]: r for r in study.head_rows(res, heads, "ref", COSTS)}
+    spec = rows["spec"]
+    assert spec["vs_same_size"]["head"] == "e16"
+    for k in ("tau", "throughput"):
+        assert spec["vs_same_size"][k] == spec["vs_reference"][k]
+    assert spec["vs_reference"]["tau"]["mean"] == pytest.approx((2.0 + 0.5) / 2)
+    assert "vs_same_size" not in rows["e16"] and "vs_same_size" not in rows["ref"]
+    text = "\n".join(study.tree_section("10/8/60", res, list(rows.values()), "ref"))
+    assert "| head | Vd | against | tau - it | throughput / it |" in text
+    assert "| spec | 16,384 | e16 | +1.25" in text
+
+
 def _split(res: dict, slow: float = 1.0) -> list[dict]:
     """The run as two group runs, each head beside its own plain decoding; the second group's
     machine `slow` times slower at everything."""

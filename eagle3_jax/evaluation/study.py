@@ -208,13 +208,16 @@ def round_draft_ms(cost: dict | None, tree: tuple) -> float:
 
 def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: dict) -> list[dict]:
     """One row per head that ran: tau per task and overall, throughput, speedup, time per round,
-    paired tau difference and throughput ratio against `reference`, drafting times."""
+    paired tau difference and throughput ratio against `reference`, drafting times; and, for a
+    head cut to the size of an EAGLE-3 head other than the reference, the same pairing against
+    that head (`vs_same_size`: FR-Spec and VocabTrim at 16,384 against EAGLE-3 at 16,384)."""
     recs = results["records"]
     tasks = task_order(r["task"] for r in recs)
     vanilla = [r for r in recs if r["method"] == metrics.VANILLA]
     baselines = results.get("baselines") or {}  # merged groups: each head's own plain decoding
     ref = label_of(results, reference)
     tree = tree_of(results)
+    same_size = {h.vocab: h.name for h in heads if h.family == "eagle3"}
     rows = []
     for h in heads:
         label = label_of(results, h.name)
@@ -252,6 +255,14 @@ def head_rows(results: dict, heads: Sequence[StudyHead], reference: str, costs: 
             }
             row["vs_reference_by_task"] = {
                 t: paired.compare(recs, label, ref, task=t)["tau"].as_dict() for t in tasks
+            }
+        peer = same_size.get(h.vocab)
+        peer_label = None if peer is None else label_of(results, peer)
+        if peer not in (None, h.name, reference) and peer_label is not None:
+            cmp = paired.compare(recs, label, peer_label, baselines=baselines)
+            row["vs_same_size"] = {
+                "head": peer,
+                **{k: v.as_dict() for k, v in cmp.items() if timed or k != "throughput"},
             }
         rows.append(row)
     return rows
@@ -373,6 +384,22 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
             + " | ".join(paired_text(by_task.get(t), "-") if vs else "-" for t in tasks)
             + " |"
         )
+    same = [r for r in rows if r.get("vs_same_size")]
+    if same:
+        out += [
+            "",
+            "Against EAGLE-3 at the same draft vocabulary size, where that is not the reference "
+            f"(paired the same way): tau difference and {speed} ratio.",
+            "",
+            f"| head | Vd | against | tau - it | {speed} / it |",
+            "|" + " --- |" * 5,
+        ]
+        for r in same:
+            vs = r["vs_same_size"]
+            out.append(
+                f"| {r['head']} | {_vocab(r['vocab'])} | {vs['head']} | {paired_text(vs['tau'])}"
+                f" | {paired_text(vs.get('throughput'), '-')} |"
+            )
     return out + [""]
 
 
