@@ -14,8 +14,9 @@ resumes or skips what is done. Per cell:
   2. one harness run of plain decoding and its head on the grid's questions and tree, the head
      replayed over plain decoding's greedy answers (`eval --replay`, docs/replay.md: the tau
      decoding gives, from draft-only rounds).
-Then 3, the report (eagle3_jax.evaluation.grid_report) from every cell's results: tau per cell
-and task, per-question paired differences against --reference with 95 % intervals, the held-out
+Then 3, the report (eagle3_jax.evaluation.grid_report) from the cells' results, made at the
+start and after each cell from those measured so far (it names the others): tau per cell and
+task, per-question paired differences against --reference with 95 % intervals, the held-out
 curves, plots. With --publish DIR: report.md, summary.json, the plots and the curves go there
 beside the groups. `--config.FIELD=VALUE` overrides the grid's base TrainConfig (every cell), as
 `ablate` takes it (a target on disk: `--config.target=DIR`).
@@ -146,6 +147,7 @@ def stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
         "dtype": grid.dtype,
     }
     pending = pending_groups(grid, results, common, "ablation")
+    report_stage(args, out, grid, results)  # 3, of the groups kept so far
     if args.skip_train:  # every head there, trained under its cell's config, before any work
         tcfg = load_target_config(target)
         for c, _, _ in pending:
@@ -168,14 +170,29 @@ def stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
         run(ev)  # 2 (resumes from its records)
         files = {"results.json.gz": out / "eval" / c.name / "results.json"}
         publish_group(files, root / "cells" / c.name, gdir, key)
-    groups = [read_results(results / c.name / "results.json.gz") for c in grid.cells]  # 3
-    merged = study.merge_groups(groups, [c.name for c in grid.cells])
+        report_stage(args, out, grid, results)  # 3, of the groups kept so far
+
+
+def report_stage(args: argparse.Namespace, out: Path, grid, results: Path) -> None:
+    """3: the report from the groups kept under `results` (no head needed), into --out, and
+    with --publish beside the groups; made after each cell, of the cells measured so far (the
+    report names the others)."""
+    kept = kept_groups(grid, results)
+    if not kept:
+        return
+    groups = [read_results(results / c.name / "results.json.gz") for c in kept]
+    merged = study.merge_groups(groups, [c.name for c in kept])
     curves = {c.name: cell_curve(results.parent, c.name, study.read_curve(results / c.name))
-              for c in grid.cells}  # fmt: skip
-    cells = {c.name: describe(c.overrides) for c in grid.cells}
+              for c in kept}  # fmt: skip
+    cells = {c.name: describe(c.overrides) for c in kept}
     text, summary = grid_report.report(
         merged, cells, args.reference, curves, title="Which target layers to fuse"
     )
+    if len(kept) < len(grid.cells):
+        left = [c.name for c in grid.cells if c not in kept]
+        text = text.replace("\n\n", f"\n\nCells measured so far: {len(kept)} of "
+                            f"{len(grid.cells)} (still to come: {', '.join(left)}).\n\n", 1)  # fmt: skip
+    summary["cells_measured"] = [c.name for c in kept]
     (out / "report.md").write_text(text)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     pngs = grid_report.plot(summary, curves, out)

@@ -137,3 +137,13 @@ def test_fusion_ablation_end_to_end(tiny_target_dir, tmp_path, monkeypatch):
     assert fusion_ablation.main([*argv[:-3], str(tmp_path / "eval2"), *argv[-2:]]) == 0
     assert (pub / "report.md").read_text() == report
     assert fusion_ablation.main([*argv[:2], "--reference", "nope", *argv[4:]]) == 2
+    # one cell measured so far (the other's group not yet kept): its report, naming the other
+    (pub / "groups" / "top_layer_only.inputs.json").unlink()
+    args, _ = fusion_ablation.parse_args(argv)
+    fusion_ablation.report_stage(args, tmp_path / "eval2", fusion_ablation.load_grid(str(grid), []),
+                                 pub / "groups")  # fmt: skip
+    text = (pub / "report.md").read_text()
+    assert "Cells measured so far: 1 of 2 (still to come: top_layer_only)." in text
+    assert "| default | " in text and "| top_layer_only |" not in text
+    assert "Only `default` is in: nothing is paired yet." in text and "real at 95" not in text
+    assert json.loads((pub / "summary.json").read_text())["cells_measured"] == ["default"]

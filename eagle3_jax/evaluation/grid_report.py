@@ -125,7 +125,9 @@ def report(
             + " | ".join(paired_text(by.get(t)) if by else "-" for t in tasks)
             + " |"
         )
-    if reference in ran:
+    if reference in ran and len(ran) == 1:
+        lines += ["", f"Only `{reference}` is in: nothing is paired yet."]
+    elif reference in ran:
         lines += [
             "",
             f"Real differences from `{reference}` at 95 %: {', '.join(real)}."
