@@ -131,6 +131,27 @@ def test_bad_grids_are_refused(tiny_target_dir, tmp_path):
     assert main(argv) == 2
 
 
+def test_a_cell_whose_head_would_be_refused_stops_the_grid_before_any_work(
+    tiny_target_dir, tmp_path
+):
+    """Every cell's head is built first, also when one cell is asked for (the study drivers run
+    a grid a cell at a time): aux id 0 has no name in the official format, so its head could
+    never be exported, and the grid stops before any cell trains."""
+    from eagle3_jax.ablation.config import load_ablation
+    from eagle3_jax.ablation.runner import run_ablation
+
+    data, _ = _data(tmp_path)
+    grid = load_ablation(ROOT / "configs/ablate_tiny.py")
+    base = grid.base.replace(target=str(tiny_target_dir), data=str(data), max_steps=2)
+    ac = dataclasses.replace(
+        grid, base=base, out_dir=str(tmp_path / "g"),
+        cells=(Cell("default"), Cell("embedding", {"aux_layer_ids": (0, 2)})),
+    )  # fmt: skip
+    with pytest.raises(Eagle3Error, match=r"aux layer id 0 \(the embedding output\)"):
+        run_ablation(ac, only=["default"], progress=False)
+    assert not (tmp_path / "g" / "cells").exists() and not (tmp_path / "g" / "shared").exists()
+
+
 def test_final_metrics_average_the_last_logged_steps(tmp_path):
     from eagle3_jax.ablation.runner import final_metrics
 

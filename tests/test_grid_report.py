@@ -63,7 +63,7 @@ def test_a_missing_reference_pairs_nothing():
     """A reference the run lacks: said at the top, every row "-" (not "reference"), no line
     about real differences."""
     text, summary = grid_report.report(_results(), CELLS, "absent", {})
-    assert "`absent` did not run: nothing is paired below." in text
+    assert "`absent` is not among the cells measured: nothing is paired below." in text
     assert "| top | layers 29 | 2.12 | - |" in text and "reference |" not in text
     assert "real at 95 %" not in text and "Real differences" not in text
     assert summary["real"] == []

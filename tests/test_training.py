@@ -359,13 +359,14 @@ def test_online_and_offline_features_give_the_same_losses(tiny_target_dir, tmp_p
 
 
 def test_a_head_on_the_final_normed_state_trains_and_decodes_what_it_trained_on(
-    sharp_target_dir, tmp_path
+    sharp_target_dir, tmp_path, capsys
 ):
     """Aux id L (6 here): the final normed state, EAGLE-1/2's feature and the fusion ablation's
-    top_layer cell. Training marks the head final_norm_aux, decoding feeds it the tensor training
-    did (it drafts whole chains the target accepts) and the output is plain greedy decoding's; the
-    same ids without the mark (an official config's pre-norm "output of layer L-1") are refused,
-    and so is the speculators export (vLLM captures layer inputs only)."""
+    top_layer cell. Training marks the head final_norm_aux, the exported head loads with it and
+    drafts whole chains the target accepts, and the output is plain greedy decoding's (that id L
+    IS HF's normed hidden_states[L] is test_target's parity test); the same ids without the mark
+    (an official config's "output of layer L-1", ambiguous) are refused, and so is the
+    speculators export (vLLM captures layer inputs only)."""
     from eagle3_jax.checkpoints import load_target
     from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
     from eagle3_jax.checkpoints.heads import Head, load_head
@@ -402,9 +403,16 @@ def test_a_head_on_the_final_normed_state_trains_and_decodes_what_it_trained_on(
     assert spec.output_ids == plain.output_ids
     assert np.asarray(spec.accept_hist)[:, 2].sum() > 20  # whole chains accepted
 
-    hf.pop("eagle3_jax")  # the same ids as an official config names them: pre-norm, refused
+    from eagle3_jax.cli import export
+
+    argv = ["--draft", summary["head"], "--target", str(sharp_target_dir)]
+    assert export.main([*argv, "--out", str(tmp_path / "official")]) == 0
+    assert "only eagle3_jax runs this head" in capsys.readouterr().out
+    assert export.main([*argv, "--out", str(tmp_path / "spec"), "--layout", "speculators"]) == 2
+    assert "vLLM captures only layer inputs" in capsys.readouterr().err
+    hf.pop("eagle3_jax")  # the same ids as an official config names them: ambiguous, refused
     (Path(summary["head"]) / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(Eagle3Error, match="BEFORE the final norm"):
+    with pytest.raises(Eagle3Error, match="ambiguous, so refused"):
         load_draft(summary["head"], target.cfg)
     with pytest.raises(Eagle3Error, match="vLLM captures only layer inputs"):
         save_draft(tmp_path / "spec", dparams, dcfg, vocab, layout="speculators",

@@ -64,6 +64,9 @@ def run_ablation(ac: AblationConfig, only: list[str] | None = None, progress: bo
 def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
     tcfg = load_target_config(ac.base.corpus.target)
     layers = feature_layers(ac, tcfg)
+    for cell in ac.cells:  # every cell's head, also those a driver runs later one at a time
+        tc = cell_config(ac, cell, out, tcfg)
+        draft_config(tc, tcfg, draft_size(tc, tcfg.vocab_size))
     plan = _plan(ac, cells, out, tcfg)
     _shared_features(ac, out, layers, progress)  # 1. data and features, once
 
@@ -95,13 +98,11 @@ def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
 
 
 def _plan(ac: AblationConfig, cells, out: Path, tcfg) -> list[tuple[Cell, TrainConfig, dict]]:
-    """(cell, its TrainConfig, its cell.json state) of each cell, every cell's config and head
-    checked first (the head as training and decoding will build it): a refusal must not come
-    after hours of work."""
+    """(cell, its TrainConfig, its cell.json state) of each cell, every cell's config checked
+    first: a refusal must not come after hours of work."""
     plan = []
     for cell in cells:
         tc = cell_config(ac, cell, out, tcfg)
-        draft_config(tc, tcfg, draft_size(tc, tcfg.vocab_size))
         path = Path(tc.run.out_dir) / "cell.json"
         state = json.loads(path.read_text()) if path.exists() else {}
         check_cell_config(cell, Path(tc.run.out_dir), state, tc)

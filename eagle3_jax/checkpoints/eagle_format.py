@@ -290,23 +290,25 @@ def check_compatible(
 
 def check_aux_ids(draft_cfg: dr.DraftConfig, target_cfg: TargetConfig) -> None:
     """The head's aux ids name tensors this target has: layer inputs 0..L-1, and id L (the final
-    normed state) only for a head that says it was trained on it (`final_norm_aux`). Without that
-    flag id L is refused: it comes from an official "output of layer L-1", which is PRE-norm, and
-    target.forward captures the normed state there, so the head would silently read another
-    tensor."""
+    normed state, HF `hidden_states[L]`) only for a head that says it was trained on it
+    (`final_norm_aux`). Without that flag id L is refused: it comes from an official "output of
+    layer L-1", which SpecForge's current trainer takes before the final norm (its earlier one,
+    and HF's hidden_states[L], after it), so the head could silently read another tensor."""
     ids, n = draft_cfg.aux_layer_ids, target_cfg.num_layers
     if draft_cfg.final_norm_aux and max(ids) != n:
         raise Eagle3Error(
-            f"the head reads the final normed state of a target with {max(ids)} layers (aux ids "
-            f"{ids}, final_norm_aux), this target has {n}: it was trained for another target"
+            f"the head's config says (final_norm_aux) that its largest aux id, {max(ids)}, is the "
+            f"final normed state of a {max(ids)}-layer target; this target has {n} layers: it "
+            "was trained for another target"
         )
     top = n if draft_cfg.final_norm_aux else n - 1
-    bad = [i for i in ids if not 0 <= i <= top]
+    bad = sorted({i for i in ids if not 0 <= i <= top})
     if bad == [n]:
         raise Eagle3Error(
-            f"draft aux layer ids {ids} include {n}: in an official config that is the output of "
-            f"the last layer BEFORE the final norm, which eagle3_jax does not capture (id {n} here "
-            "is the normed state, read only by heads whose config says final_norm_aux)"
+            f"draft aux layer ids {ids} include {n}, an official config's output of the last "
+            "layer, which trainers take before the final norm (SpecForge today) or after it "
+            "(HF's hidden_states): ambiguous, so refused. A head known to be trained on the "
+            'normed state runs with "eagle3_jax": {"final_norm_aux": true} in its config.json'
         )
     if bad:
         raise Eagle3Error(

@@ -83,6 +83,11 @@ def main(argv=None) -> int:
         f"wrote {args.out}: {args.layout} layout, Vd {cfg.draft_vocab_size}, aux layers "
         f"{cfg.aux_layer_ids} (hidden_states indices), {own}"
     )
+    if cfg.final_norm_aux:
+        print(
+            f"note: aux id {max(cfg.aux_layer_ids)} is the target's final normed state "
+            "(final_norm_aux): SGLang and vLLM never capture it, so only eagle3_jax runs this head"
+        )
     return 0
 
 

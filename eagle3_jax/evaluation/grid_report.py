@@ -76,7 +76,7 @@ def report(
         f"# {title}",
         "",
         *(
-            [f"`{reference}` did not run: nothing is paired below.", ""]
+            [f"`{reference}` is not among the cells measured: nothing is paired below.", ""]
             if reference not in ran
             else []
         ),

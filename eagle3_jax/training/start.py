@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.checkpoints.eagle_format import check_aux_ids, load_draft
+from eagle3_jax.checkpoints.head_config import draft_config_to_hf
 from eagle3_jax.config import DTYPES
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
@@ -18,9 +19,10 @@ from eagle3_jax.training.step import place
 
 
 def draft_config(tc: TrainConfig, tcfg, draft_size: int) -> drf.DraftConfig:
-    """The head this run trains: its aux layers (checked against the target as decoding will
-    check them; id L, the final normed state, marks the head `final_norm_aux`), output layer and
-    draft vocabulary size. A grid builds every cell's before training any (ablation.runner)."""
+    """The head this run trains: its aux layers (checked against the target as decoding and
+    exporting will check them; id L, the final normed state, marks the head `final_norm_aux`),
+    output layer and draft vocabulary size. A grid builds every cell's before training any
+    (ablation.runner)."""
     aux_ids = tcfg.check_aux_layer_ids(tc.head.aux_layer_ids or tcfg.default_aux_layer_ids())
     dcfg = drf.DraftConfig.from_target(
         tcfg,
@@ -30,7 +32,8 @@ def draft_config(tc: TrainConfig, tcfg, draft_size: int) -> drf.DraftConfig:
         speculator_rank=tc.head.speculator_rank,
         final_norm_aux=tcfg.num_layers in aux_ids,  # id L: the final normed state (EAGLE-1/2's)
     )
-    check_aux_ids(dcfg, tcfg)
+    check_aux_ids(dcfg, tcfg)  # what decoding will refuse ...
+    draft_config_to_hf(dcfg)  # ... and what exporting will (aux id 0 has no official name)
     return dcfg
 
 
