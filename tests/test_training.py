@@ -45,6 +45,14 @@ def _cfg(tiny_target_dir, tmp_path, *overrides):
     )
 
 
+# a head that learns the sharp target's argmax in 160 steps (TTT 2, the full draft vocabulary:
+# the data are not regenerated before the vocabulary is built, so a reduced one built from them
+# would miss many of the target's argmax tokens and cap acc_0 well below 1)
+SHARP_RECIPE = ("--config.max_steps=160", "--config.lr=1e-2", "--config.log_every=20",
+                "--config.ttt_steps=2", "--config.draft_vocab_size=97", "--config.regenerate=true",
+                "--config.regen_max_new_tokens=24")  # fmt: skip
+
+
 def _metrics(run_dir, key):
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x)[key] for x in lines]
@@ -59,20 +67,7 @@ def _losses(run_dir):
 def test_a_tiny_head_overfits_and_exports(sharp_target_dir, tmp_path):
     from eagle3_jax.checkpoints.eagle_format import load_draft
 
-    # full draft vocabulary: the data are not regenerated here, so a reduced vocabulary built from
-    # them would miss many of the target's argmax tokens and cap acc_0 well below 1
-    tc = _cfg(
-        sharp_target_dir,
-        tmp_path,
-        "--config.max_steps=160",
-        "--config.lr=1e-2",
-        "--config.log_every=20",
-        "--config.save_every=80",
-        "--config.ttt_steps=2",
-        "--config.draft_vocab_size=97",
-        "--config.regenerate=true",
-        "--config.regen_max_new_tokens=24",
-    )
+    tc = _cfg(sharp_target_dir, tmp_path, *SHARP_RECIPE, "--config.save_every=80")
     summary = train(tc, progress=False)
     accs = [
         json.loads(x)["acc_0"] for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()
@@ -372,18 +367,7 @@ def test_a_head_on_the_final_normed_state_trains_and_decodes_what_it_trained_on(
     from eagle3_jax.checkpoints.heads import Head, load_head
     from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
 
-    tc = _cfg(
-        sharp_target_dir,
-        tmp_path,
-        "--config.max_steps=160",
-        "--config.lr=1e-2",
-        "--config.log_every=20",
-        "--config.ttt_steps=2",
-        "--config.draft_vocab_size=97",
-        "--config.regenerate=true",
-        "--config.regen_max_new_tokens=24",
-        "--config.aux_layer_ids=2,6",
-    )
+    tc = _cfg(sharp_target_dir, tmp_path, *SHARP_RECIPE, "--config.aux_layer_ids=2,6")
     summary = train(tc, progress=False)
     assert _metrics(tmp_path / "run", "acc_0")[-1] > 0.9
     hf = json.loads((Path(summary["head"]) / "config.json").read_text())
