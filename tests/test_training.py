@@ -348,9 +348,11 @@ def test_online_and_offline_features_give_the_same_losses(tiny_target_dir, tmp_p
     precompute_features(offline, progress=False)
     train(offline, progress=False)
     np.testing.assert_allclose(_losses(tmp_path / "off"), _losses(tmp_path / "on"), rtol=1e-5)
-    bad = offline.replace(out_dir=str(tmp_path / "bad"), aux_layer_ids=(0, 2, 3))
-    with pytest.raises(Eagle3Error, match="not \\[0\\]"):
+    bad = offline.replace(out_dir=str(tmp_path / "bad"), aux_layer_ids=(2, 3, 5))
+    with pytest.raises(Eagle3Error, match="not \\[5\\]"):  # a layer the store does not hold
         train(bad, progress=False)
+    with pytest.raises(Eagle3Error, match="aux layer id 0"):  # no name in the official format
+        train(bad.replace(aux_layer_ids=(0, 2, 3)), progress=False)
 
 
 def test_a_head_on_the_final_normed_state_trains_and_decodes_what_it_trained_on(
