@@ -25,30 +25,30 @@ beside the groups. `--config.FIELD=VALUE` overrides the grid's base TrainConfig 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import sys
 from pathlib import Path
 
-from eagle3_jax.ablation.config import load_ablation, trained_head
+from eagle3_jax.ablation.config import trained_head
 from eagle3_jax.ablation.status import cell_status, running_line, status_lines, store_line
 from eagle3_jax.checkpoints import load_target_config, resolve_target, target_digest
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import grid_report, study
 from eagle3_jax.evaluation.questions import load_questions
 from eagle3_jax.evaluation.records import read_results
-from eagle3_jax.training.config import apply_overrides
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vocab_study import (  # noqa: E402  the same stage runner, lock and groups
     cell_curve,
     grid_root,
     kept_groups,
+    load_grid,
     locked,
     pending_groups,
     publish_group,
     run,
+    so_far,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,12 +83,6 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     if bad:
         ap.error(f"unrecognized arguments: {' '.join(bad)}")
     return args, rest
-
-
-def load_grid(path: str, overrides: list[str]):
-    """The grid with `--config.FIELD=VALUE` applied to its base (every cell)."""
-    grid = load_ablation(path)
-    return dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
 
 
 def describe(overrides: dict) -> str:
@@ -188,10 +182,7 @@ def report_stage(args: argparse.Namespace, out: Path, grid, results: Path) -> No
     text, summary = grid_report.report(
         merged, cells, args.reference, curves, title="Which target layers to fuse"
     )
-    if len(kept) < len(grid.cells):
-        left = [c.name for c in grid.cells if c not in kept]
-        text = text.replace("\n\n", f"\n\nCells measured so far: {len(kept)} of "
-                            f"{len(grid.cells)} (still to come: {', '.join(left)}).\n\n", 1)  # fmt: skip
+    text = so_far(text, grid, kept, "Cells")
     summary["cells_measured"] = [c.name for c in kept]
     (out / "report.md").write_text(text)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

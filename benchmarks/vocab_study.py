@@ -257,8 +257,7 @@ def grid_root(grid) -> Path:
 def status(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     """Where the study stands: its cells' training, the stages' artefacts under --out and each
     harness run's records (read only; the run may be going on beside)."""
-    grid = load_ablation(args.grid)
-    grid = dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
+    grid = load_grid(args.grid, overrides)
     root = grid_root(grid)
     out = Path(args.out)
     have = lambda paths: (  # noqa: E731
@@ -331,6 +330,22 @@ def group_heads(cell_head, sizes: list[int]) -> list[tuple[str, str, int]]:
     return [(f"{cut}_{n}", cut, n) for n in sizes] if cut else []
 
 
+def load_grid(path: str, overrides: list[str]):
+    """The grid with `--config.FIELD=VALUE` applied to its base (every cell)."""
+    grid = load_ablation(path)
+    return dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
+
+
+def so_far(text: str, grid, kept: list, what: str) -> str:
+    """A report of the `kept` cells, saying after its title how many of the grid's are in and
+    which are still to come (unchanged when all are)."""
+    if len(kept) == len(grid.cells):
+        return text
+    left = ", ".join(c.name for c in grid.cells if c not in kept)
+    line = f"{what} measured so far: {len(kept)} of {len(grid.cells)} (still to come: {left})."
+    return text.replace("\n\n", f"\n\n{line}\n\n", 1)
+
+
 def kept_groups(grid, results: Path) -> list:
     """The grid's cells whose group is kept under `results`: its folder and its stamp
     (`publish_group`)."""
@@ -347,8 +362,7 @@ def study_stages(args: argparse.Namespace, overrides: list[str], out: Path) -> N
     --publish, else --out) and stamped with what decides them, and the report again. A group's
     results stand without its heads: a fresh machine that has them (committed) goes on with the
     next cell."""
-    grid = load_ablation(args.grid)
-    grid = dataclasses.replace(grid, base=apply_overrides(grid.base, overrides))
+    grid = load_grid(args.grid, overrides)
     root = grid_root(grid)
     st = settings(args, grid, root)
     model = []  # the target (and dtype) every stage that loads one reads
@@ -537,10 +551,7 @@ def report_stage(args, out, grid, results, cell_heads, sizes, reference, trees) 
         json.loads(p.read_text()) for p in sorted(Path(args.round_cost).glob("*/results.json"))
     ]
     text, summary = study.report(runs, heads, reference, costs, curves, timed)
-    if len(kept) < len(grid.cells):
-        left = [c.name for c in grid.cells if c not in kept]
-        text = text.replace("\n\n", f"\n\nGroups measured so far: {len(kept)} of "
-                            f"{len(grid.cells)} (still to come: {', '.join(left)}).\n\n", 1)  # fmt: skip
+    text = so_far(text, grid, kept, "Groups")
     summary["groups"] = [c.name for c in kept]
     recalls = [g["recall"] for g in groups.values() if g["recall"]]
     if recalls:
