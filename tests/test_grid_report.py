@@ -85,6 +85,22 @@ def test_report_says_which_differences_are_real(tmp_path):
     assert all(p.stat().st_size > 1000 for p in paths)
 
 
+def test_curve_table_puts_every_cell_at_every_validation():
+    """One row a validation step, one column a cell; a step a cell has not reached is "-", and a
+    grid with no curves prints no table."""
+    curves = {"ref": [{"step": 100, "tokens": 95058, "acc_0": 0.194, "chain_tau": 1.213},
+                      {"step": 200, "tokens": 188620, "acc_0": 0.264, "chain_tau": 1.308}],
+              "top": [{"step": 100, "tokens": 95058, "acc_0": 0.105, "chain_tau": 1.108}],
+              "four": []}  # fmt: skip
+    table = grid_report.curve_table(curves)
+    assert "| step | tokens read | ref | top |" in table
+    assert "| 100 | 95,058 | 0.194 / 1.21 | 0.105 / 1.11 |" in table
+    assert "| 200 | 188,620 | 0.264 / 1.31 | - |" in table
+    text, _ = grid_report.report(_results(), CELLS, "ref", curves)
+    assert "| 200 | 188,620 | 0.264 / 1.31 | - |" in text
+    assert grid_report.curve_table({"ref": []}) == []
+
+
 @pytest.mark.slow  # two tiny heads trained and a replayed harness run, in subprocesses: ~2 min
 def test_fusion_ablation_end_to_end(tiny_target_dir, tmp_path, monkeypatch):
     """benchmarks/fusion_ablation.py on the tiny two-cell grid: trains and replays each cell's head

@@ -134,10 +134,37 @@ def report(
             if real
             else f"No difference from `{reference}` is real at 95 %.",
         ]
-    lines.append("")
+    lines += ["", *curve_table(curves)]
     summary = {"reference": reference, "tree": [k, d, n], "rows": rows, "real": real}
     summary["curves"] = {c: v[-1] for c, v in curves.items() if v}
     return "\n".join(lines), summary
+
+
+def curve_table(curves: dict[str, list[dict]]) -> list[str]:
+    """Every cell's held-out validations step by step (acc_0 / replayed chain tau), one column a
+    cell, so that a reader sees where each curve stands at every budget and whether it still
+    rises; [] when no cell has validated."""
+    shown = {c: {p["step"]: p for p in pts} for c, pts in curves.items() if pts}
+    if not shown:
+        return []
+    steps = sorted({s for pts in shown.values() for s in pts})
+    tokens = {s: p.get("tokens") for pts in shown.values() for s, p in pts.items()}
+    out = [
+        "Held-out validation along training (acc_0 / replayed chain tau; the same held-out "
+        "conversations and the same training records in the same order for every cell):",
+        "",
+        "| step | tokens read | " + " | ".join(shown) + " |",
+        "|" + " --- |" * (2 + len(shown)),
+    ]
+    for s in steps:
+        cells = [
+            f"{fmt(p.get('acc_0'), 3)} / {fmt(p.get('chain_tau'))}" if (p := pts.get(s)) else "-"
+            for pts in shown.values()
+        ]
+        out.append(
+            f"| {s} | {f'{tokens[s]:,}' if tokens.get(s) else '-'} | " + " | ".join(cells) + " |"
+        )
+    return out + [""]
 
 
 def plot(summary: dict, curves: dict[str, list[dict]], out: Path) -> list[Path]:
