@@ -75,6 +75,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         "config (its cell.json, checked before any work)",
     )  # fmt: skip
     ap.add_argument(
+        "--cells", default=None,
+        help="comma-separated cells to measure now, in this order (default: every cell not "
+        "measured yet, in the grid's order); the report still covers every kept group",
+    )  # fmt: skip
+    ap.add_argument(
         "--status", action="store_true",
         help="print where the ablation stands (cells, harness records) and start nothing",
     )  # fmt: skip
@@ -140,7 +145,7 @@ def stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
         "batch_size": args.batch_size,
         "dtype": grid.dtype,
     }
-    pending = pending_groups(grid, results, common, "ablation")
+    pending = pick_cells(pending_groups(grid, results, common, "ablation"), args.cells, names)
     report_stage(args, out, grid, results)  # 3, of the groups kept so far
     if args.skip_train:  # every head there, trained under its cell's config, before any work
         tcfg = load_target_config(target)
@@ -165,6 +170,20 @@ def stages(args: argparse.Namespace, overrides: list[str], out: Path) -> None:
         files = {"results.json.gz": out / "eval" / c.name / "results.json"}
         publish_group(files, root / "cells" / c.name, gdir, key)
         report_stage(args, out, grid, results)  # 3, of the groups kept so far
+
+
+def pick_cells(pending: list[tuple], chosen: str | None, names: list[str]) -> list[tuple]:
+    """The pending (cell, folder, stamp) entries of the --cells asked for, in their order (all
+    of them, in the grid's order, without --cells); a name the grid lacks is refused before any
+    work, and one measured already is simply not pending."""
+    if chosen is None:
+        return pending
+    asked = [c.strip() for c in chosen.split(",") if c.strip()]
+    unknown = [c for c in asked if c not in names]
+    if unknown or not asked:
+        raise Eagle3Error(f"--cells {chosen}: the grid's cells are {', '.join(names)}")
+    by_name = {p[0].name: p for p in pending}
+    return [by_name[c] for c in dict.fromkeys(asked) if c in by_name]
 
 
 def report_stage(args: argparse.Namespace, out: Path, grid, results: Path) -> None:

@@ -573,6 +573,27 @@ def test_fusion_ablation_takes_the_grid_s_overrides_and_refuses_other_flags():
         fa.parse_args(["--steps=8"])
 
 
+def test_fusion_ablation_measures_the_cells_asked_for_in_their_order():
+    """--cells picks among the cells still to measure and orders them (a cheaper cell first when a
+    session is short); a cell measured already is skipped, an unknown one refused before work."""
+    fa = load_script("benchmarks/fusion_ablation.py")
+    names = ["low_mid_high", "top_layer", "four_layers", "ttt_3"]
+
+    class Cell:
+        def __init__(self, name):
+            self.name = name
+
+    pending = [(Cell(n), f"groups/{n}", {}) for n in names[2:]]
+    assert fa.pick_cells(pending, None, names) == pending
+    picked = fa.pick_cells(pending, "ttt_3, four_layers", names)
+    assert [p[0].name for p in picked] == ["ttt_3", "four_layers"]
+    assert [p[0].name for p in fa.pick_cells(pending, "top_layer,ttt_3", names)] == ["ttt_3"]
+    assert fa.pick_cells(pending, "top_layer", names) == []
+    with pytest.raises(Eagle3Error, match="--cells ttt_9: the grid's cells are low_mid_high"):
+        fa.pick_cells(pending, "ttt_9", names)
+    assert fa.parse_args(["--cells", "ttt_3"])[0].cells == "ttt_3"
+
+
 def test_a_sigterm_to_the_study_reaches_its_stage_and_ends_it_resumably(tmp_path, capsys):
     """The study driver runs each stage as a subprocess: a SIGTERM to the driver is passed on to
     the stage in progress (a training stage checkpoints its step and stops), and the study ends
