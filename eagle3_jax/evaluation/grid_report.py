@@ -18,6 +18,11 @@ from eagle3_jax.evaluation.questions import task_order
 from eagle3_jax.evaluation.study import curve_points, fmt, label_of, paired_text, tree_of
 
 
+def _table_head(columns: list[str]) -> list[str]:
+    """A markdown table's header and rule lines."""
+    return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+
 def cell_rows(results: dict, cells: dict[str, str], reference: str) -> list[dict]:
     """One row per cell that ran (`cells`: name -> what differs): tau overall and per category
     (`paired.category_of`: MT-bench's eight subcategories, a task its own), whether it was
@@ -72,6 +77,7 @@ def report(
     ran = {r["cell"] for r in rows}
     n_q = max((r["questions"] for r in rows), default=0)
     missing = [c for c in cells if c not in ran]
+    held_out = ["held-out acc_0", "held-out chain tau", "step"]
     lines = [
         f"# {title}",
         "",
@@ -96,10 +102,7 @@ def report(
         "difference). Held-out: acc_0 and the replayed chain tau of the exported head at the last "
         "validation of its training.",
         "",
-        "| cell | what differs | tau | tau - ref | "
-        + " | ".join(tasks)
-        + " | held-out acc_0 | held-out chain tau | step |",
-        "|" + " --- |" * (7 + len(tasks)),
+        *_table_head(["cell", "what differs", "tau", "tau - ref", *tasks, *held_out]),
     ]
     for r in rows:
         last = (curves.get(r["cell"]) or [{}])[-1]
@@ -115,8 +118,7 @@ def report(
         "Per category, tau - ref (95 %; each interval on its own, no correction for comparing "
         "several cells and categories):",
         "",
-        "| cell | " + " | ".join(tasks) + " |",
-        "|" + " --- |" * (1 + len(tasks)),
+        *_table_head(["cell", *tasks]),
     ]
     for r in rows:
         by = r.get("vs_reference_by_task")
@@ -153,8 +155,7 @@ def curve_table(curves: dict[str, list[dict]]) -> list[str]:
         "Held-out validation along training (acc_0 / replayed chain tau; the same held-out "
         "conversations and the same training records in the same order for every cell):",
         "",
-        "| step | tokens read | " + " | ".join(shown) + " |",
-        "|" + " --- |" * (2 + len(shown)),
+        *_table_head(["step", "tokens read", *shown]),
     ]
     for s in steps:
         cells = [
