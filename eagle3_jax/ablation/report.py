@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eagle3_jax.checkpoints.atomic import write_text_atomic
 from eagle3_jax.evaluation import paired
-from eagle3_jax.evaluation.report import strict_json
+from eagle3_jax.evaluation.report import strict_json, table_head
 
 
 def _f(x, digits=2):
@@ -44,17 +44,14 @@ def report_markdown(result: dict) -> str:
         ),
         _how_measured(cfg, held_cols),
         "",
-        "| "
-        + " | ".join(
+        *table_head(
             ["cell", "aux layers", "fc in", "TTT", "feat. loss", "Vd"]
             + [f"τ {t}" for t in tasks]
             + ["τ"]
             + [f"acc_{i}" for i in range(steps)]
             + held_cols
             + ["train s"]
-        )
-        + " |",
-        "|" + " --- |" * (8 + len(tasks) + steps + len(held_cols)),
+        ),
     ]
     for r, h in zip(rows, held):
         lines.append("| " + " | ".join(_row_cells(r, h, tasks, steps, held_cols)) + " |")
@@ -132,8 +129,7 @@ def paired_table(rows: list[dict]) -> list[str]:
         "same training records step by step, τ over the same questions; * the interval excludes "
         "no difference.",
         "",
-        "| cell | " + " | ".join(f"Δacc_{i}" for i in range(PAIRED_ACC)) + " | Δτ |",
-        "|" + " --- |" * (PAIRED_ACC + 2),
+        *table_head(["cell", *(f"Δacc_{i}" for i in range(PAIRED_ACC)), "Δτ"]),
     ]
 
     def step_column(row: dict, i: int) -> dict:

@@ -15,12 +15,8 @@ from pathlib import Path
 from eagle3_jax.evaluation import metrics, paired
 from eagle3_jax.evaluation.paired import category_of
 from eagle3_jax.evaluation.questions import task_order
+from eagle3_jax.evaluation.report import table_head
 from eagle3_jax.evaluation.study import curve_points, fmt, label_of, paired_text, tree_of
-
-
-def _table_head(columns: list[str]) -> list[str]:
-    """A markdown table's header and rule lines."""
-    return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
 
 
 def cell_rows(results: dict, cells: dict[str, str], reference: str) -> list[dict]:
@@ -102,7 +98,7 @@ def report(
         "difference). Held-out: acc_0 and the replayed chain tau of the exported head at the last "
         "validation of its training.",
         "",
-        *_table_head(["cell", "what differs", "tau", "tau - ref", *tasks, *held_out]),
+        *table_head(["cell", "what differs", "tau", "tau - ref", *tasks, *held_out]),
     ]
     for r in rows:
         last = (curves.get(r["cell"]) or [{}])[-1]
@@ -118,7 +114,7 @@ def report(
         "Per category, tau - ref (95 %; each interval on its own, no correction for comparing "
         "several cells and categories):",
         "",
-        *_table_head(["cell", *tasks]),
+        *table_head(["cell", *tasks]),
     ]
     for r in rows:
         by = r.get("vs_reference_by_task")
@@ -155,7 +151,7 @@ def curve_table(curves: dict[str, list[dict]]) -> list[str]:
         "Held-out validation along training (acc_0 / replayed chain tau; the same held-out "
         "conversations and the same training records in the same order for every cell):",
         "",
-        *_table_head(["step", "tokens read", *shown]),
+        *table_head(["step", "tokens read", *shown]),
     ]
     for s in steps:
         cells = [

@@ -24,6 +24,11 @@ def strict_json(x):
     return x
 
 
+def table_head(columns: list[str]) -> list[str]:
+    """A markdown table's header and rule lines, one rule cell per column."""
+    return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+
 def write_outputs(out: Path, records, questions, methods, seeds, opts) -> dict:
     """results.json, report.md and the plots for this run's questions, methods and seeds."""
     ids = {q.id for q in questions}

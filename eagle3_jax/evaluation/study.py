@@ -24,6 +24,7 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import metrics, paired
 from eagle3_jax.evaluation.questions import task_order
 from eagle3_jax.evaluation.records import read_jsonl
+from eagle3_jax.evaluation.report import table_head
 
 # The SpecVocab paper and README (H100, Spec-Bench, greedy, batch 1), as
 # ../shared/reference/draft-vocab-methods.md quotes them: tau on OLMo 2 1B, tokens/s on OLMo 2 7B.
@@ -334,11 +335,10 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
         "",
         "ms/round is a head's wall time over its rounds, each answer's prefill included.",
         "",
-        "| head | method | Vd | "
-        + " | ".join(tasks)
-        + " | tau | tokens/s | speedup | ms/round | draft ms/round "
-        "| paper tau (OLMo 2 1B) | paper tok/s (OLMo 2 7B) |",
-        "|" + " --- |" * (len(tasks) + 10),
+        *table_head(
+            ["head", "method", "Vd", *tasks, "tau", "tokens/s", "speedup", "ms/round"]
+            + ["draft ms/round", "paper tau (OLMo 2 1B)", "paper tok/s (OLMo 2 7B)"]
+        ),
     ]
     for r in rows:
         out.append(
@@ -371,8 +371,7 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
         ),
         *([] if ran else ["", f"`{reference}` did not run in this tree: nothing is paired."]),
         "",
-        f"| head | tau - ref | {speed} / ref | " + " | ".join(tasks) + " |",
-        "|" + " --- |" * (3 + len(tasks)),
+        *table_head(["head", "tau - ref", f"{speed} / ref", *tasks]),
     ]
     for r in rows:
         vs = r.get("vs_reference")
@@ -391,8 +390,7 @@ def tree_section(name: str, results: dict, rows: list[dict], reference: str) -> 
             "Against EAGLE-3 at the same draft vocabulary size, where that is not the reference "
             f"(paired the same way): tau difference and {speed} ratio.",
             "",
-            f"| head | Vd | against | tau - it | {speed} / it |",
-            "|" + " --- |" * 5,
+            *table_head(["head", "Vd", "against", "tau - it", f"{speed} / it"]),
         ]
         for r in same:
             vs = r["vs_same_size"]
@@ -433,10 +431,10 @@ def cost_section(name: str, costs: dict[str, dict], heads: Sequence[StudyHead]) 
     out = [
         f"## Drafting time per step at tree {name} (ms): the layer and output top-k over r rows",
         "",
-        "| head | output layer | "
-        + " | ".join(c.replace("_ms_rows", " r").replace("round_ms", "round") for c in cols)
-        + " |",
-        "|" + " --- |" * (2 + len(cols)),
+        *table_head(
+            ["head", "output layer"]
+            + [c.replace("_ms_rows", " r").replace("round_ms", "round") for c in cols]
+        ),
     ]
     notes = []
     for h in heads:
