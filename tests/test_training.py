@@ -416,6 +416,29 @@ def test_length_buckets_leave_the_loss_unchanged(tiny_target_dir, tmp_path):
     np.testing.assert_allclose(_losses(tmp_path / "cut"), _losses(tmp_path / "full"), rtol=1e-5)
 
 
+def test_tensorboard_event_files_read_back(tmp_path):
+    """An event file as TensorBoard reads it: TFRecord frames whose masked CRC-32Cs hold, the
+    first Event naming the format, each scalars call one Event, on disk before the writer closes;
+    a flipped byte is refused."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    from eagle3_jax.training.tensorboard import SummaryWriter, read_scalars
+
+    tb = SummaryWriter(tmp_path / "tb")
+    tb.scalars(5, {"loss": 2.5, "acc_0": 0.25})
+    (event_file,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    assert read_scalars(event_file) == [(5, {"loss": 2.5, "acc_0": 0.25})]
+    tb.scalars(6, {"loss": 1.5})
+    tb.close()
+    assert read_scalars(event_file) == [(5, {"loss": 2.5, "acc_0": 0.25}), (6, {"loss": 1.5})]
+    data = event_file.read_bytes()
+    (n,) = np.frombuffer(data[:8], "<u8")
+    assert Event.FromString(data[12 : 12 + n]).file_version == "brain.Event:2"
+    event_file.write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+    with pytest.raises(ValueError, match="bad CRC"):
+        read_scalars(event_file)
+
+
 def test_tensorboard_events_and_nan_stop(tiny_target_dir, tmp_path):
     from eagle3_jax.training.tensorboard import read_scalars
 
