@@ -15,6 +15,7 @@ import jax
 
 from eagle3_jax import distributed
 from eagle3_jax.checkpoints.heads import parse_draft_vocab
+from eagle3_jax.config import DTYPES
 from eagle3_jax.decoding.generate import DecodeOptions
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.decoding.tree import default_tree
@@ -148,7 +149,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default=None,
-        choices=["float32", "bfloat16", "float16"],
+        choices=list(DTYPES),
         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
     )
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from eagle3_jax import compile_cache, distributed
+from eagle3_jax.config import DTYPES
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation.options import EvalOptions
 from eagle3_jax.evaluation.runner import run_eval
@@ -82,7 +83,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="per turn")
     p.add_argument("--seeds", type=int, default=None, help="default: 1 at T=0, 5 at T>0")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=list(DTYPES))
     p.add_argument(
         "--mesh", default=None, help="DATAxMODEL devices (e.g. 1x8; default: one device)"
     )

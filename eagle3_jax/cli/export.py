@@ -20,7 +20,7 @@ import sys
 from eagle3_jax.checkpoints import load_target_config
 from eagle3_jax.checkpoints.atomic import check_destination
 from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
-from eagle3_jax.config import FAMILIES
+from eagle3_jax.config import DTYPES, FAMILIES
 from eagle3_jax.errors import Eagle3Error
 
 DEFAULT_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded default's hub name
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         default=3,
         help="speculators: the chain length vLLM drafts unless told otherwise (default 3)",
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument(
         "--overwrite", action="store_true", help="replace --out if it is a head eagle3_jax wrote"
     )

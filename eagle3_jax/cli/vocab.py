@@ -25,6 +25,7 @@ from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.atomic import check_destination
 from eagle3_jax.checkpoints.eagle_format import load_draft, save_draft
 from eagle3_jax.checkpoints.heads import VOCAB_ORDER_FILE, read_vocab_order, write_vocab_order
+from eagle3_jax.config import DTYPES
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.vocab import target_ids
 from eagle3_jax.vocab.methods import (
@@ -85,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _head_output_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--out", required=True, help="new head directory")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
