@@ -1,4 +1,4 @@
-"""evaluation/study.py: the vocabulary study's report from harness results, costs and curves."""
+"""evaluation/study/: the vocabulary study's report from harness results, costs and curves."""
 
 from __future__ import annotations
 
@@ -316,8 +316,8 @@ def test_cells_map_to_the_methods_they_stand_for():
     )
     olmo = study.head_of_cell("f", {"draft_vocab_size": 100352, "lm_head_source": "target"}, 100352)
     assert (olmo.vocab, olmo.target_vocab) == (None, 100352)
-    assert study._vocab(olmo.vocab, olmo.target_vocab) == "100,352 (all)"
-    assert study._vocab(None) == "all" and study._vocab(8192, 100352) == "8,192"
+    assert study.vocab_text(olmo.vocab, olmo.target_vocab) == "100,352 (all)"
+    assert study.vocab_text(None) == "all" and study.vocab_text(8192, 100352) == "8,192"
     full = {"draft_vocab_size": v, "remat": True}
     assert study.head_of_cell("b", full, v).family == "full"
     assert study.head_of_cell("c", {**full, "lm_head_source": "target"}, v).family == (

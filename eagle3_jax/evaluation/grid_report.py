@@ -16,7 +16,9 @@ from eagle3_jax.evaluation import metrics, paired
 from eagle3_jax.evaluation.paired import category_of
 from eagle3_jax.evaluation.questions import task_order
 from eagle3_jax.evaluation.report import table_head
-from eagle3_jax.evaluation.study import curve_points, fmt, label_of, paired_text, tree_of
+from eagle3_jax.evaluation.study.curves import curve_points
+from eagle3_jax.evaluation.study.heads import label_of, tree_of
+from eagle3_jax.evaluation.study.text import fmt, paired_text
 
 
 def cell_rows(results: dict, cells: dict[str, str], reference: str) -> list[dict]:
