@@ -1,6 +1,6 @@
-"""scripts/crosscheck_official.py, the parts that run without the official checkout: the head
-check the official loader needs, the config copy that fixes it, the tree mapping and the
-round-by-round comparison."""
+"""scripts/crosscheck_official.py and its steps (scripts/crosscheck/), the parts that run
+without the official checkout: the head check the official loader needs, the config copy that
+fixes it, the tree mapping, the round-by-round comparison, and a worker that imports no jax."""
 
 import json
 from pathlib import Path
@@ -83,3 +83,19 @@ def test_prompt_file(xc, tmp_path):
     f.write_text('{"prompt": "a"}\n\n{"id": "x", "prompt": "b"}\n')
     assert xc.read_prompts(str(f)) == [("1", "a"), ("x", "b")]
     assert [pid for pid, _ in xc.read_prompts(None)] == ["explain", "code", "list"]
+
+
+def test_the_official_worker_needs_no_jax(tmp_path):
+    """--official-python may name an interpreter without jax or eagle3_jax: the script and its
+    steps import the standard library alone until our side runs (`python -S`: no site-packages)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts/crosscheck_official.py"
+    res = subprocess.run(
+        [sys.executable, "-S", str(script), "--official-worker", "job.json", "out.json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert "No such file or directory: 'job.json'" in res.stderr, res.stderr[-500:]
