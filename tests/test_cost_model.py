@@ -64,12 +64,12 @@ def test_tied_output_layer_is_the_embedding():
 def test_round_structure_follows_the_drafter():
     """A round runs `depth` draft forwards (encode + depth - 1 expansions), the lm_head over Vd
     on 1 row then top_k rows per expansion, one verification of total_tokens tokens, and
-    2 x (total_tokens - 1) bookkeeping loop iterations."""
+    ceil(log2 total_tokens) dependent bookkeeping steps (the ancestor masks' squarings)."""
     dcfg = specs.draft_for(TINY)
     for depth in (1, 3, 6):
         chain = roofline.spec_round(TINY, dcfg, TreeConfig(1, depth, depth + 1), 1, 16)
         assert roofline.draft_steps(chain) == depth
-        assert sum(p.serial_iters for p in chain.phases) == 2 * depth
+        assert sum(p.serial_iters for p in chain.phases) == depth.bit_length()
     tree = TreeConfig(4, 3, 8)
     rnd = roofline.spec_round(TINY, dcfg, tree, 1, 16)
     d, vd = dcfg.hidden_size, dcfg.draft_vocab_size
@@ -140,8 +140,10 @@ def test_acceptance_model_calibration():
 
 def test_published_speedups_within_bounds():
     """H100, 10/8/60, B 1, 2k context: EAGLE-3's τ 6.5 on Llama-3.1-8B predicts a speedup inside
-    the paper's 3-6.5x; the τ that gives SpecVocab's OLMo 2 figures is one plausible τ (3.5-5)
-    for both sizes."""
+    the paper's 3-6.5x; the τ that gives SpecVocab's OLMo 2 speedups under our model is at most
+    the τ SpecVocab measured there (4.31-4.53 on OLMo 2 1B: a round no dearer than theirs; since
+    the tree bookkeeping lost its serial loops, 3.4-3.5 for 1B and 3.8-4.1 for 7B, where they
+    were 4.2-4.4 and 4.1-4.4) and no less than 3 (no round is nearly free)."""
     h100 = specs.DEVICES["H100"]
     ll = predict.predict(h100, "llama31_8b", acceptance.REPORTING_TREE, 6.5)
     assert 3.0 <= ll.speedup <= 6.5
@@ -150,7 +152,7 @@ def test_published_speedups_within_bounds():
     big = predict.predict(h100, "olmo2_7b", acceptance.REPORTING_TREE, 6.5)
     assert small.ratio > big.ratio  # a small target pays relatively more for drafting
     for pred, (lo, hi) in ((small, (1.32, 1.38)), (big, (2.04, 2.20))):
-        assert 3.5 <= predict.implied_tau(pred, lo) and predict.implied_tau(pred, hi) <= 5.0
+        assert 3.0 <= predict.implied_tau(pred, lo) and predict.implied_tau(pred, hi) <= 4.53
 
 
 def test_cpu_verification_needs_more_than_a_roofline():

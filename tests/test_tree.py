@@ -50,3 +50,60 @@ def test_chain_tree():
     np.testing.assert_array_equal(tree.depth, [0, 1, 2, 3])
     acc = greedy_accept(tree, jnp.array([6, 7, 9, 0]), max_depth=3)
     assert int(acc.length) == 2 and list(np.asarray(acc.path)) == [0, 1, 2, 2]
+
+
+def _random_parents(rng, m):
+    """A random tree of m nodes, parents before children (node 0 the root, its own parent)."""
+    return np.array([0] + [int(rng.integers(0, i)) for i in range(1, m)], np.int32)
+
+
+def test_depth_and_mask_equal_a_walk_up_the_tree():
+    """The vectorised closure (log2 squarings) gives every node's depth and ancestors exactly as
+    walking up its parents does, for random trees of every size up to EAGLE-3's 60 nodes."""
+    from eagle3_jax.decoding.tree import _depth_and_mask
+
+    rng = np.random.default_rng(0)
+    for m in [1, 2, 3, 5, 16, 33, 60, 64, 65]:
+        parent = _random_parents(rng, m)
+        want_mask = np.eye(m, dtype=bool)
+        want_depth = np.zeros(m, np.int32)
+        for i in range(1, m):
+            j = i
+            while j != 0:
+                j = parent[j]
+                want_mask[i, j] = True
+                want_depth[i] += 1
+        depth, mask = _depth_and_mask(jnp.asarray(parent))
+        np.testing.assert_array_equal(depth, want_depth)
+        np.testing.assert_array_equal(mask, want_mask)
+    chain = chain_tree(jnp.int32(1), jnp.arange(6), jnp.zeros(6))
+    np.testing.assert_array_equal(chain.mask, _depth_and_mask(chain.parent)[1])
+    np.testing.assert_array_equal(chain.depth, _depth_and_mask(chain.parent)[0])
+
+
+def test_accepted_path_equals_propagating_acceptance_down_the_tree():
+    """Acceptance's one masked reduction (a node is accepted when no ancestor is rejected) picks
+    the same deepest node, length and path as passing `ok` down from parent to child did."""
+    from eagle3_jax.decoding.tree import Tree, _depth_and_mask
+    from eagle3_jax.decoding.verify import accepted_path
+
+    rng = np.random.default_rng(1)
+    for trial in range(40):
+        m = int(rng.integers(1, 40))
+        parent = _random_parents(rng, m)
+        depth, mask = _depth_and_mask(jnp.asarray(parent))
+        ok = rng.random(m) < 0.7
+        prop = ok.copy()
+        prop[0] = True
+        for i in range(1, m):
+            prop[i] = prop[i] and prop[parent[i]]
+        best = int(np.argmax(np.where(prop, np.asarray(depth), -1)))
+        max_depth = int(np.max(depth)) + 1
+        tree = Tree(jnp.zeros(m, jnp.int32), jnp.asarray(parent), depth, mask, jnp.zeros(m))
+        acc = accepted_path(tree, jnp.asarray(ok), max_depth)
+        assert int(acc.last) == best and int(acc.length) == int(depth[best]), trial
+        path = [best]
+        while path[-1] != 0:
+            path.append(int(parent[path[-1]]))
+        path = path[::-1] + [best] * (max_depth + 1 - len(path))
+        np.testing.assert_array_equal(acc.path, path)

@@ -20,9 +20,9 @@ What is counted (per program; `Phase` fields):
     `fp32_flops` are the products XLA runs at float32 precision: p.V of a verification or a
     draft step (`Precision.HIGHEST`), and a one-query step's multiply-and-sum attention. On a GPU
     they run on the CUDA cores (67 TFLOP/s on an H100, not 989), on a TPU as 6 bf16 passes.
-  serial_iters: iterations of small sequential loops: `select_tree`'s and `_propagate`'s
-    fori_loops over the tree's nodes (2 x (total_tokens - 1) per round, chains included),
-    charged at `Device.loop_iter_s` each.
+  serial_iters: small dependent steps: the ceil(log2 N) boolean squarings that give
+    `select_tree` its ancestor masks (tree._depth_and_mask; until 2026-12 a serial loop over the
+    nodes, and acceptance's another: 2 N), charged at `Device.loop_iter_s` each.
 
 Time of a phase = max(bytes / bandwidth, flops / peak + fp32_flops / fp32 peak) + loops +
 collectives; a program's time = the sum of its phases (they are data dependent, so one's memory
@@ -382,7 +382,7 @@ def spec_round(
         "bookkeeping",
         kv=path_kv,  # the accepted path's K/V gathered from the verification's new entries
         activations=b * (3 * pool * 4 + 3 * (n + 1) ** 2 + 8 * (n + 1) * 4),
-        serial_iters=2 * n,
+        serial_iters=max(n, 1).bit_length(),  # tree._depth_and_mask's squarings
     )
     phases.append(book)
     return Program("round", tuple(phases))

@@ -148,25 +148,26 @@ def select_tree(
 
 
 def _depth_and_mask(parent: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each node's depth [M] and ancestor mask [M, M] (mask[i, j]: j is i or an ancestor of i)
+    from its parent [M] (the root is its own parent), without a serial loop over the nodes: the
+    reflexive closure of the parent relation by repeated squaring, ceil(log2 M) boolean products
+    of [M, M] (6 for EAGLE-3's 60-node tree, where a loop over nodes was 59 dependent steps,
+    each a kernel on a GPU). Exact: boolean, whatever the order of the sums."""
     m = parent.shape[0]
-    eye = jnp.eye(m, dtype=bool)
-
-    def body(i, carry):
-        depth, mask = carry
-        p = parent[i]
-        depth = depth.at[i].set(depth[p] + 1)
-        mask = mask.at[i].set(mask[p] | eye[i])
-        return depth, mask
-
-    return jax.lax.fori_loop(1, m, body, (jnp.zeros((m,), jnp.int32), eye))
+    reach = jnp.eye(m, dtype=jnp.int32) | jax.nn.one_hot(parent, m, dtype=jnp.int32)
+    # reach covers paths of up to 2^i edges after i squarings; a path has at most m - 1 edges
+    for _ in range(max(m - 1, 1).bit_length()):
+        reach = jnp.minimum(jnp.matmul(reach, reach), 1)
+    mask = reach.astype(bool)
+    return jnp.sum(reach, axis=1, dtype=jnp.int32) - 1, mask
 
 
 def chain_tree(root: jax.Array, tokens: jax.Array, scores: jax.Array) -> Tree:
     """A chain root -> tokens[0] -> tokens[1] ... (prompt lookup, or a top-1 draft)."""
     n = tokens.shape[0]
-    parent = jnp.arange(n + 1, dtype=jnp.int32) - 1
-    parent = parent.at[0].set(0)
-    depth, mask = _depth_and_mask(parent)
+    depth = jnp.arange(n + 1, dtype=jnp.int32)
+    parent = jnp.maximum(depth - 1, 0)
+    mask = depth[None, :] <= depth[:, None]  # a chain's ancestors: every earlier node
     return Tree(
         jnp.concatenate([root[None], tokens]).astype(jnp.int32),
         parent,

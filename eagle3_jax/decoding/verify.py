@@ -40,8 +40,11 @@ class Accepted(NamedTuple):
 
 
 def accepted_path(tree: Tree, ok: jax.Array, max_depth: int) -> Accepted:
-    """The deepest node whose whole root path is accepted (the first such node on ties)."""
-    ok = _propagate(tree.parent, ok)
+    """The deepest node whose whole root path is accepted (the first such node on ties). A node's
+    path is accepted when no node of its ancestor mask is rejected: one masked reduction over
+    [N+1, N+1], not a serial pass down the tree."""
+    ok = ok.at[0].set(True)  # the root is always accepted
+    ok = ~jnp.any(tree.mask & ~ok[None, :], axis=1)
     best = jnp.argmax(jnp.where(ok, tree.depth, -1)).astype(jnp.int32)
     length = tree.depth[best]
     on_path = tree.mask[best]
@@ -51,12 +54,6 @@ def accepted_path(tree: Tree, ok: jax.Array, max_depth: int) -> Accepted:
         jnp.full((max_depth + 2,), best, jnp.int32).at[slot].set(jnp.arange(tree.parent.shape[0]))
     )
     return Accepted(length, path[: max_depth + 1], best)
-
-
-def _propagate(parent: jax.Array, ok: jax.Array) -> jax.Array:
-    """ok[i] &= ok[parent[i]] down the tree (parents precede children); the root is always ok."""
-    ok = ok.at[0].set(True)
-    return jax.lax.fori_loop(1, parent.shape[0], lambda i, o: o.at[i].set(o[i] & o[parent[i]]), ok)
 
 
 def greedy_accept(tree: Tree, target_tokens: jax.Array, max_depth: int) -> Accepted:
