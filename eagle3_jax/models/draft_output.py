@@ -94,13 +94,25 @@ def draft_topk(
     full-vocab logits exist.
     """
     if not cfg.speculator_rank:
-        lp = jax.nn.log_softmax(head_logits(params, hidden_XD, cfg), axis=-1)
-        score, ids = jax.lax.top_k(lp, k)
+        score, ids = topk_log_probs(head_logits(params, hidden_XD, cfg), k)
         return score, draft_to_target_ids(ids, vocab)
     normed, cand = speculator_candidates(params, hidden_XD, cfg)
     exact = candidate_logits(normed, cand, _out_embed(params))
-    score, j = jax.lax.top_k(jax.nn.log_softmax(exact, axis=-1), k)
+    score, j = topk_log_probs(exact, k)
     return score, jnp.take_along_axis(cand, j, axis=-1).astype(jnp.int32)
+
+
+def topk_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest log-probabilities of each row of logits [..., V] and their indices, without
+    a [..., V] log-softmax written out: the top k of the logits themselves, then
+    (x - max) - log(sum(exp(x - max))) for those k alone, the same operations in the same order
+    as `jax.nn.log_softmax`, so each score is bit for bit the value it would have given. The
+    order can differ from top_k(log_softmax) only where two logits that differ round to one
+    log-probability (it then kept the lower index; here the larger logit wins)."""
+    top, idx = jax.lax.top_k(logits, k)
+    shift = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(logits - shift), axis=-1, keepdims=True))
+    return (top - shift) - lse, idx
 
 
 def speculator_candidates(
