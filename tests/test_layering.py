@@ -3,7 +3,8 @@
   0  errors, config, paths, sharding and the leaf helpers (file formats, prompts, the data readers,
      tree shapes, sampling settings, benchmark questions, result files and their metrics (τ,
      acceptance), training config)
-  1  models/ (pure functions of params and a config), the CPU product probes, and the cost model
+  1  models/ (pure functions of params and a config), the CPU product probes, what decoding does
+     by backend (backends.py), and the cost model
      (accelerators/: specs, roofline, acceptance, hbm, predict)
   2  checkpoints/ and vocab/ (reading, writing and cutting heads and targets)
   3  decoding/, training/, and the data jobs built on them (regeneration, prompt selection)
@@ -52,6 +53,7 @@ RANKS = {
     "eagle3_jax.vocab": 0,
     "eagle3_jax.models": 1,
     "eagle3_jax.cpu_tuning": 1,
+    "eagle3_jax.backends": 1,
     "eagle3_jax.accelerators": 1,
     "eagle3_jax.checkpoints": 2,
     "eagle3_jax.vocab.methods": 2,

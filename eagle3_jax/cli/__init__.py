@@ -20,6 +20,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from eagle3_jax import backends
+
 COMMANDS = {
     "decode": "decode",
     "train": "train",
@@ -43,5 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"error: unknown command {name!r}: use one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    backends.set_xla_flags()  # before any command starts a backend
     module = importlib.import_module(f"eagle3_jax.cli.{COMMANDS[name]}")
     return module.main(rest)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from eagle3_jax import compile_cache, cpu_tuning, distributed
+from eagle3_jax import backends, compile_cache, cpu_tuning, distributed
 from eagle3_jax.checkpoints import Target, load_target
 from eagle3_jax.checkpoints.atomic import write_text_atomic
 from eagle3_jax.checkpoints.heads import Head, load_head
@@ -119,9 +119,8 @@ def _load(args) -> tuple[Target, Head | None, int]:
     mesh = _mesh(getattr(args, "mesh", None))
     t0 = time.perf_counter()
     target = load_target(args.target, dtype=default_dtype(args.dtype), mesh=mesh)
-    # the few-row products for the target and so the head
-    products = _products()
-    target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
+    # the few-row products for the target and so the head; on accelerators, fused projections
+    target = backends.prepare_target(target, _products(), mesh=mesh)
     head = load_draft_for(args, target, mesh)
     max_context = args.max_context or target.cfg.max_position_embeddings
     if max_context > target.cfg.max_position_embeddings:

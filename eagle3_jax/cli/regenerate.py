@@ -10,12 +10,11 @@ What it does, and every flag: `--help` and eagle3_jax/data/regenerate.py.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
 
-from eagle3_jax import compile_cache, cpu_tuning, distributed
+from eagle3_jax import backends, compile_cache, cpu_tuning, distributed
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.data.conversations import first_user_turns, read_conversations
 from eagle3_jax.data.regenerate import (
@@ -94,9 +93,7 @@ def main(argv=None) -> int:
 def _target(args):
     """The target with this machine's few-row products (batched decoding), its layers stacked
     for one lax.scan under --scan-layers."""
-    target = load_target(args.target)
-    products = cpu_tuning.policy_for()
-    target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
+    target = backends.prepare_target(load_target(args.target), cpu_tuning.policy_for())
     if args.scan_layers:
         target = target._replace(params=stack_layers(target.params))
     return target

@@ -4,13 +4,12 @@ the records that makes, one per question."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from eagle3_jax import cpu_tuning
+from eagle3_jax import backends, cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
 from eagle3_jax.compile_cache import release_if_crowded
@@ -57,9 +56,9 @@ class Models:
         dtype = default_dtype(opts.dtype)
         mesh = process_mesh(opts.mesh)
         target = load_target(opts.target, dtype=dtype, mesh=mesh)
-        # this machine's few-row products (measured once per CPU), for the target and its heads
-        products = cpu_tuning.policy_for()
-        target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
+        # this machine's few-row products (measured once per CPU), for the target and its heads;
+        # on accelerators, fused projections (backends.py)
+        target = backends.prepare_target(target, cpu_tuning.policy_for(), mesh=mesh)
         req = vocab_requests or {}
         return cls(
             target,

@@ -6,6 +6,10 @@ Parameters are a plain pytree:
              [L, ...]-stacked arrays (scanned: fast compiles, the layout for training on pods)}
 Per layer: attn_norm, mlp_norm [D]; wq [D, H*K], wk/wv [D, G*K], wo [H*K, D]; optional bq/bk/bv;
 optional q_norm/k_norm ([K] for Qwen3, [H*K]/[G*K] for OLMo 2); w_gate/w_up [D, F], w_down [F, D].
+Decoding on an accelerator fuses them at load (`fuse_projections`): wqkv [D, G*(R+2)*K] (each kv
+head's R query heads, then its key and value head; R = H / G) and w_gate_up [D, F*2] (each
+intermediate unit's gate and up column side by side), so a layer runs two products where it ran
+five; a layer holds one form or the other, and `_layer` reads whichever it has.
 
 `forward` runs T new tokens against a static-shape KV cache under an explicit attention mask and
 returns logits, the final (normed) hidden state and the EAGLE-3 auxiliary hidden states.
@@ -32,7 +36,7 @@ from eagle3_jax.models.layers import (
     rope_cos_sin,
     swiglu,
 )
-from eagle3_jax.sharding import Rules, named
+from eagle3_jax.sharding import Rules, mesh_of, named
 
 Params = dict[str, Any]
 
@@ -71,6 +75,105 @@ def layer_param_specs(cfg: TargetConfig) -> dict[str, ParamSpec]:
     return specs
 
 
+FUSED_QKV = ("wq", "wk", "wv")
+FUSED_GATE_UP = ("w_gate", "w_up")
+
+
+def fused_layer_specs(cfg: TargetConfig, qkv: bool = True, gate_up: bool = True):
+    """`layer_param_specs` with q/k/v (and their biases) and gate/up fused as `fuse_projections`
+    lays them out. Both fused matrices keep the sharded axis major (kv heads; intermediate units),
+    so a contiguous split over the model axis gives each device whole heads and units, the same
+    ones the unfused matrices give it, where the axis divides (fuse_projections checks)."""
+    specs = layer_param_specs(cfg)
+    d, f, k = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    width = cfg.num_kv_heads * (cfg.num_heads // cfg.num_kv_heads + 2) * k
+    if qkv:
+        for n in FUSED_QKV:
+            del specs[n]
+        specs["wqkv"] = ParamSpec((d, width), ("embed", "kv_heads"), "normal")
+        if cfg.attention_bias:
+            for n in ("bq", "bk", "bv"):
+                del specs[n]
+            specs["bqkv"] = ParamSpec((width,), ("kv_heads",), "zeros")
+    if gate_up:
+        for n in FUSED_GATE_UP:
+            del specs[n]
+        specs["w_gate_up"] = ParamSpec((d, 2 * f), ("embed", "mlp"), "normal")
+    return specs
+
+
+def fusable(cfg: TargetConfig, mesh=None, rules=None) -> tuple[bool, bool]:
+    """Whether q/k/v and gate/up can be fused on `mesh` with every device keeping its own heads
+    and units: where the model axis divides the kv heads (the intermediate size). A fused matrix
+    whose sharded axis does not divide would be replicated (`sharding.spec_for`), undoing the
+    tensor parallelism the unfused ones keep, so such a matrix stays unfused."""
+    if mesh is None:
+        return True, True
+    rules = rules or Rules()
+    size = lambda logical: mesh.shape.get(rules.mesh_axis(logical), 1)  # noqa: E731
+    return (
+        cfg.num_kv_heads % size("kv_heads") == 0,
+        cfg.intermediate_size % size("mlp") == 0,
+    )
+
+
+def _fuse_qkv(w_q, w_k, w_v, cfg: TargetConfig):
+    """[..., H*K], [..., G*K], [..., G*K] -> [..., G*(R+2)*K]: per kv head, its R query heads
+    (HF orders query heads so that head h reads kv head h // R), its key, its value."""
+    g, k = cfg.num_kv_heads, cfg.head_dim
+    r = cfg.num_heads // g
+    lead = w_q.shape[:-1]
+    parts = (w_q.reshape(*lead, g, r, k), w_k.reshape(*lead, g, 1, k), w_v.reshape(*lead, g, 1, k))
+    return jnp.concatenate(parts, axis=-2).reshape(*lead, g * (r + 2) * k)
+
+
+def _fuse_gate_up(w_gate, w_up):
+    """[..., F] twice -> [..., F*2]: unit f's gate and up columns side by side."""
+    return jnp.stack([w_gate, w_up], axis=-1).reshape(*w_gate.shape[:-1], -1)
+
+
+def fuse_layer(p: Params, cfg: TargetConfig, qkv: bool = True, gate_up: bool = True) -> Params:
+    """One layer's parameters (or [L, ...]-stacked ones) with q/k/v and gate/up fused."""
+    p = dict(p)
+    if qkv and "wq" in p:
+        p["wqkv"] = _fuse_qkv(*(p.pop(n) for n in FUSED_QKV), cfg)
+        if cfg.attention_bias:
+            p["bqkv"] = _fuse_qkv(*(p.pop(n) for n in ("bq", "bk", "bv")), cfg)
+    if gate_up and "w_gate" in p:
+        p["w_gate_up"] = _fuse_gate_up(*(p.pop(n) for n in FUSED_GATE_UP))
+    return p
+
+
+def fuse_projections(params: Params, cfg: TargetConfig, mesh=None) -> Params:
+    """params with each layer's q/k/v and gate/up fused (`fused_layer_specs`), where `fusable` on
+    `mesh` (the parameters' own when None: `sharding.mesh_of`), laid out on the mesh as
+    `param_shardings(fused=...)` says. Layer by layer, the unfused matrices of a layer deleted as
+    soon as its fused ones exist, so the device holds at most one layer twice (an 8B target's
+    q/k/v and gate/up are 10 GB in bf16): the caller must not use the unfused params afterwards."""
+    mesh = mesh if mesh is not None else mesh_of(params)
+    qkv, gate_up = fusable(cfg, mesh)
+    if not (qkv or gate_up):
+        return params
+    layers = params["layers"]
+    stacked = not isinstance(layers, list)
+    out_sh = None
+    if mesh is not None:
+        out_sh = param_shardings(cfg, mesh, stacked=stacked, fused=(qkv, gate_up))["layers"]
+        out_sh = out_sh if stacked else out_sh[0]
+    fuse_jit = jax.jit(
+        functools.partial(fuse_layer, cfg=cfg, qkv=qkv, gate_up=gate_up), out_shardings=out_sh
+    )
+
+    def fuse(lp: Params) -> Params:
+        new = jax.block_until_ready(fuse_jit(lp))
+        for name in set(lp) - set(new):
+            if isinstance(lp[name], jax.Array):
+                lp[name].delete()
+        return new
+
+    return {**params, "layers": fuse(layers) if stacked else [fuse(lp) for lp in layers]}
+
+
 def top_param_specs(cfg: TargetConfig) -> dict[str, ParamSpec]:
     specs = {
         "embed": ParamSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "normal"),
@@ -89,8 +192,10 @@ def check_params(params: Params, cfg: TargetConfig) -> None:
         assert params[name].shape == spec.shape, (name, params[name].shape, spec.shape)
     layers = params["layers"]
     per_layer = layers if isinstance(layers, list) else [None]
+    first = layers[0] if isinstance(layers, list) else layers
+    specs = fused_layer_specs(cfg, "wqkv" in first, "w_gate_up" in first)
     for i, lp in enumerate(per_layer):
-        for name, spec in layer_param_specs(cfg).items():
+        for name, spec in specs.items():
             shape = layers[name].shape[1:] if lp is None else lp[name].shape
             assert tuple(shape) == spec.shape, (i, name, shape, spec.shape)
 
@@ -200,9 +305,13 @@ def _layer(
     pre = cfg.norm_placement == "pre"
     x = rms_norm(h_BTD, p["attn_norm"], eps) if pre else h_BTD
     pol = cfg.products
-    q, k, v = (dense(x, p[n], policy=pol) for n in ("wq", "wk", "wv"))
-    if cfg.attention_bias:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if "wqkv" in p:
+        qkv = dense(x, p["wqkv"], policy=pol)
+        q, k, v = _split_qkv(qkv + p["bqkv"] if cfg.attention_bias else qkv, cfg)
+    else:
+        q, k, v = (dense(x, p[n], policy=pol) for n in ("wq", "wk", "wv"))
+        if cfg.attention_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if cfg.qk_norm == "full":
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -216,12 +325,35 @@ def _layer(
     if pre:
         h_BTD = h_BTD + o
         x = rms_norm(h_BTD, p["mlp_norm"], eps)
-        h_BTD = h_BTD + swiglu(x, p["w_gate"], p["w_up"], p["w_down"], policy=pol)
+        h_BTD = h_BTD + _mlp(p, x, pol)
     else:
         h_BTD = h_BTD + rms_norm(o, p["attn_norm"], eps)
-        m = swiglu(h_BTD, p["w_gate"], p["w_up"], p["w_down"], policy=pol)
-        h_BTD = h_BTD + rms_norm(m, p["mlp_norm"], eps)
+        h_BTD = h_BTD + rms_norm(_mlp(p, h_BTD, pol), p["mlp_norm"], eps)
     return h_BTD, kv
+
+
+def _split_qkv(qkv: jax.Array, cfg: TargetConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A fused projection [B, T, G*(R+2)*K] -> q [B, T, H*K], k and v [B, T, G*K], each in the
+    unfused projections' column order."""
+    b, t, _ = qkv.shape
+    g, k = cfg.num_kv_heads, cfg.head_dim
+    r = cfg.num_heads // g
+    x = qkv.reshape(b, t, g, r + 2, k)
+    return (
+        x[:, :, :, :r].reshape(b, t, g * r * k),
+        x[:, :, :, r].reshape(b, t, g * k),
+        x[:, :, :, r + 1].reshape(b, t, g * k),
+    )
+
+
+def _mlp(p: Params, x: jax.Array, pol) -> jax.Array:
+    """SwiGLU from separate gate/up matrices or the fused one ([D, F*2], gate and up of a unit
+    side by side)."""
+    if "w_gate_up" not in p:
+        return swiglu(x, p["w_gate"], p["w_up"], p["w_down"], policy=pol)
+    gu = dense(x, p["w_gate_up"], policy=pol)
+    gu = gu.reshape(*gu.shape[:-1], -1, 2)
+    return dense(jax.nn.silu(gu[..., 0]) * gu[..., 1], p["w_down"], policy=pol)
 
 
 def forward(
@@ -344,12 +476,15 @@ def num_params(params: Params) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
-def param_shardings(cfg: TargetConfig, mesh, rules=None, stacked: bool = False) -> Params:
-    """NamedShardings matching `init_params(cfg, stacked=...)`, derived from the same ParamSpecs."""
+def param_shardings(
+    cfg: TargetConfig, mesh, rules=None, stacked: bool = False, fused=(False, False)
+) -> Params:
+    """NamedShardings matching `init_params(cfg, stacked=...)`, derived from the same ParamSpecs;
+    `fused` = (q/k/v, gate/up) for parameters fused by `fuse_projections`."""
 
     rules = rules or Rules()
     out: Params = {n: named(mesh, s.axes, s.shape, rules) for n, s in top_param_specs(cfg).items()}
-    lspecs = layer_param_specs(cfg)
+    lspecs = fused_layer_specs(cfg, *fused)
     if stacked:
         out["layers"] = {
             n: named(mesh, (None,) + s.axes, (cfg.num_layers,) + s.shape, rules)

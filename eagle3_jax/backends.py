@@ -1,0 +1,76 @@
+"""What decoding does differently by backend, decided in one place before anything compiles.
+
+On the CPU the few-row products are the ones this machine measured faster (`cpu_tuning`), and a
+layer's seven projections stay seven products (the paths the CPU's probes and figures were taken
+with). On a GPU or TPU, where a decode step at batch 1 is a chain of small kernels and each costs a
+fixed few microseconds whatever its size (issue 58: 20-23 kernels a layer, 47 % of an H200's
+bandwidth at 8B), q/k/v and gate/up are fused into one product each at load
+(`models.target.fuse_projections`), and XLA is asked to capture the programs' kernels, loops and
+conditionals included, as CUDA graphs (command buffers), so a round is launched as a few graphs
+rather than thousands of kernels.
+
+Entry points call `set_xla_flags()` before jax starts a backend (cli/__init__.py does, for every
+command) and `prepare_target` once the target is loaded. Environment overrides, for measuring one
+choice against the other in one run (scripts/device_steps/gpu_speed.py):
+  EAGLE3_JAX_FUSED_PROJECTIONS  1 / 0: fuse or not, whatever the backend (unset: by backend)
+  EAGLE3_JAX_XLA_DEFAULTS       0: leave XLA_FLAGS as it is (XLA's own defaults)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.models.target import fuse_projections
+
+FUSED_ENV = "EAGLE3_JAX_FUSED_PROJECTIONS"
+XLA_DEFAULTS_ENV = "EAGLE3_JAX_XLA_DEFAULTS"
+
+# XLA's GPU command buffers: its default kinds (fusions, cuBLAS/cuBLASLt products, custom calls,
+# cuDNN) plus WHILE and CONDITIONAL, so that a whole decode loop (`lax.while_loop` over rounds, a
+# round's `lax.cond`/`lax.switch`) can run as one CUDA graph instead of returning to the host at
+# every iteration. Other backends ignore GPU flags.
+GPU_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+XLA_FLAGS = {"--xla_gpu_enable_command_buffer": GPU_COMMAND_BUFFER}
+
+
+def set_xla_flags(environ: dict | None = None) -> str:
+    """Adds the engine's XLA flags to XLA_FLAGS, each unless the user's XLA_FLAGS names it already
+    (theirs wins) or EAGLE3_JAX_XLA_DEFAULTS=0. Returns XLA_FLAGS as it now stands. XLA reads it
+    when jax starts its first backend: call this before any computation."""
+    env = os.environ if environ is None else environ
+    flags = env.get("XLA_FLAGS", "")
+    if env.get(XLA_DEFAULTS_ENV, "1").strip() == "0":
+        return flags
+    given = {f.split("=", 1)[0] for f in flags.split()}
+    extra = [f"{name}={value}" for name, value in XLA_FLAGS.items() if name not in given]
+    if extra:
+        flags = " ".join([*flags.split(), *extra])
+        env["XLA_FLAGS"] = flags
+    return flags
+
+
+def fuse_projections_wanted(backend: str | None = None) -> bool:
+    """Whether decoding fuses q/k/v and gate/up: on accelerators, not on the CPU; the
+    environment's EAGLE3_JAX_FUSED_PROJECTIONS (1 or 0) decides where set."""
+    value = os.environ.get(FUSED_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise Eagle3Error(f"{FUSED_ENV}={value!r}: use 1 (fuse), 0 (do not) or leave it unset")
+    if value:
+        return value == "1"
+    return (backend or jax.default_backend()) != "cpu"
+
+
+def prepare_target(target, products=None, backend: str | None = None, mesh=None):
+    """The loaded target (`checkpoints.Target`) as this backend decodes it: the few-row products
+    given (the CPU's measured `ProductPolicy`, or None to keep the config's), and q/k/v and
+    gate/up fused where `fuse_projections_wanted` (on `mesh`, the parameters' own when None).
+    The unfused matrices are deleted as their fused ones are made: use the returned target."""
+    if products is not None:
+        target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
+    if fuse_projections_wanted(backend):
+        target = target._replace(params=fuse_projections(target.params, target.cfg, mesh))
+    return target

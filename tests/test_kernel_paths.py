@@ -1,0 +1,121 @@
+"""The decoding paths chosen by backend for fewer, larger kernels (issue 58, eagle3_jax/backends.py),
+each against the path it replaces: the draft's top-k without a written-out log-softmax, q/k/v and
+gate/up fused at load (alone, on a mesh, and under speculative decoding), the XLA flags."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.models.draft_output import topk_log_probs
+
+
+def test_topk_log_probs_equals_top_k_of_log_softmax():
+    """Scores bit for bit, ids equal where no two logits round to one log-probability."""
+    x = 6 * jax.random.normal(jax.random.PRNGKey(0), (3, 5, 2000), jnp.float32)
+    for k in (1, 4, 10):
+        got_s, got_i = topk_log_probs(x, k)
+        want_s, want_i = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), k)
+        np.testing.assert_array_equal(got_s, want_s)
+        np.testing.assert_array_equal(got_i, want_i)
+
+
+FAMILIES = ("llama", "qwen2", "qwen3", "olmo2")
+
+
+def test_fused_projections_give_the_unfused_forward(hf_checkpoint):
+    """q/k/v and gate/up fused at load: logits, hidden and aux states of a cached prefill plus a
+    decode step equal the unfused model's (fp32; the same products, in one matrix) for every
+    family's layout (biases, per-head and full q/k norms, post-norm), unrolled, and stacked. The
+    unfused matrices are deleted as the fused ones are made."""
+    from eagle3_jax.checkpoints.hf import load_hf
+    from eagle3_jax.models import target as tgt
+    from eagle3_jax.models.layers import causal_mask
+
+    for fam in FAMILIES:
+        params, cfg = load_hf(hf_checkpoint(fam)[1])
+        for stacked in (False, True) if fam == "llama" else (False,):
+            p = tgt.stack_layers(params) if stacked else params
+            copy = jax.tree.map(jnp.copy, p)
+            fused = tgt.fuse_projections(copy, cfg)
+            gone = copy["layers"]["wq"] if stacked else copy["layers"][0]["wq"]
+            assert gone.is_deleted()
+            first = fused["layers"] if stacked else fused["layers"][0]
+            assert {"wqkv", "w_gate_up"} <= set(first) and "wq" not in first
+            tgt.check_params(fused, cfg)
+            toks = jnp.asarray([[5, 9, 2, 7, 11, 3]], jnp.int32)
+            outs = []
+            for pp in (p, fused):
+                cache = tgt.make_cache(cfg, 1, 16, stacked=stacked)
+                zero = jnp.zeros((1,), jnp.int32)
+                pos = jnp.arange(5, dtype=jnp.int32)[None]
+                o1 = tgt.forward(pp, toks[:, :5], pos, causal_mask(zero, 5, 16), cfg, cache, zero,
+                                 aux_ids=(1, 2))  # fmt: skip
+                five = jnp.full((1,), 5, jnp.int32)
+                o2 = tgt.forward(pp, toks[:, 5:], pos[:, :1] + 5, causal_mask(five, 1, 16), cfg,
+                                 o1.cache, five, aux_ids=(1, 2))  # fmt: skip
+                outs.append((o1.logits, o1.aux, o2.logits, o2.hidden, o2.cache["k"][1]))
+            for a, b in zip(*outs):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{fam} {stacked}")
+
+
+def test_speculative_decoding_on_fused_projections_is_plain_greedy(spec_setup, hf_checkpoint):
+    """The target fused as an accelerator decodes it (`backends.prepare_target`, forced on the
+    CPU): greedy speculative output is token for token plain decoding of the unfused target, on
+    one device and tensor parallel over 2 (q/k/v and gate/up fused: 2 kv heads, 96 units) and 4
+    simulated devices (gate/up only: 2 kv heads do not split 4 ways, so q/k/v stay unfused)."""
+    from helpers import TREE, random_prompts, spec_generate
+
+    from eagle3_jax.backends import prepare_target
+    from eagle3_jax.checkpoints import Target
+    from eagle3_jax.checkpoints.hf import load_hf
+    from eagle3_jax.sharding import make_mesh, replicated
+
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    prompts = random_prompts(cfg.vocab_size, [6, 11], seed=4)
+    ref = spec_generate(params, cfg, None, None, None, prompts, 24, TREE, method="vanilla")
+    for model in (None, 2, 4):
+        mesh = None if model is None else make_mesh(8 // model, model)
+        loaded, _ = load_hf(hf_checkpoint("llama")[1], mesh=mesh)
+        target = prepare_target(Target(loaded, cfg, None, None), backend="gpu", mesh=mesh)
+        lp = target.params["layers"][0]
+        assert ("wqkv" in lp) == (model != 4) and "w_gate_up" in lp
+        if model is not None:
+            width = lp["w_gate_up"].addressable_shards[0].data.shape[1]
+            assert width == 2 * cfg.intermediate_size // model  # each device its own units
+        d = dparams if mesh is None else jax.device_put(dparams, replicated(mesh))
+        out = spec_generate(target.params, cfg, d, dcfg, vocab, prompts, 24, TREE, eos_ids=())
+        assert out.output_ids == ref.output_ids, model
+
+
+def test_the_backend_decides_fusion_unless_the_environment_does(monkeypatch):
+    import pytest
+
+    from eagle3_jax import backends
+    from eagle3_jax.errors import Eagle3Error
+
+    monkeypatch.delenv(backends.FUSED_ENV, raising=False)
+    assert backends.fuse_projections_wanted("gpu") and backends.fuse_projections_wanted("tpu")
+    assert not backends.fuse_projections_wanted("cpu")
+    monkeypatch.setenv(backends.FUSED_ENV, "0")
+    assert not backends.fuse_projections_wanted("gpu")
+    monkeypatch.setenv(backends.FUSED_ENV, "1")
+    assert backends.fuse_projections_wanted("cpu")
+    monkeypatch.setenv(backends.FUSED_ENV, "yes")
+    with pytest.raises(Eagle3Error, match="EAGLE3_JAX_FUSED_PROJECTIONS"):
+        backends.fuse_projections_wanted("gpu")
+
+
+def test_xla_flags_are_added_unless_the_user_set_them():
+    from eagle3_jax import backends
+
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    flags = backends.set_xla_flags(env)
+    assert env["XLA_FLAGS"] == flags and flags.split() == [
+        "--xla_force_host_platform_device_count=8",
+        f"--xla_gpu_enable_command_buffer={backends.GPU_COMMAND_BUFFER}",
+    ]
+    assert backends.set_xla_flags(env) == flags  # once only
+    mine = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}  # the user's choice wins
+    assert backends.set_xla_flags(mine) == "--xla_gpu_enable_command_buffer="
+    off = {backends.XLA_DEFAULTS_ENV: "0"}
+    assert backends.set_xla_flags(off) == "" and "XLA_FLAGS" not in off
