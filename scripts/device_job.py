@@ -42,6 +42,13 @@ shape, random bf16 weights made on the device, batch 1 and 8, each timed beside
 the cost model's prediction (device_steps/round_timing.py); into $OUT/round_cost/:
   python3 scripts/device_job.py round-cost --minutes 8 --out $OUT   (timeout_s 600)
 
+`gpu-speed` (no carry, no GGUF): measure before changing (device_steps/gpu_speed.py): kernels per
+target layer of the plain step and the rounds at Llama-3.1-8B's shape, a jax.profiler trace of 10
+plain steps and 3 rounds with XLA's command buffers off and on, and a sweep of the programs at
+Llama-3.1-8B, OLMo-2-7B and OLMo-2-1B shapes, batch 1 to 64, each timed without host overhead
+beside the cost model; into $OUT/gpu_speed/ (summary.json, report.md):
+  python3 scripts/device_job.py gpu-speed --minutes 8 --out $OUT   (timeout_s 600)
+
 `vocab-study` (after the GGUF's parts, as `run`): the draft-vocabulary study
 (benchmarks/vocab_study.py, the SmolLM2 grid) on the accelerator, resumable across calls while
 the machine is warm; what is finished goes into $OUT/vocab_study.tar.gz after every call:
@@ -54,7 +61,7 @@ $OUT/fusion_ablation.tar.gz after every call:
 
 This file parses the command line; the steps live in device_steps/: common.py (paths, the log,
 phases and their environment), transfer.py (pack, check, unpack), turns.py (run, bench),
-round_cost.py and round_timing.py, study.py.
+round_cost.py and round_timing.py, gpu_speed.py, study.py.
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # device_steps, however this is loaded
 
 from device_steps import common as c
-from device_steps import round_cost, study, transfer, turns
+from device_steps import gpu_speed, round_cost, study, transfer, turns
 
 
 def main(argv=None) -> int:
@@ -141,6 +148,10 @@ def main(argv=None) -> int:
     round_cost.add_args(rc)
     rc.add_argument("--minutes", type=float, default=8.0, help="the step's whole budget")
     rc.add_argument("--out", default=os.environ.get("OUT"), help="default: runs/ (round_cost/)")
+    gs = sub.add_parser(
+        "gpu-speed", help="device: kernels per layer, traces (command buffers off/on), a sweep"
+    )
+    gpu_speed.add_args(gs, step=True)
     vs = sub.add_parser("vocab-study", help="device: the draft-vocabulary study, resumable")
     study.add_args(vs, study.STUDIES["vocab-study"])
     fa = sub.add_parser("fusion-ablation", help="device: the fusion ablation, resumable")
@@ -153,6 +164,7 @@ def main(argv=None) -> int:
         "bench": turns.bench,
         "unpack": transfer.unpack,
         "round-cost": round_cost.step,
+        "gpu-speed": gpu_speed.step,
         "vocab-study": study.step,
         "fusion-ablation": study.step,
     }

@@ -442,3 +442,120 @@ def test_round_timing_shapes_every_named_target(dj):
         if name != "tiny":
             assert tcfg.vocab_size == specs.TARGETS[name].vocab_size
             assert tcfg.num_layers == specs.TARGETS[name].num_layers
+
+
+def test_gpu_speed_parses_and_reaches_its_step(dj, monkeypatch):
+    """`gpu-speed`: its defaults (Llama-3.1-8B's shape for kernels and traces, the three targets
+    and four batches of the sweep, every phase), the flags each phase is handed, and bad values
+    refused before any work."""
+    gs, seen = dj.gpu_speed, {}
+    monkeypatch.setattr(gs, "step", lambda a: seen.setdefault("step", a) and 0)
+    dj.main(["gpu-speed"])
+    a = seen["step"]
+    assert (a.minutes, a.target, a.targets, a.batches, a.trees, a.variants) == (
+        8.0, "llama31_8b", None, "1,8,32,64", "chain,10/8/60,best", "baseline",
+    )  # fmt: skip
+    assert (a.layers, a.phases, a.plain_steps, a.rounds, a.loop_steps) == (
+        "3,5", "kernels,trace,sweep", 10, 3, 16,
+    )  # fmt: skip
+    assert gs.sweep_targets(a) == ["llama31_8b", "olmo2_7b", "olmo2_1b"]
+    words = gs.forward(a)
+    assert words[:4] == ["--target", "llama31_8b", "--batches", "1,8,32,64"]
+    assert "--targets" not in words and "--minutes" not in words
+    cfg = object()
+    assert gs.VARIANTS["baseline"](cfg) is cfg
+    del seen["step"]
+    dj.main(["gpu-speed", "--target", "tiny", "--trees", "best, chain,best"])
+    assert gs.sweep_targets(seen["step"]) == ["tiny"] and seen["step"].trees == "best,chain"
+    for bad in (["--variants", "fast"], ["--trees", "wide"], ["--layers", "2,4"],
+                ["--layers", "5,3"], ["--batches", "0"], ["--phases", "profile"],
+                ["--targets", "llama3"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            dj.main(["gpu-speed", *bad])
+
+
+def test_gpu_speed_refuses_a_budget_past_the_tools_limit(dj, tmp_path):
+    """--minutes past what the device tool's 600 s command limit holds is refused before work."""
+    with pytest.raises(SystemExit, match="at most 9.5"):
+        dj.main(["gpu-speed", "--minutes", "12", "--out", str(tmp_path)])
+    assert not (tmp_path / "gpu_speed").exists()
+
+
+def test_gpu_speed_report(dj):
+    """The report: each sweep program beside the cost model and its roofline (the best tree
+    marked), the kernels per layer, each trace, and what was skipped."""
+    row = {"target": "llama31_8b", "batch": 1, "program": "round", "tree": "chain", "best": True,
+           "measured_ms": 10.0, "predicted_ms": 5.0, "roofline_ms": 4.0, "plain_steps": 1.5,
+           "plain_steps_predicted": 1.4, "tau_model": 5.87, "speedup_measured": 5.87 / 1.5}  # fmt: skip
+    per = {"total": 12.0, "launches": 14.0, "by_kind": {"fusion": 9.0, "gemm": 3.0}}
+    kern = {"per_layer": per, "fixed": {"total": 50.0, "launches": 80.0},
+            "full_model": {"total": 434.0, "launches": 528.0}}  # fmt: skip
+    trace = {"trace": {"plain": {"calls": 10, "wall_ms": 80.0, "device_busy_ms": 60.0,
+                                 "busy_fraction": 0.75, "events": 5000,
+                                 "top": [{"name": "gemm", "share": 0.5}]}},
+             "timed": {"plain": {"median_ms": 7.5}}}  # fmt: skip
+    text = dj.gpu_speed.report({
+        "programs": [row], "kernels": {"baseline": {"plain": kern}},
+        "traces": {"baseline": {"cb_off": trace}}, "skipped": ["olmo2_1b batch 64: no time"],
+    })  # fmt: skip
+    assert (
+        "| llama31_8b | 1 | round | chain (best) | 10 | 5 | 4 | 2.5 | 1.5 (1.4) | 5.87 | 3.91 |"
+        in text
+    )
+    assert "| baseline | plain | 12 (14) | 50 (80) | 434 (528) | fusion 9, gemm 3 |" in text
+    assert "| baseline | cb_off | plain | 10 | 7.5 | 80 | 60 | 0.75 | 500 | gemm (50%) |" in text
+    assert text.endswith("- olmo2_1b batch 64: no time\n")
+
+
+@pytest.mark.slow  # 111 s on a busy 2-core VM (seven compilations of the toy in four subprocesses)
+def test_gpu_speed_runs_every_phase_at_the_toy_shape(dj, tmp_path, monkeypatch):
+    """The whole step on the CPU with the toy target: kernels per layer (plain step and chain
+    round), both command-buffer traces, the sweep; summary.json in the issue's format, with
+    counts and times present and positive."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
+    out = tmp_path / "out"
+    argv = ["gpu-speed", "--target", "tiny", "--prompt", "16", "--new", "16", "--batches", "1",
+            "--trees", "chain", "--reps", "2", "--loop-steps", "4"]  # fmt: skip
+    assert dj.main([*argv, "--minutes", "6", "--out", str(out)]) == 0
+    folder = out / "gpu_speed"
+    assert {p.name for p in folder.iterdir()} >= {
+        "summary.json", "report.md", "kernels.json", "sweep.json", "trace_baseline_cb_off.json",
+        "trace_baseline_cb_on.json", "device_log.txt", "kernels.log", "sweep.log",
+    }  # fmt: skip
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["device"] == "cpu" and s["real_head"] is None and s["peers"] is None
+    assert not s["skipped"] and not s["failed"], (s["skipped"], s["failed"])
+    assert [s["phases"][p]["rc"] for p in ("kernels", "trace", "sweep")] == [[0], [0, 0], [0]]
+    plain, chain = s["programs"]
+    assert [(r["target"], r["batch"], r["program"], r["tree"]) for r in (plain, chain)] == [
+        ("tiny", 1, "plain", None), ("tiny", 1, "round", "chain"),
+    ]  # fmt: skip
+    for r in (plain, chain):
+        assert r["measured_ms"] > 0 and r["predicted_ms"] > r["roofline_ms"] > 0
+        assert r["loop_steps"] == 4 and r["reps"] == 2
+    assert chain["plain_steps"] == pytest.approx(chain["measured_ms"] / plain["measured_ms"])
+    assert chain["tree_shape"] == "1/8/9" and chain["tau_model"] > 1
+    kern = s["kernels"]["baseline"]
+    assert set(kern) == {"plain", "chain"}
+    for k in kern.values():
+        per = k["per_layer"]["launches"]
+        assert per > 0 and per == int(per) and k["fixed"]["launches"] > 0
+        assert k["full_model"]["launches"] == k["fixed"]["launches"] + 4 * per
+    traces = s["traces"]["baseline"]
+    for cb, flags in dj.gpu_speed.COMMAND_BUFFERS.items():
+        t = traces[cb]
+        assert t["xla_flags"].endswith(" ".join(flags)) and not t["refused_flags"]
+        assert t["round_tree"] == "chain"
+        for prog, calls in (("plain", 10), ("round", 3)):
+            assert t["timed"][prog]["median_ms"] > 0 and t["kernels"][prog]["launches"] > 0
+            tr = t["trace"][prog]
+            assert tr["calls"] == calls and tr["windows"] == 1 and tr["events"] > 0
+            assert 0 < tr["device_busy_ms"] <= tr["wall_ms"] and tr["top"]
+    # the plain step's kernels at the toy's 4 layers, counted whole, are what the per-layer
+    # count at 3 and 5 layers gives
+    assert (
+        traces["cb_off"]["kernels"]["plain"]["launches"] == kern["plain"]["full_model"]["launches"]
+    )
+    report = (folder / "report.md").read_text()
+    assert "| tiny | 1 | round | chain |" in report and "| baseline | cb_on | round | 3 |" in report

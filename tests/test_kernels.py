@@ -222,6 +222,7 @@ def test_trace_summary_of_a_gpu_trace(tmp_path):
     path.write_bytes(gzip.compress(json.dumps(_gpu_trace()).encode()))
     s = kernels.trace_summary(path, window="gpu_speed:step")
     assert s["source"] == "gpu streams" and s["windows"] == 1 and s["events"] == 4
+    assert s["device_threads"] == ["/device:GPU:0: Stream #13(Compute)", "/device:GPU:0: XLA Ops"]
     assert s["wall_ms"] == pytest.approx(0.1) and s["device_busy_ms"] == pytest.approx(0.055)
     assert s["busy_fraction"] == pytest.approx(0.55)
     assert [(k["name"], k["calls"]) for k in s["top"]] == [
@@ -250,7 +251,7 @@ def test_trace_summary_of_a_cpu_trace(tmp_path):
     path = kernels.find_trace(tmp_path)
     assert path.name == "perfetto_trace.json.gz"
     s = kernels.trace_summary(path, window="loop_window", top=50)
-    assert s["source"] == "cpu thunks" and s["windows"] == 1
+    assert s["source"] == "cpu thunks" and s["windows"] == 1 and s["device_threads"] == []
     assert 0 < s["device_busy_ms"] <= s["wall_ms"] and 0 < s["busy_fraction"] <= 1
     assert s["events"] > 0 and sum(k["share"] for k in s["top"]) == pytest.approx(1.0)
     # the loop's body runs `trips` times a call: its kernels are called trips x calls times

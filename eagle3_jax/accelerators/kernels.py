@@ -207,6 +207,18 @@ def load_trace(trace: str | Path | dict | list) -> list[dict]:
     return trace["traceEvents"] if isinstance(trace, dict) else list(trace)
 
 
+def device_threads(events: Iterable[dict]) -> list[str]:
+    """The names of the device processes' threads ("/device:GPU:0: Stream #13(Compute)", ...):
+    what a trace offered, when its summary needs checking."""
+    events = list(events)
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    return sorted(
+        f"{procs[e['pid']]}: {e['args']['name']}"
+        for e in events
+        if e.get("name") == "thread_name" and procs.get(e["pid"], "").startswith("/device:")
+    )
+
+
 def device_events(events: Iterable[dict]) -> tuple[list[dict], str]:
     """The complete ("X") events that are the device's work, and which kind they are: "gpu
     streams", "xla ops line" (TPU) or "cpu thunks" (see the module docstring)."""
@@ -282,10 +294,11 @@ def trace_summary(
     sum of its occurrences and only device events that start inside one count; without it, the
     wall time runs from the first device event's start to the last one's end. Times in ms.
 
-    Returns {"source" (`device_events`), "window", "windows" (occurrences), "wall_ms",
-    "device_busy_ms" (the union of the device events' intervals), "busy_fraction", "events"
-    (device events counted), "top": [{"name", "calls", "total_ms" (self time), "mean_us",
-    "share" (of the summed self time), "hlo_op" (of the first such event, if any)}]}."""
+    Returns {"source" (`device_events`), "device_threads" (`device_threads`), "window",
+    "windows" (occurrences), "wall_ms", "device_busy_ms" (the union of the device events'
+    intervals), "busy_fraction", "events" (device events counted), "top": [{"name", "calls",
+    "total_ms" (self time), "mean_us", "share" (of the summed self time), "hlo_op" (of the first
+    such event, if any)}]}."""
     events = load_trace(trace)
     ops, source = device_events(events)
     spans: list[tuple[float, float]] = []
@@ -320,6 +333,7 @@ def trace_summary(
     ranked = sorted(groups.values(), key=lambda g: -g["total_us"])[:top]
     return {
         "source": source,
+        "device_threads": device_threads(events),
         "window": window,
         "windows": len(spans) if window is not None else None,
         "wall_ms": wall / 1e3,
