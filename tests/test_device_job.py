@@ -463,7 +463,7 @@ def test_gpu_speed_parses_and_reaches_its_step(dj, monkeypatch):
     assert words[:4] == ["--target", "llama31_8b", "--batches", "1,8,32,64"]
     assert "--targets" not in words and "--minutes" not in words
     cfg = object()
-    assert gs.VARIANTS["baseline"](cfg) is cfg
+    assert gs.VARIANTS["baseline"].config(cfg) is cfg and gs.VARIANTS["baseline"].params is None
     del seen["step"]
     dj.main(["gpu-speed", "--target", "tiny", "--trees", "best, chain,best"])
     assert gs.sweep_targets(seen["step"]) == ["tiny"] and seen["step"].trees == "best,chain"
@@ -507,7 +507,7 @@ def test_gpu_speed_report(dj):
     assert text.endswith("- olmo2_1b batch 64: no time\n")
 
 
-@pytest.mark.slow  # 111 s on a busy 2-core VM (seven compilations of the toy in four subprocesses)
+@pytest.mark.slow  # 111-170 s on a busy 2-core VM (seven compilations of the toy in four subprocesses)
 def test_gpu_speed_runs_every_phase_at_the_toy_shape(dj, tmp_path, monkeypatch):
     """The whole step on the CPU with the toy target: kernels per layer (plain step and chain
     round), both command-buffer traces, the sweep; summary.json in the issue's format, with
@@ -525,6 +525,7 @@ def test_gpu_speed_runs_every_phase_at_the_toy_shape(dj, tmp_path, monkeypatch):
     }  # fmt: skip
     s = json.loads((folder / "summary.json").read_text())
     assert s["device"] == "cpu" and s["real_head"] is None and s["peers"] is None
+    assert s["sweep_xla_flags"] is not None  # decoding's own, as the sweep ran with them
     assert not s["skipped"] and not s["failed"], (s["skipped"], s["failed"])
     assert [s["phases"][p]["rc"] for p in ("kernels", "trace", "sweep")] == [[0], [0, 0], [0]]
     plain, chain = s["programs"]

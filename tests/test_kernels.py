@@ -259,3 +259,22 @@ def test_trace_summary_of_a_cpu_trace(tmp_path):
     assert all(k["total_ms"] >= 0 for k in s["top"])
     with pytest.raises(FileNotFoundError):
         kernels.find_trace(tmp_path / "nothing")
+
+
+def test_fused_projections_launch_fewer_kernels_a_layer(gs):
+    """The `fused_projections` variant (q/k/v and gate/up one product each, as decoding loads a
+    target on accelerators) counted against the baseline: fewer kernels a layer, the same
+    outside the layers."""
+    per = {}
+    for variant in ("baseline", "fused_projections"):
+
+        def compile_at(n, variant=variant):
+            x = gs.inputs(*gs.shapes("tiny", variant, n), True, variant)
+            assert ("wqkv" in x.tparams["layers"][0]) == (variant != "baseline")
+            fn, fixed, state, _ = gs.step_program(x, 1, 16, 16, None, abstract=True)
+            return gs.compile_step(fn, fixed, state)
+
+        per[variant] = kernels.kernels_per_layer(compile_at, (3, 5))
+    base, fused = per["baseline"], per["fused_projections"]
+    assert 0 < fused["per_layer"]["launches"] < base["per_layer"]["launches"]
+    assert fused["fixed"]["launches"] == base["fixed"]["launches"]

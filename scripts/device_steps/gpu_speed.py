@@ -20,11 +20,15 @@ phase, so a call cut off early still returns what was measured:
            --batches, timed without host overhead: `--loop-steps` steps in one program (a
            `lax.fori_loop` over the donated state) divided by that count, each beside the
            cost model's time and its roofline (the same without the launch and loop costs it
-           assumes), the most important first (Llama-3.1-8B, batch 1) -> sweep.json
+           assumes), the most important first (Llama-3.1-8B, batch 1), with decoding's own
+           XLA flags (`backends.set_xla_flags`) -> sweep.json
 
-The variants (`VARIANTS`): a name mapped to a function TargetConfig -> TargetConfig, so that a
-kernel path the engine selects by its static config can be measured beside the baseline in the
-same call (phases kernels and trace run each; the sweep runs the first).
+The variants (`VARIANTS`): a name mapped to a kernel path of the engine, as a function
+TargetConfig -> TargetConfig (a path its static config selects) and, where the path lays the
+weights out at load, a function of the weights (`fused_projections`: q/k/v and gate/up as one
+product each, `models.target.fuse_projections`, what `backends.prepare_target` does on
+accelerators), so that each path is measured beside the baseline in the same call (phases kernels
+and trace run each; the sweep runs the first).
 
 Command buffers: "cb_off" runs with `--xla_gpu_enable_command_buffer=` (none); "cb_on" adds WHILE
 and CONDITIONAL to XLA's default set and keeps them on while the profiler traces
@@ -61,13 +65,42 @@ if TYPE_CHECKING:
     from eagle3_jax.config import TargetConfig
 
 
-def _baseline(cfg: TargetConfig) -> TargetConfig:
+def _same(cfg: TargetConfig) -> TargetConfig:
     return cfg
 
 
-# the engine's kernel paths, by name: each turns the target's config into the variant's (one
-# dict, so that a new path is one line here and measured by `--variants baseline,NAME`)
-VARIANTS: dict[str, Callable[[TargetConfig], TargetConfig]] = {"baseline": _baseline}
+def _fused_projections(params: dict, cfg: TargetConfig) -> dict:
+    """The target's weights with q/k/v and gate/up fused as `backends.prepare_target` fuses them
+    on accelerators; weights' shapes only (ShapeDtypeStructs) fused by shape."""
+    import jax
+
+    from eagle3_jax.models import target as tgt
+
+    if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct):
+        fuse = functools.partial(tgt.fuse_layer, cfg=cfg)
+        layers = params["layers"]
+        fused = [jax.eval_shape(fuse, lp) for lp in layers] if isinstance(layers, list) else (
+            jax.eval_shape(fuse, layers)
+        )  # fmt: skip
+        return {**params, "layers": fused}
+    return tgt.fuse_projections(params, cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A kernel path of the engine: the target's config as the path sets it, and its weights as
+    the path lays them out at load (None: as `init_params` makes them)."""
+
+    config: Callable[[TargetConfig], TargetConfig] = _same
+    params: Callable[[dict, TargetConfig], dict] | None = None
+
+
+# the engine's kernel paths, by name (one dict, so that a new path is one line here and measured
+# by `--variants baseline,NAME`)
+VARIANTS: dict[str, Variant] = {
+    "baseline": Variant(),
+    "fused_projections": Variant(params=_fused_projections),
+}
 
 PHASES = ("kernels", "trace", "sweep")
 # each phase's share of what is left when it starts (a phase that ends early leaves the rest to
@@ -275,6 +308,7 @@ def write_summary(out: Path, args: argparse.Namespace, status: dict) -> dict:
         "target": args.target,
         "variants": args.variants.split(","),
         "predicted_for": sweep.get("predicted_for"),
+        "sweep_xla_flags": sweep.get("xla_flags"),
         "context": args.prompt + args.new,
         "loop_steps": args.loop_steps,
         "programs": sweep.get("rows", []),
@@ -411,7 +445,7 @@ def shapes(target: str, variant: str = "baseline", layers: int | None = None):
     from device_steps import round_timing as rt
 
     tcfg, dcfg = rt.shapes(target)
-    tcfg = VARIANTS[variant](tcfg)
+    tcfg = VARIANTS[variant].config(tcfg)
     if layers is not None:
         tcfg = dataclasses.replace(tcfg, num_layers=layers)
         dcfg = dataclasses.replace(dcfg, aux_layer_ids=AUX_FOR_COUNTS)
@@ -447,9 +481,9 @@ def random_weights(avals, seed: int):
     )
 
 
-def inputs(tcfg, dcfg, abstract: bool = False):
+def inputs(tcfg, dcfg, abstract: bool = False, variant: str = "baseline"):
     """`round_timing.Inputs` of random bf16 weights (`random_weights`), or of their shapes only
-    (`abstract`: enough to compile)."""
+    (`abstract`: enough to compile), the target's laid out as the variant lays them out."""
     import jax
     import jax.numpy as jnp
 
@@ -469,6 +503,8 @@ def inputs(tcfg, dcfg, abstract: bool = False):
     else:
         tp, dp = random_weights(tav, 0), random_weights(dav, 1)
         vocab = DraftVocab(jnp.zeros((vd,), jnp.int32), jnp.arange(v) < vd)  # the first Vd ids
+    if VARIANTS[variant].params is not None:
+        tp = VARIANTS[variant].params(tp, tcfg)
     return rt.Inputs(tp, attach_target_head(dp, dcfg, tp, tcfg), vocab, tcfg, dcfg)
 
 
@@ -635,7 +671,7 @@ def run_kernels(args: argparse.Namespace) -> dict:
             try:
 
                 def compile_at(n: int, tree=tree, variant=variant):
-                    x = inputs(*shapes(args.target, variant, n), abstract=True)
+                    x = inputs(*shapes(args.target, variant, n), True, variant)
                     fn, fixed, state, _ = step_program(x, 1, args.prompt, args.new, tree, True)
                     return compile_step(fn, fixed, state)
 
@@ -673,7 +709,7 @@ def run_trace(args: argparse.Namespace) -> dict:
     layers = tcfg.num_layers
     t = time.monotonic()
     try:
-        x = inputs(tcfg, dcfg)
+        x = inputs(tcfg, dcfg, variant=args.variant)
     except Exception as e:  # noqa: BLE001
         ph.fail(f"trace {args.variant} {args.cb}: weights", e)
         return ph.res
@@ -763,15 +799,19 @@ def _predicted(dev, tcfg, dcfg, b: int, context: int, tree) -> dict:
 
 def run_sweep(args: argparse.Namespace) -> dict:
     """Phase `sweep`: every target, batch and program in order, `--loop-steps` a program, each
-    beside the cost model -> sweep.json."""
+    beside the cost model -> sweep.json. It runs with decoding's own XLA flags
+    (`backends.set_xla_flags`: command buffers with WHILE and CONDITIONAL, unless XLA_FLAGS
+    names them), set before jax starts its backend."""
     import gc
 
+    from eagle3_jax import backends
     from eagle3_jax.accelerators import acceptance, predict
 
+    xla_flags = backends.set_xla_flags()
     dev = predict_device(args.predict_device)
     variant = args.variants.split(",")[0]
     ph = _Phase(args, Path(args.out) / "sweep.json", variant=variant, predicted_for=dev.name,
-                loop_steps=args.loop_steps, rows=[], init_s={})  # fmt: skip
+                xla_flags=xla_flags, loop_steps=args.loop_steps, rows=[], init_s={})  # fmt: skip
     n = args.loop_steps
     context = args.prompt + args.new
     call_s = 0.05
@@ -782,7 +822,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
             continue
         t = time.monotonic()
         try:
-            x = inputs(tcfg, dcfg)
+            x = inputs(tcfg, dcfg, variant=variant)
         except Exception as e:  # noqa: BLE001
             ph.fail(f"{target}: weights", e)
             continue
