@@ -30,7 +30,7 @@ from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.drafters import DRAFTERS
 from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.sampling import Sampling, sample
-from eagle3_jax.decoding.state import SpecState, eos_mask, map_cache, write_pending
+from eagle3_jax.decoding.state import SpecState, eos_mask, write_pending
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.decoding.verify import Verdict, forward_tree, verify_tree
 from eagle3_jax.models import draft as drf
@@ -114,9 +114,10 @@ def prefill(
     finish = jnp.where(eos_mask(root, eos_ids), 1, jnp.where(num_new >= limit_B, 2, 0))
     return SpecState(
         tcache=out.cache,
-        pending_kv=map_cache(
-            lambda c: jnp.zeros((b, e, tcfg.num_kv_heads, tcfg.head_dim), c.dtype), out.cache
-        ),
+        pending_kv={
+            n: jnp.zeros((tcfg.num_layers, b, e, tcfg.num_kv_heads, tcfg.head_dim), dtype)
+            for n in ("k", "v")
+        },
         pending_at=lengths_B,
         dcache=dcache,
         length=lengths_B,

@@ -31,9 +31,10 @@ class SpecState:
     """
 
     tcache: dict[str, Any]  # the target's KV cache, S slots
-    # last round's accepted path K/V ([B, E, G, K] per layer) and the slot it goes to: written at
-    # the start of the next round, so the cache is written before it is read (written after the
-    # verification's read, XLA copied the whole cache twice per round: ~20 ms on CPU)
+    # last round's accepted path K/V ({"k", "v"}: [L, B, E, G, K], all layers in one array
+    # whatever the cache's layout: `gather_path`) and the slot it goes to: written at the start of
+    # the next round, so the cache is written before it is read (written after the verification's
+    # read, XLA copied the whole cache twice per round: ~20 ms on CPU)
     pending_kv: dict[str, Any]
     pending_at: jax.Array  # [B]
     dcache: dict[str, Any]  # the draft's KV cache: S stable slots + the tree's scratch slots
@@ -61,14 +62,28 @@ def map_cache(fn: Callable, *caches: dict[str, Any]) -> dict[str, Any]:
     return {n: jax.vmap(fn)(*(x[n] for x in caches)) for n in ("k", "v")}
 
 
+def gather_path(new: dict[str, Any], path_BE: jax.Array) -> dict[str, Any]:
+    """The accepted path's K/V out of a verification's new entries ([B, N+1, G, K] per layer, a
+    list or [L, ...]-stacked): {"k", "v"} [L, B, E, G, K], node path_BE[b, e] of row b at e. One
+    gather for all layers (a list is stacked first, which XLA fuses into it), where a gather per
+    layer and per K/V was 2L small kernels a round."""
+    out = {}
+    for n in ("k", "v"):
+        x = jnp.stack(new[n]) if isinstance(new[n], list) else new[n]
+        out[n] = jnp.take_along_axis(x, path_BE[None, :, :, None, None], axis=2)
+    return out
+
+
 def write_pending(tcache: dict[str, Any], pending: dict[str, Any], at_B: jax.Array):
-    """Writes last round's accepted K/V ([B, E, G, K] per layer) at slots at_B onwards."""
+    """Writes last round's accepted K/V ({"k", "v"} [L, B, E, G, K]) at slots at_B onwards of
+    every layer."""
 
     def write(k, v, pk, pv):
         return write_kv((k, v), pk, pv, at_B)
 
     if isinstance(tcache["k"], list):
-        kv = [write(*c) for c in zip(tcache["k"], tcache["v"], pending["k"], pending["v"])]
+        layers = zip(tcache["k"], tcache["v"], pending["k"], pending["v"])  # [B, E, G, K] slices
+        kv = [write(*c) for c in layers]
         return {"k": [k for k, _ in kv], "v": [v for _, v in kv]}
     k, v = jax.vmap(write)(tcache["k"], tcache["v"], pending["k"], pending["v"])
     return {"k": k, "v": v}

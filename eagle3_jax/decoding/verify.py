@@ -27,7 +27,7 @@ import numpy as np
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.sampling import Sampling, log_probs
-from eagle3_jax.decoding.state import SpecState, map_cache
+from eagle3_jax.decoding.state import SpecState, gather_path
 from eagle3_jax.decoding.tree import Tree, TreeConfig, prune_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
@@ -171,7 +171,7 @@ class Verdict(NamedTuple):
     accepted: jax.Array  # [B] a: drafted tokens accepted (0 .. depth)
     path_tok: jax.Array  # [B, E] the token after each path node: the accepted drafted ones first
     bonus: jax.Array  # [B] the target's token after the path
-    path_kv: dict[str, Any]  # the path's K/V [B, E, G, K] per layer (padding repeats its last)
+    path_kv: dict[str, Any]  # the path's K/V [L, B, E, G, K] (padding repeats its last node)
     enc_feat: jax.Array  # [B, E, F] the path nodes' target aux features (next round's pairs)
     verified: jax.Array  # [] tree tokens the target ran, root included
 
@@ -187,9 +187,7 @@ def _check(
         trees = jax.vmap(prune_tree, in_axes=(0, None))(trees, size)
     tout = target_pass(tparams, trees, state, tcfg, dcfg, shape)
     acc, bonus = accept(trees, tout.logits, key, sampling, tree.depth, tree.top_k)
-    path_kv = tout.cache and map_cache(  # a replay's oracle has no cache: {}
-        lambda new: jnp.take_along_axis(new, acc.path[:, :, None, None], axis=1), tout.cache
-    )
+    path_kv = tout.cache and gather_path(tout.cache, acc.path)  # a replay's oracle has none: {}
     path_next = jnp.take_along_axis(
         acc.path, jnp.minimum(jnp.arange(1, e + 1), tree.depth)[None], axis=1
     )
