@@ -9,12 +9,16 @@ a JSON and a plot.
 
 No device is used: bytes and FLOPs are counted from the configs; --xla lowers the real programs
 (`eagle3_jax.accelerators.programs`, Llama-3.1-8B shapes, on this CPU) and compares their
-`cost_analysis()` FLOPs with the model's.
+`cost_analysis()` FLOPs with the model's. Where a device's `scripts/device_job.py gpu-speed` run
+is kept (--gpu-speed, benchmarks/results/gpu_speed/summary.json) the cost of a kernel launch is
+fitted to it (`predict.fit_kernel_cost`) and every measured program re-checked against the
+roofline plus its launches.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -66,6 +70,10 @@ def main(argv=None) -> int:
     p.add_argument("--tau", type=float, default=acceptance.EAGLE3_LLAMA_TAU, help="τ at 10/8/60")
     p.add_argument("--xla", action="store_true", help="compare with XLA's cost_analysis FLOPs")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/cost_model"))
+    p.add_argument(
+        "--gpu-speed", default=str(ROOT / "benchmarks/results/gpu_speed/summary.json"),
+        help="a device's gpu-speed summary: the per-kernel cost is fitted to it (when present)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -211,6 +219,22 @@ def main(argv=None) -> int:
             ["program", "XLA GFLOP", "model GFLOP", "model/XLA"],
             [[r["program"], f"{r['xla']:.1f}", f"{r['model']:.1f}", f"{r['model'] / r['xla']:.3f}"]
              for r in res["xla_check"]],
+        ))  # fmt: skip
+
+    measured = Path(args.gpu_speed)
+    if measured.is_file():  # a device's gpu-speed run: the per-kernel cost it implies
+        summary = json.loads(measured.read_text())
+        fit = predict.fit_kernel_cost(summary)
+        res["kernel_cost"] = {**dataclasses.asdict(fit), "device": summary.get("device"),
+                              "recheck": predict.recheck(summary, fit)}  # fmt: skip
+        print(f"\n## Kernel launches: {fit.seconds * 1e6:.2f} µs each on {summary.get('device')}, "
+              f"fitted on {fit.rows} programs at batch 1 (rms {fit.rms_ms:.2f} ms)\n")  # fmt: skip
+        print(table(
+            ["target", "B", "program", "tree", "measured ms", "roofline ms", "+ launches ms",
+             "error"],
+            [[r["target"], r["batch"], r["program"], r["tree"] or "", f"{r['measured_ms']:.2f}",
+              f"{r['roofline_ms']:.2f}", f"{r['with_kernels_ms']:.2f}", f"{r['error']:+.0%}"]
+             for r in res["kernel_cost"]["recheck"]],
         ))  # fmt: skip
 
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str))

@@ -251,3 +251,41 @@ def test_vocab_methods_cost_what_their_output_layers_read():
     for r in (*chain.values(), *wide.values()):  # the τ to match is the round-time ratio
         base = (chain if r["tree"] == "1/8/9" else wide)["eagle3"]["round_ms"]
         assert r["tau_ratio_to_match"] == pytest.approx(r["round_ms"] / base)
+
+
+def test_the_per_kernel_cost_is_learnt_from_a_measurement():
+    """`fit_kernel_cost` on a gpu-speed summary whose rows were made with 4 µs a launch (plus
+    noise that cancels) recovers 4 µs, counts each row's launches from its own program and its
+    target's layers (a best tree that is a chain from the chain's count), keeps to batch 1 by
+    default, and refuses a summary with nothing to fit."""
+    kern = {
+        "plain": {"per_layer": {"launches": 20.0}, "fixed": {"launches": 10.0}},
+        "chain": {"per_layer": {"launches": 22.0}, "fixed": {"launches": 300.0}},
+        "10/8/60": {"per_layer": {"launches": 23.0}, "fixed": {"launches": 500.0}},
+    }
+    layers = {t: specs.TARGETS[t].num_layers for t in ("llama31_8b", "olmo2_1b")}
+    rows = []
+    cases = [("plain", None, "plain"), ("round", "chain", "chain"),
+             ("round", "10/8/60", "10/8/60")]  # fmt: skip
+    for target in layers:
+        for program, tree, key in cases:
+            n = kern[key]["per_layer"]["launches"] * layers[target] + kern[key]["fixed"]["launches"]
+            for eps in (0.05, -0.05):  # noise that cancels: a pair of runs of each program
+                rows.append({"target": target, "batch": 1, "program": program, "tree": tree,
+                             "roofline_ms": 3.0, "measured_ms": 3.0 + n * 4e-3 + eps})  # fmt: skip
+    best = {"target": "llama31_8b", "batch": 1, "program": "round", "tree": "best",
+            "tree_shape": "1/6/7", "roofline_ms": 2.0}  # fmt: skip
+    rows.append({**best, "measured_ms": 2.0 + (22.0 * 32 + 300.0) * 4e-3})
+    rows.append({**best, "batch": 8, "measured_ms": 50.0})  # not batch 1: left out
+    summary = {"variants": ["engine", "baseline"], "programs": rows,
+               "kernels": {"engine": kern, "baseline": {}}}  # fmt: skip
+    fit = predict.fit_kernel_cost(summary)
+    assert fit.rows == 13 and fit.seconds == pytest.approx(4e-6, rel=1e-3)
+    assert fit.launches("tree", 32) == 23.0 * 32 + 500.0
+    assert fit.time_s("plain", 16) == pytest.approx(4e-6 * 330, rel=1e-3)
+    assert predict.kernel_program(best) == "chain" and predict.kernel_program(rows[4]) == "tree"
+    assert predict.fit_kernel_cost(summary, batch=None).rows == 14
+    checked = predict.recheck(summary, fit)
+    assert len(checked) == 14 and max(abs(r["error"]) for r in checked[:12]) < 0.02
+    with pytest.raises(ValueError, match="no sweep row"):
+        predict.fit_kernel_cost({**summary, "programs": rows[-1:]})

@@ -228,3 +228,82 @@ def vocab_methods(
 def tree_text(tree: TreeConfig) -> str:
     """A tree as the cost model's tables name it: "top_k/depth/total_tokens"."""
     return f"{tree.top_k}/{tree.depth}/{tree.total_tokens}"
+
+
+# ----------------------------------------------------------------------------- kernel launches
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCost:
+    """What launching kernels adds to a program on one device, learnt from a measurement
+    (`fit_kernel_cost`): `seconds` per kernel a call launches, and the launches of each measured
+    program, `per_layer` per target layer plus a `fixed` rest (the draft, the output layer, the
+    bookkeeping), keyed "plain", "chain" and "tree" (the 10/8/60 round)."""
+
+    seconds: float
+    per_layer: dict[str, float]
+    fixed: dict[str, float]
+    rows: int = 0  # measurements it was fitted on
+    rms_ms: float = 0.0  # their residual (measured - roofline - launches x seconds)
+
+    def launches(self, program: str, layers: int) -> float:
+        return self.per_layer[program] * layers + self.fixed[program]
+
+    def time_s(self, program: str, layers: int) -> float:
+        return self.seconds * self.launches(program, layers)
+
+
+def kernel_program(row: dict) -> str:
+    """Which measured program a sweep row's launches are counted from: the plain step, a chain
+    (top-k 1; its launches do not grow with width) or a tree (10/8/60's, for any branching
+    tree: the same draft levels and one verification, the node count changing sizes only)."""
+    if row["program"] == "plain":
+        return "plain"
+    shape = row.get("tree_shape") or row.get("tree") or ""
+    return "chain" if shape == "chain" or shape.startswith("1/") else "tree"
+
+
+def fit_kernel_cost(summary: dict, batch: int | None = 1) -> KernelCost:
+    """The per-kernel cost a `gpu-speed` summary implies (scripts/device_steps/gpu_speed.py,
+    benchmarks/results/gpu_speed/summary.json): least squares of measured - roofline over the
+    sweep's rows (at `batch` only, default 1, where programs are bandwidth-bound and a launch
+    cost shows; None: every batch) against the launches each row's program makes, counted in
+    the summary's kernels phase for the variant the sweep ran (its first) and scaled to the
+    row's target by its layer count. Raises ValueError when the summary holds no such rows."""
+    variant = (summary.get("variants") or [None])[0]
+    kernels = summary["kernels"].get(variant) or next(iter(summary["kernels"].values()))
+    names = {"plain": "plain", "chain": "chain", "tree": "10/8/60"}
+    per_layer = {k: kernels[v]["per_layer"]["launches"] for k, v in names.items() if v in kernels}
+    fixed = {k: kernels[v]["fixed"]["launches"] for k, v in names.items() if v in kernels}
+    pairs = []
+    for row in summary["programs"]:
+        prog = kernel_program(row)
+        if (batch is not None and row["batch"] != batch) or prog not in per_layer:
+            continue
+        if row.get("measured_ms") is None or row.get("roofline_ms") is None:
+            continue
+        n = per_layer[prog] * TARGETS[row["target"]].num_layers + fixed[prog]
+        pairs.append((n, (row["measured_ms"] - row["roofline_ms"]) * 1e-3))
+    if not pairs:
+        raise ValueError("no sweep row with a measured time and a counted program to fit")
+    seconds = sum(n * gap for n, gap in pairs) / sum(n * n for n, _ in pairs)
+    rms = math.sqrt(sum((gap - seconds * n) ** 2 for n, gap in pairs) / len(pairs))
+    return KernelCost(seconds, per_layer, fixed, len(pairs), rms * 1e3)
+
+
+def recheck(summary: dict, cost: KernelCost) -> list[dict]:
+    """Each sweep row of a gpu-speed summary beside the roofline plus `cost`'s launches: the
+    model's prediction re-checked against what was measured (issue 58, items 4a and 5)."""
+    out = []
+    for row in summary["programs"]:
+        prog = kernel_program(row)
+        if row.get("measured_ms") is None or prog not in cost.per_layer:
+            continue
+        layers = TARGETS[row["target"]].num_layers
+        with_kernels = row["roofline_ms"] + cost.time_s(prog, layers) * 1e3
+        out.append({
+            **{k: row.get(k) for k in ("target", "batch", "program", "tree", "measured_ms")},
+            "roofline_ms": row["roofline_ms"], "with_kernels_ms": with_kernels,
+            "error": with_kernels / row["measured_ms"] - 1,
+        })  # fmt: skip
+    return out
