@@ -1,18 +1,21 @@
 """What decoding does differently by backend, decided in one place before anything compiles.
 
-On the CPU the few-row products are the ones this machine measured faster (`cpu_tuning`), and a
-layer's seven projections stay seven products (the paths the CPU's probes and figures were taken
-with). On a GPU or TPU, where a decode step at batch 1 is a chain of small kernels and each costs a
-fixed few microseconds whatever its size (issue 58: 20-23 kernels a layer, 47 % of an H200's
-bandwidth at 8B), q/k/v and gate/up are fused into one product each at load
-(`models.target.fuse_projections`), and XLA is asked to capture the programs' kernels, loops and
-conditionals included, as CUDA graphs (command buffers), so a round is launched as a few graphs
-rather than thousands of kernels.
+On the CPU the few-row products are the ones this machine measured faster (`cpu_tuning`), a
+layer's seven projections stay seven products, and attention is exact (the paths the CPU's probes
+and figures were taken with). On a GPU or TPU, where a decode step at batch 1 is a chain of small
+kernels and each costs a fixed few microseconds whatever its size (issue 58: 20-23 kernels a
+layer, 47 % of an H200's bandwidth at 8B), q/k/v and gate/up are fused into one product each at
+load (`models.target.fuse_projections`); with weights that are not fp32, attention takes its
+products' inputs in their dtype with fp32 accumulation, a verification's cached and new parts
+merged by their log-sum-exp (`models.layers.mixed_attention`), as flash attention does; and XLA
+is asked to capture the programs' kernels, loops and conditionals included, as CUDA graphs
+(command buffers), so a round is launched as a few graphs rather than thousands of kernels.
 
 Entry points call `set_xla_flags()` before jax starts a backend (cli/__init__.py does, for every
 command) and `prepare_target` once the target is loaded. Environment overrides, for measuring one
 choice against the other in one run (scripts/device_steps/gpu_speed.py):
   EAGLE3_JAX_FUSED_PROJECTIONS  1 / 0: fuse or not, whatever the backend (unset: by backend)
+  EAGLE3_JAX_ATTENTION          exact / mixed, whatever the backend and dtype (unset: as above)
   EAGLE3_JAX_XLA_DEFAULTS       0: leave XLA_FLAGS as it is (XLA's own defaults)
 """
 
@@ -22,11 +25,14 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models.target import fuse_projections
 
 FUSED_ENV = "EAGLE3_JAX_FUSED_PROJECTIONS"
+ATTENTION_ENV = "EAGLE3_JAX_ATTENTION"
+ATTENTION_KINDS = ("exact", "mixed")
 XLA_DEFAULTS_ENV = "EAGLE3_JAX_XLA_DEFAULTS"
 
 # XLA's GPU command buffers: its default kinds (fusions, cuBLAS/cuBLASLt products, custom calls,
@@ -64,13 +70,30 @@ def fuse_projections_wanted(backend: str | None = None) -> bool:
     return (backend or jax.default_backend()) != "cpu"
 
 
+def attention_wanted(dtype, backend: str | None = None) -> str:
+    """The target's attention (`TargetConfig.attention`): "mixed" on accelerators for weights that
+    are not fp32, else "exact" (fp32 runs are the exactness checks); the environment's
+    EAGLE3_JAX_ATTENTION decides where set."""
+    value = os.environ.get(ATTENTION_ENV, "").strip()
+    if value and value not in ATTENTION_KINDS:
+        raise Eagle3Error(f"{ATTENTION_ENV}={value!r}: use one of {', '.join(ATTENTION_KINDS)}")
+    if value:
+        return value
+    accelerator = (backend or jax.default_backend()) != "cpu"
+    return "mixed" if accelerator and jnp.dtype(dtype) != jnp.float32 else "exact"
+
+
 def prepare_target(target, products=None, backend: str | None = None, mesh=None):
     """The loaded target (`checkpoints.Target`) as this backend decodes it: the few-row products
-    given (the CPU's measured `ProductPolicy`, or None to keep the config's), and q/k/v and
-    gate/up fused where `fuse_projections_wanted` (on `mesh`, the parameters' own when None).
-    The unfused matrices are deleted as their fused ones are made: use the returned target."""
+    given (the CPU's measured `ProductPolicy`, or None to keep the config's), its attention
+    (`attention_wanted`), and q/k/v and gate/up fused where `fuse_projections_wanted` (on `mesh`,
+    the parameters' own when None). The unfused matrices are deleted as their fused ones are
+    made: use the returned target."""
+    dtype = target.params["embed"].dtype
+    cfg = dataclasses.replace(target.cfg, attention=attention_wanted(dtype, backend))
     if products is not None:
-        target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
+        cfg = dataclasses.replace(cfg, products=products)
+    target = target._replace(cfg=cfg)
     if fuse_projections_wanted(backend):
         target = target._replace(params=fuse_projections(target.params, target.cfg, mesh))
     return target

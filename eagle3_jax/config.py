@@ -79,8 +79,10 @@ class TargetConfig:
     `qk_norm`: "none", "head" (Qwen3: RMSNorm over head_dim per head) or "full" (OLMo 2: RMSNorm over
     all heads' q and k before the head split). `norm_placement`: "pre" (Llama) or "post" (OLMo 2: the
     norm is applied to each block's output before the residual add). `products`: how a few rows
-    are multiplied (ProductPolicy); a property of the machine, not of the checkpoint, so it is
-    left out of `to_json`.
+    are multiplied (ProductPolicy); `attention`: how attention computes its probabilities and
+    p.V (`models.layers.attention`: "exact", or "mixed" as flash attention does); both properties
+    of the machine, not of the checkpoint (`eagle3_jax.backends` chooses them), so they are left
+    out of `to_json`.
     """
 
     family: str
@@ -103,6 +105,7 @@ class TargetConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     products: ProductPolicy = PLAIN_PRODUCTS
+    attention: str = "exact"
 
     def default_aux_layer_ids(self) -> tuple[int, ...]:
         """EAGLE-3's low/mid/high features: the inputs to layers 2, L//2 and L-3."""
@@ -128,7 +131,7 @@ class TargetConfig:
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
-        del d["products"]
+        del d["products"], d["attention"]
         return json.dumps(d, indent=1)
 
     @classmethod

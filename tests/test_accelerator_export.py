@@ -54,6 +54,9 @@ def test_program_lowers_for_tpu_and_cuda(program):
     full = sum(x.size * 2 for x in jax.tree.leaves(shapes))
     assert full / 8 <= report.inputs["params"] <= 1.01 * full / 8
     mem = lowering.memory(prog, report, setup)
+    if program != "train_step":  # decoding runs what an accelerator's engine runs (backends.py)
+        assert {"wqkv", "w_gate_up"} <= set(prog.args[0]["layers"][0])
+        assert (prog.kwargs.get("cfg") or prog.kwargs["tcfg"]).attention == "mixed"
     if program in ("decode_step", "round_tree", "round_chain"):
         # the target's bf16 cache, kv heads over the 8 devices
         shape = prog.kwargs["shape"]

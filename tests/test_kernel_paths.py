@@ -72,7 +72,8 @@ def test_speculative_decoding_on_fused_projections_is_plain_greedy(spec_setup, h
 
     params, cfg, dparams, dcfg, vocab = spec_setup
     prompts = random_prompts(cfg.vocab_size, [6, 11], seed=4)
-    ref = spec_generate(params, cfg, None, None, None, prompts, 24, TREE, method="vanilla")
+    ref = spec_generate(params, cfg, None, None, None, prompts, 24, TREE, method="vanilla",
+                        eos_ids=())  # fmt: skip
     for model in (None, 2, 4):
         mesh = None if model is None else make_mesh(8 // model, model)
         loaded, _ = load_hf(hf_checkpoint("llama")[1], mesh=mesh)
@@ -119,3 +120,72 @@ def test_xla_flags_are_added_unless_the_user_set_them():
     assert backends.set_xla_flags(mine) == "--xla_gpu_enable_command_buffer="
     off = {backends.XLA_DEFAULTS_ENV: "0"}
     assert backends.set_xla_flags(off) == "" and "XLA_FLAGS" not in off
+
+
+def _attention_inputs(seed, b=2, t=5, s=12, u=5, h=4, g=2, k=8, dtype=jnp.float32):
+    from eagle3_jax.models.layers import kv_shapes
+
+    rng = np.random.default_rng(seed)
+    ks, vs = kv_shapes(b, s, g, k)
+    arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    mask = jnp.asarray(rng.random((b, t, s)) < 0.6).at[:, :, 0].set(True)
+    tri = jnp.tril(jnp.ones((u, u), bool))
+    mask_new = jnp.broadcast_to(tri | jnp.asarray(rng.random((u, u)) < 0.3), (b, u, u))
+    return arr(b, t, h, k), arr(*ks), arr(*vs), mask, arr(b, u, g, k), arr(b, u, g, k), mask_new
+
+
+def test_mixed_attention_equals_the_exact_path():
+    """The flash-style path (products in the cache's dtype, fp32 accumulation, a verification's
+    cached and new parts merged by their log-sum-exp) gives exact attention's output: to fp32
+    rounding with fp32 inputs (one query, several, and a verification with new entries), and to
+    bf16's with bf16 ones."""
+    from eagle3_jax.models.layers import attention, mixed_attention
+
+    q, kc, vc, mask, kn, vn, mask_new = _attention_inputs(0)
+    for t in (1, 5):
+        got = mixed_attention(q[:, :t], kc, vc, mask[:, :t])
+        np.testing.assert_allclose(got, attention(q[:, :t], kc, vc, mask[:, :t]), atol=2e-6)
+    got = mixed_attention(q, kc, vc, mask, kn, vn, mask_new)
+    want = attention(q, kc, vc, mask, kn, vn, mask_new)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    assert jnp.array_equal(attention(q, kc, vc, mask, kn, vn, mask_new, mixed=True), got)
+    bf = _attention_inputs(0, dtype=jnp.bfloat16)
+    got = mixed_attention(*bf).astype(jnp.float32)
+    want = attention(*bf).astype(jnp.float32)
+    np.testing.assert_allclose(got, want, atol=3e-2)
+
+
+def test_speculative_decoding_with_mixed_attention_is_plain_greedy(spec_setup):
+    """fp32 weights with the mixed path forced (`TargetConfig.attention`, as EAGLE3_JAX_ATTENTION
+    does): greedy speculative output equals plain decoding with it, which equals plain decoding
+    with exact attention."""
+    import dataclasses
+
+    from helpers import TREE, random_prompts, spec_generate
+
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    mixed = dataclasses.replace(cfg, attention="mixed")
+    prompts = random_prompts(cfg.vocab_size, [7, 12], seed=5)
+    plain_kw = dict(method="vanilla", eos_ids=())
+    ref = spec_generate(params, cfg, None, None, None, prompts, 24, TREE, **plain_kw)
+    plain = spec_generate(params, mixed, None, None, None, prompts, 24, TREE, **plain_kw)
+    out = spec_generate(params, mixed, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=())
+    assert plain.output_ids == ref.output_ids
+    assert out.output_ids == ref.output_ids
+
+
+def test_the_backend_and_dtype_decide_attention_unless_the_environment_does(monkeypatch):
+    import pytest
+
+    from eagle3_jax import backends
+    from eagle3_jax.errors import Eagle3Error
+
+    monkeypatch.delenv(backends.ATTENTION_ENV, raising=False)
+    assert backends.attention_wanted(jnp.bfloat16, "gpu") == "mixed"
+    assert backends.attention_wanted(jnp.float32, "gpu") == "exact"  # fp32: exactness runs
+    assert backends.attention_wanted(jnp.bfloat16, "cpu") == "exact"
+    monkeypatch.setenv(backends.ATTENTION_ENV, "mixed")
+    assert backends.attention_wanted(jnp.float32, "cpu") == "mixed"
+    monkeypatch.setenv(backends.ATTENTION_ENV, "flash")
+    with pytest.raises(Eagle3Error, match="EAGLE3_JAX_ATTENTION"):
+        backends.attention_wanted(jnp.bfloat16, "gpu")

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.accelerators.specs import DRAFT_VOCAB, draft_for, target_config
+from eagle3_jax.backends import attention_wanted, fuse_projections_wanted
 from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
@@ -42,6 +43,7 @@ TRAIN_MESH = {"llama31_8b": (2, 4), "olmo2_7b": (2, 4), "qwen3_4b": (4, 2)}
 CHAIN_TREE = TreeConfig(
     top_k=1, depth=ACCELERATOR_TREE.depth, total_tokens=ACCELERATOR_TREE.depth + 1
 )
+ACCELERATOR = "tpu"  # the backend whose engine choices the programs take (GPUs' are the same)
 PROGRAMS = ("prefill", "spec_prefill", "decode_step", "round_tree", "round_chain", "train_step")
 
 # ----------------------------------------------------------------------------- abstract inputs
@@ -55,11 +57,18 @@ def _with_shardings(avals, shardings):
     return jax.tree.map(_sds, avals, shardings)
 
 
-def abstract_target(tcfg: TargetConfig, mesh: Mesh, dtype=jnp.bfloat16):
+def abstract_target(tcfg: TargetConfig, mesh: Mesh, dtype=jnp.bfloat16, fused: bool = False):
     """The target's params as ShapeDtypeStructs laid out as the loaders place them (a list of
-    layers, `target.param_shardings`): no weight is allocated."""
-    shapes = jax.eval_shape(lambda k: tgt.init_params(tcfg, k, dtype), jax.random.key(0))
-    return _with_shardings(shapes, tgt.param_shardings(tcfg, mesh))
+    layers, `target.param_shardings`): no weight is allocated. `fused`: q/k/v and gate/up fused
+    where the mesh allows, as `backends.prepare_target` leaves them for decoding."""
+    qkv, gate_up = tgt.fusable(tcfg, mesh) if fused else (False, False)
+
+    def make(key):
+        p = tgt.init_params(tcfg, key, dtype)
+        return {**p, "layers": [tgt.fuse_layer(lp, tcfg, qkv, gate_up) for lp in p["layers"]]}
+
+    shapes = jax.eval_shape(make, jax.random.key(0))
+    return _with_shardings(shapes, tgt.param_shardings(tcfg, mesh, fused=(qkv, gate_up)))
 
 
 def abstract_draft(dcfg: DraftConfig, mesh: Mesh, dtype=jnp.bfloat16):
@@ -84,8 +93,8 @@ def _rows(mesh: Mesh, x) -> NamedSharding:
 
 
 def _new_kv(mesh: Mesh, x) -> NamedSharding:
-    """[B, T, G, K] new keys/values (a speculative round's pending path): as the cache."""
-    return named(mesh, ("batch", None, "kv_heads", None), x.shape)
+    """[L, B, T, G, K] new keys/values (a speculative round's pending path): as the cache."""
+    return named(mesh, (None, "batch", None, "kv_heads", None), x.shape)
 
 
 def decode_state_shardings(state, tcfg: TargetConfig, mesh: Mesh, batch: int):
@@ -180,14 +189,17 @@ def _prompt_args(mesh: Mesh, b: int, t: int):
 
 
 def build(name: str, s: Setup, sampling: Sampling = Sampling()) -> Program:
-    """The named program (`PROGRAMS`) of a setup, with abstract, sharded arguments."""
+    """The named program (`PROGRAMS`) of a setup, with abstract, sharded arguments. Decoding
+    programs are the ones an accelerator runs (`backends`): bf16 weights, q/k/v and gate/up
+    fused where the mesh allows, the attention bf16 weights get there."""
     tcfg = target_config(s.target)
     dcfg = draft_for(tcfg)
     b = s.batch
     if name == "train_step":
         return _train_program(s, tcfg, dcfg)
     mesh = _mesh(s.mesh)
-    tparams = abstract_target(tcfg, mesh)
+    tcfg = dataclasses.replace(tcfg, attention=attention_wanted(jnp.bfloat16, ACCELERATOR))
+    tparams = abstract_target(tcfg, mesh, fused=fuse_projections_wanted(ACCELERATOR))
     eos = tcfg.eos_token_ids
     if name in ("prefill", "decode_step"):
         shape = _plain_shape(s)

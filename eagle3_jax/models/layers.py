@@ -71,6 +71,7 @@ def attention(
     k_new: jax.Array | None = None,
     v_new: jax.Array | None = None,
     mask_new_BTT: jax.Array | None = None,
+    mixed: bool = False,
 ) -> jax.Array:
     """Grouped-query attention of T queries over S keys under an explicit boolean mask.
 
@@ -79,8 +80,11 @@ def attention(
     and its ancestors) and the training-time-test blocks all go through here. With k_new/v_new
     [B, T, G, K] the queries also attend to those T entries (under mask_new) in one softmax with the
     S cached ones, which are only read: a tree verification that leaves the cache untouched (no copy
-    of it, even inside a lax.switch branch). Returns [B, T, H, K]; softmax in fp32.
+    of it, even inside a lax.switch branch). Returns [B, T, H, K]; softmax in fp32. `mixed`:
+    products in the cache's dtype with fp32 accumulation (`mixed_attention`).
     """
+    if mixed:
+        return mixed_attention(q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT)
     b, t, h, k = q_BTHK.shape
     g = k_BGKS.shape[1]
     r = h // g
@@ -147,6 +151,51 @@ def attention(
     return out.astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
 
 
+def mixed_attention(
+    q_BTHK: jax.Array,
+    k_BGKS: jax.Array,
+    v_BGSK: jax.Array,
+    mask_BTS: jax.Array,
+    k_new: jax.Array | None = None,
+    v_new: jax.Array | None = None,
+    mask_new_BTT: jax.Array | None = None,
+) -> jax.Array:
+    """`attention` as flash attention computes it, for accelerators with bf16 weights: both
+    products take their inputs in the cache's dtype (queries, and the probabilities, rounded to
+    it) and accumulate in fp32 at the backend's default precision, on the matrix units; the
+    softmax is fp32. The cached part and the new entries (a tree verification) are each reduced
+    to (max, sum of exponentials, unnormalised p.V) and merged by their log-sum-exp, so no
+    [.., S + T] score matrix is concatenated. Unlike the exact path, a decode step and a
+    verification round their probabilities alike, and neither runs fp32 products at HIGHEST (on
+    an H100's CUDA cores, 67 TFLOP/s against the matrix units' 989)."""
+    b, t, h, k = q_BTHK.shape
+    g = k_BGKS.shape[1]
+    r = h // g
+    f32, dt = jnp.float32, v_BGSK.dtype
+    scale = 1.0 / np.sqrt(k)
+    q = q_BTHK.astype(dt).reshape(b, t, g, r, k).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, K]
+
+    def part(scores, mask, values, spec):
+        """(max [B, G, R, T, 1], sum of exp, unnormalised p.V [B, G, R, T, K]) of one part."""
+        scores = jnp.where(mask[:, None, None], scores * scale, NEG_INF)
+        top = jnp.max(scores, axis=-1, keepdims=True)
+        p = jnp.where(mask[:, None, None], jnp.exp(scores - top), 0.0)
+        pv = jnp.einsum(spec, p.astype(dt), values, preferred_element_type=f32)
+        return top, jnp.sum(p, axis=-1, keepdims=True), pv
+
+    s_old = jnp.einsum("bgrtk,bgks->bgrts", q, k_BGKS, preferred_element_type=f32)
+    top, total, out = part(s_old, mask_BTS, v_BGSK, "bgrts,bgsk->bgrtk")
+    if k_new is not None:
+        kn, vn = k_new.astype(dt), v_new.astype(dt)  # [B, U, G, K], as a decode step writes them
+        s_new = jnp.einsum("bgrtk,bugk->bgrtu", q, kn, preferred_element_type=f32)
+        top2, total2, out2 = part(s_new, mask_new_BTT, vn, "bgrtu,bugk->bgrtk")
+        both = jnp.maximum(top, top2)
+        a, a2 = jnp.exp(top - both), jnp.exp(top2 - both)
+        out, total = out * a + out2 * a2, total * a + total2 * a2
+    out = out / total
+    return out.astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
+
+
 def write_kv(
     kv: tuple[jax.Array, jax.Array], k_BTGK: jax.Array, v_BTGK: jax.Array, start_B: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -169,22 +218,24 @@ def cached_attention(
     write_B: jax.Array | None,
     mask: jax.Array,
     mask_new: jax.Array | None = None,
+    mixed: bool = False,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Attention of a layer's new q/k/v [B, T, ...] with its K/V cache, -> (out, kv):
     no cache: over the T new tokens; kv is None;
     a cache, no mask_new: the new K/V written at write_B first, then attended; kv the new cache;
     a cache and mask_new: the cache only read, the new K/V joined in one softmax; kv the new
-      entries (k, v) [B, T, G, K], for the caller to write where it wants (`write_kv`)."""
+      entries (k, v) [B, T, G, K], for the caller to write where it wants (`write_kv`).
+    `mixed`: `attention`'s mixed-precision path."""
     if kv is not None and mask_new is not None:
         with jax.named_scope("attention"):
-            return attention(q, kv[0], kv[1], mask, k, v, mask_new), (k, v)
+            return attention(q, kv[0], kv[1], mask, k, v, mask_new, mixed=mixed), (k, v)
     if kv is not None:
         kv = write_kv(kv, k, v, write_B)
         keys, values = kv
     else:
         keys, values = to_cache_layout(k, v)
     with jax.named_scope("attention"):
-        return attention(q, keys, values, mask), kv
+        return attention(q, keys, values, mask, mixed=mixed), kv
 
 
 # XLA:CPU computes a product of a few rows with its GEMM, which handles them poorly on some CPUs: a

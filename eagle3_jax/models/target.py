@@ -320,7 +320,7 @@ def _layer(
     if cfg.qk_norm == "head":
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    att, kv = cached_attention(q, k, v, kv, write_B, mask, mask_new)
+    att, kv = cached_attention(q, k, v, kv, write_B, mask, mask_new, cfg.attention == "mixed")
     o = dense(att.reshape(b, t, -1), p["wo"], policy=pol)
     if pre:
         h_BTD = h_BTD + o
