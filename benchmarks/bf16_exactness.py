@@ -24,7 +24,6 @@ Prints both tables and writes benchmarks/results/bf16_exactness.json (the answer
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -34,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax import cpu_tuning
+from eagle3_jax import backends, cpu_tuning
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.heads import load_head
 from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
@@ -130,12 +129,14 @@ def main() -> int:
         if seen[q.category] <= args.per_category:
             qs.append(q)
 
-    verify, answers = {}, {q.id: {} for q in qs}
+    verify, answers, attention = {}, {q.id: {} for q in qs}, {}
     t0 = time.perf_counter()
     products = cpu_tuning.policy_for()  # as decode.py: this machine's few-row products
     for name in names:
-        target = load_target(None, dtype=DTYPES[name])
-        target = target._replace(cfg=dataclasses.replace(target.cfg, products=products))
+        # as decode.py loads it (backends.py: EAGLE3_JAX_ATTENTION=mixed measures the attention
+        # accelerators run bf16 weights with)
+        target = backends.prepare_target(load_target(None, dtype=DTYPES[name]), products)
+        attention[name] = target.cfg.attention
         head = load_head(str(default_head()), target, DTYPES[name])
         verify[name] = verify_against_steps(target)
         for q in qs:
@@ -192,6 +193,7 @@ def main() -> int:
         "questions": [q.id for q in qs], "new_tokens": args.new,
         "tree": [tree.top_k, tree.depth, tree.total_tokens, tree.verify_threshold],
         "row_products_max": products.row_products,  # 0: few-row products as plain products
+        "attention": attention,  # per dtype: exact or mixed (models.layers.attention)
     }  # fmt: skip
     out.write_text(
         json.dumps({"meta": meta, "verify": verify, "rows": rows, "answers": answers}) + "\n"

@@ -453,7 +453,7 @@ def test_gpu_speed_parses_and_reaches_its_step(dj, monkeypatch):
     dj.main(["gpu-speed"])
     a = seen["step"]
     assert (a.minutes, a.target, a.targets, a.batches, a.trees, a.variants) == (
-        8.0, "llama31_8b", None, "1,8,32,64", "chain,10/8/60,best", "baseline",
+        8.0, "llama31_8b", None, "1,8,32,64", "chain,10/8/60,best", "engine,baseline",
     )  # fmt: skip
     assert (a.layers, a.phases, a.plain_steps, a.rounds, a.loop_steps) == (
         "3,5", "kernels,trace,sweep", 10, 3, 16,
@@ -464,6 +464,11 @@ def test_gpu_speed_parses_and_reaches_its_step(dj, monkeypatch):
     assert "--targets" not in words and "--minutes" not in words
     cfg = object()
     assert gs.VARIANTS["baseline"].config(cfg) is cfg and gs.VARIANTS["baseline"].params is None
+    from eagle3_jax.accelerators.specs import target_config
+
+    engine = gs.VARIANTS["engine"]  # what backends.prepare_target does with bf16 weights
+    assert engine.config(target_config("llama31_8b")).attention == "mixed"
+    assert engine.params is gs.VARIANTS["fused_projections"].params
     del seen["step"]
     dj.main(["gpu-speed", "--target", "tiny", "--trees", "best, chain,best"])
     assert gs.sweep_targets(seen["step"]) == ["tiny"] and seen["step"].trees == "best,chain"

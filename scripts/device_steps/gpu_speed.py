@@ -69,6 +69,12 @@ def _same(cfg: TargetConfig) -> TargetConfig:
     return cfg
 
 
+def _mixed_attention(cfg: TargetConfig) -> TargetConfig:
+    """Attention as flash attention computes it (`models.layers.mixed_attention`), what
+    `backends.attention_wanted` picks on accelerators for bf16 weights."""
+    return dataclasses.replace(cfg, attention="mixed")
+
+
 def _fused_projections(params: dict, cfg: TargetConfig) -> dict:
     """The target's weights with q/k/v and gate/up fused as `backends.prepare_target` fuses them
     on accelerators; weights' shapes only (ShapeDtypeStructs) fused by shape."""
@@ -100,6 +106,9 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     "baseline": Variant(),
     "fused_projections": Variant(params=_fused_projections),
+    "mixed_attention": Variant(config=_mixed_attention),
+    # what `backends.prepare_target` does on an accelerator with bf16 weights: both of the above
+    "engine": Variant(config=_mixed_attention, params=_fused_projections),
 }
 
 PHASES = ("kernels", "trace", "sweep")
@@ -177,7 +186,7 @@ FLAGS = (
     ("--trees", _names(TREE_NAMES), "chain,10/8/60,best",
      "the rounds: kernels counts each but best, trace traces 10/8/60 (else the first), the "
      "sweep times each"),
-    ("--variants", _names(tuple(VARIANTS)), "baseline",
+    ("--variants", _names(tuple(VARIANTS)), "engine,baseline",
      f"kernel-path variants measured in kernels and trace: {', '.join(VARIANTS)}"),
     ("--layers", _layers, "3,5", "the two layer counts kernels are counted at"),
     ("--prompt", int, 1024, "prompt tokens: the cache's cursor starts there"),
