@@ -7,7 +7,9 @@ kernels and each costs a fixed few microseconds whatever its size (issue 58: 20-
 layer, 47 % of an H200's bandwidth at 8B), q/k/v and gate/up are fused into one product each at
 load (`models.target.fuse_projections`); with weights that are not fp32, attention takes its
 products' inputs in their dtype with fp32 accumulation, a verification's cached and new parts
-merged by their log-sum-exp (`models.layers.mixed_attention`), as flash attention does; and XLA
+merged by their log-sum-exp (`models.layers.mixed_attention`), as flash attention does, and on a
+GPU a decode step's and a verification's cached part run through JAX's Pallas flash-decoding
+kernel, which reads only the valid slots (`models.layers.pallas_attention`); and XLA
 is asked to capture the programs' kernels, loops and conditionals included, as CUDA graphs
 (command buffers), so a round is launched as a few graphs rather than thousands of kernels.
 
@@ -15,7 +17,8 @@ Entry points call `set_xla_flags()` before jax starts a backend (cli/__init__.py
 command) and `prepare_target` once the target is loaded. Environment overrides, for measuring one
 choice against the other in one run (scripts/device_steps/gpu_speed.py):
   EAGLE3_JAX_FUSED_PROJECTIONS  1 / 0: fuse or not, whatever the backend (unset: by backend)
-  EAGLE3_JAX_ATTENTION          exact / mixed, whatever the backend and dtype (unset: as above)
+  EAGLE3_JAX_ATTENTION          exact / mixed / pallas, whatever the backend and dtype (unset:
+                                as above)
   EAGLE3_JAX_XLA_DEFAULTS       0: leave XLA_FLAGS as it is (XLA's own defaults)
 """
 
@@ -28,11 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.models.layers import ATTENTION_KINDS
 from eagle3_jax.models.target import fuse_projections
 
 FUSED_ENV = "EAGLE3_JAX_FUSED_PROJECTIONS"
 ATTENTION_ENV = "EAGLE3_JAX_ATTENTION"
-ATTENTION_KINDS = ("exact", "mixed")
 XLA_DEFAULTS_ENV = "EAGLE3_JAX_XLA_DEFAULTS"
 
 # XLA's GPU command buffers: its default kinds (fusions, cuBLAS/cuBLASLt products, custom calls,
@@ -71,16 +74,19 @@ def fuse_projections_wanted(backend: str | None = None) -> bool:
 
 
 def attention_wanted(dtype, backend: str | None = None) -> str:
-    """The target's attention (`TargetConfig.attention`): "mixed" on accelerators for weights that
-    are not fp32, else "exact" (fp32 runs are the exactness checks); the environment's
-    EAGLE3_JAX_ATTENTION decides where set."""
+    """The target's attention (`TargetConfig.attention`, `models.layers.ATTENTION_KINDS`): for
+    weights that are not fp32, "pallas" (the flash-decoding kernel, a Triton kernel) on a GPU and
+    "mixed" on a TPU; "exact" on the CPU and for fp32 weights (the exactness checks); the
+    environment's EAGLE3_JAX_ATTENTION decides where set."""
     value = os.environ.get(ATTENTION_ENV, "").strip()
     if value and value not in ATTENTION_KINDS:
         raise Eagle3Error(f"{ATTENTION_ENV}={value!r}: use one of {', '.join(ATTENTION_KINDS)}")
     if value:
         return value
-    accelerator = (backend or jax.default_backend()) != "cpu"
-    return "mixed" if accelerator and jnp.dtype(dtype) != jnp.float32 else "exact"
+    backend = backend or jax.default_backend()
+    if backend == "cpu" or jnp.dtype(dtype) == jnp.float32:
+        return "exact"
+    return "pallas" if backend in ("gpu", "cuda", "rocm") else "mixed"
 
 
 def prepare_target(target, products=None, backend: str | None = None, mesh=None):

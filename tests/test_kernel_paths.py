@@ -1,10 +1,12 @@
 """The decoding paths chosen by backend for fewer, larger kernels (issue 58, eagle3_jax/backends.py),
 each against the path it replaces: the draft's top-k without a written-out log-softmax, q/k/v and
-gate/up fused at load (alone, on a mesh, and under speculative decoding), the XLA flags."""
+gate/up fused at load (alone, on a mesh, and under speculative decoding), mixed-precision attention
+and the Pallas flash-decoding kernel (interpreted on the CPU), the XLA flags."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from eagle3_jax.models.draft_output import topk_log_probs
 
@@ -181,7 +183,8 @@ def test_the_backend_and_dtype_decide_attention_unless_the_environment_does(monk
     from eagle3_jax.errors import Eagle3Error
 
     monkeypatch.delenv(backends.ATTENTION_ENV, raising=False)
-    assert backends.attention_wanted(jnp.bfloat16, "gpu") == "mixed"
+    assert backends.attention_wanted(jnp.bfloat16, "gpu") == "pallas"
+    assert backends.attention_wanted(jnp.bfloat16, "tpu") == "mixed"  # no Triton kernel there
     assert backends.attention_wanted(jnp.float32, "gpu") == "exact"  # fp32: exactness runs
     assert backends.attention_wanted(jnp.bfloat16, "cpu") == "exact"
     monkeypatch.setenv(backends.ATTENTION_ENV, "mixed")
@@ -189,3 +192,78 @@ def test_the_backend_and_dtype_decide_attention_unless_the_environment_does(monk
     monkeypatch.setenv(backends.ATTENTION_ENV, "flash")
     with pytest.raises(Eagle3Error, match="EAGLE3_JAX_ATTENTION"):
         backends.attention_wanted(jnp.bfloat16, "gpu")
+
+
+def test_flash_decoding_equals_the_mixed_path():
+    """The Pallas flash-decoding kernel (interpreted on the CPU) over slot-major K: a decode step
+    reading only each row's valid range (a sliding window's start too), and a verification whose
+    tree entries are merged by the kernel's log-sum-exp, equal the mixed path over the same
+    cache to fp32 rounding."""
+    from eagle3_jax.models.layers import mixed_attention, pallas_attention
+
+    q, kc, vc, _, kn, vn, mask_new = _attention_inputs(1, s=256)
+    k_slot_major = kc.transpose(0, 1, 3, 2)  # [B, G, S, K]
+    slots = jnp.arange(256)[None, None, :]
+    for lo, hi in (([0, 0], [40, 200]), ([30, 5], [41, 256])):  # [start, end) per row
+        mask = (slots >= jnp.asarray(lo)[:, None, None]) & (slots < jnp.asarray(hi)[:, None, None])
+        want = mixed_attention(q[:, :1], kc, vc, mask[:, :1].repeat(1, 1))
+        got = pallas_attention(q[:, :1], k_slot_major, vc, mask[:, :1])
+        np.testing.assert_allclose(got, want, atol=2e-6)
+        mask5 = jnp.broadcast_to(mask, (2, 5, 256))
+        want = mixed_attention(q, kc, vc, mask5, kn, vn, mask_new)
+        got = pallas_attention(q, k_slot_major, vc, mask5, kn, vn, mask_new)
+        np.testing.assert_allclose(got, want, atol=2e-6)
+        assert jnp.array_equal(
+            mixed_attention(q, k_slot_major, vc, mask5, kn, vn, mask_new, slot_major=True), want
+        )
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_speculative_decoding_with_flash_decoding_is_plain_greedy(
+    spec_setup, hf_checkpoint, family
+):
+    """fp32 weights with the GPU's flash-decoding path forced (slot-major K cache, the Pallas
+    kernel interpreted): greedy speculative output equals plain decoding with exact attention,
+    for a sliding-window target (Mistral: its verifications take the mixed path) too."""
+    import dataclasses
+
+    from helpers import TREE, random_prompts, spec_generate
+
+    from eagle3_jax.checkpoints.hf import load_hf
+
+    _, _, dparams, dcfg, vocab = spec_setup
+    params, cfg = load_hf(hf_checkpoint(family)[1])
+    flash = dataclasses.replace(cfg, attention="pallas")
+    prompts = random_prompts(cfg.vocab_size, [7, 12], seed=6)
+    plain_kw = dict(method="vanilla", eos_ids=())
+    ref = spec_generate(params, cfg, None, None, None, prompts, 24, TREE, **plain_kw)
+    plain = spec_generate(params, flash, None, None, None, prompts, 24, TREE, **plain_kw)
+    out = spec_generate(params, flash, dparams, dcfg, vocab, prompts, 24, TREE, eos_ids=())
+    assert plain.output_ids == ref.output_ids
+    assert out.output_ids == ref.output_ids
+
+
+@pytest.mark.parametrize("queries", [1, 60])
+def test_flash_decoding_lowers_to_a_triton_kernel_for_cuda(queries):
+    """At Llama-3.1-8B's attention shape (32 heads over 8 kv heads of 128, bf16, 2,304 slots),
+    a decode step and a 60-node verification lower for CUDA to the Triton flash-decoding kernel
+    (exported without a GPU; the Triton call has no serialisation guarantee, so that one check
+    is off) and nothing of the CPU's interpreter."""
+    import functools
+
+    from jax import export
+
+    from eagle3_jax.models.layers import pallas_attention
+
+    b, h, g, k, s = 1, 32, 8, 128, 2304
+    sds = jax.ShapeDtypeStruct
+    args = [sds((b, queries, h, k), jnp.bfloat16), sds((b, g, s, k), jnp.bfloat16),
+            sds((b, g, s, k), jnp.bfloat16), sds((b, queries, s), jnp.bool_)]  # fmt: skip
+    if queries > 1:
+        args += [sds((b, queries, g, k), jnp.bfloat16)] * 2 + [sds((b, queries, queries), bool)]
+    fn = jax.jit(functools.partial(pallas_attention, interpret=False))
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = export.export(fn, platforms=("cuda",), disabled_checks=[triton])(*args)
+    text = exported.mlir_module()
+    assert text.count("xla.gpu.triton") == 1 and 'name = "mha_forward"' in text
+    assert "while" not in text.split("xla.gpu.triton")[0].lower()  # no interpreted grid loop

@@ -35,7 +35,7 @@ from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.decoding.verify import Verdict, forward_tree, verify_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
-from eagle3_jax.models.layers import causal_mask
+from eagle3_jax.models.layers import causal_mask, slot_major_keys
 from eagle3_jax.vocab import DraftVocab
 
 
@@ -213,7 +213,10 @@ def _round(
     if state.tcache:
         # last round's accepted K/V first: from here on this round only reads the target cache
         state = dataclasses.replace(
-            state, tcache=write_pending(state.tcache, state.pending_kv, state.pending_at)
+            state,
+            tcache=write_pending(
+                state.tcache, state.pending_kv, state.pending_at, slot_major_keys(tcfg.attention)
+            ),
         )
     trees, dcache = drafter(dparams, embed, vocab, state, dcfg, shape, tree)
     key, sub = jax.random.split(state.key)

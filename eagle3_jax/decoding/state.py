@@ -74,12 +74,14 @@ def gather_path(new: dict[str, Any], path_BE: jax.Array) -> dict[str, Any]:
     return out
 
 
-def write_pending(tcache: dict[str, Any], pending: dict[str, Any], at_B: jax.Array):
+def write_pending(
+    tcache: dict[str, Any], pending: dict[str, Any], at_B: jax.Array, slot_major: bool = False
+):
     """Writes last round's accepted K/V ({"k", "v"} [L, B, E, G, K]) at slots at_B onwards of
-    every layer."""
+    every layer (`slot_major`: the cache's K is [B, G, S, K], `layers.slot_major_keys`)."""
 
     def write(k, v, pk, pv):
-        return write_kv((k, v), pk, pv, at_B)
+        return write_kv((k, v), pk, pv, at_B, slot_major)
 
     if isinstance(tcache["k"], list):
         layers = zip(tcache["k"], tcache["v"], pending["k"], pending["v"])  # [B, E, G, K] slices

@@ -44,17 +44,33 @@ def apply_rope(x_BTHK: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # with the slots where each product wants them, so XLA reads the cache as it lies: the old
 # [B, S, G, K] layout made XLA transpose every layer's K and V on every forward. On a 2-core Intel
 # Xeon, 30 layers of cached attention at 512 slots: 6.2 -> 2.0 ms for one query, 8.9 -> 2.6 ms for
-# four (`benchmarks/attention_layout.py`).
+# four (`benchmarks/attention_layout.py`). The flash-decoding kernel (`pallas_attention`, GPUs)
+# reads K as V lies, [B, G, S, K]: caches made for it are "slot-major" (`slot_major_keys`).
+
+ATTENTION_KINDS = ("exact", "mixed", "pallas")
 
 
-def kv_shapes(batch: int, slots: int, groups: int, head_dim: int) -> tuple[tuple, tuple]:
-    """The shapes of one layer's K [B, G, K, S] and V [B, G, S, K] cache."""
-    return (batch, groups, head_dim, slots), (batch, groups, slots, head_dim)
+def slot_major_keys(attention: str) -> bool:
+    """Whether a target whose attention is `attention` (`TargetConfig.attention`) keeps K as
+    [B, G, S, K] (the flash-decoding kernel's) rather than [B, G, K, S]."""
+    return attention == "pallas"
 
 
-def to_cache_layout(k_BTGK: jax.Array, v_BTGK: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """New keys/values [B, T, G, K] -> K [B, G, K, T], V [B, G, T, K] (the cache layout)."""
-    return k_BTGK.transpose(0, 2, 3, 1), v_BTGK.transpose(0, 2, 1, 3)
+def kv_shapes(
+    batch: int, slots: int, groups: int, head_dim: int, slot_major: bool = False
+) -> tuple[tuple, tuple]:
+    """The shapes of one layer's K [B, G, K, S] (slot_major: [B, G, S, K]) and V [B, G, S, K]."""
+    v = (batch, groups, slots, head_dim)
+    return (v if slot_major else (batch, groups, head_dim, slots)), v
+
+
+def to_cache_layout(
+    k_BTGK: jax.Array, v_BTGK: jax.Array, slot_major: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """New keys/values [B, T, G, K] -> K [B, G, K, T] (slot_major: [B, G, T, K]), V [B, G, T, K]
+    (the cache layout)."""
+    v = v_BTGK.transpose(0, 2, 1, 3)
+    return (k_BTGK.transpose(0, 2, 1, 3) if slot_major else k_BTGK.transpose(0, 2, 3, 1)), v
 
 
 # The most queries per attention call computed for exactness (fp32 probabilities in p.V): decode
@@ -71,7 +87,8 @@ def attention(
     k_new: jax.Array | None = None,
     v_new: jax.Array | None = None,
     mask_new_BTT: jax.Array | None = None,
-    mixed: bool = False,
+    kind: str = "exact",
+    one_range: bool = True,
 ) -> jax.Array:
     """Grouped-query attention of T queries over S keys under an explicit boolean mask.
 
@@ -80,11 +97,20 @@ def attention(
     and its ancestors) and the training-time-test blocks all go through here. With k_new/v_new
     [B, T, G, K] the queries also attend to those T entries (under mask_new) in one softmax with the
     S cached ones, which are only read: a tree verification that leaves the cache untouched (no copy
-    of it, even inside a lax.switch branch). Returns [B, T, H, K]; softmax in fp32. `mixed`:
-    products in the cache's dtype with fp32 accumulation (`mixed_attention`).
+    of it, even inside a lax.switch branch). Returns [B, T, H, K]; softmax in fp32.
+
+    `kind` (`ATTENTION_KINDS`): "exact" as below; "mixed", products in the cache's dtype with fp32
+    accumulation (`mixed_attention`); "pallas", K slot-major ([B, G, S, K]) and a decode step or a
+    verification through the flash-decoding kernel (`pallas_attention`) where `one_range` (the
+    caller's promise that every query's cached slots are the first query's, one contiguous range:
+    no sliding window across a tree), else the mixed path.
     """
-    if mixed:
-        return mixed_attention(q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT)
+    if kind == "pallas" and one_range and (q_BTHK.shape[1] == 1 or k_new is not None):
+        return pallas_attention(q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT)
+    if kind in ("mixed", "pallas"):
+        return mixed_attention(
+            q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT, kind == "pallas"
+        )
     b, t, h, k = q_BTHK.shape
     g = k_BGKS.shape[1]
     r = h // g
@@ -159,6 +185,7 @@ def mixed_attention(
     k_new: jax.Array | None = None,
     v_new: jax.Array | None = None,
     mask_new_BTT: jax.Array | None = None,
+    slot_major: bool = False,
 ) -> jax.Array:
     """`attention` as flash attention computes it, for accelerators with bf16 weights: both
     products take their inputs in the cache's dtype (queries, and the probabilities, rounded to
@@ -167,7 +194,8 @@ def mixed_attention(
     to (max, sum of exponentials, unnormalised p.V) and merged by their log-sum-exp, so no
     [.., S + T] score matrix is concatenated. Unlike the exact path, a decode step and a
     verification round their probabilities alike, and neither runs fp32 products at HIGHEST (on
-    an H100's CUDA cores, 67 TFLOP/s against the matrix units' 989)."""
+    an H100's CUDA cores, 67 TFLOP/s against the matrix units' 989). `slot_major`: K is
+    [B, G, S, K]."""
     b, t, h, k = q_BTHK.shape
     g = k_BGKS.shape[1]
     r = h // g
@@ -183,27 +211,104 @@ def mixed_attention(
         pv = jnp.einsum(spec, p.astype(dt), values, preferred_element_type=f32)
         return top, jnp.sum(p, axis=-1, keepdims=True), pv
 
-    s_old = jnp.einsum("bgrtk,bgks->bgrts", q, k_BGKS, preferred_element_type=f32)
+    k_spec = "bgrtk,bgsk->bgrts" if slot_major else "bgrtk,bgks->bgrts"
+    s_old = jnp.einsum(k_spec, q, k_BGKS, preferred_element_type=f32)
     top, total, out = part(s_old, mask_BTS, v_BGSK, "bgrts,bgsk->bgrtk")
     if k_new is not None:
-        kn, vn = k_new.astype(dt), v_new.astype(dt)  # [B, U, G, K], as a decode step writes them
-        s_new = jnp.einsum("bgrtk,bugk->bgrtu", q, kn, preferred_element_type=f32)
-        top2, total2, out2 = part(s_new, mask_new_BTT, vn, "bgrtu,bugk->bgrtk")
-        both = jnp.maximum(top, top2)
-        a, a2 = jnp.exp(top - both), jnp.exp(top2 - both)
-        out, total = out * a + out2 * a2, total * a + total2 * a2
+        out, total = _merge_new(q, out, top, total, k_new, v_new, mask_new_BTT, scale)
+    out = out / total
+    return out.astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
+
+
+def _merge_new(q, out, top, total, k_new, v_new, mask_new_BTT, scale):
+    """A verification's new entries ([B, U, G, K], masked per query by mask_new [B, T, U])
+    merged into the cached part's (unnormalised p.V [B, G, R, T, K], max and sum of exponentials
+    [B, G, R, T, 1]) by their log-sum-exp; q [B, G, R, T, K] in the cache's dtype."""
+    f32, dt = jnp.float32, q.dtype
+    kn, vn = k_new.astype(dt), v_new.astype(dt)  # as a decode step writes them
+    s_new = jnp.einsum("bgrtk,bugk->bgrtu", q, kn, preferred_element_type=f32)
+    s_new = jnp.where(mask_new_BTT[:, None, None], s_new * scale, NEG_INF)
+    top2 = jnp.max(s_new, axis=-1, keepdims=True)
+    p = jnp.where(mask_new_BTT[:, None, None], jnp.exp(s_new - top2), 0.0)
+    out2 = jnp.einsum("bgrtu,bugk->bgrtk", p.astype(dt), vn, preferred_element_type=f32)
+    both = jnp.maximum(top, top2)
+    a, a2 = jnp.exp(top - both), jnp.exp(top2 - both)
+    return out * a + out2 * a2, total * a + jnp.sum(p, axis=-1, keepdims=True) * a2
+
+
+def _split_len(slots: int) -> int:
+    """The slots each of the flash-decoding kernel's splits reads: the largest of 128, 64, 32, 16
+    that divides the cache (its blocks must tile a split, of at least 16 slots)."""
+    for n in (128, 64, 32, 16):
+        if slots % n == 0:
+            return n
+    raise ValueError(f"{slots} cache slots: the flash-decoding kernel needs a multiple of 16")
+
+
+def pallas_attention(
+    q_BTHK: jax.Array,
+    k_BGSK: jax.Array,
+    v_BGSK: jax.Array,
+    mask_BTS: jax.Array,
+    k_new: jax.Array | None = None,
+    v_new: jax.Array | None = None,
+    mask_new_BTT: jax.Array | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """`mixed_attention` with the cached part through JAX's Pallas flash-decoding kernel
+    (jax.experimental.pallas.ops.gpu.decode_attention, Triton on a GPU), which reads only each
+    row's valid slots: the range of the FIRST query's mask (every query must share it: a decode
+    step, or a verification without a sliding window), split across the kernel's programs, each
+    returning its max and sum of exponentials so that the splits, and then the tree's own
+    entries, are merged by their log-sum-exp. The T queries of a row ride as T x R heads of each
+    kv head. K and V are [B, G, S, K] (`slot_major_keys`). `interpret` (default: off a GPU) runs
+    the kernel through Pallas' interpreter, for the CPU's tests."""
+    from jax.experimental.pallas.ops.gpu import decode_attention as flash
+
+    b, t, h, k = q_BTHK.shape
+    g, s = k_BGSK.shape[1], k_BGSK.shape[2]
+    r = h // g
+    dt = v_BGSK.dtype
+    scale = 1.0 / np.sqrt(k)
+    row = mask_BTS[:, 0, :]  # [B, S]: one contiguous range of slots per row
+    start = jnp.argmax(row, axis=-1).astype(jnp.int32)
+    end = jnp.where(jnp.any(row, axis=-1), s - jnp.argmax(row[:, ::-1], axis=-1), 0)
+    q = q_BTHK.astype(dt).reshape(b, t, g, r, k).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, K]
+    split = _split_len(s)
+    one = functools.partial(
+        flash.decode_attn_unbatched, sm_scale=float(scale), block_h=16, block_k=split,
+        k_splits=s // split, num_warps=None, num_stages=2, grid=None,
+        interpret=jax.default_backend() != "gpu" if interpret is None else interpret,
+        debug=False, return_residuals=True, normalize_output=True,
+    )  # fmt: skip
+    rows = (
+        jnp.broadcast_to(start[:, None], (b, g)),
+        jnp.broadcast_to(end[:, None].astype(jnp.int32), (b, g)),
+    )
+    o, (total, top) = jax.vmap(jax.vmap(one))(q.reshape(b, g, r * t, k), k_BGSK, v_BGSK, *rows)
+    top = top.reshape(b, g, r, t, 1)
+    total = total.reshape(b, g, r, t, 1)
+    out = o.reshape(b, g, r, t, k).astype(jnp.float32) * total  # unnormalised, as mixed's
+    if k_new is not None:
+        out, total = _merge_new(q, out, top, total, k_new, v_new, mask_new_BTT, scale)
     out = out / total
     return out.astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
 
 
 def write_kv(
-    kv: tuple[jax.Array, jax.Array], k_BTGK: jax.Array, v_BTGK: jax.Array, start_B: jax.Array
+    kv: tuple[jax.Array, jax.Array],
+    k_BTGK: jax.Array,
+    v_BTGK: jax.Array,
+    start_B: jax.Array,
+    slot_major: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Writes each row's T new keys/values [B, T, G, K] at its own slot offset of a layer's cache."""
-    k_new, v_new = to_cache_layout(k_BTGK.astype(kv[0].dtype), v_BTGK.astype(kv[1].dtype))
-    k = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, 0, s)))(
-        kv[0], k_new, start_B
+    """Writes each row's T new keys/values [B, T, G, K] at its own slot offset of a layer's cache
+    (`slot_major`: K is [B, G, S, K])."""
+    k_new, v_new = to_cache_layout(
+        k_BTGK.astype(kv[0].dtype), v_BTGK.astype(kv[1].dtype), slot_major
     )
+    k_at = (lambda s: (0, s, 0)) if slot_major else (lambda s: (0, 0, s))
+    k = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, k_at(s)))(kv[0], k_new, start_B)
     v = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(
         kv[1], v_new, start_B
     )
@@ -218,24 +323,27 @@ def cached_attention(
     write_B: jax.Array | None,
     mask: jax.Array,
     mask_new: jax.Array | None = None,
-    mixed: bool = False,
+    kind: str = "exact",
+    one_range: bool = True,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Attention of a layer's new q/k/v [B, T, ...] with its K/V cache, -> (out, kv):
     no cache: over the T new tokens; kv is None;
     a cache, no mask_new: the new K/V written at write_B first, then attended; kv the new cache;
     a cache and mask_new: the cache only read, the new K/V joined in one softmax; kv the new
       entries (k, v) [B, T, G, K], for the caller to write where it wants (`write_kv`).
-    `mixed`: `attention`'s mixed-precision path."""
+    `kind`, `one_range`: `attention`'s (a "pallas" cache is slot-major)."""
+    at = functools.partial(attention, kind=kind, one_range=one_range)
     if kv is not None and mask_new is not None:
         with jax.named_scope("attention"):
-            return attention(q, kv[0], kv[1], mask, k, v, mask_new, mixed=mixed), (k, v)
+            return at(q, kv[0], kv[1], mask, k, v, mask_new), (k, v)
+    slot_major = slot_major_keys(kind)
     if kv is not None:
-        kv = write_kv(kv, k, v, write_B)
+        kv = write_kv(kv, k, v, write_B, slot_major)
         keys, values = kv
     else:
-        keys, values = to_cache_layout(k, v)
+        keys, values = to_cache_layout(k, v, slot_major)
     with jax.named_scope("attention"):
-        return attention(q, keys, values, mask, mixed=mixed), kv
+        return at(q, keys, values, mask), kv
 
 
 # XLA:CPU computes a product of a few rows with its GEMM, which handles them poorly on some CPUs: a

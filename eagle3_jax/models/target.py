@@ -34,6 +34,7 @@ from eagle3_jax.models.layers import (
     kv_shapes,
     rms_norm,
     rope_cos_sin,
+    slot_major_keys,
     swiglu,
 )
 from eagle3_jax.sharding import Rules, mesh_of, named
@@ -261,7 +262,7 @@ def make_cache(
     allocated separately so both can be donated. With a mesh it is laid out there explicitly
     (`cache_sharding`: batch over data, kv heads over model): allocated inside a jit from zeros
     and left to sharding propagation, it came out replicated, a whole cache per device."""
-    ks, vs = kv_shapes(batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    ks, vs = kv_shapes(batch, slots, cfg.num_kv_heads, cfg.head_dim, slot_major_keys(cfg.attention))
     if stacked:
         cache = {
             "k": jnp.zeros((cfg.num_layers,) + ks, dtype),
@@ -320,7 +321,9 @@ def _layer(
     if cfg.qk_norm == "head":
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    att, kv = cached_attention(q, k, v, kv, write_B, mask, mask_new, cfg.attention == "mixed")
+    # a verification crossing a sliding window gives its nodes different cached ranges
+    one_range = cfg.sliding_window is None or q.shape[1] == 1
+    att, kv = cached_attention(q, k, v, kv, write_B, mask, mask_new, cfg.attention, one_range)
     o = dense(att.reshape(b, t, -1), p["wo"], policy=pol)
     if pre:
         h_BTD = h_BTD + o
