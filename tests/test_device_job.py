@@ -467,7 +467,7 @@ def test_gpu_speed_parses_and_reaches_its_step(dj, monkeypatch):
     from eagle3_jax.accelerators.specs import target_config
 
     engine = gs.VARIANTS["engine"]  # what backends.prepare_target does with bf16 weights
-    assert engine.config(target_config("llama31_8b")).attention == "mixed"
+    assert engine.config(target_config("llama31_8b")).attention == "pallas"
     assert engine.params is gs.VARIANTS["fused_projections"].params
     del seen["step"]
     dj.main(["gpu-speed", "--target", "tiny", "--trees", "best, chain,best"])

@@ -69,10 +69,11 @@ def _same(cfg: TargetConfig) -> TargetConfig:
     return cfg
 
 
-def _mixed_attention(cfg: TargetConfig) -> TargetConfig:
-    """Attention as flash attention computes it (`models.layers.mixed_attention`), what
-    `backends.attention_wanted` picks on accelerators for bf16 weights."""
-    return dataclasses.replace(cfg, attention="mixed")
+def _attention(kind: str) -> Callable[[TargetConfig], TargetConfig]:
+    """The target's attention set to `kind` (`models.layers.attention`): "mixed" computes as flash
+    attention does, in XLA (a TPU's choice for bf16 weights); "pallas" runs a decode step and a
+    verification's cached part through the Pallas flash-decoding kernel (a GPU's)."""
+    return lambda cfg: dataclasses.replace(cfg, attention=kind)
 
 
 def _fused_projections(params: dict, cfg: TargetConfig) -> dict:
@@ -106,9 +107,11 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     "baseline": Variant(),
     "fused_projections": Variant(params=_fused_projections),
-    "mixed_attention": Variant(config=_mixed_attention),
-    # what `backends.prepare_target` does on an accelerator with bf16 weights: both of the above
-    "engine": Variant(config=_mixed_attention, params=_fused_projections),
+    "mixed_attention": Variant(config=_attention("mixed")),
+    "flash_decoding": Variant(config=_attention("pallas")),
+    # what `backends.prepare_target` does on a GPU with bf16 weights: fused projections and the
+    # flash-decoding kernel (on a TPU: mixed attention)
+    "engine": Variant(config=_attention("pallas"), params=_fused_projections),
 }
 
 PHASES = ("kernels", "trace", "sweep")
