@@ -7,9 +7,10 @@
      by backend (backends.py), and the cost model
      (accelerators/: specs, roofline, acceptance, hbm, predict)
   2  checkpoints/ and vocab/ (reading, writing and cutting heads and targets)
-  3  decoding/, training/, and the data jobs built on them (regeneration, prompt selection)
-  4  evaluation/, the ablation runner, and the programs lowered for accelerators
-     (accelerators.programs, accelerators.lowering)
+  3  decoding/ (continuous batching over slots included), training/, and the data jobs built
+     on them (regeneration, prompt selection)
+  4  evaluation/, serving/ (the HTTP server), the ablation runner, and the programs lowered for
+     accelerators (accelerators.programs, accelerators.lowering)
   5  cli/ (every command line) and the public API (eagle3_jax/__init__.py)
 
 A module imports only from its own rank or below, never in a circle, and only at module top (an
@@ -64,6 +65,7 @@ RANKS = {
     "eagle3_jax.decoding.speculative": 3,
     "eagle3_jax.decoding.generate": 3,
     "eagle3_jax.decoding.replay": 3,
+    "eagle3_jax.decoding.slots": 3,
     "eagle3_jax.training.features": 3,
     "eagle3_jax.training.step": 3,
     "eagle3_jax.training.ttt": 3,
@@ -76,6 +78,7 @@ RANKS = {
     "eagle3_jax.data.regenerate": 3,
     "eagle3_jax.data.regen_output": 3,
     "eagle3_jax.data.select_prompts": 3,
+    "eagle3_jax.serving": 4,
     "eagle3_jax.evaluation.options": 4,
     "eagle3_jax.evaluation.fingerprint": 4,
     "eagle3_jax.evaluation.batch": 4,

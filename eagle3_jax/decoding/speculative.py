@@ -219,7 +219,10 @@ def _round(
             ),
         )
     trees, dcache = drafter(dparams, embed, vocab, state, dcfg, shape, tree)
-    key, sub = jax.random.split(state.key)
+    if state.key.ndim == 2:  # a key per row [B, 2] (decoding/slots.py): each row's own stream
+        key, sub = jnp.moveaxis(jax.vmap(jax.random.split)(state.key), 1, 0)
+    else:
+        key, sub = jax.random.split(state.key)
     verdict = verify_tree(
         tparams, trees, state, sub, tcfg, dcfg, shape, tree, sampling, target_pass
     )

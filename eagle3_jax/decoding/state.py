@@ -51,7 +51,7 @@ class SpecState:
     verified: jax.Array  # [B] tree tokens (root included) the target ran in rounds, row running
     accept_hist: jax.Array  # [B, E] rounds by number of accepted draft tokens
     limit: jax.Array  # [B] max new tokens (a runtime value: no recompile per limit)
-    key: jax.Array  # the PRNG key (sampling)
+    key: jax.Array  # the PRNG key (sampling): [2] for the batch, or [B, 2] a row each (slots.py)
 
 
 def map_cache(fn: Callable, *caches: dict[str, Any]) -> dict[str, Any]:

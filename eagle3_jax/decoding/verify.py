@@ -133,8 +133,14 @@ def accept(
         acc = jax.vmap(greedy_accept, in_axes=(0, 0, None))(trees, target_tokens, depth)
         return acc, target_tokens[jnp.arange(b), acc.last]
     logp = log_probs(logits_BNV, sampling)
+    # one key for the batch is split over its rows; a key per row ([B, 2], decoding/slots.py) is
+    # split as a batch of one would split it, so a row draws what it would draw decoded alone
+    if key.ndim == 2:
+        keys = jax.vmap(lambda k: jax.random.split(k, 1)[0])(key)
+    else:
+        keys = jax.random.split(key, b)
     return jax.vmap(sample_accept, in_axes=(0, 0, 0, None, None))(
-        trees, logp, jax.random.split(key, b), depth, max_children
+        trees, logp, keys, depth, max_children
     )
 
 

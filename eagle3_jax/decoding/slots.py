@@ -1,0 +1,259 @@
+"""Continuous batching over fixed slots: the speculative engine's state for B slots, requests
+admitted into free slots between rounds, every round one speculative round over all of them.
+
+JetStream's engine contract on our engine: `admit` prefills ONE request (batch 1, its prompt
+bucket) and writes its row into slot i of the batched `SpecState` (every field: both caches,
+pending K/V, buffers, counters and the row's own PRNG key); `step` runs one
+`speculative.round_step` over all B slots, free and finished slots riding along frozen as a
+finished row always does (`finish != 0`), and reports each occupied slot's new tokens and, when
+it ended, why; `release` frees a slot before its end (a disconnect, a stop string).
+
+Static shapes: the batched state is sized once (`Shape(B, 0, S, M)`: S cache slots for every
+request, M the largest max_tokens), so the round compiles once; `admit` compiles once per prompt
+bucket (`plain.PROMPT_BUCKET`). A request's prompt length + max_tokens + the tree's
+`round_slots` + 1 must fit in S (`check`), the room decoding alone would give it, so no row
+stops for the context where decoding it alone would not.
+
+Exactness: rows do not read each other, so a greedy request's tokens are those of decoding it
+alone (`generate.generate_ids`, same tree, float32), whatever shares the batch and whenever it
+arrived. Sampling: the state holds a key per row ([B, 2]), the request's `seed` as decoding
+alone seeds its batch of one, and a round splits each row's key as a batch of one would split
+its key, so a sampled request draws what it would draw decoded alone with that seed. Adaptive
+verification (`TreeConfig.verify_threshold` > 0) verifies the largest need over the running
+rows: greedy output is unchanged, but a sampled request's tree, hence its tokens, then depend on
+the batch (use threshold 0 where sampled outputs must be reproducible). One `Sampling`
+(temperature, top-k, top-p) serves every slot: it is static in the compiled round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.checkpoints import Target
+from eagle3_jax.checkpoints.heads import Head
+from eagle3_jax.decoding import plain
+from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.drafters import method_tree
+from eagle3_jax.decoding.generate import DecodeOptions
+from eagle3_jax.decoding.state import SpecState
+from eagle3_jax.errors import Eagle3Error
+
+_STATIC = ("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids")
+
+
+def insert_row(state: SpecState, row: SpecState, slot: jax.Array) -> SpecState:
+    """`state` (B rows) with row `slot` replaced by `row`'s (a batch of one, its key [2]). Each
+    field's batch axis is the one where the two shapes differ (0, or 1 for [L, B, ...] stacked
+    caches and pending K/V), so any field of SpecState, either cache layout, goes the same way."""
+    row = dataclasses.replace(row, key=row.key[None])
+
+    def put(big, small):
+        if big.shape == small.shape:  # B == 1
+            return small.astype(big.dtype)
+        diff = [i for i, (a, b) in enumerate(zip(big.shape, small.shape)) if a != b]
+        assert big.ndim == small.ndim and len(diff) == 1 and small.shape[diff[0]] == 1, (
+            big.shape,
+            small.shape,
+        )
+        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, diff[0])
+
+    return jax.tree.map(put, state, row)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=4)
+def admit_row(
+    tparams, dparams, embed, vocab, state: SpecState, slot, prompt_1T, length_1, limit_1, key,
+    tcfg, dcfg, shape: plain.Shape, tree, sampling, eos_ids,
+) -> SpecState:  # fmt: skip
+    """One request's prefill (prompt_1T [1, T] right-padded, length_1 and limit_1 [1], key [2];
+    `shape` the batch of one's: its prompt bucket, the slots' S and M) written into row `slot`
+    ([] int32, a runtime value: no compile per slot) of the batched state, which is donated."""
+    row = spec.prefill(tparams, dparams, embed, vocab, prompt_1T, length_1, limit_1, key,
+                       tcfg, dcfg, shape, tree, sampling, eos_ids)  # fmt: skip
+    return insert_row(state, row, slot)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _free_row(state: SpecState, slot) -> SpecState:
+    """Row `slot` marked finished (frozen from the next round on)."""
+    return dataclasses.replace(state, finish=state.finish.at[slot].set(2))
+
+
+class Update(NamedTuple):
+    """What one occupied slot produced since the last report."""
+
+    slot: int
+    request: object  # the id the caller admitted it with
+    new_ids: list[int]  # tokens emitted since the last report
+    finish_reason: str | None  # "eos", "max_tokens" or "context" once the request ended, else None
+    num_tokens: int  # tokens emitted so far in all
+    target_forwards: int  # target passes so far, its prefill's included
+
+
+class SlotEngine:
+    """B slots of the speculative engine (`method` "eagle3", "pld" or "vanilla": plain rounds,
+    the root alone verified), driven from one thread: `admit` into a free slot, `step` a round.
+
+    Args:
+      target, head: as `generate_ids` takes them (head None for pld and vanilla).
+      opts: the engine's method, tree, sampling, EOS ids and pad id; `max_context` is S, the
+        cache slots every request gets (default the target's context), and `max_new_tokens`
+        the largest max_tokens a request may ask for. `seed` is unused: a request brings its own.
+      slots: B, the requests decoded together.
+    """
+
+    def __init__(self, target: Target, head: Head | None, opts: DecodeOptions, slots: int):
+        if slots < 1:
+            raise Eagle3Error(f"slots {slots} < 1")
+        method = opts.method
+        if method == "eagle3" and (head is None or any(x is None for x in head[:3])):
+            raise Eagle3Error("method eagle3 needs a head: load one with load_head")
+        if method != "eagle3" and not callable(method):
+            head = None
+        dparams, dcfg, vocab, embed = head or (None, None, None, None)
+        choices = None
+        if dcfg is not None:
+            choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
+        self.tree = method_tree(method, opts.tree, choices)
+        tcfg = target.cfg
+        context = opts.max_context or tcfg.max_position_embeddings
+        cache = plain.round_up(context, plain.PROMPT_BUCKET)  # a prompt bucket always fits
+        self.method, self.opts, self.slots = method, opts, slots
+        self.pad = (tcfg.pad_token_id or 0) if opts.pad_id is None else opts.pad_id
+        self.eos = tuple(tcfg.eos_token_ids if opts.eos_ids is None else opts.eos_ids)
+        new_buffer = plain.round_up(opts.max_new_tokens, plain.NEW_BUCKET)
+        self.shape = plain.Shape(slots, 0, cache, new_buffer)
+        self.models = (target.params, dparams, target.params["embed"] if embed is None else embed,
+                       vocab)  # fmt: skip
+        self.cfgs = (tcfg, dcfg)
+        self.state = self._empty()
+        self.owner: list[object | None] = [None] * slots
+        self.shown = [0] * slots
+        self.rounds = 0  # rounds run
+
+    # ------------------------------------------------------------------ static sizes, checks
+
+    @property
+    def max_context(self) -> int:
+        """S: cache slots of every request."""
+        return self.shape.slots
+
+    def max_tokens_for(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of this length may ask for (0: the prompt does not fit)."""
+        room = self.shape.slots - prompt_len - self.tree.round_slots - 1
+        return max(0, min(room, self.opts.max_new_tokens))
+
+    def check(self, prompt: list[int], max_tokens: int) -> None:
+        """Raises Eagle3Error naming the problem when the request cannot be decoded here."""
+        if not prompt:
+            raise Eagle3Error("empty prompt: give at least one token")
+        if max_tokens < 1:
+            raise Eagle3Error(f"max_tokens {max_tokens} < 1")
+        if max_tokens > self.opts.max_new_tokens:
+            raise Eagle3Error(f"max_tokens {max_tokens} exceeds this server's limit of "
+                              f"{self.opts.max_new_tokens}")  # fmt: skip
+        if max_tokens > self.max_tokens_for(len(prompt)):
+            raise Eagle3Error(
+                f"prompt of {len(prompt)} tokens + {max_tokens} new tokens exceeds the context of "
+                f"{self.shape.slots} (less {self.tree.round_slots + 1} slots a round reserves): "
+                "shorten the prompt or lower max_tokens"
+            )
+
+    # ------------------------------------------------------------------ the state
+
+    def _static(self, shape: plain.Shape) -> tuple:
+        return (*self.cfgs, shape, self.tree, self.opts.sampling, self.eos)
+
+    def _empty(self) -> SpecState:
+        """B free slots: zeros of the batched state's shapes, every row finished (frozen)."""
+        b = self.slots
+        one = dataclasses.replace(self.shape, prompt_len=1)
+        shapes = jax.eval_shape(
+            lambda *arrays: spec.prefill(*arrays, *self._static(one)), *self.models,
+            jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), jnp.ones((b,), jnp.int32),
+            jax.random.PRNGKey(0),
+        )  # fmt: skip
+        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return dataclasses.replace(
+            state,
+            finish=jnp.full((b,), 2, jnp.int32),
+            length=jnp.ones((b,), jnp.int32),
+            enc_n=jnp.ones((b,), jnp.int32),
+            key=jnp.zeros((b,) + shapes.key.shape, shapes.key.dtype),
+        )
+
+    def free_slots(self) -> list[int]:
+        return [i for i, o in enumerate(self.owner) if o is None]
+
+    def busy(self) -> int:
+        return self.slots - len(self.free_slots())
+
+    def admit(self, request: object, prompt: list[int], max_tokens: int, seed: int = 0,
+              slot: int | None = None) -> int:  # fmt: skip
+        """Prefills `prompt` into a free slot (the first, or `slot`) for `max_tokens` new tokens
+        at most, sampling (if the engine samples) from `seed`; returns the slot. `request` is the
+        caller's id for it in `step`'s updates."""
+        self.check(prompt, max_tokens)
+        free = self.free_slots()
+        if not free:
+            raise Eagle3Error("no free slot")
+        slot = free[0] if slot is None else slot
+        if self.owner[slot] is not None:
+            raise Eagle3Error(f"slot {slot} is busy")
+        bucket = min(plain.round_up(len(prompt), plain.PROMPT_BUCKET), self.shape.slots)
+        one = dataclasses.replace(self.shape, batch=1, prompt_len=bucket)
+        toks, lengths = plain.pad_prompts([prompt], one, self.pad)
+        self.state = admit_row(
+            *self.models, self.state, jnp.int32(slot), toks, lengths,
+            np.array([max_tokens], np.int32), jax.random.PRNGKey(seed), *self._static(one),
+        )  # fmt: skip
+        self.owner[slot], self.shown[slot] = request, 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Frees `slot` now (its request is dropped: a disconnect, a stop string); its row rides
+        along frozen until another request is admitted there."""
+        if self.owner[slot] is None:
+            return
+        self.state = _free_row(self.state, jnp.int32(slot))
+        self.owner[slot] = None
+
+    def step(self) -> list[Update]:
+        """One speculative round over every slot (none when no slot is running), then each
+        occupied slot's new tokens; a slot whose request ended is freed."""
+        running = [i for i, o in enumerate(self.owner) if o is not None]
+        if not running:
+            return []
+        finish = np.asarray(jax.device_get(self.state.finish))
+        if any(finish[i] == 0 for i in running):
+            self.state = spec.round_step(*self.models, self.state, *self._static(self.shape),
+                                         self.method)  # fmt: skip
+            self.rounds += 1
+        return self.poll()
+
+    def poll(self) -> list[Update]:
+        """Each occupied slot's tokens since the last report (admitted slots: the prefill's)."""
+        st = self.state
+        tokens, n, finish, fw = jax.device_get((st.tokens, st.num_new, st.finish, st.forwards))
+        out = []
+        for i, req in enumerate(self.owner):
+            if req is None:
+                continue
+            new = [int(t) for t in tokens[i, self.shown[i] : n[i]]]
+            reason = plain.FINISH_REASONS[finish[i]] if finish[i] else None
+            out.append(Update(i, req, new, reason, int(n[i]), int(fw[i])))
+            self.shown[i] = int(n[i])
+            if reason is not None:
+                self.owner[i] = None
+        return out
+
+    def compiles(self) -> dict[str, int]:
+        """Compiled programs so far in this process: the admission's (one per prompt bucket) and
+        the round's (`speculative.round_step`, shared with streaming decoding)."""
+        return {"admit": admit_row._cache_size(), "round": spec.round_step._cache_size()}
