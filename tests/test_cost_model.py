@@ -43,9 +43,14 @@ def test_plain_step_counts_by_hand():
     """B 1, 8 slots, bf16. Per layer: q 16x16, k/v 16x8 each, o 16x16, MLP 3 x 16x32 = 2,304
     weights multiplied, + 2 norms of 16; lm_head 16x64 = 1,024; final norm 16."""
     step = roofline.plain_step(TINY, batch=1, slots=8, dtype_bytes=2).total()
-    assert step.flops == 2 * (2 * 2304 + 1024)  # one row through every product
-    # one query: QK and p.V as float32 multiply-and-sums, 2 * H * S * K each, per layer
-    assert step.fp32_flops == 2 * 2 * (2 * 4 * 8 * 4)
+    # one row through every product; QK and p.V (2 * H * S * K each, per layer) on the matrix
+    # units, as accelerators run bf16 weights (mixed attention)
+    assert step.flops == 2 * (2 * 2304 + 1024) + 2 * 2 * (2 * 4 * 8 * 4)
+    assert step.fp32_flops == 0
+    # fp32 weights: exact attention, the one query's products as float32 multiply-and-sums
+    exact = roofline.plain_step(TINY, batch=1, slots=8, dtype_bytes=4).total()
+    assert exact.flops == 2 * (2 * 2304 + 1024)
+    assert exact.fp32_flops == 2 * 2 * (2 * 4 * 8 * 4)
     assert step.weights == (2 * (2304 + 32) + 1024 + 16) * 2
     # K and V read whole (2 x G x K x S x 2 bytes), one new entry each written, per layer
     assert step.kv == 2 * (2 * 2 * 4 * 8 * 2 + 2 * 1 * 8 * 2)
@@ -141,9 +146,9 @@ def test_acceptance_model_calibration():
 def test_published_speedups_within_bounds():
     """H100, 10/8/60, B 1, 2k context: EAGLE-3's τ 6.5 on Llama-3.1-8B predicts a speedup inside
     the paper's 3-6.5x; the τ that gives SpecVocab's OLMo 2 speedups under our model is at most
-    the τ SpecVocab measured there (4.31-4.53 on OLMo 2 1B: a round no dearer than theirs; since
-    the tree bookkeeping lost its serial loops, 3.4-3.5 for 1B and 3.8-4.1 for 7B, where they
-    were 4.2-4.4 and 4.1-4.4) and no less than 3 (no round is nearly free)."""
+    the τ SpecVocab measured there (4.31-4.53 on OLMo 2 1B: our modelled round is no dearer than
+    theirs; it was about equal until the tree bookkeeping lost its serial loops and attention
+    its fp32 products) and more than 2 (a round still costs over two plain steps at 1B)."""
     h100 = specs.DEVICES["H100"]
     ll = predict.predict(h100, "llama31_8b", acceptance.REPORTING_TREE, 6.5)
     assert 3.0 <= ll.speedup <= 6.5
@@ -152,7 +157,7 @@ def test_published_speedups_within_bounds():
     big = predict.predict(h100, "olmo2_7b", acceptance.REPORTING_TREE, 6.5)
     assert small.ratio > big.ratio  # a small target pays relatively more for drafting
     for pred, (lo, hi) in ((small, (1.32, 1.38)), (big, (2.04, 2.20))):
-        assert 3.0 <= predict.implied_tau(pred, lo) and predict.implied_tau(pred, hi) <= 4.53
+        assert 2.0 < predict.implied_tau(pred, lo) and predict.implied_tau(pred, hi) <= 4.53
 
 
 def test_cpu_verification_needs_more_than_a_roofline():

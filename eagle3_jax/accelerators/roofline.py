@@ -213,13 +213,20 @@ def _layer_act_elems(d: int, f: int, hk: int, gk: int, in_width: int) -> int:
     )
 
 
-def _attention(b, h, g, k, t, s, db, *, own: bool) -> tuple[float, float, float, float]:
+def _attention(
+    b, h, g, k, t, s, db, *, own: bool, mixed: bool = False
+) -> tuple[float, float, float, float]:
     """(kv bytes, activation bytes, matrix-unit flops, fp32 flops) of one layer's attention of
-    t queries over s cached slots (+ t own entries joined when `own`, a verification)."""
+    t queries over s cached slots (+ t own entries joined when `own`, a verification). `mixed`:
+    as accelerators run a target with bf16 weights (`backends.attention_wanted`: mixed attention,
+    the same mathematics as a GPU's flash-decoding kernel): both products on the matrix units,
+    fp32 scores written and read, probabilities in the weights' dtype; else exact attention."""
     kv = 2 * b * g * k * s * db  # K and V read once
     keys = s + (t if own else 0)
     qk = 2 * b * h * t * keys * k
     pv = 2 * b * h * t * keys * k
+    if mixed:  # scores fp32 written + read, probabilities in the weights' dtype
+        return kv, b * h * t * keys * (8 + 2 * db), qk + pv, 0.0
     scores = 4 * b * h * t * keys * 4  # fp32 scores written, read, probs written, read
     if t == 1:  # multiply-and-sum in float32 (vector units) for both products
         return kv, scores, 0.0, qk + pv
@@ -251,7 +258,7 @@ def target_forward(
     mat = n_layers * (d * hk + 2 * d * gk + hk * d + 3 * d * f) + d * v  # multiplied weights
     weights = (target_params(tcfg) - v * d * (0 if tcfg.tie_word_embeddings else 1)) * db
     # ^ every parameter except the input embedding table, of which only b * t rows are read
-    kv_l, scores_l, mm_l, f32_l = _attention(b, h, g, k, t, slots, db, own=verify)
+    kv_l, scores_l, mm_l, f32_l = _attention(b, h, g, k, t, slots, db, own=verify, mixed=db < 4)
     kv = n_layers * (kv_l + 2 * b * t * gk * db)  # + the new entries written
     acts = n_layers * (b * t * _layer_act_elems(d, f, hk, gk, d) * db + scores_l)
     acts += b * t * d * db  # embedding rows gathered
