@@ -10,6 +10,7 @@
   select-prompts  choose new training prompts (not answered, not repeated, not held out)
   vocab           draft-vocabulary methods: count, trim (FR-Spec, VocabTrim), extend, order
   export          convert a head between the official and vLLM speculators layouts
+  serve           an OpenAI-compatible server: continuous batching over fixed slots
 
 Each module's `main(argv) -> int` parses its flags, calls the library and returns the exit status:
 0, or 2 with one line on stderr for bad input (`Eagle3Error`).
@@ -33,6 +34,7 @@ COMMANDS = {
     "select-prompts": "select_prompts",
     "vocab": "vocab",
     "export": "export",
+    "serve": "serve",
 }
 
 

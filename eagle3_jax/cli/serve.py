@@ -1,0 +1,112 @@
+"""An OpenAI-compatible server: continuous batching over fixed slots, a speculative round a step.
+
+  python -m eagle3_jax serve                       # the embedded SmolLM2 + its head, port 8000
+  python -m eagle3_jax serve --target ~/ckpt/Llama-3.1-8B-Instruct --draft heads/llama \
+      --slots 8 --max-context 4096 --max-new-tokens 1024 --port 8000
+
+Endpoints: POST /v1/completions and /v1/chat/completions (stream or not), GET /v1/models,
+/health and /metrics. The sampling settings (--temperature, --top-p, --sample-top-k) are the
+server's: a request may repeat them, not change them. docs/serving.md has the details and what is
+not served yet. SIGTERM (or Ctrl-C) stops taking connections and lets running requests finish
+for --drain-timeout seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from eagle3_jax import compile_cache
+from eagle3_jax.cli import decode, decode_flags
+from eagle3_jax.decoding.generate import DecodeOptions
+from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.slots import SlotEngine
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.serving.api import Server, build_app
+from eagle3_jax.serving.scheduler import Scheduler
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eagle3_jax serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    decode_flags._model_flags(p)
+    decode_flags._tree_flags(p)
+    decode_flags._run_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=4, help="requests decoded together (default 4)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; more are answered 429")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=512,
+                   help="the most tokens a request may ask for (its default too)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--sample-top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: the target's folder name)")  # fmt: skip
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM")  # fmt: skip
+    return p.parse_args(argv)
+
+
+def check(args) -> None:
+    """The flags' errors before the slow load."""
+    decode_flags.resolve_method(args)
+    for name in ("slots", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise Eagle3Error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    if args.max_queue < 0:
+        raise Eagle3Error(f"--max-queue {args.max_queue}: give 0 or more")
+    if not 0 < args.port < 65536:
+        raise Eagle3Error(f"--port {args.port}: give 1..65535")
+    args.json, args.timing_runs, args.batch_size = None, 1, 1  # what check_settings reads
+    decode_flags.check_settings(args)
+    Sampling(args.temperature, args.sample_top_k, args.top_p)
+    if args.method != "vanilla":
+        decode_flags.check_tree(args)
+    if args.method == "eagle3":
+        decode_flags.draft_vocab(args)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        check(args)
+        compile_cache.enable()
+        target, head, max_context = decode._load(args)
+        opts = DecodeOptions(
+            args.method, args.max_new_tokens, decode_flags.tree_of(args),
+            Sampling(args.temperature, args.sample_top_k, args.top_p),
+            max_context=max_context, same_engine=True,
+        )  # fmt: skip
+        engine = SlotEngine(target, head, opts, args.slots)
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn  # the serve extra; imported here so other commands never need it
+
+    logging.basicConfig(level=logging.INFO)
+    print(f"compiling the round for {args.slots} slots ...", file=sys.stderr)
+    warm(engine)
+    scheduler = Scheduler(engine, args.max_queue).start()
+    name = args.served_model_name or (target.path.name if target.path else "eagle3_jax")
+    app = build_app(Server(scheduler, target.tokenizer, name))
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            timeout_graceful_shutdown=int(args.drain_timeout))  # fmt: skip
+    try:
+        uvicorn.Server(config).run()  # returns after SIGTERM/SIGINT and the graceful shutdown
+    finally:
+        scheduler.drain(args.drain_timeout)
+        scheduler.stop()
+    return 0
+
+
+def warm(engine: SlotEngine) -> None:
+    """Compiles the admission of the first prompt bucket and the round before serving."""
+    engine.admit("warmup", [engine.pad], 2)
+    for _ in range(4):
+        if any(u.finish_reason for u in engine.step()):
+            break
+    for slot in range(engine.slots):
+        engine.release(slot)

@@ -1,0 +1,406 @@
+"""The OpenAI-compatible HTTP front end over a `Scheduler`: /v1/completions, /v1/chat/completions
+(streamed as server-sent events ending `data: [DONE]`, or whole), /v1/models, /health, /metrics.
+
+Request bodies are checked field by field before anything is queued; a bad one is answered 400
+with OpenAI's error body naming the field (`error.param`). A full queue is 429 and a draining
+server 503, both with Retry-After. The sampling settings are the server's (one `Sampling` is
+compiled into the round): a request may repeat them but not change them. Text comes from the
+target's tokenizer, decoded from all of a request's ids so far (a streamed delta is the new
+suffix; an incomplete UTF-8 character, or what could be the start of a stop string, is held back
+until it is complete). A client that goes away has its request cancelled: its slot is freed before
+the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.prompts import encode_chat
+from eagle3_jax.serving.scheduler import Draining, Event, Job, QueueFull, Scheduler
+
+FINISH = {"eos": "stop", "max_tokens": "length", "context": "length"}
+RETRY_AFTER_S = 1
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+def error(status: int, message: str, kind: str, param: str | None = None, headers=None):
+    """OpenAI's error body."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# ---------------------------------------------------------------------- request parsing
+
+
+def _int(body: dict, name: str, default: int | None, low: int) -> int | None:
+    v = body.get(name, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{name} must be an integer", name)
+    if v < low:
+        raise BadRequest(f"{name} {v}: give {low} or more", name)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop must be a non-empty string or a list of them", "stop")
+    if len(stop) > 4:
+        raise BadRequest("stop takes at most 4 strings", "stop")
+    return stop
+
+
+class Server:
+    """The app's state: the scheduler, the tokenizer, the model's name and the metrics."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str):
+        self.scheduler = scheduler
+        self.engine = scheduler.engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.created = int(time.time())
+        self._metrics()
+
+    def _metrics(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.m_requests = Counter("eagle3_requests", "requests ended, by finish reason",
+                                  ["finish_reason"], registry=r)  # fmt: skip
+        self.m_refused = Counter("eagle3_requests_refused", "requests refused, by HTTP status",
+                                 ["status"], registry=r)  # fmt: skip
+        self.m_prompt = Counter("eagle3_prompt_tokens", "prompt tokens admitted", registry=r)
+        self.m_gen = Counter("eagle3_generation_tokens", "tokens generated", registry=r)
+        self.m_rounds = Counter("eagle3_rounds", "speculative rounds run", registry=r)
+        self.m_waiting = Gauge("eagle3_requests_waiting", "requests queued", registry=r)
+        self.m_running = Gauge("eagle3_requests_running", "slots busy", registry=r)
+        self.m_slots = Gauge("eagle3_slots", "slots in the engine", registry=r)
+        self.m_tau = Gauge("eagle3_tau", "tokens per target pass over finished requests",
+                           registry=r)  # fmt: skip
+        self.m_ttft = Histogram("eagle3_time_to_first_token_seconds", "arrival to first token",
+                                registry=r)  # fmt: skip
+        self.m_latency = Histogram("eagle3_request_latency_seconds", "arrival to end", registry=r)
+        self._seen = {"rounds": 0, "prompt": 0, "gen": 0}
+        self.m_slots.set(self.engine.slots)
+
+    def metrics_text(self) -> bytes:
+        """Counters brought up to date from the scheduler's stats, then the exposition."""
+        st = self.scheduler.stats
+        for key, metric, value in (("rounds", self.m_rounds, st.rounds),
+                                   ("prompt", self.m_prompt, st.prompt_tokens),
+                                   ("gen", self.m_gen, st.generated)):  # fmt: skip
+            metric.inc(value - self._seen[key])
+            self._seen[key] = value
+        for values, hist in ((st.ttft, self.m_ttft), (st.latency, self.m_latency)):
+            while values:
+                hist.observe(values.pop(0))
+        self.m_waiting.set(self.scheduler.waiting())
+        self.m_running.set(self.scheduler.busy())
+        ended = sum(n for k, n in st.finished.items() if k != "cancelled")
+        if ended and st.target_forwards:
+            self.m_tau.set(st.generated / st.target_forwards)
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------------ bodies -> jobs
+
+    def parse(self, body: Any, chat: bool) -> dict:
+        """The checked request: prompt ids, max_tokens, seed, stop strings, stream flags."""
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object", None)
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"model {model!r}: this server serves {self.model_name!r}", "model",
+                             status=404)  # fmt: skip
+        if chat:
+            prompt = self._messages(body.get("messages"))
+        else:
+            prompt = self._prompt(body.get("prompt"))
+        n = _int(body, "n", 1, 1)
+        if n != 1:
+            raise BadRequest("n: this server returns one choice (n = 1)", "n")
+        sampling = self.engine.opts.sampling
+        for name, have in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
+            v = body.get(name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise BadRequest(f"{name} must be a number", name)
+            if abs(v - have) > 1e-9:
+                raise BadRequest(
+                    f"{name} {v}: this server samples at {name} {have} (fixed at start: "
+                    f"serve --{name.replace('_', '-')})",
+                    name,
+                )
+        names = ["max_tokens"] + (["max_completion_tokens"] if chat else [])
+        given = [m for m in names if body.get(m) is not None]
+        limit = self.engine.max_tokens_for(len(prompt))
+        max_tokens = _int(body, given[-1], None, 1) if given else max(1, limit)
+        try:
+            self.engine.check(prompt, max_tokens)
+        except Eagle3Error as e:
+            param = given[-1] if given else "messages" if chat else "prompt"
+            raise BadRequest(str(e), param) from None
+        seed = _int(body, "seed", 0, 0)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("stream must be true or false", "stream")
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise BadRequest("stream_options must be an object", "stream_options")
+        return {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "stop": _stop(body),
+            "stream": stream,
+            "usage_chunk": bool(opts.get("include_usage")),
+            "token_ids": bool(body.get("return_token_ids")),
+        }
+
+    def _messages(self, messages) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list", "messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+                raise BadRequest(f"messages[{i}] needs a role: system, user or assistant",
+                                 f"messages[{i}].role")  # fmt: skip
+            content = m.get("content")
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                parts = [p.get("text") for p in content if isinstance(p, dict)]
+                content = "".join(p for p in parts if isinstance(p, str))
+            if not isinstance(content, str):
+                raise BadRequest(f"messages[{i}].content must be text", f"messages[{i}].content")
+            clean.append({"role": m["role"], "content": content})
+        if self.tokenizer is None:
+            raise BadRequest("this server has no tokenizer: use /v1/completions with token ids",
+                             "messages")  # fmt: skip
+        return encode_chat(self.tokenizer, clean)
+
+    def _prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str) and prompt:
+            if self.tokenizer is None:
+                raise BadRequest("this server has no tokenizer: give the prompt as token ids",
+                                 "prompt")  # fmt: skip
+            return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
+        vocab = self.engine.cfgs[0].vocab_size
+        if (isinstance(prompt, list) and prompt
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)):  # fmt: skip
+            if not all(0 <= i < vocab for i in prompt):
+                raise BadRequest(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+            return [int(i) for i in prompt]
+        raise BadRequest("prompt must be a non-empty string or a list of token ids (one prompt)",
+                         "prompt")  # fmt: skip
+
+    # ------------------------------------------------------------------ running one
+
+    def text(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def run(self, req: dict, request: Request) -> AsyncIterator[tuple[str, list, str | None]]:
+        """Queues the request and yields (new text, new ids, OpenAI finish reason or None) as
+        rounds produce them; cancels it when the consumer stops early (a disconnect)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        job = Job(uuid.uuid4().hex, req["prompt"], req["max_tokens"], req["seed"],
+                  lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))  # fmt: skip
+        self.scheduler.submit(job)
+        ids: list[int] = []
+        sent, unsent = 0, 0  # characters sent; ids not yet sent with them
+        hold = max((len(s) for s in req["stop"]), default=1) - 1
+        done = False
+        try:
+            while not done:
+                try:
+                    ev = await asyncio.wait_for(events.get(), 1.0)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if ev.finish_reason and ev.finish_reason.startswith("error"):
+                    raise RuntimeError(ev.finish_reason)
+                if ev.finish_reason == "cancelled":
+                    raise RuntimeError("cancelled by the server")
+                ids += ev.new_ids
+                text = self.text(ids)
+                reason = FINISH.get(ev.finish_reason) if ev.finish_reason else None
+                found = [i for i in (text.find(s, sent) for s in req["stop"]) if i >= 0]
+                cut = min(found, default=-1)
+                if cut >= 0:
+                    text, reason = text[:cut], "stop"
+                    self.scheduler.cancel(job.id)
+                end = len(text)
+                if reason is None:  # hold back what a later token could still change
+                    end -= hold
+                    while end > sent and text[end - 1] == "\ufffd":
+                        end -= 1
+                done = reason is not None
+                unsent += len(ev.new_ids)
+                if end > sent or done:
+                    yield text[sent : max(end, sent)], ids[len(ids) - unsent :], reason
+                    sent, unsent = max(end, sent), 0
+        finally:
+            if not done:
+                self.scheduler.cancel(job.id)
+
+
+def build_app(server: Server) -> FastAPI:
+    """The FastAPI app over `server` (its scheduler started by the caller)."""
+    app = FastAPI(title="eagle3_jax")
+
+    def refuse(e: Exception) -> JSONResponse:
+        if isinstance(e, BadRequest):
+            server.m_refused.labels(str(e.status)).inc()
+            kind = "invalid_request_error" if e.status == 400 else "not_found_error"
+            return error(e.status, str(e), kind, e.param)
+        if isinstance(e, QueueFull):
+            server.m_refused.labels("429").inc()
+            return error(429, f"{e}: retry later", "rate_limit_error",
+                         headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        server.m_refused.labels("503").inc()
+        return error(503, str(e), "service_unavailable",
+                     headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+
+    async def handle(request: Request, chat: bool):
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return refuse(BadRequest(f"the body is not JSON: {e}"))
+        try:
+            req = server.parse(body, chat)
+        except BadRequest as e:
+            return refuse(e)
+        if server.scheduler.draining:
+            return refuse(Draining("the server is shutting down"))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        gen = server.run(req, request)
+        try:  # queue it now, so that 429/503 come back as a status, not inside a stream
+            first = await anext(gen)
+        except (QueueFull, Draining) as e:
+            return refuse(e)
+        except RuntimeError as e:
+            return error(500, str(e), "server_error")
+        if req["stream"]:
+            return StreamingResponse(_sse(server, req, rid, chat, first, gen),
+                                     media_type="text/event-stream")  # fmt: skip
+        return await _whole(server, req, rid, chat, first, gen)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created,
+            "owned_by": "eagle3_jax", "max_model_len": server.engine.max_context,
+        }]}  # fmt: skip
+
+    @app.get("/health")
+    async def health():
+        if server.scheduler.draining or not server.scheduler.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _usage(req: dict, ids: list[int]) -> dict:
+    n, p = len(ids), len(req["prompt"])
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+def _choice(chat: bool, text: str, reason, ids, req, delta: bool) -> dict:
+    if chat and delta:
+        body = {"delta": {"content": text}}
+    elif chat:
+        body = {"message": {"role": "assistant", "content": text}}
+    else:
+        body = {"text": text}
+    out = {"index": 0, **body, "finish_reason": reason}
+    if not chat:
+        out["logprobs"] = None
+    if req["token_ids"]:
+        out["token_ids"] = ids
+    return out
+
+
+async def _whole(server: Server, req, rid, chat, first, gen) -> JSONResponse:
+    parts, ids, reason = [first[0]], list(first[1]), first[2]
+    async for text, new, why in gen:
+        parts.append(text)
+        ids += new
+        reason = why
+    obj = "chat.completion" if chat else "text_completion"
+    server.m_requests.labels(reason or "none").inc()
+    return JSONResponse({
+        "id": rid, "object": obj, "created": int(time.time()), "model": server.model_name,
+        "choices": [_choice(chat, "".join(parts), reason, ids, req, delta=False)],
+        "usage": _usage(req, ids),
+    })  # fmt: skip
+
+
+async def _sse(server: Server, req, rid, chat, first, gen) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    created = int(time.time())
+    ids: list[int] = []
+
+    def chunk(choices, usage=None) -> str:
+        body = {"id": rid, "object": obj, "created": created, "model": server.model_name,
+                "choices": choices}  # fmt: skip
+        if usage is not None or req["usage_chunk"]:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    if chat:
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield chunk([role])
+    reason = None
+    try:
+        item = first
+        while item is not None:
+            text, new, reason = item
+            ids += new
+            yield chunk([_choice(chat, text, reason, new, req, delta=True)])
+            item = await anext(gen, None)
+    except RuntimeError as e:
+        yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+    finally:
+        await gen.aclose()  # a disconnect lands here too: the request is cancelled
+    server.m_requests.labels(reason or "none").inc()
+    if req["usage_chunk"]:
+        yield chunk([], _usage(req, ids))
+    yield "data: [DONE]\n\n"

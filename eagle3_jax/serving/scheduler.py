@@ -1,0 +1,212 @@
+"""The engine thread: a FIFO queue of requests in front of a `SlotEngine`, rounds run back to back
+while any slot is busy.
+
+Between rounds the thread frees the slots of cancelled requests, admits waiting requests into the
+free slots (their prefill written into the slot's rows), then runs one round over all slots and
+hands each request its new tokens through the `deliver` callback it came with (called on this
+thread: the server passes one that hops onto its event loop). JAX is only ever called from this
+thread. `submit` refuses with `QueueFull` past `max_queue` waiting requests and with `Draining`
+once `drain` began.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from eagle3_jax.decoding.slots import SlotEngine
+from eagle3_jax.errors import Eagle3Error
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More requests wait than the queue holds (the server answers 429)."""
+
+
+class Draining(Exception):
+    """The server is shutting down and takes no new requests (503)."""
+
+
+class Event(NamedTuple):
+    """What a request is told: new token ids, and why it ended ("eos", "max_tokens", "context",
+    "cancelled" or "error: ...") once it has."""
+
+    new_ids: list[int]
+    finish_reason: str | None
+    target_forwards: int = 0
+
+
+@dataclasses.dataclass
+class Job:
+    """One request as the engine thread sees it."""
+
+    id: str
+    prompt: list[int]
+    max_tokens: int
+    seed: int
+    deliver: Callable[[Event], None]
+    arrived: float = dataclasses.field(default_factory=time.monotonic)
+    first_token: float | None = None
+    slot: int | None = None
+
+
+class Stats:
+    """Counters the server exports (read under no lock: ints and floats, torn reads harmless)."""
+
+    def __init__(self):
+        self.rounds = 0
+        self.admitted = 0
+        self.finished: collections.Counter = collections.Counter()
+        self.generated = 0
+        self.prompt_tokens = 0
+        self.target_forwards = 0
+        self.ttft: list[float] = []  # seconds, drained by the metrics exporter
+        self.latency: list[float] = []
+
+
+class Scheduler:
+    """The queue and the engine thread over `engine` (see the module docstring)."""
+
+    def __init__(self, engine: SlotEngine, max_queue: int = 64, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.idle_wait_s = idle_wait_s
+        self.stats = Stats()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: dict[int, Job] = {}  # slot -> job
+        self._cancel: set[str] = set()
+        self._cv = threading.Condition()
+        self._stop = False
+        self.draining = False
+        self._thread = threading.Thread(target=self._loop, name="eagle3-engine", daemon=True)
+
+    # ------------------------------------------------------------------ any thread
+
+    def start(self) -> Scheduler:
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def busy(self) -> int:
+        return len(self._running)
+
+    def submit(self, job: Job) -> None:
+        """Queues `job` (its prompt and max_tokens already checked: `engine.check`)."""
+        with self._cv:
+            if self.draining or self._stop:
+                raise Draining("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (the queue's limit)")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def cancel(self, job_id: str) -> None:
+        """Drops a request (its client went away, or a stop string ended it): a waiting one never
+        runs, a running one's slot is freed before the next round."""
+        with self._cv:
+            self._cancel.add(job_id)
+            self._cv.notify()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Takes no new requests and waits until every queued and running one has ended (or
+        `timeout_s`); True when they all did."""
+        with self._cv:
+            self.draining = True
+            self._cv.notify()
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if not self._waiting and not self._running:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if self._stop:
+                    break
+                self._apply_cancels()
+                admit = []
+                free = self.engine.free_slots()
+                while self._waiting and len(admit) < len(free):
+                    admit.append(self._waiting.popleft())
+                if not admit and not self._running:
+                    self._cv.wait(self.idle_wait_s)
+                    continue
+            for job, slot in zip(admit, free):
+                self._admit(job, slot)
+            if self._running:
+                self._round()
+        for job in list(self._waiting) + list(self._running.values()):
+            job.deliver(Event([], "cancelled"))
+
+    def _apply_cancels(self) -> None:
+        if not self._cancel:
+            return
+        self._waiting = collections.deque(j for j in self._waiting if j.id not in self._cancel)
+        for slot, job in list(self._running.items()):
+            if job.id in self._cancel:
+                self.engine.release(slot)
+                del self._running[slot]
+                self.stats.finished["cancelled"] += 1
+        self._cancel.clear()
+
+    def _admit(self, job: Job, slot: int) -> None:
+        try:
+            self.engine.admit(job.id, job.prompt, job.max_tokens, job.seed, slot=slot)
+        except Eagle3Error as e:  # checked at submit; a refusal here is a bug, told to the client
+            job.deliver(Event([], f"error: {e}"))
+            return
+        job.slot = slot
+        self._running[slot] = job
+        self.stats.admitted += 1
+        self.stats.prompt_tokens += len(job.prompt)
+
+    def _round(self) -> None:
+        try:
+            before = self.engine.rounds
+            updates = self.engine.step()
+            self.stats.rounds += self.engine.rounds - before
+        except Exception as e:  # the state is unknown now: end every running request
+            log.exception("round failed")
+            for slot, job in list(self._running.items()):
+                self.engine.release(slot)
+                job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
+            self._running.clear()
+            return
+        now = time.monotonic()
+        for u in updates:
+            job = self._running.get(u.slot)
+            if job is None or job.id != u.request:
+                continue
+            if u.new_ids and job.first_token is None:
+                job.first_token = now
+                self.stats.ttft.append(now - job.arrived)
+            self.stats.generated += len(u.new_ids)
+            if u.finish_reason is not None:
+                del self._running[u.slot]
+                self.stats.finished[u.finish_reason] += 1
+                self.stats.target_forwards += u.target_forwards
+                self.stats.latency.append(now - job.arrived)
+            job.deliver(Event(u.new_ids, u.finish_reason, u.target_forwards))

@@ -1,0 +1,301 @@
+"""The OpenAI-compatible server (serving/): real HTTP requests to 127.0.0.1 on a free port, the tiny
+target with its tokenizer and a random head in 3 slots. Staggered requests, streamed or not, give
+what decoding each prompt alone gives; bad bodies are answered 400 naming the field; a full queue
+429 and a draining server 503, with Retry-After."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from helpers import TREE, random_prompts, spec_generate
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+from eagle3_jax.checkpoints import Target, load_target  # noqa: E402
+from eagle3_jax.checkpoints.heads import Head  # noqa: E402
+from eagle3_jax.decoding.generate import DecodeOptions  # noqa: E402
+from eagle3_jax.decoding.slots import SlotEngine  # noqa: E402
+from eagle3_jax.prompts import encode_chat  # noqa: E402
+from eagle3_jax.serving.api import Server, build_app  # noqa: E402
+from eagle3_jax.serving.scheduler import Job, QueueFull, Scheduler  # noqa: E402
+
+NEW = 30
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Running:
+    """uvicorn serving `app` on a thread at 127.0.0.1:port."""
+
+    def __init__(self, app):
+        self.port = _free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return
+            time.sleep(0.05)
+        raise AssertionError("the server did not start in 10 s")
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _post(srv, path, body, raw=None):
+    """(status, headers, parsed JSON body or the SSE lines)."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(srv.url(path), data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            text = r.read().decode()
+            if r.headers.get("content-type", "").startswith("text/event-stream"):
+                return r.status, r.headers, [ln for ln in text.split("\n") if ln]
+            return r.status, r.headers, json.loads(text)
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read().decode())
+
+
+def _get(srv, path):
+    with urllib.request.urlopen(srv.url(path), timeout=30) as r:
+        return r.status, r.read().decode()
+
+
+@pytest.fixture(scope="module")
+def served(spec_setup, tiny_target_dir):
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    target = load_target(tiny_target_dir)
+    target = Target(params, cfg, target.tokenizer, target.path)  # the params spec_setup decodes
+    head = Head(dparams, dcfg, vocab)
+    opts = DecodeOptions("eagle3", NEW, TREE, eos_ids=(), max_context=256)
+    scheduler = Scheduler(SlotEngine(target, head, opts, 3), max_queue=8).start()
+    srv = _Running(build_app(Server(scheduler, target.tokenizer, "tiny")))
+    yield srv, target, head, scheduler
+    srv.stop()
+    scheduler.stop()
+
+
+def _alone(served, prompt, n):
+    _, target, head, _ = served
+    p, c, dp, dc, v = target.params, target.cfg, *head[:3]
+    return spec_generate(p, c, dp, dc, v, [prompt], n, TREE, eos_ids=()).output_ids[0]
+
+
+def test_health_models_and_staggered_requests_equal_decoding_alone(served):
+    srv, target, _, scheduler = served
+    assert _get(srv, "/health") == (200, '{"status":"ok"}')
+    status, body = _get(srv, "/v1/models")
+    assert json.loads(body)["data"][0]["id"] == "tiny"
+    prompts = random_prompts(target.cfg.vocab_size, [5, 17, 9, 30, 3], seed=3)
+    limits = [12, 30, 7, 20, 25]
+    results = {}
+
+    def ask(i):
+        time.sleep(0.3 * i)  # arrivals spread over rounds; 5 requests for 3 slots
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": limits[i],
+                "return_token_ids": True}  # fmt: skip
+        results[i] = _post(srv, "/v1/completions", body)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for i in range(5):
+        status, _, body = results[i]
+        assert status == 200, body
+        choice = body["choices"][0]
+        alone = _alone(served, prompts[i], limits[i])
+        assert choice["token_ids"] == alone, i
+        assert choice["text"] == target.tokenizer.decode(alone, skip_special_tokens=True)
+        assert choice["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": len(prompts[i]), "completion_tokens": limits[i],
+                                 "total_tokens": len(prompts[i]) + limits[i]}  # fmt: skip
+    assert scheduler.busy() == 0 and scheduler.waiting() == 0
+    _, text = _get(srv, "/metrics")
+    assert f"eagle3_generation_tokens_total {float(sum(limits))}" in text
+    assert 'eagle3_requests_total{finish_reason="length"} 5.0' in text
+
+
+def test_streamed_chat_equals_whole_and_decoding_alone(served):
+    srv, target, _, _ = served
+    messages = [{"role": "user", "content": "w5 w9 w33 w41 w7"}]
+    ids = encode_chat(target.tokenizer, messages)
+    alone = _alone(served, ids, 14)
+    body = {"messages": messages, "max_tokens": 14}
+    status, _, whole = _post(srv, "/v1/chat/completions", body)
+    assert status == 200 and whole["object"] == "chat.completion"
+    text = whole["choices"][0]["message"]["content"]
+    assert text == target.tokenizer.decode(alone, skip_special_tokens=True)
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    stream = dict(body, stream=True, stream_options={"include_usage": True})
+    status, headers, lines = _post(srv, "/v1/chat/completions", stream)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert content == text
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 14
+
+
+def test_stop_string_ends_the_request(served):
+    srv, target, _, _ = served
+    prompt = random_prompts(target.cfg.vocab_size, [8], seed=11)[0]
+    alone = _alone(served, prompt, 20)
+    words = target.tokenizer.decode(alone, skip_special_tokens=True).split(" ")
+    stop = words[5]
+    want = " ".join(words[: words.index(stop)])  # up to its first occurrence
+    for stream in (False, True):
+        body = {"prompt": prompt, "max_tokens": 20, "stop": [" " + stop], "stream": stream}
+        status, _, out = _post(srv, "/v1/completions", body)
+        assert status == 200
+        if stream:
+            chunks = [json.loads(ln[6:]) for ln in out[:-1]]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            reason = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            text, reason = out["choices"][0]["text"], out["choices"][0]["finish_reason"]
+        assert (text, reason) == (want, "stop")
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": [5, 6], "max_tokens": "ten"}, "max_tokens"),
+        ({"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [5, 6], "max_tokens": 31}, "max_tokens"),
+        ({"prompt": [5] * 240, "max_tokens": 20}, "max_tokens"),
+        ({"prompt": [5, 6], "temperature": 0.7}, "temperature"),
+        ({"prompt": [5, 500]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [5], "stop": 3}, "stop"),
+        ({"prompt": [5], "n": 2}, "n"),
+        ({"prompt": [5], "stream": "yes"}, "stream"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ],
+)
+def test_bad_bodies_are_400_naming_the_field(served, body, param):
+    srv = served[0]
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, _, out = _post(srv, path, body)
+    assert status == 400, out
+    assert out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error"
+
+
+def test_not_json_and_unknown_model(served):
+    srv = served[0]
+    status, _, out = _post(srv, "/v1/completions", None, raw=b"{not json")
+    assert status == 400 and "not JSON" in out["error"]["message"]
+    status, _, out = _post(srv, "/v1/completions", {"model": "gpt-9", "prompt": [5]})
+    assert status == 404 and out["error"]["param"] == "model"
+
+
+def test_full_queue_429_and_draining_503(spec_setup, served):
+    """A scheduler whose engine thread never started: its queue fills, then drains shut."""
+    _, target, head, _ = served
+    engine = served[3].engine
+    idle = Scheduler(engine, max_queue=1)  # not started: nothing leaves the queue
+    idle.submit(Job("a", [5], 3, 0, lambda ev: None))
+    with pytest.raises(QueueFull):
+        idle.submit(Job("b", [5], 3, 0, lambda ev: None))
+    srv = _Running(build_app(Server(idle, target.tokenizer, "tiny")))
+    try:
+        status, headers, out = _post(srv, "/v1/completions", {"prompt": [5], "max_tokens": 3})
+        assert status == 429 and headers["Retry-After"] == "1"
+        assert out["error"]["type"] == "rate_limit_error"
+        idle.draining = True
+        status, headers, out = _post(srv, "/v1/completions", {"prompt": [5], "max_tokens": 3})
+        assert status == 503 and headers["Retry-After"] == "1"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _get(srv, "/health")
+        assert e.value.code == 503
+    finally:
+        srv.stop()
+
+
+def _slowed(monkeypatch, engine, seconds=0.15):
+    """Rounds that take at least `seconds`: a request still runs when the test acts on it."""
+    step = engine.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow)
+
+
+def _stream_lines(srv, body):
+    """An open streamed request: (connection, response) to read SSE lines from."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    resp = conn.getresponse()
+    assert resp.status == 200
+    return conn, resp
+
+
+def test_disconnect_frees_the_slot(served, monkeypatch):
+    srv, target, _, scheduler = served
+    _slowed(monkeypatch, scheduler.engine)
+    before = scheduler.stats.finished["cancelled"]
+    conn, resp = _stream_lines(srv, {"prompt": [5, 6, 7], "max_tokens": 30})
+    assert resp.readline().startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    for _ in range(100):  # 10 s at most
+        if scheduler.busy() == 0 and scheduler.stats.finished["cancelled"] > before:
+            break
+        time.sleep(0.1)
+    assert scheduler.busy() == 0 and scheduler.stats.finished["cancelled"] == before + 1
+    assert scheduler.engine.free_slots() == [0, 1, 2]
+
+
+def test_shutdown_lets_a_running_stream_finish(served, monkeypatch):
+    """What SIGTERM does (uvicorn's handler sets should_exit): no new connections, the running
+    stream ends normally with all its tokens and [DONE]."""
+    _, target, _, scheduler = served
+    _slowed(monkeypatch, scheduler.engine)
+    srv = _Running(build_app(Server(scheduler, target.tokenizer, "tiny")))
+    prompt = [9, 8, 7, 6]
+    conn, resp = _stream_lines(srv, {"prompt": prompt, "max_tokens": 20, "return_token_ids": True})
+    first = resp.readline()
+    srv.server.should_exit = True
+    rest = resp.read().decode()
+    conn.close()
+    srv.thread.join(30)
+    lines = [ln for ln in (first.decode() + rest).split("\n") if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == _alone(served, prompt, 20)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(OSError):
+        _get(srv, "/health")
+
+
+def test_serve_refuses_bad_flags_before_loading(capsys):
+    from eagle3_jax.cli import serve
+
+    assert serve.main(["--slots", "0"]) == 2
+    assert serve.main(["--method", "vanilla", "--port", "70000"]) == 2
+    assert "--port 70000" in capsys.readouterr().err
