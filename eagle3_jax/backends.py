@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models.layers import ATTENTION_KINDS
 from eagle3_jax.models.target import fuse_projections
+from eagle3_jax.sharding import mesh_of
 
 FUSED_ENV = "EAGLE3_JAX_FUSED_PROJECTIONS"
 ATTENTION_ENV = "EAGLE3_JAX_ATTENTION"
@@ -73,11 +74,13 @@ def fuse_projections_wanted(backend: str | None = None) -> bool:
     return (backend or jax.default_backend()) != "cpu"
 
 
-def attention_wanted(dtype, backend: str | None = None) -> str:
+def attention_wanted(dtype, backend: str | None = None, devices: int = 1) -> str:
     """The target's attention (`TargetConfig.attention`, `models.layers.ATTENTION_KINDS`): for
     weights that are not fp32, "pallas" (the flash-decoding kernel, a Triton kernel) on a GPU and
-    "mixed" on a TPU; "exact" on the CPU and for fp32 weights (the exactness checks); the
-    environment's EAGLE3_JAX_ATTENTION decides where set."""
+    "mixed" on a TPU and on a mesh of several `devices` (the kernel is a custom call XLA cannot
+    partition: it would gather every layer's cache onto each device); "exact" on the CPU and for
+    fp32 weights (the exactness checks); the environment's EAGLE3_JAX_ATTENTION decides where
+    set."""
     value = os.environ.get(ATTENTION_ENV, "").strip()
     if value and value not in ATTENTION_KINDS:
         raise Eagle3Error(f"{ATTENTION_ENV}={value!r}: use one of {', '.join(ATTENTION_KINDS)}")
@@ -86,7 +89,7 @@ def attention_wanted(dtype, backend: str | None = None) -> str:
     backend = backend or jax.default_backend()
     if backend == "cpu" or jnp.dtype(dtype) == jnp.float32:
         return "exact"
-    return "pallas" if backend in ("gpu", "cuda", "rocm") else "mixed"
+    return "pallas" if backend in ("gpu", "cuda", "rocm") and devices == 1 else "mixed"
 
 
 def prepare_target(target, products=None, backend: str | None = None, mesh=None):
@@ -96,7 +99,9 @@ def prepare_target(target, products=None, backend: str | None = None, mesh=None)
     the parameters' own when None). The unfused matrices are deleted as their fused ones are
     made: use the returned target."""
     dtype = target.params["embed"].dtype
-    cfg = dataclasses.replace(target.cfg, attention=attention_wanted(dtype, backend))
+    mesh = mesh if mesh is not None else mesh_of(target.params)
+    devices = 1 if mesh is None else mesh.size
+    cfg = dataclasses.replace(target.cfg, attention=attention_wanted(dtype, backend, devices))
     if products is not None:
         cfg = dataclasses.replace(cfg, products=products)
     target = target._replace(cfg=cfg)

@@ -185,6 +185,7 @@ def test_the_backend_and_dtype_decide_attention_unless_the_environment_does(monk
     monkeypatch.delenv(backends.ATTENTION_ENV, raising=False)
     assert backends.attention_wanted(jnp.bfloat16, "gpu") == "pallas"
     assert backends.attention_wanted(jnp.bfloat16, "tpu") == "mixed"  # no Triton kernel there
+    assert backends.attention_wanted(jnp.bfloat16, "gpu", devices=2) == "mixed"  # unpartitioned
     assert backends.attention_wanted(jnp.float32, "gpu") == "exact"  # fp32: exactness runs
     assert backends.attention_wanted(jnp.bfloat16, "cpu") == "exact"
     monkeypatch.setenv(backends.ATTENTION_ENV, "mixed")
