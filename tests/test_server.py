@@ -299,3 +299,23 @@ def test_serve_refuses_bad_flags_before_loading(capsys):
     assert serve.main(["--slots", "0"]) == 2
     assert serve.main(["--method", "vanilla", "--port", "70000"]) == 2
     assert "--port 70000" in capsys.readouterr().err
+
+
+def test_serving_benchmark_with_the_openai_client(served):
+    """benchmarks/serving.py against the tiny server: every request streamed to its end, the
+    text equal to decoding the prompt alone."""
+    pytest.importorskip("openai")
+    import asyncio
+
+    from helpers import load_script
+
+    srv, target, _, _ = served
+    bench = load_script("benchmarks/serving.py")
+    texts = ["w5 w9 w12", "w40 w41", "w7 w8 w9 w10"]
+    out = asyncio.run(bench.run(srv.url("/v1"), texts, float("inf"), 10))
+    s = out["summary"]
+    assert s["requests"] == 3 and s["output_tokens"] == 30 and s["model"] == "tiny"
+    for text, row in zip(texts, out["requests"]):
+        ids = encode_chat(target.tokenizer, [{"role": "user", "content": text}])
+        want = target.tokenizer.decode(_alone(served, ids, 10), skip_special_tokens=True)
+        assert (row["text"], row["finish_reason"], row["completion_tokens"]) == (want, "length", 10)
