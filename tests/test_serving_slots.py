@@ -6,6 +6,8 @@ bucket."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers import TREE, random_prompts, spec_generate
 
@@ -21,9 +23,9 @@ ARRIVALS = [(0, 5, 12), (0, 17, 30), (1, 9, 7), (2, 30, 20), (2, 3, 25), (6, 12,
 NEW = 30  # the largest max_tokens: one token buffer (64) for the engine and decoding alone
 
 
-def _engine(spec_setup, method="eagle3", sampling=Sampling(), slots=3):
+def _engine(spec_setup, method="eagle3", sampling=Sampling(), slots=3, tree=TREE):
     params, cfg, dparams, dcfg, vocab = spec_setup
-    opts = DecodeOptions(method, NEW, TREE, sampling, eos_ids=(), max_context=256)
+    opts = DecodeOptions(method, NEW, tree, sampling, eos_ids=(), max_context=256)
     return SlotEngine(Target(params, cfg, None, None), Head(dparams, dcfg, vocab), opts, slots)
 
 
@@ -54,17 +56,25 @@ def _requests(vocab_size, arrivals=ARRIVALS):
     return [(t, p, m) for (t, _, m), p in zip(arrivals, prompts)]
 
 
-@pytest.mark.parametrize("method", ["eagle3", "vanilla"])
-def test_staggered_greedy_equals_alone(spec_setup, method):
+# adaptive verification: each round verifies the largest need over the running rows, so what
+# is verified depends on the neighbours; the greedy tokens must not
+ADAPTIVE = dataclasses.replace(TREE, verify_threshold=0.05)
+
+
+@pytest.mark.parametrize("method, tree", [("eagle3", TREE), ("vanilla", TREE),
+                                          ("eagle3", ADAPTIVE)])  # fmt: skip
+def test_staggered_greedy_equals_alone(spec_setup, method, tree):
     params, cfg, dparams, dcfg, vocab = spec_setup
-    eng = _engine(spec_setup, method)
+    eng = _engine(spec_setup, method, tree=tree)
     requests = _requests(cfg.vocab_size)
     out, reasons, where = _serve(eng, requests)
     assert len(set(where.values())) == 3  # every slot used, some twice
     for i, (_, prompt, limit) in enumerate(requests):
-        alone = spec_generate(params, cfg, dparams, dcfg, vocab, [prompt], limit, TREE, method,
+        alone = spec_generate(params, cfg, dparams, dcfg, vocab, [prompt], limit, tree, method,
                               eos_ids=())  # fmt: skip
         assert out[i] == alone.output_ids[0], (method, i)
+        if tree.verify_threshold:  # rounds verified fewer than all nodes: pruning happened
+            assert alone.verified_tokens[0] < tree.total_tokens * (alone.target_forwards[0] - 1)
         assert reasons[i] == "max_tokens" and len(out[i]) == limit
     assert eng.compiles()["admit"] >= 1 and eng.busy() == 0
     if method == "eagle3":  # some rounds accepted drafts: fewer rounds than tokens
