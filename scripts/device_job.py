@@ -49,6 +49,14 @@ Llama-3.1-8B, OLMo-2-7B and OLMo-2-1B shapes, batch 1 to 64, each timed without 
 beside the cost model; into $OUT/gpu_speed/ (summary.json, report.md):
   python3 scripts/device_job.py gpu-speed --minutes 8 --out $OUT   (timeout_s 600)
 
+`peers` (no carry, no GGUF): our plain greedy decoding beside transformers' on the same chip
+(device_steps/peers.py): the engine as decoding runs it on a GPU and transformers' model of the
+family with a static cache and torch.compile (mode reduce-overhead), random bf16 weights at
+Llama-3.1-8B's shape, batch 1 then 8, tokens/s of each and the ratio ours / theirs; where the
+machine has no torch with CUDA it says so ("available": false) and times ours alone; into
+$OUT/peers/ (summary.json, report.md):
+  python3 scripts/device_job.py peers --minutes 6 --out $OUT   (timeout_s 420)
+
 `vocab-study` (after the GGUF's parts, as `run`): the draft-vocabulary study
 (benchmarks/vocab_study.py, the SmolLM2 grid) on the accelerator, resumable across calls while
 the machine is warm; what is finished goes into $OUT/vocab_study.tar.gz after every call:
@@ -61,7 +69,7 @@ $OUT/fusion_ablation.tar.gz after every call:
 
 This file parses the command line; the steps live in device_steps/: common.py (paths, the log,
 phases and their environment), transfer.py (pack, check, unpack), turns.py (run, bench),
-round_cost.py and round_timing.py, gpu_speed.py, study.py.
+round_cost.py and round_timing.py, gpu_speed.py, peers.py, study.py.
 """
 
 from __future__ import annotations
@@ -74,7 +82,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # device_steps, however this is loaded
 
 from device_steps import common as c
-from device_steps import gpu_speed, round_cost, study, transfer, turns
+from device_steps import gpu_speed, peers, round_cost, study, transfer, turns
 
 
 def main(argv=None) -> int:
@@ -152,6 +160,10 @@ def main(argv=None) -> int:
         "gpu-speed", help="device: kernels per layer, traces (command buffers off/on), a sweep"
     )
     gpu_speed.add_args(gs, step=True)
+    pe = sub.add_parser(
+        "peers", help="device: our plain decoding beside transformers' (static cache, compiled)"
+    )
+    peers.add_args(pe, step=True)
     vs = sub.add_parser("vocab-study", help="device: the draft-vocabulary study, resumable")
     study.add_args(vs, study.STUDIES["vocab-study"])
     fa = sub.add_parser("fusion-ablation", help="device: the fusion ablation, resumable")
@@ -165,6 +177,7 @@ def main(argv=None) -> int:
         "unpack": transfer.unpack,
         "round-cost": round_cost.step,
         "gpu-speed": gpu_speed.step,
+        "peers": peers.step,
         "vocab-study": study.step,
         "fusion-ablation": study.step,
     }

@@ -565,3 +565,141 @@ def test_gpu_speed_runs_every_phase_at_the_toy_shape(dj, tmp_path, monkeypatch):
     )
     report = (folder / "report.md").read_text()
     assert "| tiny | 1 | round | chain |" in report and "| baseline | cb_on | round | 3 |" in report
+
+
+def test_peers_parses_and_reaches_its_step(dj, monkeypatch):
+    """`peers`: its defaults (Llama-3.1-8B's shape, batch 1 then 8, both phases, 6 minutes), the
+    flags each phase is handed, and bad values refused before any work."""
+    pe, seen = dj.peers, {}
+    monkeypatch.setattr(pe, "step", lambda a: seen.setdefault("step", a) and 0)
+    dj.main(["peers"])
+    a = seen["step"]
+    assert (a.minutes, a.target, a.batches, a.prompt, a.new, a.reps, a.dtype, a.phases) == (
+        6.0, "llama31_8b", "1,8", 1024, 256, 3, "auto", "ours,theirs",
+    )  # fmt: skip
+    assert pe.forward(a) == [
+        "--target", "llama31_8b", "--batches", "1,8", "--prompt", "1024", "--new", "256",
+        "--reps", "3", "--dtype", "auto",
+    ]  # fmt: skip
+    del seen["step"]
+    dj.main(["peers", "--target", "tiny", "--batches", "1,2", "--phases", "theirs"])
+    assert (seen["step"].batches, seen["step"].phases) == ("1,2", "theirs")
+    for bad in (["--target", "olmo2_1b"], ["--batches", "0"], ["--phases", "profile"],
+                ["--dtype", "float16"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            dj.main(["peers", *bad])
+
+
+def test_peers_refuses_a_budget_past_the_tools_limit(dj, tmp_path):
+    with pytest.raises(SystemExit, match="at most 9.5"):
+        dj.main(["peers", "--minutes", "12", "--out", str(tmp_path)])
+    assert not (tmp_path / "peers").exists()
+
+
+@pytest.mark.parametrize("target", ["llama31_8b", "olmo2_7b", "qwen3_4b", "tiny"])
+def test_peers_builds_transformers_model_from_our_shape(dj, target):
+    """The peer's config.json fields give, through our own loader, the shape ours decodes."""
+    from eagle3_jax.config import target_config_from_hf
+
+    ours, _ = dj.gpu_speed.shapes(target)
+    theirs = target_config_from_hf(dj.peers.hf_config(target))
+    for field in ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                  "num_heads", "num_kv_heads", "head_dim", "rope", "qk_norm", "norm_placement",
+                  "tie_word_embeddings"):  # fmt: skip
+        assert getattr(theirs, field) == getattr(ours, field), field
+
+
+@pytest.mark.parametrize("missing", ["torch", "cuda"])
+def test_peers_records_why_transformers_cannot_run(dj, tmp_path, monkeypatch, missing):
+    """No torch, or a torch without CUDA where ours ran on a GPU: theirs.json says so
+    ("available": false, why), and the summary keeps ours' figure with no ratio."""
+    import sys
+
+    pe = dj.peers
+    out = tmp_path / "peers"
+    out.mkdir()
+    ours = {"device": "gpu NVIDIA H100", "platform": "gpu", "dtype": "bfloat16",
+            "rows": [{"batch": 1, "tok_s": 100.0}]}  # fmt: skip
+    (out / "ours.json").write_text(json.dumps(ours))
+    if missing == "torch":
+        monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    else:
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = pe.parse_args(["theirs", "--out", str(out), "--deadline-s", "60"])
+    res = pe.run_theirs(args)
+    assert res["available"] is False and not res["rows"]
+    assert ("no torch" if missing == "torch" else "has no CUDA") in res["why"]
+    s = pe.write_summary(out, args, {"theirs": {"rc": 0}})
+    assert (s["available"], s["ours_tok_s"], s["ratio"]) == (False, 100.0, None)
+    assert s["transformers_compile_tok_s"] is None and s["rows"][0]["ours_tok_s"] == 100.0
+    assert "theirs: not available: " in (out / "report.md").read_text()
+
+
+def test_peers_times_eager_torch_when_compiling_fails(dj, tmp_path, monkeypatch):
+    """torch.compile failing (no C++ compiler for inductor, say): theirs is timed eager and says
+    so, with the error; the summary gives the eager figure and no compiled one."""
+    pe = dj.peers
+    real = pe._compiled_generate
+
+    def broken(model, dev, compile=True):
+        if not compile:
+            return real(model, dev, compile=False)
+
+        def gen(ids, new):
+            raise RuntimeError("InductorError: no C++ compiler")
+
+        return gen, "compiled"
+
+    monkeypatch.setattr(pe, "_compiled_generate", broken)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    out = tmp_path / "peers"
+    out.mkdir()
+    (out / "ours.json").write_text(json.dumps({"platform": "cpu", "dtype": "float32",
+                                               "rows": [{"batch": 1, "tok_s": 50.0}]}))  # fmt: skip
+    args = pe.parse_args(["theirs", "--out", str(out), "--deadline-s", "120", "--target", "tiny",
+                          "--prompt", "4", "--new", "4", "--batches", "1", "--reps", "1"])  # fmt: skip
+    res = pe.run_theirs(args)
+    assert res["available"] and res["compiled"] is False and not res["failed"]
+    assert "no C++ compiler" in res["compile_error"] and "disable_compile" in res["recipe"]
+    assert res["rows"][0]["tok_s"] > 0 and res["rows"][0]["compiled"] is False
+    s = pe.write_summary(out, args, {"theirs": {"rc": 0}})
+    assert s["compiled"] is False and s["transformers_compile_tok_s"] is None and s["ratio"] is None
+    assert s["ratio_eager"] == pytest.approx(50.0 / s["transformers_eager_tok_s"])
+    assert "eager (torch.compile failed)" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow  # 100-170 s on a busy 2-core VM (torch.compile's inductor on the CPU: most of it)
+def test_peers_times_both_engines_at_the_toy_shape(dj, tmp_path, monkeypatch):
+    """The whole step on the CPU with the toy target: ours and transformers' static-cache greedy
+    generate under torch.compile (compiled, checked by dynamo's graph count), tokens/s of each
+    at two batches and the ratio, in summary.json and report.md."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
+    out = tmp_path / "out"
+    argv = ["peers", "--target", "tiny", "--prompt", "16", "--new", "16", "--batches", "1,2",
+            "--reps", "2", "--minutes", "6", "--out", str(out)]  # fmt: skip
+    assert dj.main(argv) == 0
+    folder = out / "peers"
+    assert {p.name for p in folder.iterdir()} >= {
+        "summary.json", "report.md", "ours.json", "theirs.json", "device_log.txt", "ours.log",
+        "theirs.log",
+    }  # fmt: skip
+    s = json.loads((folder / "summary.json").read_text())
+    assert (s["device"], s["target"], s["batch"], s["prompt"], s["new"]) == (
+        "cpu", "tiny", 1, 16, 16,
+    )  # fmt: skip
+    assert s["available"] and s["compiled"] and s["torch"] and s["dtype"] == "float32"
+    assert not s["skipped"] and not s["failed"], (s["skipped"], s["failed"])
+    assert [r["batch"] for r in s["rows"]] == [1, 2]
+    for r in s["rows"]:
+        assert r["ours_tok_s"] > 0 and r["transformers_compile_tok_s"] > 0
+        assert r["ratio"] == pytest.approx(r["ours_tok_s"] / r["transformers_compile_tok_s"])
+    assert s["ratio"] == s["rows"][0]["ratio"]
+    assert s["ours"]["attention"] == "exact" and s["ours"]["fused_projections"] is False
+    assert "CompileConfig(fullgraph=True" in s["theirs"]["recipe"]
+    for r in s["timings"]["theirs"]:
+        assert r["compiled"] and r["graphs"] >= 1 and len(r["walls_s"]) == 2
+    report = (folder / "report.md").read_text()
+    assert "| 1 |" in report and "torch.compile" in report
