@@ -17,11 +17,12 @@ _maps = {"peak": 0, "cleared": 0}
 
 @pytest.fixture(autouse=True)
 def _bounded_memory_mappings():
-    """The default suite runs in one process, and XLA:CPU maps every compiled kernel into it
-    separately: ~370 tests' programs pass Linux's vm.max_map_count (65,530), and the next
-    compilation then crashes the process (a segfault inside XLA's compiler, as CI saw). After
-    each test the programs held in memory are dropped once the mappings pass half the limit
-    (compile_cache.release_if_crowded, what the long-lived tools do)."""
+    """A test process runs hundreds of tests (all of them, or a worker's share under `make
+    test`'s pytest-xdist), and XLA:CPU maps every compiled kernel into it separately: ~370
+    tests' programs pass Linux's vm.max_map_count (65,530), and the next compilation then
+    crashes the process (a segfault inside XLA's compiler, as CI saw). After each test the
+    programs held in memory are dropped once the mappings pass half the limit
+    (compile_cache.release_if_crowded, what the long-lived tools do), in each worker alike."""
     yield
     from eagle3_jax import compile_cache
 
@@ -56,11 +57,34 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"needs a {m}: jax has no {m} backend"))
 
 
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_WorkerMaps(), "eagle3_worker_maps")
+
+
+class _WorkerMaps:
+    """Under pytest-xdist (`make test` runs 2 workers) every worker is its own process with its own
+    mappings and limit: each sends its counts back, and the summary gives the highest peak and
+    the clearings of all of them."""
+
+    def pytest_sessionfinish(self, session):
+        out = getattr(session.config, "workeroutput", None)
+        if out is not None:  # in a worker
+            out["eagle3_maps"] = dict(_maps)
+
+    def pytest_testnodedown(self, node, error):
+        got = getattr(node, "workeroutput", {}).get("eagle3_maps")
+        if got and got["peak"]:
+            _maps["peak"] = max(_maps["peak"], got["peak"])
+            _maps["limit"] = got["limit"]
+            _maps["cleared"] += got["cleared"]
+
+
 def pytest_terminal_summary(terminalreporter):
     if _maps["peak"]:
         terminalreporter.write_line(
-            f"memory mappings: peak {_maps['peak']:,} of {_maps['limit']:,} allowed; compiled "
-            f"programs dropped {_maps['cleared']} times"
+            f"memory mappings: peak {_maps['peak']:,} of {_maps['limit']:,} allowed (per "
+            f"process); compiled programs dropped {_maps['cleared']} times"
         )
 
 
