@@ -150,7 +150,7 @@ def test_mixed_attention_equals_the_exact_path():
     got = mixed_attention(q, kc, vc, mask, kn, vn, mask_new)
     want = attention(q, kc, vc, mask, kn, vn, mask_new)
     np.testing.assert_allclose(got, want, atol=2e-6)
-    assert jnp.array_equal(attention(q, kc, vc, mask, kn, vn, mask_new, mixed=True), got)
+    assert jnp.array_equal(attention(q, kc, vc, mask, kn, vn, mask_new, kind="mixed"), got)
     bf = _attention_inputs(0, dtype=jnp.bfloat16)
     got = mixed_attention(*bf).astype(jnp.float32)
     want = attention(*bf).astype(jnp.float32)
