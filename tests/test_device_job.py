@@ -249,7 +249,9 @@ def test_round_timing_skips_what_its_deadline_cannot_hold(dj, tmp_path, monkeypa
         (2, "round 10/8/60, eagle3 head"), (2, "round chain 1/8/9, eagle3 head"),
     ]):  # fmt: skip
         m = re.fullmatch(
-            rf"tiny batch {b} {what}: needs ~(\d+) s \(compile ~\d+ s, 5 calls\), (\d+) s left",
+            # what is left goes below zero where making the weights took longer than the
+            # deadline (a loaded machine): still a skip, named
+            rf"tiny batch {b} {what}: needs ~(\d+) s \(compile ~\d+ s, 5 calls\), (-?\d+) s left",
             line,
         )
         assert m and int(m[1]) > int(m[2]), line
@@ -258,7 +260,7 @@ def test_round_timing_skips_what_its_deadline_cannot_hold(dj, tmp_path, monkeypa
     out = tmp_path / "shorter"
     assert rt.main([*TINY, "--out", str(out), "--deadline-s", "5"]) == 0
     (line,) = json.loads((out / "results.json").read_text())["skipped"]
-    assert re.fullmatch(r"tiny: the weights need ~20 s, \d s left", line), line
+    assert re.fullmatch(r"tiny: the weights need ~20 s, -?\d s left", line), line
 
 
 def test_launches_counts_each_kernel_of_a_call(dj):
