@@ -203,6 +203,22 @@ def vanilla_drafter(dparams, embed, vocab, state: SpecState, dcfg, shape: Shape,
 DRAFTERS = {"eagle3": eagle3_drafter, "pld": pld_drafter, "vanilla": vanilla_drafter}
 
 
+def method_head_tree(method, head, tree: TreeConfig, where: str = ""):
+    """(the head `method` drafts with, or None; the tree it verifies): eagle3 needs a loaded head
+    (a `checkpoints.heads.Head`: params, cfg, vocab, embed), pld and vanilla draft without one,
+    and the tree is checked against the ids the head drafts from (`method_tree`). `where` ends
+    the missing-head error (which flag gives one)."""
+    if method == "eagle3" and (head is None or any(x is None for x in head[:3])):
+        raise Eagle3Error(f"method eagle3 needs a head: load one with load_head{where}")
+    if method != "eagle3" and not callable(method):
+        head = None  # pld and vanilla draft without one
+    choices = None
+    if head is not None:  # SpecVocab drafts among its per-row candidates only
+        dcfg = head[1]
+        choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
+    return head, method_tree(method, tree, choices)
+
+
 def method_tree(method, tree: TreeConfig, draft_vocab_size: int | None) -> TreeConfig:
     """The tree each method verifies: eagle3 (or a drafter function) its own, checked against the
     ids it drafts from; pld a chain of `depth`; vanilla the root alone."""

@@ -27,7 +27,7 @@ from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
-from eagle3_jax.decoding.drafters import method_tree
+from eagle3_jax.decoding.drafters import method_head_tree
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.decoding.tree import TreeConfig, default_tree
 from eagle3_jax.errors import Eagle3Error
@@ -194,15 +194,8 @@ class _Engine(NamedTuple):
 def _engine(target: Target, head: Head | None, prompts, opts: DecodeOptions) -> _Engine:
     """Checks the method against the head, picks the tree it verifies and prepares the batch."""
     method = opts.method
-    if method == "eagle3" and (head is None or any(x is None for x in head[:3])):
-        raise Eagle3Error("method eagle3 needs a head: load one with load_head (decode: --draft)")
-    if method != "eagle3" and not callable(method):
-        head = None  # pld and vanilla draft without one
+    head, tree = method_head_tree(method, head, opts.tree, " (decode: --draft)")
     dparams, dcfg, vocab, embed = head or (None, None, None, None)
-    choices = None
-    if dcfg is not None:  # SpecVocab drafts among its per-row candidates only
-        choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
-    tree = method_tree(method, opts.tree, choices)
     tcfg = target.cfg
     pad = _pad(target, opts)
     req = plain.prepare(tcfg, prompts, opts.max_new_tokens, opts.eos_ids, opts.max_context, pad,

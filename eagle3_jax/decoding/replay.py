@@ -43,7 +43,7 @@ from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
-from eagle3_jax.decoding.drafters import method_tree
+from eagle3_jax.decoding.drafters import method_head_tree
 from eagle3_jax.decoding.generate import DecodeOptions, Generation
 from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.state import SpecState
@@ -209,15 +209,8 @@ def start(
         raise Eagle3Error(
             "replay: only greedy decoding (temperature 0) accepts exactly the greedy answer"
         )
-    if method == "eagle3" and (head is None or any(x is None for x in head[:3])):
-        raise Eagle3Error("replay: method eagle3 needs a head: load one with load_head")
-    if method != "eagle3" and not callable(method):
-        head = None
+    head, tree = method_head_tree(method, head, opts.tree, " (replay)")
     dparams, dcfg, vocab, embed = head or (None, None, None, None)
-    choices = None
-    if dcfg is not None:
-        choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
-    tree = method_tree(method, opts.tree, choices)
     tcfg = target.cfg
     pad = (tcfg.pad_token_id or 0) if opts.pad_id is None else opts.pad_id
     req = plain.prepare(tcfg, prompts, opts.max_new_tokens, opts.eos_ids, opts.max_context, pad,

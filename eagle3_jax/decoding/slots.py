@@ -39,7 +39,7 @@ from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
-from eagle3_jax.decoding.drafters import method_tree
+from eagle3_jax.decoding.drafters import method_head_tree
 from eagle3_jax.decoding.generate import DecodeOptions
 from eagle3_jax.decoding.state import SpecState
 from eagle3_jax.errors import Eagle3Error
@@ -112,15 +112,8 @@ class SlotEngine:
         if slots < 1:
             raise Eagle3Error(f"slots {slots} < 1")
         method = opts.method
-        if method == "eagle3" and (head is None or any(x is None for x in head[:3])):
-            raise Eagle3Error("method eagle3 needs a head: load one with load_head")
-        if method != "eagle3" and not callable(method):
-            head = None
+        head, self.tree = method_head_tree(method, head, opts.tree)
         dparams, dcfg, vocab, embed = head or (None, None, None, None)
-        choices = None
-        if dcfg is not None:
-            choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
-        self.tree = method_tree(method, opts.tree, choices)
         tcfg = target.cfg
         context = opts.max_context or tcfg.max_position_embeddings
         cache = plain.round_up(context, plain.PROMPT_BUCKET)  # a prompt bucket always fits

@@ -587,22 +587,6 @@ def compile_step(step, fixed: tuple, state, loop_steps: int = 0):
     return jax.jit(step, donate_argnums=len(fixed)).lower(*fixed, state).compile()
 
 
-def _calls(compiled, fixed: tuple, state, warmup: int, reps: int):
-    """(seconds of each of `reps` calls after `warmup`, each waited for; the last state)."""
-    import jax
-
-    for _ in range(warmup):
-        state = compiled(*fixed, state)
-    jax.block_until_ready(state)
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        state = compiled(*fixed, state)
-        jax.block_until_ready(state)
-        out.append(time.perf_counter() - t0)
-    return out, state
-
-
 def _median_ms(ts: list[float], per: int = 1) -> dict:
     import numpy as np
 
@@ -710,6 +694,7 @@ def run_trace(args: argparse.Namespace) -> dict:
     traced -> trace_VARIANT_CB.json (and the trace under traces/ when small)."""
     import jax
 
+    from device_steps import round_timing as rt
     from eagle3_jax.accelerators import kernels
 
     out = Path(args.out)
@@ -744,7 +729,7 @@ def run_trace(args: argparse.Namespace) -> dict:
             compile_s = time.monotonic() - t
             ph.budget.learn(name, compile_s, layers)
             ph.res["kernels"][prog] = kernels.count_kernels(compiled)
-            ts, state = _calls(compiled, fixed, state, 2, args.reps)
+            ts, state = rt.time_calls(compiled, fixed, state, 2, args.reps)
         except Exception as e:  # noqa: BLE001
             ph.fail(what, e)
             continue
@@ -816,6 +801,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
     names them), set before jax starts its backend."""
     import gc
 
+    from device_steps import round_timing as rt
     from eagle3_jax import backends
     from eagle3_jax.accelerators import acceptance, predict
 
@@ -861,7 +847,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
                     compiled = compile_step(fn, fixed, state, n)
                     compile_s = time.monotonic() - t
                     ph.budget.learn(est, compile_s, layers)
-                    ts, state = _calls(compiled, fixed, state, 1, args.reps)
+                    ts, state = rt.time_calls(compiled, fixed, state, 1, args.reps)
                 except Exception as e:  # noqa: BLE001
                     ph.fail(what, e)
                     state = compiled = fixed = None  # the next program's state needs the room

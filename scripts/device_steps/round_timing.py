@@ -176,9 +176,9 @@ def round_program(x: Inputs, b: int, prompt: int, new: int, tree: TreeConfig):
     return lowered, head, state, shape
 
 
-def time_calls(compiled, fixed: tuple, state, warmup: int, reps: int) -> list[float]:
-    """Seconds of each of `reps` calls after `warmup`, each waited for; the state is donated
-    and replaced by what the call returns, as in decoding."""
+def time_calls(compiled, fixed: tuple, state, warmup: int, reps: int) -> tuple[list[float], object]:
+    """(seconds of each of `reps` calls after `warmup`, each waited for; the last state): the
+    state is donated and replaced by what the call returns, as in decoding."""
     for _ in range(warmup):
         state = compiled(*fixed, state)
     jax.block_until_ready(state)
@@ -188,7 +188,7 @@ def time_calls(compiled, fixed: tuple, state, warmup: int, reps: int) -> list[fl
         state = compiled(*fixed, state)
         jax.block_until_ready(state)
         out.append(time.perf_counter() - t0)
-    return out
+    return out, state
 
 
 class Budget:
@@ -387,7 +387,7 @@ def measure(args) -> dict:
                     compile_s = time.monotonic() - t
                     kernels = launches(compiled.as_text())
                     budget.learn(name, compile_s, layers)
-                    stats = _stats(time_calls(compiled, fixed, state, args.warmup, args.reps))
+                    stats = _stats(time_calls(compiled, fixed, state, args.warmup, args.reps)[0])
                 except Exception as e:  # noqa: BLE001
                     res["failed"].append(f"{target} batch {b} {what}: {type(e).__name__}: "
                                          f"{str(e)[:300]}")  # fmt: skip
