@@ -215,3 +215,33 @@ def count_lines(path: Path) -> int:
     if not path.exists():
         return 0
     return path.read_bytes().count(b"\n")
+
+
+class PhaseResults:
+    """A device phase's results file, rewritten whole (`save`) after everything it measures,
+    skips or fails, so a phase cut off from outside still returns what it had: `res` holds the
+    given fields, "skipped" and "failed" (lines naming what and why) and "wall_s"."""
+
+    def __init__(self, path: Path, **fields):
+        self.t0 = time.monotonic()
+        self.path = path
+        self.res: dict = {**fields, "skipped": [], "failed": []}
+        self.save()
+
+    def save(self) -> None:
+        self.res["wall_s"] = round(time.monotonic() - self.t0, 1)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.res, indent=1) + "\n")
+        tmp.replace(self.path)
+
+    def skip(self, line: str) -> bool:
+        """Records a skip (`line`: what, what it needed, what was left); False, for `fits`."""
+        self.res["skipped"].append(line)
+        print(f"skipped {line}", flush=True)
+        self.save()
+        return False
+
+    def fail(self, what: str, e: BaseException) -> None:
+        self.res["failed"].append(f"{what}: {type(e).__name__}: {str(e)[:300]}")
+        print(f"failed {self.res['failed'][-1]}", flush=True)
+        self.save()

@@ -604,8 +604,8 @@ def _trees(names: str) -> dict:
     return {n: known[n] for n in names.split(",") if n in known}
 
 
-class _Phase:
-    """A phase's results file (rewritten by `save`), its deadline and its compile estimates
+class _Phase(c.PhaseResults):
+    """A phase's results file (`common.PhaseResults`), its deadline and its compile estimates
     (`round_timing.Budget`: a guess for a 32-layer target until a compilation is timed)."""
 
     def __init__(self, args: argparse.Namespace, path: Path, **fields):
@@ -613,39 +613,20 @@ class _Phase:
 
         from device_steps import round_timing as rt
 
-        self.t0 = time.monotonic()
+        name, *_ = _device()
+        super().__init__(path, device=name, jax=jax.__version__, **fields)
         self.budget = rt.Budget(args.deadline_s, self.t0)
         if "tiny" in (args.target, *sweep_targets(args)):
             self.budget.scale = TINY_COMPILE_SCALE
-        self.path = path
-        name, *_ = _device()
-        self.res: dict[str, Any] = {
-            "device": name, "jax": jax.__version__, **fields, "skipped": [], "failed": [],
-        }  # fmt: skip
-        self.save()
-
-    def save(self) -> None:
-        self.res["wall_s"] = round(time.monotonic() - self.t0, 1)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.res, indent=1) + "\n")
-        tmp.replace(self.path)
 
     def fits(self, what: str, name: str, calls: int, call_s: float, layers: int) -> bool:
         need = self.budget.need(name, calls, call_s, layers)
         if need <= self.budget.left():
             return True
-        self.res["skipped"].append(
+        return self.skip(
             f"{what}: needs ~{need:.0f} s (compile ~{self.budget.estimate(name, layers):.0f} s),"
             f" {self.budget.left():.0f} s left"
         )
-        print(f"skipped {self.res['skipped'][-1]}", flush=True)
-        self.save()
-        return False
-
-    def fail(self, what: str, e: Exception) -> None:
-        self.res["failed"].append(f"{what}: {type(e).__name__}: {str(e)[:300]}")
-        print(f"failed {self.res['failed'][-1]}", flush=True)
-        self.save()
 
 
 def run_kernels(args: argparse.Namespace) -> dict:

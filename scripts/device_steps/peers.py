@@ -274,35 +274,16 @@ def report(s: dict) -> str:
 # (subprocesses: they import jax or torch)
 
 
-class _Results:
-    """A phase's results file (rewritten by `save`) and its deadline."""
+class _Results(c.PhaseResults):
+    """A phase's results file (`common.PhaseResults`, with its "rows") and its deadline."""
 
     def __init__(self, path: Path, deadline_s: float, **fields):
-        self.t0 = time.monotonic()
+        super().__init__(path, **fields, rows=[])
         self.deadline = self.t0 + deadline_s
-        self.path = path
-        self.res: dict[str, Any] = {**fields, "rows": [], "skipped": [], "failed": []}
-        self.save()
-
-    def save(self) -> None:
-        self.res["wall_s"] = round(time.monotonic() - self.t0, 1)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.res, indent=1) + "\n")
-        tmp.replace(self.path)
 
     def fits(self, what: str, need_s: float) -> bool:
         left = self.deadline - time.monotonic()
-        if need_s <= left:
-            return True
-        self.res["skipped"].append(f"{what}: needs ~{need_s:.0f} s, {left:.0f} s left")
-        print(f"skipped {self.res['skipped'][-1]}", flush=True)
-        self.save()
-        return False
-
-    def fail(self, what: str, e: BaseException) -> None:
-        self.res["failed"].append(f"{what}: {type(e).__name__}: {str(e)[:300]}")
-        print(f"failed {self.res['failed'][-1]}", flush=True)
-        self.save()
+        return need_s <= left or self.skip(f"{what}: needs ~{need_s:.0f} s, {left:.0f} s left")
 
 
 def _row(batch: int, new: int, walls: list[float], warmup_s: float, **extra) -> dict:
