@@ -518,13 +518,15 @@ def test_gpu_speed_report(dj):
 def test_gpu_speed_runs_every_phase_at_the_toy_shape(dj, tmp_path, monkeypatch):
     """The whole step on the CPU with the toy target: kernels per layer (plain step and chain
     round), both command-buffer traces, the sweep; summary.json in the issue's format, with
-    counts and times present and positive."""
+    counts and times present and positive. The sweep times the first variant (baseline); the
+    engine's (fused projections, the Pallas kernel interpreted here) is counted and traced too."""
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
     out = tmp_path / "out"
     argv = ["gpu-speed", "--target", "tiny", "--prompt", "16", "--new", "16", "--batches", "1",
-            "--trees", "chain", "--reps", "2", "--loop-steps", "4"]  # fmt: skip
-    assert dj.main([*argv, "--minutes", "6", "--out", str(out)]) == 0
+            "--trees", "chain", "--reps", "2", "--loop-steps", "4",
+            "--variants", "baseline,engine"]  # fmt: skip
+    assert dj.main([*argv, "--minutes", "9", "--out", str(out)]) == 0
     folder = out / "gpu_speed"
     assert {p.name for p in folder.iterdir()} >= {
         "summary.json", "report.md", "kernels.json", "sweep.json", "trace_baseline_cb_off.json",
@@ -534,7 +536,8 @@ def test_gpu_speed_runs_every_phase_at_the_toy_shape(dj, tmp_path, monkeypatch):
     assert s["device"] == "cpu" and s["real_head"] is None and s["peers"] is None
     assert s["sweep_xla_flags"] is not None  # decoding's own, as the sweep ran with them
     assert not s["skipped"] and not s["failed"], (s["skipped"], s["failed"])
-    assert [s["phases"][p]["rc"] for p in ("kernels", "trace", "sweep")] == [[0], [0, 0], [0]]
+    assert [s["phases"][p]["rc"] for p in ("kernels", "trace", "sweep")] == [[0], [0] * 4, [0]]
+    assert set(s["kernels"]) == set(s["traces"]) == {"baseline", "engine"}
     plain, chain = s["programs"]
     assert [(r["target"], r["batch"], r["program"], r["tree"]) for r in (plain, chain)] == [
         ("tiny", 1, "plain", None), ("tiny", 1, "round", "chain"),
