@@ -32,7 +32,8 @@ test: $(VENV)/.test
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	echo "make test: the default suite took $$(( $$(date +%s) - start )) s (wall)"; exit $$rc
 
-# the real SmolLM2 checks and the longest runs (kill-and-resume, training on a mesh): ~5 min
+# the real SmolLM2 checks and the longest runs (kill-and-resume, training on a mesh, the device
+# steps at a toy shape): 21 tests, 1,089 s on a 2-core VM (2026-12-07)
 test-slow: $(VENV)/.test
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
