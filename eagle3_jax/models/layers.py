@@ -196,44 +196,46 @@ def mixed_attention(
     verification round their probabilities alike, and neither runs fp32 products at HIGHEST (on
     an H100's CUDA cores, 67 TFLOP/s against the matrix units' 989). `slot_major`: K is
     [B, G, S, K]."""
-    b, t, h, k = q_BTHK.shape
-    g = k_BGKS.shape[1]
-    r = h // g
-    f32, dt = jnp.float32, v_BGSK.dtype
-    scale = 1.0 / np.sqrt(k)
-    q = q_BTHK.astype(dt).reshape(b, t, g, r, k).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, K]
-
-    def part(scores, mask, values, spec):
-        """(max [B, G, R, T, 1], sum of exp, unnormalised p.V [B, G, R, T, K]) of one part."""
-        scores = jnp.where(mask[:, None, None], scores * scale, NEG_INF)
-        top = jnp.max(scores, axis=-1, keepdims=True)
-        p = jnp.where(mask[:, None, None], jnp.exp(scores - top), 0.0)
-        pv = jnp.einsum(spec, p.astype(dt), values, preferred_element_type=f32)
-        return top, jnp.sum(p, axis=-1, keepdims=True), pv
-
+    q = _grouped_queries(q_BTHK, k_BGKS.shape[1], v_BGSK.dtype)
     k_spec = "bgrtk,bgsk->bgrts" if slot_major else "bgrtk,bgks->bgrts"
-    s_old = jnp.einsum(k_spec, q, k_BGKS, preferred_element_type=f32)
-    top, total, out = part(s_old, mask_BTS, v_BGSK, "bgrts,bgsk->bgrtk")
-    if k_new is not None:
-        out, total = _merge_new(q, out, top, total, k_new, v_new, mask_new_BTT, scale)
-    out = out / total
-    return out.astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
+    scores = jnp.einsum(k_spec, q, k_BGKS, preferred_element_type=jnp.float32)
+    part = _reduced_part(scores, mask_BTS, v_BGSK, "bgrts,bgsk->bgrtk")
+    return _merged_heads(q, *part, k_new, v_new, mask_new_BTT)
 
 
-def _merge_new(q, out, top, total, k_new, v_new, mask_new_BTT, scale):
-    """A verification's new entries ([B, U, G, K], masked per query by mask_new [B, T, U])
-    merged into the cached part's (unnormalised p.V [B, G, R, T, K], max and sum of exponentials
-    [B, G, R, T, 1]) by their log-sum-exp; q [B, G, R, T, K] in the cache's dtype."""
-    f32, dt = jnp.float32, q.dtype
-    kn, vn = k_new.astype(dt), v_new.astype(dt)  # as a decode step writes them
-    s_new = jnp.einsum("bgrtk,bugk->bgrtu", q, kn, preferred_element_type=f32)
-    s_new = jnp.where(mask_new_BTT[:, None, None], s_new * scale, NEG_INF)
-    top2 = jnp.max(s_new, axis=-1, keepdims=True)
-    p = jnp.where(mask_new_BTT[:, None, None], jnp.exp(s_new - top2), 0.0)
-    out2 = jnp.einsum("bgrtu,bugk->bgrtk", p.astype(dt), vn, preferred_element_type=f32)
-    both = jnp.maximum(top, top2)
-    a, a2 = jnp.exp(top - both), jnp.exp(top2 - both)
-    return out * a + out2 * a2, total * a + jnp.sum(p, axis=-1, keepdims=True) * a2
+def _grouped_queries(q_BTHK: jax.Array, groups: int, dtype) -> jax.Array:
+    """Queries [B, T, H, K] -> [B, G, R, T, K] in the cache's dtype (head h = g R + r reads kv
+    head g)."""
+    b, t, h, k = q_BTHK.shape
+    return q_BTHK.astype(dtype).reshape(b, t, groups, h // groups, k).transpose(0, 2, 3, 1, 4)
+
+
+def _reduced_part(scores, mask, values, spec: str):
+    """One part of flash-style attention: fp32 scores [B, G, R, T, X] (unscaled) under mask
+    [B, T, X] -> (max [B, G, R, T, 1], sum of exponentials, unnormalised p.V [B, G, R, T, K]),
+    the probabilities rounded to the values' dtype for the product (`spec`)."""
+    scale = 1.0 / np.sqrt(values.shape[-1])
+    scores = jnp.where(mask[:, None, None], scores * scale, NEG_INF)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.where(mask[:, None, None], jnp.exp(scores - top), 0.0)
+    pv = jnp.einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return top, jnp.sum(p, axis=-1, keepdims=True), pv
+
+
+def _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT) -> jax.Array:
+    """The cached part's (max, sum of exponentials, unnormalised p.V) with a verification's new
+    entries ([B, U, G, K] under mask_new [B, T, U], when given) merged in by their log-sum-exp,
+    normalised, as [B, T, H, K] in the cache's dtype; q [B, G, R, T, K] in that dtype."""
+    dt = q.dtype
+    if k_new is not None:  # rounded to the cache's dtype, as a decode step writes them
+        kn, vn = k_new.astype(dt), v_new.astype(dt)
+        s_new = jnp.einsum("bgrtk,bugk->bgrtu", q, kn, preferred_element_type=jnp.float32)
+        top2, total2, out2 = _reduced_part(s_new, mask_new_BTT, vn, "bgrtu,bugk->bgrtk")
+        both = jnp.maximum(top, top2)
+        a, a2 = jnp.exp(top - both), jnp.exp(top2 - both)
+        out, total = out * a + out2 * a2, total * a + total2 * a2
+    b, g, r, t, k = out.shape
+    return (out / total).astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, t, g * r, k)
 
 
 def _split_len(slots: int) -> int:
@@ -268,12 +270,11 @@ def pallas_attention(
     b, t, h, k = q_BTHK.shape
     g, s = k_BGSK.shape[1], k_BGSK.shape[2]
     r = h // g
-    dt = v_BGSK.dtype
     scale = 1.0 / np.sqrt(k)
     row = mask_BTS[:, 0, :]  # [B, S]: one contiguous range of slots per row
     start = jnp.argmax(row, axis=-1).astype(jnp.int32)
     end = jnp.where(jnp.any(row, axis=-1), s - jnp.argmax(row[:, ::-1], axis=-1), 0)
-    q = q_BTHK.astype(dt).reshape(b, t, g, r, k).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, K]
+    q = _grouped_queries(q_BTHK, g, v_BGSK.dtype)
     split = _split_len(s)
     one = functools.partial(
         flash.decode_attn_unbatched, sm_scale=float(scale), block_h=16, block_k=split,
@@ -289,10 +290,7 @@ def pallas_attention(
     top = top.reshape(b, g, r, t, 1)
     total = total.reshape(b, g, r, t, 1)
     out = o.reshape(b, g, r, t, k).astype(jnp.float32) * total  # unnormalised, as mixed's
-    if k_new is not None:
-        out, total = _merge_new(q, out, top, total, k_new, v_new, mask_new_BTT, scale)
-    out = out / total
-    return out.astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
+    return _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT)
 
 
 def write_kv(
