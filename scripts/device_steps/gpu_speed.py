@@ -206,20 +206,28 @@ FLAGS = (
 def add_args(p: argparse.ArgumentParser, step: bool = False) -> None:
     """The measurement's flags (`FLAGS`), and with `step` the step's own (its budget, where the
     results go, which phases run)."""
-    for flag, typ, default, help_ in FLAGS:
+    add_flags(p, FLAGS, step, 8.0, "gpu_speed", PHASES)
+
+
+def add_flags(p, flags, step: bool, minutes: float, folder: str, phases: tuple) -> None:
+    """A device step's measurement flags (`flags`: (flag, type, default, help) rows), and with
+    `step` the step's own: --minutes (default `minutes`), --out (`folder` under it) and
+    --phases (of `phases`, in order). gpu-speed's and peers' (peers.py)."""
+    for flag, typ, default, help_ in flags:
         p.add_argument(flag, type=typ, default=default, help=help_)
     if step:
-        p.add_argument("--minutes", type=float, default=8.0, help="the step's whole budget")
-        p.add_argument("--out", default=os.environ.get("OUT"), help="default: runs/ (gpu_speed/)")
+        p.add_argument("--minutes", type=float, default=minutes, help="the step's whole budget")
+        p.add_argument("--out", default=os.environ.get("OUT"), help=f"default: runs/ ({folder}/)")
         p.add_argument(
-            "--phases", type=_names(PHASES), default=",".join(PHASES), help="phases run, in order"
+            "--phases", type=_names(phases), default=",".join(phases), help="phases run, in order"
         )
 
 
-def forward(args: argparse.Namespace) -> list[str]:
-    """The flags of `FLAGS` as command-line words, with the values `args` holds."""
+def forward(args: argparse.Namespace, flags=FLAGS) -> list[str]:
+    """The flags of `flags` (default `FLAGS`) as command-line words, with the values `args`
+    holds (those it holds as None left out)."""
     out = []
-    for flag, *_ in FLAGS:
+    for flag, *_ in flags:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]

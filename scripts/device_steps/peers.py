@@ -88,19 +88,12 @@ FLAGS = (
 
 def add_args(p: argparse.ArgumentParser, step: bool = False) -> None:
     """The measurement's flags (`FLAGS`), and with `step` the step's own."""
-    for flag, typ, default, help_ in FLAGS:
-        p.add_argument(flag, type=typ, default=default, help=help_)
-    if step:
-        p.add_argument("--minutes", type=float, default=6.0, help="the step's whole budget")
-        p.add_argument("--out", default=os.environ.get("OUT"), help="default: runs/ (peers/)")
-        p.add_argument(
-            "--phases", type=gs._names(PHASES), default=",".join(PHASES), help="phases run"
-        )
+    gs.add_flags(p, FLAGS, step, 6.0, "peers", PHASES)
 
 
 def forward(args: argparse.Namespace) -> list[str]:
     """The flags of `FLAGS` as command-line words, with the values `args` holds."""
-    return [w for flag, *_ in FLAGS for w in (flag, str(getattr(args, flag[2:])))]
+    return gs.forward(args, FLAGS)
 
 
 def hf_config(name: str) -> dict:
