@@ -23,7 +23,8 @@ The public names, each documented where it is defined:
 
 Dimension legend (names, shape suffixes and einsum subscripts use these letters): B batch,
 T tokens, D hidden, V vocabulary, Vd draft vocabulary, H attention heads, G kv heads, K head dim,
-S cache slots, N tree nodes, W top-k width, L layers, F MLP width.
+S cache slots, N tree nodes, W top-k width, L layers, F MLP width; E experts in a routed
+(mixture-of-experts) MLP.
 """
 
 from eagle3_jax.checkpoints import Target, load_target

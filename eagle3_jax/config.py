@@ -23,6 +23,8 @@ FAMILIES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 MODEL_TYPES = {
     "llama": "llama",
@@ -30,7 +32,11 @@ MODEL_TYPES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "olmo2": "olmo2",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
 }
+# the mixture-of-experts families (`TargetConfig.num_experts` > 0)
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -74,7 +80,8 @@ PLAIN_PRODUCTS = ProductPolicy()
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A decoder-only target model (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2).
+    """A decoder-only target model (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2, and the
+    mixture-of-experts Qwen3-MoE / Mixtral).
 
     `qk_norm`: "none", "head" (Qwen3: RMSNorm over head_dim per head) or "full" (OLMo 2: RMSNorm over
     all heads' q and k before the head split). `norm_placement`: "pre" (Llama) or "post" (OLMo 2: the
@@ -83,6 +90,14 @@ class TargetConfig:
     p.V (`models.layers.attention`: "exact", or "mixed" as flash attention does); both properties
     of the machine, not of the checkpoint (`eagle3_jax.backends` chooses them), so they are left
     out of `to_json`.
+
+    Mixture of experts (`num_experts` > 0): the layers in `moe_layers` replace the SwiGLU MLP
+    by `num_experts` SwiGLU experts of width `moe_intermediate_size`, of which a router picks
+    `num_experts_per_tok` per token (`models.target`'s routed MLP); the other layers keep a dense
+    MLP of width `intermediate_size` (Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`).
+    `norm_topk_prob`: the chosen experts' probabilities are renormalised to sum to 1 (Mixtral
+    always; Qwen3-MoE where its config says). Dense configs leave these fields at their defaults,
+    and `to_json` leaves them out.
     """
 
     family: str
@@ -104,8 +119,22 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
     products: ProductPolicy = PLAIN_PRODUCTS
     attention: str = "exact"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is routed over experts."""
+        return layer in self.moe_layers
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Whether some layers are routed and some dense (they cannot be stacked for a scan)."""
+        return 0 < len(self.moe_layers) < self.num_layers
 
     def default_aux_layer_ids(self) -> tuple[int, ...]:
         """EAGLE-3's low/mid/high features: the inputs to layers 2, L//2 and L-3."""
@@ -132,6 +161,9 @@ class TargetConfig:
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         del d["products"], d["attention"]
+        if not self.num_experts:  # a dense config's file stays as it was before MoE targets
+            for name in _MOE_FIELDS:
+                del d[name]
         return json.dumps(d, indent=1)
 
     @classmethod
@@ -141,7 +173,17 @@ class TargetConfig:
             d["products"] = ProductPolicy(**d["products"])
         d["rope"] = RopeConfig(**d.get("rope", {}))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["moe_layers"] = tuple(d.get("moe_layers", ()))
         return cls(**d)
+
+
+_MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "moe_layers",
+)
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
@@ -189,7 +231,7 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
     window = hf.get("sliding_window")
     if family == "qwen2" and not hf.get("use_sliding_window", False):
         window = None
-    if family in ("qwen3",) and not hf.get("use_sliding_window", False):
+    if family in ("qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         window = None
     return TargetConfig(
         family=family,
@@ -203,7 +245,7 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope=_rope_from_hf(hf),
         attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
-        qk_norm={"qwen3": "head", "olmo2": "full"}.get(family, "none"),
+        qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "full"}.get(family, "none"),
         norm_placement="post" if family == "olmo2" else "pre",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
@@ -211,6 +253,38 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
         pad_token_id=hf.get("pad_token_id"),
+        **(_moe_from_hf(hf, family) if family in MOE_FAMILIES else {}),
+    )
+
+
+def _moe_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """TargetConfig's expert fields from a Qwen3-MoE or Mixtral config.json (transformers' own
+    rules: Qwen3MoeDecoderLayer routes layer i unless i is in mlp_only_layers or (i + 1) is not a
+    multiple of decoder_sparse_step; Mixtral routes every layer, its experts as wide as
+    intermediate_size, and always renormalises the chosen experts' probabilities)."""
+    layers = int(hf["num_hidden_layers"])
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    top_k = int(hf.get("num_experts_per_tok") or 0)
+    if family == "mixtral":
+        width, norm, moe = int(hf["intermediate_size"]), True, tuple(range(layers))
+    else:
+        width, norm = int(hf["moe_intermediate_size"]), bool(hf.get("norm_topk_prob", False))
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = set(hf.get("mlp_only_layers") or ())
+        moe = tuple(
+            i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0
+        )
+    if moe and not 1 <= top_k <= experts:
+        raise Eagle3Error(
+            f"{family} config.json routes each token to {top_k} of {experts} experts: "
+            "num_experts_per_tok must be between 1 and the number of experts"
+        )
+    return dict(
+        num_experts=experts if moe else 0,
+        num_experts_per_tok=top_k if moe else 0,
+        moe_intermediate_size=width if moe else 0,
+        norm_topk_prob=norm if moe else False,
+        moe_layers=moe,
     )
 
 

@@ -29,6 +29,11 @@ class Rules:
     kv_heads: str | None = "model"
     mlp: str | None = "model"
     draft_vocab: str | None = "model"
+    # mixture-of-experts targets: expert parallelism, each device holding whole experts; an
+    # expert count the model axis does not divide leaves the experts replicated (one mesh axis
+    # cannot split both, so expert_mlp is only for rules that set experts=None)
+    experts: str | None = "model"
+    expert_mlp: str | None = None
 
     def mesh_axis(self, logical: str | None) -> str | None:
         return None if logical is None else getattr(self, logical)

@@ -1,4 +1,6 @@
-"""Transformers checkpoint directories: config.json + safetensors (one file or sharded, any float dtype)."""
+"""Transformers checkpoint directories: config.json + safetensors (one file or sharded, any float
+dtype); dense families and the mixture-of-experts Qwen3-MoE and Mixtral (their experts one by one
+or fused)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,44 @@ _POST_NORMS = {
     "post_feedforward_layernorm.weight": "mlp_norm",
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Mixture-of-experts layers (Qwen3-MoE `mlp.`, Mixtral `block_sparse_moe.`; transformers 5 renames
+# Mixtral's to `mlp.` in memory). The router [E, D] (ours [D, E]); the experts one by one as hub
+# checkpoints and transformers' save_pretrained write them, [F', D] gate/up and [D, F'] down
+# (Qwen3-MoE gate_proj/up_proj/down_proj, Mixtral w1/w3/w2), or fused as transformers 5 holds
+# them in memory: gate_up_proj [E, 2F', D] (gate rows first) and down_proj [E, D, F'].
+_MOE = r"(?:mlp|block_sparse_moe)\."
+_ROUTER_RE = re.compile(_MOE + r"gate\.weight$")
+_EXPERT_RE = re.compile(_MOE + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_FUSED_EXPERTS_RE = re.compile(_MOE + r"experts\.(gate_up_proj|down_proj)$")
+_EXPERT_KEYS = {
+    "gate_proj": "we_gate",
+    "w1": "we_gate",
+    "up_proj": "we_up",
+    "w3": "we_up",
+    "down_proj": "we_down",
+    "w2": "we_down",
+}
+
+
+class _Experts:
+    """E per-expert host matrices (memory-mapped views, already [in, out]) seen as one
+    [E, in, out] array, read only where indexed: `sharding.put` asks each device for its own
+    experts, so no process reads the others'."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.shape = (len(parts),) + tuple(parts[0].shape)
+        self.dtype = parts[0].dtype
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        chosen = range(self.shape[0])[idx[0]]
+        return np.stack([np.asarray(self.parts[e][idx[1:]]) for e in chosen])
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -72,21 +112,34 @@ def hf_to_params(
 ) -> tgt.Params:
     """Maps HF names to our pytree (transposing matrices), placing each onto its sharding."""
     norms = _POST_NORMS if cfg.norm_placement == "post" else _PRE_NORMS
-    specs = tgt.layer_param_specs(cfg)
+    specs = [tgt.layer_param_specs(cfg, i) for i in range(cfg.num_layers)]
     layers: list[dict[str, Any]] = [{} for _ in range(cfg.num_layers)]
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}  # (layer, key) -> expert -> matrix
     top: dict[str, Any] = {}
     sh = (lambda *k: None) if shardings is None else (lambda *k: _get(shardings, k))
     for name, arr in tensors.items():
         m = _LAYER_RE.match(name)
         if m:
             i, rest = int(m.group(1)), m.group(2)
+            if i >= cfg.num_layers:
+                continue
             if rest in norms:
                 key, transpose = norms[rest], False
             elif rest in _LAYER_KEYS:
                 key, transpose = _LAYER_KEYS[rest]
+            elif _ROUTER_RE.match(rest):
+                key, transpose = "router", True
+            elif em := _EXPERT_RE.match(rest):
+                experts.setdefault((i, _EXPERT_KEYS[em.group(2)]), {})[int(em.group(1))] = arr.T
+                continue
+            elif fm := _FUSED_EXPERTS_RE.match(rest):
+                for key, value in _unfuse_experts(fm.group(1), arr).items():
+                    if key in specs[i]:
+                        layers[i][key] = put(value, sh("layers", i, key), dtype)
+                continue
             else:
                 continue  # e.g. rotary inv_freq buffers
-            if i >= cfg.num_layers or key not in specs:
+            if key not in specs[i]:
                 continue
             layers[i][key] = put(arr.T if transpose else arr, sh("layers", i, key), dtype)
         elif name == "model.embed_tokens.weight":
@@ -95,8 +148,20 @@ def hf_to_params(
             top["final_norm"] = put(arr, sh("final_norm"), dtype)
         elif name == "lm_head.weight" and not cfg.tie_word_embeddings:
             top["lm_head"] = put(arr.T, sh("lm_head"), dtype)
+    for (i, key), parts in experts.items():
+        if key not in specs[i] or key in layers[i]:
+            continue
+        if sorted(parts) != list(range(cfg.num_experts)):
+            raise Eagle3Error(
+                f"layer {i}'s {key} has experts {sorted(parts)[:8]}... of the "
+                f"{cfg.num_experts} config.json names: the files are incomplete"
+            )
+        ordered = [parts[e] for e in range(cfg.num_experts)]
+        if len({p.shape for p in ordered}) > 1:
+            raise Eagle3Error(f"layer {i}'s experts differ in shape for {key}: corrupt checkpoint")
+        layers[i][key] = put(_Experts(ordered), sh("layers", i, key), dtype)
     missing = [n for n in tgt.top_param_specs(cfg) if n not in top]
-    missing += [f"layers.{i}.{n}" for i, lp in enumerate(layers) for n in specs if n not in lp]
+    missing += [f"layers.{i}.{n}" for i, lp in enumerate(layers) for n in specs[i] if n not in lp]
     if missing:
         raise Eagle3Error(
             f"checkpoint is missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}"
@@ -108,6 +173,15 @@ def hf_to_params(
     except AssertionError as e:
         raise Eagle3Error(f"checkpoint tensor shape does not match config.json: {e}") from None
     return params
+
+
+def _unfuse_experts(kind: str, arr: np.ndarray) -> dict[str, np.ndarray]:
+    """transformers 5's fused expert tensors -> ours, as views: gate_up_proj [E, 2F', D] ->
+    we_gate, we_up [E, D, F']; down_proj [E, D, F'] -> we_down [E, F', D]."""
+    if kind == "down_proj":
+        return {"we_down": arr.transpose(0, 2, 1)}
+    f = arr.shape[1] // 2
+    return {"we_gate": arr[:, :f].transpose(0, 2, 1), "we_up": arr[:, f:].transpose(0, 2, 1)}
 
 
 def _get(tree, keys):

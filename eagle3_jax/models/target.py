@@ -1,4 +1,5 @@
-"""The frozen target model: a functional decoder (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2).
+"""The frozen target model: a functional decoder (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2, and
+the mixture-of-experts Qwen3-MoE / Mixtral).
 
 Parameters are a plain pytree:
   {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (absent when tied),
@@ -10,6 +11,23 @@ Decoding on an accelerator fuses them at load (`fuse_projections`): wqkv [D, G*(
 head's R query heads, then its key and value head; R = H / G) and w_gate_up [D, F*2] (each
 intermediate unit's gate and up column side by side), so a layer runs two products where it ran
 five; a layer holds one form or the other, and `_layer` reads whichever it has.
+
+A routed (mixture-of-experts) layer, `cfg.is_moe_layer(i)`, holds instead of w_gate/w_up/w_down
+router [D, E] and its experts' we_gate/we_up [E, D, F'], we_down [E, F', D] (F' =
+cfg.moe_intermediate_size; the expert weights are never fused). `_moe` computes it as transformers
+does: router logits and their softmax in fp32, the top k (`jax.lax.top_k`, which takes the lowest
+expert index first among equal probabilities; torch.topk's order at an exact tie is its own, see
+`route`), renormalised where cfg.norm_topk_prob (Mixtral's softmax over the top-k logits is the
+same thing). It is a dense
+dispatch: every expert runs on every token and a [B, T, E] weight matrix, zero for the experts a
+token was not routed to, scales each expert's activations before the down projection, which
+contracts the expert axis with the intermediate one. That is exact (an unrouted expert adds an
+exact zero) and shape-static, at E / k times the routed FLOPs: fine for CPU tests, prefill and the
+few tokens of a decode step or tree verification, where reading the weights dominates anyway; a
+token-sorted grouped product (`jax.lax.ragged_dot`, maxtext's moe.py) is what a large batch
+would want. The expert axis is sharded over the mesh's model axis (logical axis "experts",
+expert parallelism): each device runs its own experts on every token and the contraction over
+experts becomes a partial sum XLA all-reduces, so no expert's weights move between devices.
 
 `forward` runs T new tokens against a static-shape KV cache under an explicit attention mask and
 returns logits, the final (normed) hidden state and the EAGLE-3 auxiliary hidden states.
@@ -26,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.config import TargetConfig, rope_inv_freq
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models.layers import (
     apply_rope,
     cached_attention,
@@ -49,7 +68,22 @@ class ParamSpec:
     init: str  # "normal" | "ones" | "zeros"
 
 
-def layer_param_specs(cfg: TargetConfig) -> dict[str, ParamSpec]:
+def _is_moe(cfg: TargetConfig, layer: int | None) -> bool:
+    """Whether layer `layer` is routed; None: the kind every layer shares, refused where they
+    differ (a stacked layout or one spec for all layers cannot describe both kinds)."""
+    if layer is not None:
+        return cfg.is_moe_layer(layer)
+    if cfg.mixed_layers:
+        raise Eagle3Error(
+            f"this {cfg.family} target mixes routed (mixture-of-experts) layers {cfg.moe_layers} "
+            "with dense-MLP ones, so its layers cannot be stacked [L, ...] for a scan: keep "
+            "the unrolled (list) layout"
+        )
+    return bool(cfg.moe_layers)
+
+
+def layer_param_specs(cfg: TargetConfig, layer: int | None = None) -> dict[str, ParamSpec]:
+    """Layer `layer`'s parameters (None: those every layer shares, see `_is_moe`)."""
     d, f = cfg.hidden_size, cfg.intermediate_size
     hk, gk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     specs = {
@@ -59,10 +93,21 @@ def layer_param_specs(cfg: TargetConfig) -> dict[str, ParamSpec]:
         "wk": ParamSpec((d, gk), ("embed", "kv_heads"), "normal"),
         "wv": ParamSpec((d, gk), ("embed", "kv_heads"), "normal"),
         "wo": ParamSpec((hk, d), ("heads", "embed"), "normal"),
-        "w_gate": ParamSpec((d, f), ("embed", "mlp"), "normal"),
-        "w_up": ParamSpec((d, f), ("embed", "mlp"), "normal"),
-        "w_down": ParamSpec((f, d), ("mlp", "embed"), "normal"),
     }
+    if _is_moe(cfg, layer):
+        e, fe = cfg.num_experts, cfg.moe_intermediate_size
+        specs.update(
+            router=ParamSpec((d, e), ("embed", None), "normal"),  # every device routes
+            we_gate=ParamSpec((e, d, fe), ("experts", "embed", "expert_mlp"), "normal"),
+            we_up=ParamSpec((e, d, fe), ("experts", "embed", "expert_mlp"), "normal"),
+            we_down=ParamSpec((e, fe, d), ("experts", "expert_mlp", "embed"), "normal"),
+        )
+    else:
+        specs.update(
+            w_gate=ParamSpec((d, f), ("embed", "mlp"), "normal"),
+            w_up=ParamSpec((d, f), ("embed", "mlp"), "normal"),
+            w_down=ParamSpec((f, d), ("mlp", "embed"), "normal"),
+        )
     if cfg.attention_bias:
         specs["bq"] = ParamSpec((hk,), ("heads",), "zeros")
         specs["bk"] = ParamSpec((gk,), ("kv_heads",), "zeros")
@@ -80,12 +125,16 @@ FUSED_QKV = ("wq", "wk", "wv")
 FUSED_GATE_UP = ("w_gate", "w_up")
 
 
-def fused_layer_specs(cfg: TargetConfig, qkv: bool = True, gate_up: bool = True):
+def fused_layer_specs(
+    cfg: TargetConfig, qkv: bool = True, gate_up: bool = True, layer: int | None = None
+):
     """`layer_param_specs` with q/k/v (and their biases) and gate/up fused as `fuse_projections`
     lays them out. Both fused matrices keep the sharded axis major (kv heads; intermediate units),
     so a contiguous split over the model axis gives each device whole heads and units, the same
-    ones the unfused matrices give it, where the axis divides (fuse_projections checks)."""
-    specs = layer_param_specs(cfg)
+    ones the unfused matrices give it, where the axis divides (fuse_projections checks). A routed
+    layer has no gate/up to fuse: its experts stay as they are."""
+    specs = layer_param_specs(cfg, layer)
+    gate_up = gate_up and "w_gate" in specs
     d, f, k = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     width = cfg.num_kv_heads * (cfg.num_heads // cfg.num_kv_heads + 2) * k
     if qkv:
@@ -160,19 +209,23 @@ def fuse_projections(params: Params, cfg: TargetConfig, mesh=None) -> Params:
     out_sh = None
     if mesh is not None:
         out_sh = param_shardings(cfg, mesh, stacked=stacked, fused=(qkv, gate_up))["layers"]
-        out_sh = out_sh if stacked else out_sh[0]
-    fuse_jit = jax.jit(
-        functools.partial(fuse_layer, cfg=cfg, qkv=qkv, gate_up=gate_up), out_shardings=out_sh
-    )
+    fuse = functools.partial(fuse_layer, cfg=cfg, qkv=qkv, gate_up=gate_up)
+    jits: dict[bool, Any] = {}  # one program per kind of layer (dense MLP, routed)
 
-    def fuse(lp: Params) -> Params:
-        new = jax.block_until_ready(fuse_jit(lp))
+    def fuse_one(lp: Params, sh) -> Params:
+        moe = "router" in lp
+        if moe not in jits:
+            jits[moe] = jax.jit(fuse, out_shardings=sh)
+        new = jax.block_until_ready(jits[moe](lp))
         for name in set(lp) - set(new):
             if isinstance(lp[name], jax.Array):
                 lp[name].delete()
         return new
 
-    return {**params, "layers": fuse(layers) if stacked else [fuse(lp) for lp in layers]}
+    if stacked:
+        return {**params, "layers": fuse_one(layers, out_sh)}
+    shs = out_sh or [None] * len(layers)
+    return {**params, "layers": [fuse_one(lp, sh) for lp, sh in zip(layers, shs)]}
 
 
 def top_param_specs(cfg: TargetConfig) -> dict[str, ParamSpec]:
@@ -192,13 +245,18 @@ def check_params(params: Params, cfg: TargetConfig) -> None:
     for name, spec in top_param_specs(cfg).items():
         assert params[name].shape == spec.shape, (name, params[name].shape, spec.shape)
     layers = params["layers"]
-    per_layer = layers if isinstance(layers, list) else [None]
-    first = layers[0] if isinstance(layers, list) else layers
-    specs = fused_layer_specs(cfg, "wqkv" in first, "w_gate_up" in first)
-    for i, lp in enumerate(per_layer):
+    if not isinstance(layers, list):
+        specs = fused_layer_specs(cfg, "wqkv" in layers, "w_gate_up" in layers)
         for name, spec in specs.items():
-            shape = layers[name].shape[1:] if lp is None else lp[name].shape
-            assert tuple(shape) == spec.shape, (i, name, shape, spec.shape)
+            shape = layers[name].shape
+            assert tuple(shape) == (cfg.num_layers,) + spec.shape, (name, shape, spec.shape)
+        return
+    assert len(layers) == cfg.num_layers, ("layers", len(layers), cfg.num_layers)
+    for i, lp in enumerate(layers):
+        specs = fused_layer_specs(cfg, "wqkv" in lp, "w_gate_up" in lp, layer=i)
+        for name, spec in specs.items():
+            assert name in lp, (i, name, "missing")
+            assert tuple(lp[name].shape) == spec.shape, (i, name, lp[name].shape, spec.shape)
 
 
 def init_params(
@@ -219,25 +277,41 @@ def init_params(
     params: Params = {
         n: make(s, k) for (n, s), k in zip(top.items(), jax.random.split(k_top, len(top)))
     }
-    lspecs = layer_param_specs(cfg)
     if stacked:
+        lspecs = layer_param_specs(cfg)
         ks = jax.random.split(k_layers, len(lspecs))
         params["layers"] = {
             n: make(s, k, (cfg.num_layers,)) for (n, s), k in zip(lspecs.items(), ks)
         }
     else:
         params["layers"] = []
-        for lk in jax.random.split(k_layers, cfg.num_layers):
+        for i, lk in enumerate(jax.random.split(k_layers, cfg.num_layers)):
+            lspecs = layer_param_specs(cfg, i)
             ks = jax.random.split(lk, len(lspecs))
             params["layers"].append({n: make(s, k) for (n, s), k in zip(lspecs.items(), ks)})
     return params
 
 
 def stack_layers(params: Params) -> Params:
-    """List-of-layers params -> [L, ...]-stacked params (for lax.scan)."""
-    if not isinstance(params["layers"], list):
+    """List-of-layers params -> [L, ...]-stacked params (for lax.scan). Every layer must hold
+    the same parameters: a target mixing routed and dense-MLP layers (Qwen3-MoE's
+    mlp_only_layers) is refused."""
+    layers = params["layers"]
+    if not isinstance(layers, list):
         return params
-    return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])}
+    kinds = {tuple(sorted(lp)) for lp in layers}
+    if len(kinds) > 1:
+        moe = [i for i, lp in enumerate(layers) if "router" in lp]
+        raise Eagle3Error(
+            "the target's layers hold different parameters "
+            + (
+                f"(layers {moe} are mixture-of-experts, the others dense MLPs)"
+                if 0 < len(moe) < len(layers)
+                else "(some fused, some not)"
+            )
+            + ", so they cannot be stacked [L, ...] for a scan: keep the unrolled (list) layout"
+        )
+    return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
 
 
 def unstack_layers(params: Params) -> Params:
@@ -325,13 +399,14 @@ def _layer(
     one_range = cfg.sliding_window is None or q.shape[1] == 1
     att, kv = cached_attention(q, k, v, kv, write_B, mask, mask_new, cfg.attention, one_range)
     o = dense(att.reshape(b, t, -1), p["wo"], policy=pol)
+    mlp = functools.partial(_moe, cfg=cfg) if "router" in p else functools.partial(_mlp, pol=pol)
     if pre:
         h_BTD = h_BTD + o
         x = rms_norm(h_BTD, p["mlp_norm"], eps)
-        h_BTD = h_BTD + _mlp(p, x, pol)
+        h_BTD = h_BTD + mlp(p, x)
     else:
         h_BTD = h_BTD + rms_norm(o, p["attn_norm"], eps)
-        h_BTD = h_BTD + rms_norm(_mlp(p, h_BTD, pol), p["mlp_norm"], eps)
+        h_BTD = h_BTD + rms_norm(mlp(p, h_BTD), p["mlp_norm"], eps)
     return h_BTD, kv
 
 
@@ -357,6 +432,40 @@ def _mlp(p: Params, x: jax.Array, pol) -> jax.Array:
     gu = dense(x, p["w_gate_up"], policy=pol)
     gu = gu.reshape(*gu.shape[:-1], -1, 2)
     return dense(jax.nn.silu(gu[..., 0]) * gu[..., 1], p["w_down"], policy=pol)
+
+
+def route(router_DE: jax.Array, x_BTD: jax.Array, cfg: TargetConfig):
+    """The router of a mixture-of-experts layer, for x [..., D] (here [B, T, D]) ->
+    (top_idx_BTk int32, top_w_BTk fp32, weights_BTE fp32): each token's k chosen experts, best
+    first, their weights, and the same weights scattered over all E experts (zero for the
+    unchosen). Softmax and top k are on fp32 probabilities as in transformers
+    (Qwen3MoeTopKRouter, MixtralTopKRouter); the logits are accumulated in fp32 where transformers
+    rounds them to the weights' dtype first (the same in fp32). Equal probabilities go to the
+    lowest expert index (`jax.lax.top_k`); torch.topk promises no order there and on the CPU
+    does not always take the lowest, so at an exact tie the two can route differently
+    (tests/test_moe.py builds one; docs/design.md, "Mixture-of-experts targets")."""
+    logits_BTE = jnp.matmul(x_BTD, router_DE, preferred_element_type=jnp.float32)
+    probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+    top_w, top_idx = jax.lax.top_k(probs_BTE, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    onehot_BTkE = jax.nn.one_hot(top_idx, cfg.num_experts, dtype=jnp.float32)
+    weights_BTE = jnp.einsum("...k,...ke->...e", top_w, onehot_BTkE)
+    return top_idx, top_w, weights_BTE
+
+
+def _moe(p: Params, x_BTD: jax.Array, cfg: TargetConfig) -> jax.Array:
+    """A routed SwiGLU MLP as a dense dispatch (the module docstring): every expert on every
+    token, each expert's activations scaled by the token's weight for it (zero unless routed)
+    before one down projection that sums over experts and intermediate units. With experts
+    sharded over the model axis the products stay on each device's experts and the sum over
+    experts is a partial sum XLA all-reduces."""
+    _, _, weights_BTE = route(p["router"], x_BTD, cfg)
+    gate_BTEF = jnp.einsum("btd,edf->btef", x_BTD, p["we_gate"])
+    up_BTEF = jnp.einsum("btd,edf->btef", x_BTD, p["we_up"])
+    act_BTEF = jax.nn.silu(gate_BTEF) * up_BTEF
+    act_BTEF = act_BTEF * weights_BTE[..., None].astype(act_BTEF.dtype)
+    return jnp.einsum("btef,efd->btd", act_BTEF, p["we_down"])
 
 
 def forward(
@@ -487,15 +596,17 @@ def param_shardings(
 
     rules = rules or Rules()
     out: Params = {n: named(mesh, s.axes, s.shape, rules) for n, s in top_param_specs(cfg).items()}
-    lspecs = fused_layer_specs(cfg, *fused)
     if stacked:
+        lspecs = fused_layer_specs(cfg, *fused)
         out["layers"] = {
             n: named(mesh, (None,) + s.axes, (cfg.num_layers,) + s.shape, rules)
             for n, s in lspecs.items()
         }
     else:
-        one = {n: named(mesh, s.axes, s.shape, rules) for n, s in lspecs.items()}
-        out["layers"] = [dict(one) for _ in range(cfg.num_layers)]
+        out["layers"] = [
+            {n: named(mesh, s.axes, s.shape, rules) for n, s in specs.items()}
+            for specs in (fused_layer_specs(cfg, *fused, layer=i) for i in range(cfg.num_layers))
+        ]
     return out
 
 

@@ -1,0 +1,360 @@
+"""Mixture-of-experts targets (models/target.py's routed MLP, checkpoints/hf.py's expert names):
+tiny Qwen3-MoE (one dense-MLP layer among routed ones, no renormalisation) and Mixtral (every layer
+routed, renormalised, a sliding window) against transformers: logits and every hidden state, the
+router's choices, a router tie, prefill + steps == one forward, greedy == generate; the fused
+expert layout; greedy speculative == plain; experts sharded over the model axis == one device.
+
+The families stay out of conftest's FAMILIES (which parametrises many tests): one model shape per
+family, built once per module, keeps this file's compilations few."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from helpers import CHAIN, TREE, random_prompts, spec_generate
+from jax.sharding import PartitionSpec as P
+
+from eagle3_jax.checkpoints.hf import load_hf
+from eagle3_jax.checkpoints.native import load_native, save_native
+from eagle3_jax.config import TargetConfig, target_config_from_hf
+from eagle3_jax.decoding import plain
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.models import draft as drf
+from eagle3_jax.models import target as tgt
+from eagle3_jax.models.layers import causal_mask
+from eagle3_jax.sharding import make_mesh
+from eagle3_jax.vocab import build_from_counts
+
+MOE_CONFIGS = {
+    "qwen3_moe": dict(
+        cls="Qwen3MoeConfig",
+        head_dim=16,
+        intermediate_size=48,  # the dense layer's MLP
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+    ),
+    "mixtral": dict(
+        cls="MixtralConfig",
+        intermediate_size=48,  # each expert's
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=12,
+    ),
+}
+MOE_FAMILIES = list(MOE_CONFIGS)
+
+
+def tiny_moe_model(family: str, seed: int = 0, scale: float = 0.08):
+    """A 4-layer transformers MoE model with random weights (fp32, eval), as conftest's
+    tiny_hf_model builds the dense ones."""
+    import transformers
+
+    spec = dict(MOE_CONFIGS[family])
+    cls = getattr(transformers, spec.pop("cls"))
+    config = cls(
+        vocab_size=97,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **spec,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(
+                1.0 + 0.2 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p)
+            )
+    return model
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """family -> (transformers model, saved checkpoint directory, params, cfg)."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            model = tiny_moe_model(family)
+            d = tmp_path_factory.mktemp(family)
+            model.save_pretrained(d)
+            cache[family] = (model, d, *load_hf(d))
+        return cache[family]
+
+    return get
+
+
+def _tokens(b, t, v, seed=0):
+    return np.random.default_rng(seed).integers(3, v, size=(b, t)).astype(np.int32)
+
+
+def test_configs_read_the_expert_fields(moe_checkpoint):
+    """config.json -> TargetConfig: experts, top-k, widths, renormalisation and which layers are
+    routed (Qwen3-MoE's mlp_only_layers and decoder_sparse_step), and back through to_json; a
+    dense config's file keeps no expert field."""
+    _, _, _, qcfg = moe_checkpoint("qwen3_moe")
+    assert (qcfg.family, qcfg.qk_norm, qcfg.sliding_window) == ("qwen3_moe", "head", None)
+    assert (qcfg.num_experts, qcfg.num_experts_per_tok, qcfg.moe_intermediate_size) == (8, 2, 32)
+    assert qcfg.moe_layers == (0, 2, 3) and qcfg.mixed_layers and not qcfg.norm_topk_prob
+    _, _, _, mcfg = moe_checkpoint("mixtral")
+    assert (mcfg.family, mcfg.qk_norm, mcfg.sliding_window) == ("mixtral", "none", 12)
+    assert mcfg.moe_layers == (0, 1, 2, 3) and mcfg.norm_topk_prob
+    assert mcfg.moe_intermediate_size == mcfg.intermediate_size == 48
+    for cfg in (qcfg, mcfg):
+        assert TargetConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    hf = json.loads((moe_checkpoint("qwen3_moe")[1] / "config.json").read_text())
+    hf.update(mlp_only_layers=[], decoder_sparse_step=2)
+    assert target_config_from_hf(hf).moe_layers == (1, 3)
+    dense = dataclasses.replace(qcfg, family="qwen3", num_experts=0, num_experts_per_tok=0,
+                                moe_intermediate_size=0, moe_layers=())  # fmt: skip
+    assert "experts" not in dense.to_json() and "moe" not in dense.to_json()
+    assert TargetConfig.from_dict(json.loads(dense.to_json())) == dense
+    with pytest.raises(Eagle3Error, match="num_experts_per_tok must be between 1"):
+        target_config_from_hf({**hf, "num_experts_per_tok": 9})
+    with pytest.raises(Eagle3Error, match="Qwen3MoeForCausalLM, MixtralForCausalLM checkpoints"):
+        target_config_from_hf({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"})
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_logits_hidden_states_and_routing_match_transformers(family, moe_checkpoint):
+    """fp32 logits and every hidden state within 1e-4 of transformers; each routed layer's router,
+    given the input transformers' router saw, picks the same experts in the same order with the
+    same weights."""
+    model, _, params, cfg = moe_checkpoint(family)
+    toks = _tokens(2, 20, cfg.vocab_size)
+    seen = {}
+    hooks = [
+        layer.mlp.gate.register_forward_hook(
+            lambda mod, inp, out, i=i: seen.__setitem__(i, (inp[0], out))
+        )
+        for i, layer in enumerate(model.model.layers)
+        if i in cfg.moe_layers
+    ]
+    try:
+        with torch.no_grad():
+            ref = model(torch.tensor(toks, dtype=torch.long), output_hidden_states=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    aux_ids = tuple(range(cfg.num_layers + 1))
+    out = tgt.full_forward(params, jnp.asarray(toks), cfg, aux_ids)
+    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), rtol=1e-4, atol=1e-4)
+    d = cfg.hidden_size
+    for i in aux_ids:
+        np.testing.assert_allclose(
+            np.asarray(out.aux[..., i * d : (i + 1) * d]),
+            ref.hidden_states[i].numpy(),
+            rtol=1e-4,
+            atol=1e-4,
+            err_msg=f"hidden_states[{i}]",
+        )
+    assert sorted(seen) == list(cfg.moe_layers)
+    for i, (x, (_, hf_w, hf_idx)) in seen.items():
+        idx, w, weights = tgt.route(params["layers"][i]["router"], jnp.asarray(x.numpy()), cfg)
+        np.testing.assert_array_equal(np.asarray(idx), hf_idx.numpy(), err_msg=f"layer {i}")
+        np.testing.assert_allclose(np.asarray(w), hf_w.numpy(), rtol=1e-6, atol=1e-6)
+        assert (np.count_nonzero(np.asarray(weights), -1) == cfg.num_experts_per_tok).all()
+    assert "w_gate" in params["layers"][1] if family == "qwen3_moe" else True
+
+
+def test_a_router_tie_goes_to_the_lowest_expert():
+    """Experts 1, 2 and 3 of 4 tied exactly (integer logits, exact in any summation order):
+    jax.lax.top_k takes the lowest indices first, for top-1 and top-2, renormalised or not.
+    transformers' router (torch.topk) takes tied experts in an order of its own (torch 2.13 on
+    the CPU: expert 2 for top-1, here), so at an exact tie the two can route differently; only
+    the weights, equal among the tied, agree. Away from ties both pick alike (the parity test)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    w_ED = np.zeros((4, 8), np.float32)
+    w_ED[0, 0] = 1.0
+    w_ED[1:, 1] = 3.0  # experts 1-3 read the same input, more strongly than expert 0
+    x = np.zeros((5, 8), np.float32)
+    x[:, 0], x[:, 1] = [0, 1, 2, -1, 4], 1.0  # token 4's expert 0 (logit 4) beats the tie (3)
+    for k in (1, 2):
+        for norm in (False, True):
+            hf_cfg = Qwen3MoeConfig(hidden_size=8, num_experts=4, num_experts_per_tok=k,
+                                    norm_topk_prob=norm)  # fmt: skip
+            router = Qwen3MoeTopKRouter(hf_cfg)
+            with torch.no_grad():
+                router.weight.copy_(torch.from_numpy(w_ED))
+                _, hf_w, hf_idx = router(torch.from_numpy(x))
+            cfg = TargetConfig(family="qwen3_moe", vocab_size=8, hidden_size=8,
+                               intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                               head_dim=8, num_experts=4, num_experts_per_tok=k,
+                               moe_intermediate_size=8, norm_topk_prob=norm,
+                               moe_layers=(0,))  # fmt: skip
+            idx, w, _ = tgt.route(jnp.asarray(w_ED.T), jnp.asarray(x), cfg)
+            idx, hf_idx = np.asarray(idx), hf_idx.numpy()
+            assert idx[:4].tolist() == [[1, 2][:k]] * 4
+            assert idx[4].tolist() == [0, 1][:k]
+            assert set(hf_idx[:4].ravel()) <= {1, 2, 3} and hf_idx[4, 0] == 0
+            np.testing.assert_allclose(np.asarray(w), hf_w.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_fused_expert_tensors_load_like_per_expert_ones(moe_checkpoint, tmp_path):
+    """Loaders. A checkpoint holding transformers 5's fused experts (gate_up_proj [E, 2F, D], down_proj
+    [E, D, F], under `mlp.` for both families) loads to the same parameters as the per-expert
+    names save_pretrained writes (Qwen3-MoE gate/up/down_proj, Mixtral w1/w3/w2 under
+    block_sparse_moe); one missing expert is named; our converted format round-trips."""
+    from safetensors.numpy import load_file, save_file
+
+    for family in MOE_FAMILIES:
+        _, path, params, cfg = moe_checkpoint(family)
+        names = (
+            ("gate_proj", "up_proj", "down_proj") if family == "qwen3_moe" else ("w1", "w3", "w2")
+        )
+        prefix = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+        flat = load_file(path / "model.safetensors")
+        assert f"model.layers.0.{prefix}.experts.0.{names[0]}.weight" in flat
+        for i in cfg.moe_layers:
+            base = f"model.layers.{i}.{prefix}"
+            per = [
+                np.stack(
+                    [flat.pop(f"{base}.experts.{e}.{n}.weight") for e in range(cfg.num_experts)]
+                )
+                for n in names
+            ]
+            flat[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.concatenate(per[:2], axis=1)
+            flat[f"model.layers.{i}.mlp.experts.down_proj"] = per[2]
+            flat[f"model.layers.{i}.mlp.gate.weight"] = flat.pop(f"{base}.gate.weight")
+        d = tmp_path / family
+        d.mkdir()
+        save_file(flat, d / "model.safetensors")
+        (d / "config.json").write_text((path / "config.json").read_text())
+        fused, fcfg = load_hf(d)
+        assert fcfg == cfg
+        for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        # an expert missing from the per-expert layout is named
+        broken = load_file(path / "model.safetensors")
+        del broken[f"model.layers.0.{prefix}.experts.1.{names[2]}.weight"]
+        save_file(broken, d / "model.safetensors")
+        with pytest.raises(Eagle3Error, match="layer 0's we_down has experts"):
+            load_hf(d)
+    # our converted format keeps each layer's own parameters (Qwen3-MoE's dense layer 1 too)
+    _, _, params, cfg = moe_checkpoint("qwen3_moe")
+    save_native(tmp_path / "native", params, cfg)
+    again, cfg2 = load_native(tmp_path / "native")
+    assert cfg2 == cfg and "w_gate" in again["layers"][1] and "router" in again["layers"][0]
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_prefill_then_stepwise_decode_equals_full_forward(family, moe_checkpoint):
+    """A 9-token prefill and 15 single-token steps through the cache give one full forward's
+    logits and aux states; Mixtral (every layer routed) also with its layers stacked for the
+    scan, which Qwen3-MoE's mixed layers refuse."""
+    _, _, params, cfg = moe_checkpoint(family)
+    b, t, prompt, s = 2, 24, 9, 32
+    toks = jnp.asarray(_tokens(b, t, cfg.vocab_size, seed=1))
+    aux_ids = cfg.default_aux_layer_ids()
+    full = tgt.full_forward(params, toks, cfg, aux_ids)
+    step = jax.jit(tgt.forward, static_argnames=("cfg", "aux_ids"))
+    layouts = [False]
+    if cfg.mixed_layers:
+        with pytest.raises(Eagle3Error, match=r"layers \[0, 2, 3\] are mixture-of-experts"):
+            tgt.stack_layers(params)
+        with pytest.raises(Eagle3Error, match="cannot be stacked"):
+            tgt.init_params(cfg, jax.random.PRNGKey(0), stacked=True)
+    else:
+        layouts.append(True)
+    for stacked in layouts:
+        p = tgt.stack_layers(params) if stacked else params
+        cursor = jnp.zeros((b,), jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
+        cache = tgt.make_cache(cfg, b, s, stacked=stacked)
+        mask = causal_mask(cursor, prompt, s, cfg.sliding_window)
+        out = step(p, toks[:, :prompt], pos, mask, cfg, cache, cursor, aux_ids)
+        logits, aux, cursor = [out.logits], [out.aux], cursor + prompt
+        for i in range(prompt, t):
+            mask = causal_mask(cursor, 1, s, cfg.sliding_window)
+            out = step(p, toks[:, i : i + 1], cursor[:, None], mask, cfg, out.cache, cursor,
+                       aux_ids)  # fmt: skip
+            logits.append(out.logits)
+            aux.append(out.aux)
+            cursor = cursor + 1
+        np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.concatenate(aux, 1), full.aux, rtol=1e-4, atol=1e-4)
+
+
+def _hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             min_new_tokens=n, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_greedy_decoding_matches_transformers_generate(family, moe_checkpoint):
+    model, _, params, cfg = moe_checkpoint(family)
+    prompts = random_prompts(cfg.vocab_size, [5, 11], seed=2)
+    res = plain.generate(params, cfg, prompts, 8, eos_ids=())
+    for p, got in zip(prompts, res.output_ids):
+        assert got == _hf_greedy(model, p, 8)
+
+
+def test_greedy_speculative_decoding_equals_plain(moe_checkpoint):
+    """Qwen3-MoE (routed and dense layers) with a random head: chain and tree give plain
+    decoding's tokens; the verification routes its tree's tokens as the steps routed them."""
+    _, _, params, cfg = moe_checkpoint("qwen3_moe")
+    vocab = build_from_counts(np.random.default_rng(1).integers(0, 100, cfg.vocab_size), 60)
+    dcfg = drf.DraftConfig.from_target(cfg, draft_vocab_size=60)
+    dparams = drf.init_params(dcfg, jax.random.PRNGKey(0), scale=0.2)
+    prompts = random_prompts(cfg.vocab_size, [7, 12], seed=3)
+    ref = plain.generate(params, cfg, prompts, 24, eos_ids=())
+    for tree in (CHAIN, TREE):
+        out = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 24, tree, eos_ids=())
+        assert out.output_ids == ref.output_ids, tree
+
+
+def test_experts_sharded_over_the_model_axis_give_the_same_forward(moe_checkpoint):
+    """Qwen3-MoE loaded onto a 2x4 mesh: each device holds 2 of the 8 experts (expert
+    parallelism; the router and the dense layer's MLP as the rules say), the forward equals one
+    device's, and the compiled program moves no expert weights (no all-gather of them: the
+    contraction over experts is all-reduced instead); so does it with the dense layer's gate/up
+    fused at load."""
+    _, path, params, cfg = moe_checkpoint("qwen3_moe")
+    mesh = make_mesh(2, 4)
+    sharded, _ = load_hf(path, mesh=mesh)
+    for name in ("we_gate", "we_up", "we_down"):
+        w = sharded["layers"][0][name]
+        assert w.sharding.spec[0] == "model", (name, w.sharding.spec)
+        assert {s.data.shape[0] for s in w.addressable_shards} == {2}
+    assert sharded["layers"][0]["router"].sharding.is_fully_replicated
+    assert sharded["layers"][1]["w_gate"].sharding.spec == P(None, "model")
+    toks = jnp.asarray(_tokens(2, 16, cfg.vocab_size, seed=4))
+    aux_ids = (2, 3)
+    ref = tgt.full_forward(params, toks, cfg, aux_ids)
+    out = tgt.full_forward(sharded, toks, cfg, aux_ids)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.aux), np.asarray(ref.aux), rtol=1e-5, atol=1e-5)
+    hlo = tgt.full_forward.lower(sharded, toks, cfg, aux_ids).compile().as_text()
+    gathered = [
+        line
+        for line in hlo.splitlines()
+        if "all-gather" in line and ("[8,64,32]" in line or "[8,32,64]" in line)
+    ]
+    assert not gathered, gathered[:2]
+    assert "all-reduce" in hlo
+    # gate/up fused at load where the mesh allows (the dense layer's; the experts stay unfused)
+    fused = tgt.fuse_projections(load_hf(path, mesh=mesh)[0], cfg, mesh)
+    assert "w_gate_up" in fused["layers"][1] and "we_gate" in fused["layers"][0]
+    assert fused["layers"][0]["we_gate"].sharding.spec[0] == "model"
+    tgt.check_params(fused, cfg)
+    out = tgt.full_forward(fused, toks, cfg, aux_ids)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), rtol=1e-5, atol=1e-5)
