@@ -213,7 +213,7 @@ def method_head_tree(method, head, tree: TreeConfig, where: str = ""):
     if method != "eagle3" and not callable(method):
         head = None  # pld and vanilla draft without one
     choices = None
-    if head is not None:  # SpecVocab drafts among its per-row candidates only
+    if head is not None and head[1] is not None:  # SpecVocab drafts among its candidates only
         dcfg = head[1]
         choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
     return head, method_tree(method, tree, choices)
