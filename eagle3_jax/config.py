@@ -23,6 +23,8 @@ FAMILIES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text model; the vision tower is ignored
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
@@ -32,6 +34,8 @@ MODEL_TYPES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "olmo2": "olmo2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
 }
@@ -80,12 +84,16 @@ PLAIN_PRODUCTS = ProductPolicy()
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A decoder-only target model (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2, and the
-    mixture-of-experts Qwen3-MoE / Mixtral).
+    """A decoder-only target model (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 / Gemma 3's text
+    model, and the mixture-of-experts Qwen3-MoE / Mixtral).
 
     `qk_norm`: "none", "head" (Qwen3: RMSNorm over head_dim per head) or "full" (OLMo 2: RMSNorm over
-    all heads' q and k before the head split). `norm_placement`: "pre" (Llama) or "post" (OLMo 2: the
-    norm is applied to each block's output before the residual add). `products`: how a few rows
+    all heads' q and k before the head split). `norm_placement`: "pre" (Llama), "post" (OLMo 2: the
+    norm is applied to each block's output before the residual add) or "sandwich" (Gemma 3: both,
+    four norms a layer). `sliding_window`: the window of the sliding-window layers, every layer but
+    those in `full_attention_layers` (Mistral: all; Gemma 3: its "sliding_attention" layer_types);
+    the layers apply it themselves (`models.target.forward`), so callers' masks are plain causal.
+    `products`: how a few rows
     are multiplied (ProductPolicy); `attention`: how attention computes its probabilities and
     p.V (`models.layers.attention`: "exact", or "mixed" as flash attention does); both properties
     of the machine, not of the checkpoint (`eagle3_jax.backends` chooses them), so they are left
@@ -98,6 +106,17 @@ class TargetConfig:
     `norm_topk_prob`: the chosen experts' probabilities are renormalised to sum to 1 (Mixtral
     always; Qwen3-MoE where its config says). Dense configs leave these fields at their defaults,
     and `to_json` leaves them out.
+
+    Gemma 3 (`to_json` leaves each out at its default): `full_attention_layers`, the layers
+    exempt from the window; `sliding_rope`, the RoPE of the sliding-window layers where it differs
+    from `rope` (Gemma 3's local base frequency; `rope`, with its scaling, is the global layers');
+    `norm_unit_offset`, RMSNorm as x * (1 + w) with the product in fp32; `mlp_activation`
+    ("silu", "gelu_tanh", "gelu") of the gated MLP; `scale_embeddings`, the embedding rows
+    multiplied by sqrt(hidden_size) rounded to the parameters' dtype, as transformers'
+    Gemma3TextScaledWordEmbedding does (the draft head reads the rows unscaled, as SpecForge and
+    vLLM's EAGLE-3 heads do: docs/design.md, "Gemma 3 targets"); `query_pre_attn_scalar`, the
+    attention scale's 1 / sqrt of it in place of head_dim's; `final_logit_softcapping`, the
+    logits as cap * tanh(x / cap) where set.
     """
 
     family: str
@@ -124,12 +143,29 @@ class TargetConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    full_attention_layers: tuple[int, ...] = ()
+    sliding_rope: RopeConfig | None = None
+    norm_unit_offset: bool = False
+    mlp_activation: str = "silu"
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
     products: ProductPolicy = PLAIN_PRODUCTS
     attention: str = "exact"
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is routed over experts."""
         return layer in self.moe_layers
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether layer `layer` attends only to the last `sliding_window` positions."""
+        return self.sliding_window is not None and layer not in self.full_attention_layers
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The scores' scale where it is not 1 / sqrt(head_dim) (Gemma's query_pre_attn_scalar)."""
+        q = self.query_pre_attn_scalar
+        return None if q is None else float(q) ** -0.5
 
     @property
     def mixed_layers(self) -> bool:
@@ -164,6 +200,9 @@ class TargetConfig:
         if not self.num_experts:  # a dense config's file stays as it was before MoE targets
             for name in _MOE_FIELDS:
                 del d[name]
+        for name, default in _GEMMA_FIELDS.items():  # and as it was before Gemma 3
+            if d[name] == default:
+                del d[name]
         return json.dumps(d, indent=1)
 
     @classmethod
@@ -174,6 +213,9 @@ class TargetConfig:
         d["rope"] = RopeConfig(**d.get("rope", {}))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["moe_layers"] = tuple(d.get("moe_layers", ()))
+        d["full_attention_layers"] = tuple(d.get("full_attention_layers", ()))
+        if d.get("sliding_rope") is not None:
+            d["sliding_rope"] = RopeConfig(**d["sliding_rope"])
         return cls(**d)
 
 
@@ -184,6 +226,16 @@ _MOE_FIELDS = (
     "norm_topk_prob",
     "moe_layers",
 )
+# Gemma 3's fields and their defaults (what every other family has)
+_GEMMA_FIELDS = {
+    "full_attention_layers": (),
+    "sliding_rope": None,
+    "norm_unit_offset": False,
+    "mlp_activation": "silu",
+    "scale_embeddings": False,
+    "query_pre_attn_scalar": None,
+    "final_logit_softcapping": None,
+}
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
@@ -192,7 +244,12 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     scaling = hf.get("rope_scaling") or {}
     if scaling:
         params = {**params, **scaling}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return _rope_params(params, float(hf.get("rope_theta", 10000.0)))
+
+
+def _rope_params(params: dict[str, Any], theta: float) -> RopeConfig:
+    """A RopeConfig from one transformers rope-parameters dict (theta where it names none)."""
+    theta = float(params.get("rope_theta", theta))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
         return RopeConfig(theta=theta)
@@ -224,6 +281,10 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
             f"unsupported architecture {archs or hf.get('model_type')!r}: eagle3_jax runs "
             f"{', '.join(FAMILIES)} checkpoints"
         )
+    gemma: dict[str, Any] = {}
+    if family == "gemma3":
+        hf = _gemma3_text_config(hf)
+        gemma = _gemma3_fields(hf)
     hidden = int(hf["hidden_size"])
     heads = int(hf["num_attention_heads"])
     eos = hf.get("eos_token_id")
@@ -233,6 +294,11 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
         window = None
     if family in ("qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         window = None
+    if gemma:
+        if len(gemma["full_attention_layers"]) == int(hf["num_hidden_layers"]):
+            window = None
+        if not window:  # no layer is windowed
+            gemma["full_attention_layers"] = ()
     return TargetConfig(
         family=family,
         vocab_size=int(hf["vocab_size"]),
@@ -243,10 +309,12 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hidden // heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(hf),
+        rope=gemma.pop("rope") if gemma else _rope_from_hf(hf),
         attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
-        qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "full"}.get(family, "none"),
-        norm_placement="post" if family == "olmo2" else "pre",
+        qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "gemma3": "head"}.get(
+            family, "none"
+        ),
+        norm_placement={"olmo2": "post", "gemma3": "sandwich"}.get(family, "pre"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         sliding_window=int(window) if window else None,
@@ -254,6 +322,106 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
         eos_token_ids=eos_ids,
         pad_token_id=hf.get("pad_token_id"),
         **(_moe_from_hf(hf, family) if family in MOE_FAMILIES else {}),
+        **gemma,
+    )
+
+
+# transformers' Gemma3TextConfig defaults: hub config.json files leave out what they do not change
+# (a Gemma3ForConditionalGeneration's text_config names little more than its sizes)
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+}
+# transformers' activation names -> `TargetConfig.mlp_activation`
+_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+
+
+def _gemma3_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 text model's config.json fields with transformers' defaults filled in: those of
+    a Gemma3ForCausalLM (model_type gemma3_text), or a Gemma3ForConditionalGeneration's
+    text_config (model_type gemma3), which takes the token ids and the tying from the top level
+    where it does not name them itself."""
+    text = dict(hf)
+    if "text_config" in hf or hf.get("model_type") == "gemma3":
+        text = dict(hf.get("text_config") or {})
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+            if name not in text and hf.get(name) is not None:
+                text[name] = hf[name]
+    out = {**_GEMMA3_TEXT_DEFAULTS, **text}
+    if "sliding_window_pattern" not in text and "_sliding_window_pattern" in text:
+        out["sliding_window_pattern"] = text["_sliding_window_pattern"]
+    return out
+
+
+def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """TargetConfig's Gemma 3 fields (and its `rope`, the global layers') from a filled-in text
+    config (`_gemma3_text_config`), as transformers' Gemma3TextConfig reads them: layer i is a
+    sliding-window layer where layer_types says "sliding_attention", or, without layer_types,
+    unless (i + 1) is a multiple of sliding_window_pattern; the global layers' RoPE is
+    rope_parameters["full_attention"] (transformers 5) or rope_theta with rope_scaling (4.x), the
+    sliding layers' rope_parameters["sliding_attention"] or rope_local_base_freq."""
+    if hf.get("use_bidirectional_attention"):
+        raise Eagle3Error(
+            "this Gemma 3 config sets use_bidirectional_attention (an encoder, not a causal "
+            "decoder): eagle3_jax runs causal targets only"
+        )
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _ACTIVATIONS:
+        raise Eagle3Error(
+            f"Gemma 3 hidden_activation {act!r} is not supported: use one of "
+            f"{', '.join(_ACTIVATIONS)}"
+        )
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = int(hf.get("sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(layers)]  # fmt: skip
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise Eagle3Error(
+            f"Gemma 3 layer_types {types!r} must name {layers} layers, each sliding_attention "
+            "or full_attention"
+        )
+    params = hf.get("rope_parameters") or {}
+    per_type = isinstance(params.get("full_attention"), dict) or isinstance(
+        params.get("sliding_attention"), dict
+    )
+    if per_type:
+        full = _rope_params(params.get("full_attention") or {}, hf["rope_theta"])
+        local = _rope_params(params.get("sliding_attention") or {}, hf["rope_local_base_freq"])
+    else:
+        full = _rope_from_hf({**hf, "rope_parameters": params})
+        local = RopeConfig(theta=float(hf["rope_local_base_freq"]))
+    # attn_logit_softcapping is Gemma 2's: transformers' Gemma 3 attention keeps the field but
+    # never applies it (QK-norm took its place), so neither do we
+    cap = hf.get("final_logit_softcapping")
+    return dict(
+        rope=full,
+        full_attention_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
+        sliding_rope=None if local == full else local,
+        norm_unit_offset=True,
+        mlp_activation=_ACTIVATIONS[act],
+        scale_embeddings=True,
+        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+        final_logit_softcapping=None if cap is None else float(cap),
     )
 
 

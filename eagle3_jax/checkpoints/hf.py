@@ -1,6 +1,7 @@
 """Transformers checkpoint directories: config.json + safetensors (one file or sharded, any float
-dtype); dense families and the mixture-of-experts Qwen3-MoE and Mixtral (their experts one by one
-or fused)."""
+dtype); dense families, Gemma 3's text model (a Gemma3ForCausalLM, or the language model of a
+Gemma3ForConditionalGeneration, whose vision tower is not read) and the mixture-of-experts
+Qwen3-MoE and Mixtral (their experts one by one or fused)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,22 @@ _POST_NORMS = {
     "post_attention_layernorm.weight": "attn_norm",
     "post_feedforward_layernorm.weight": "mlp_norm",
 }
+_SANDWICH_NORMS = {  # Gemma 3
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "post_attn_norm",
+    "pre_feedforward_layernorm.weight": "mlp_norm",
+    "post_feedforward_layernorm.weight": "post_mlp_norm",
+}
+_NORMS = {"pre": _PRE_NORMS, "post": _POST_NORMS, "sandwich": _SANDWICH_NORMS}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# A Gemma3ForConditionalGeneration's language model, as hub checkpoints name it
+# (language_model.model.*, language_model.lm_head) and as transformers 5 does
+# (model.language_model.*, lm_head); its vision tower and projector are not read.
+_LANGUAGE_MODEL = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 # Mixture-of-experts layers (Qwen3-MoE `mlp.`, Mixtral `block_sparse_moe.`; transformers 5 renames
 # Mixtral's to `mlp.` in memory). The router [E, D] (ours [D, E]); the experts one by one as hub
 # checkpoints and transformers' save_pretrained write them, [F', D] gate/up and [D, F'] down
@@ -111,13 +127,17 @@ def hf_to_params(
     tensors: dict[str, np.ndarray], cfg: TargetConfig, dtype, shardings=None
 ) -> tgt.Params:
     """Maps HF names to our pytree (transposing matrices), placing each onto its sharding."""
-    norms = _POST_NORMS if cfg.norm_placement == "post" else _PRE_NORMS
+    norms = _NORMS[cfg.norm_placement]
     specs = [tgt.layer_param_specs(cfg, i) for i in range(cfg.num_layers)]
     layers: list[dict[str, Any]] = [{} for _ in range(cfg.num_layers)]
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}  # (layer, key) -> expert -> matrix
     top: dict[str, Any] = {}
     sh = (lambda *k: None) if shardings is None else (lambda *k: _get(shardings, k))
     for name, arr in tensors.items():
+        for prefix, ours in _LANGUAGE_MODEL:
+            if name.startswith(prefix):
+                name = ours + name[len(prefix) :]
+                break
         m = _LAYER_RE.match(name)
         if m:
             i, rest = int(m.group(1)), m.group(2)

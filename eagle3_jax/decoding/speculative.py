@@ -94,7 +94,7 @@ def prefill(
         tparams,
         prompt_BT,
         jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-        causal_mask(zeros, t, shape.slots, tcfg.sliding_window),
+        causal_mask(zeros, t, shape.slots),
         tcfg,
         tgt.make_cache(tcfg, b, shape.slots, dtype, stacked=stacked, mesh=mesh),
         zeros,

@@ -155,9 +155,8 @@ def forward_tree(
     n1 = trees.tokens.shape[1]
     slots = jnp.arange(shape.slots)[None, None, :]
     positions = r[:, None] + trees.depth  # [B, N+1]; committed tokens sit at slot = position
+    # sliding-window layers narrow it to each node's own window (`target.forward`)
     mask = jnp.broadcast_to(slots < r[:, None, None], (r.shape[0], n1, shape.slots))
-    if tcfg.sliding_window is not None:  # as in plain decoding: the last `window` positions
-        mask = mask & (slots > positions[:, :, None] - tcfg.sliding_window)
     return tgt.forward(
         tparams,
         trees.tokens,

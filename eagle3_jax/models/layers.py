@@ -1,4 +1,5 @@
-"""Building blocks shared by the target and the draft: RMSNorm, RoPE, masked GQA attention, SwiGLU.
+"""Building blocks shared by the target and the draft: RMSNorm, RoPE, masked GQA attention, the
+gated MLP (SwiGLU, Gemma's GeGLU).
 
 Each mirrors the transformers PyTorch computation order (fp32 statistics, cast back to the compute
 dtype) so that parity tests hold at 1e-4 or tighter.
@@ -17,10 +18,13 @@ from eagle3_jax.config import PLAIN_PRODUCTS, ProductPolicy
 NEG_INF = -1e30  # finite: a fully masked row (padding) yields a uniform, not NaN, softmax
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis; statistics in fp32, result in x.dtype."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
+    """RMSNorm over the last axis; statistics in fp32, result in x.dtype. `unit_offset` (Gemma):
+    x * (1 + w), the product in fp32 before the rounding (Llama rounds, then multiplies by w)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
@@ -89,6 +93,7 @@ def attention(
     mask_new_BTT: jax.Array | None = None,
     kind: str = "exact",
     one_range: bool = True,
+    scale: float | None = None,
 ) -> jax.Array:
     """Grouped-query attention of T queries over S keys under an explicit boolean mask.
 
@@ -103,19 +108,22 @@ def attention(
     accumulation (`mixed_attention`); "pallas", K slot-major ([B, G, S, K]) and a decode step or a
     verification through the flash-decoding kernel (`pallas_attention`) where `one_range` (the
     caller's promise that every query's cached slots are the first query's, one contiguous range:
-    no sliding window across a tree), else the mixed path.
+    no sliding window across a tree), else the mixed path. `scale`: the scores' scale (default
+    1 / sqrt(K); Gemma 3's 1 / sqrt(query_pre_attn_scalar)).
     """
     if kind == "pallas" and one_range and (q_BTHK.shape[1] == 1 or k_new is not None):
-        return pallas_attention(q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT)
+        return pallas_attention(
+            q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT, scale=scale
+        )
     if kind in ("mixed", "pallas"):
         return mixed_attention(
-            q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT, kind == "pallas"
+            q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT, kind == "pallas", scale
         )
     b, t, h, k = q_BTHK.shape
     g = k_BGKS.shape[1]
     r = h // g
     s = k_BGKS.shape[-1]
-    scale = 1.0 / np.sqrt(k)
+    scale = 1.0 / np.sqrt(k) if scale is None else scale
     f32, dt = jnp.float32, v_BGSK.dtype
     # A decode step (one query) and a verification (up to EXACT_QUERIES) compute the same products
     # and differ only in the order of fp32 sums, so that a verification's logits equal a decode
@@ -186,6 +194,7 @@ def mixed_attention(
     v_new: jax.Array | None = None,
     mask_new_BTT: jax.Array | None = None,
     slot_major: bool = False,
+    scale: float | None = None,
 ) -> jax.Array:
     """`attention` as flash attention computes it, for accelerators with bf16 weights: both
     products take their inputs in the cache's dtype (queries, and the probabilities, rounded to
@@ -195,12 +204,12 @@ def mixed_attention(
     [.., S + T] score matrix is concatenated. Unlike the exact path, a decode step and a
     verification round their probabilities alike, and neither runs fp32 products at HIGHEST (on
     an H100's CUDA cores, 67 TFLOP/s against the matrix units' 989). `slot_major`: K is
-    [B, G, S, K]."""
+    [B, G, S, K]; `scale`: `attention`'s."""
     q = _grouped_queries(q_BTHK, k_BGKS.shape[1], v_BGSK.dtype)
     k_spec = "bgrtk,bgsk->bgrts" if slot_major else "bgrtk,bgks->bgrts"
     scores = jnp.einsum(k_spec, q, k_BGKS, preferred_element_type=jnp.float32)
-    part = _reduced_part(scores, mask_BTS, v_BGSK, "bgrts,bgsk->bgrtk")
-    return _merged_heads(q, *part, k_new, v_new, mask_new_BTT)
+    part = _reduced_part(scores, mask_BTS, v_BGSK, "bgrts,bgsk->bgrtk", scale)
+    return _merged_heads(q, *part, k_new, v_new, mask_new_BTT, scale)
 
 
 def _grouped_queries(q_BTHK: jax.Array, groups: int, dtype) -> jax.Array:
@@ -210,11 +219,12 @@ def _grouped_queries(q_BTHK: jax.Array, groups: int, dtype) -> jax.Array:
     return q_BTHK.astype(dtype).reshape(b, t, groups, h // groups, k).transpose(0, 2, 3, 1, 4)
 
 
-def _reduced_part(scores, mask, values, spec: str):
+def _reduced_part(scores, mask, values, spec: str, scale=None):
     """One part of flash-style attention: fp32 scores [B, G, R, T, X] (unscaled) under mask
     [B, T, X] -> (max [B, G, R, T, 1], sum of exponentials, unnormalised p.V [B, G, R, T, K]),
-    the probabilities rounded to the values' dtype for the product (`spec`)."""
-    scale = 1.0 / np.sqrt(values.shape[-1])
+    the probabilities rounded to the values' dtype for the product (`spec`); `scale` (default
+    1 / sqrt(K)) as `attention`'s."""
+    scale = 1.0 / np.sqrt(values.shape[-1]) if scale is None else scale
     scores = jnp.where(mask[:, None, None], scores * scale, NEG_INF)
     top = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.where(mask[:, None, None], jnp.exp(scores - top), 0.0)
@@ -222,7 +232,7 @@ def _reduced_part(scores, mask, values, spec: str):
     return top, jnp.sum(p, axis=-1, keepdims=True), pv
 
 
-def _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT) -> jax.Array:
+def _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT, scale=None):
     """The cached part's (max, sum of exponentials, unnormalised p.V) with a verification's new
     entries ([B, U, G, K] under mask_new [B, T, U], when given) merged in by their log-sum-exp,
     normalised, as [B, T, H, K] in the cache's dtype; q [B, G, R, T, K] in that dtype."""
@@ -230,7 +240,7 @@ def _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT) -> jax.Array:
     if k_new is not None:  # rounded to the cache's dtype, as a decode step writes them
         kn, vn = k_new.astype(dt), v_new.astype(dt)
         s_new = jnp.einsum("bgrtk,bugk->bgrtu", q, kn, preferred_element_type=jnp.float32)
-        top2, total2, out2 = _reduced_part(s_new, mask_new_BTT, vn, "bgrtu,bugk->bgrtk")
+        top2, total2, out2 = _reduced_part(s_new, mask_new_BTT, vn, "bgrtu,bugk->bgrtk", scale)
         both = jnp.maximum(top, top2)
         a, a2 = jnp.exp(top - both), jnp.exp(top2 - both)
         out, total = out * a + out2 * a2, total * a + total2 * a2
@@ -256,6 +266,7 @@ def pallas_attention(
     v_new: jax.Array | None = None,
     mask_new_BTT: jax.Array | None = None,
     interpret: bool | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
     """`mixed_attention` with the cached part through JAX's Pallas flash-decoding kernel
     (jax.experimental.pallas.ops.gpu.decode_attention, Triton on a GPU), which reads only each
@@ -264,13 +275,13 @@ def pallas_attention(
     returning its max and sum of exponentials so that the splits, and then the tree's own
     entries, are merged by their log-sum-exp. The T queries of a row ride as T x R heads of each
     kv head. K and V are [B, G, S, K] (`slot_major_keys`). `interpret` (default: off a GPU) runs
-    the kernel through Pallas' interpreter, for the CPU's tests."""
+    the kernel through Pallas' interpreter, for the CPU's tests; `scale`: `attention`'s."""
     from jax.experimental.pallas.ops.gpu import decode_attention as flash
 
     b, t, h, k = q_BTHK.shape
     g, s = k_BGSK.shape[1], k_BGSK.shape[2]
     r = h // g
-    scale = 1.0 / np.sqrt(k)
+    scale = 1.0 / np.sqrt(k) if scale is None else scale
     row = mask_BTS[:, 0, :]  # [B, S]: one contiguous range of slots per row
     start = jnp.argmax(row, axis=-1).astype(jnp.int32)
     end = jnp.where(jnp.any(row, axis=-1), s - jnp.argmax(row[:, ::-1], axis=-1), 0)
@@ -290,7 +301,7 @@ def pallas_attention(
     top = top.reshape(b, g, r, t, 1)
     total = total.reshape(b, g, r, t, 1)
     out = o.reshape(b, g, r, t, k).astype(jnp.float32) * total  # unnormalised, as mixed's
-    return _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT)
+    return _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT, scale)
 
 
 def write_kv(
@@ -323,14 +334,15 @@ def cached_attention(
     mask_new: jax.Array | None = None,
     kind: str = "exact",
     one_range: bool = True,
+    scale: float | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Attention of a layer's new q/k/v [B, T, ...] with its K/V cache, -> (out, kv):
     no cache: over the T new tokens; kv is None;
     a cache, no mask_new: the new K/V written at write_B first, then attended; kv the new cache;
     a cache and mask_new: the cache only read, the new K/V joined in one softmax; kv the new
       entries (k, v) [B, T, G, K], for the caller to write where it wants (`write_kv`).
-    `kind`, `one_range`: `attention`'s (a "pallas" cache is slot-major)."""
-    at = functools.partial(attention, kind=kind, one_range=one_range)
+    `kind`, `one_range`, `scale`: `attention`'s (a "pallas" cache is slot-major)."""
+    at = functools.partial(attention, kind=kind, one_range=one_range, scale=scale)
     if kv is not None and mask_new is not None:
         with jax.named_scope("attention"):
             return at(q, kv[0], kv[1], mask, k, v, mask_new), (k, v)
@@ -432,6 +444,15 @@ def dense_t(
     return out.reshape(*lead, w_t.shape[0])
 
 
+# The gated MLP's activations (`TargetConfig.mlp_activation`): SiLU (SwiGLU), and GELU with
+# transformers' tanh approximation (gelu_pytorch_tanh, Gemma's GeGLU) or exact.
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+}
+
+
 def swiglu(
     x: jax.Array,
     w_gate: jax.Array,
@@ -439,9 +460,11 @@ def swiglu(
     w_down: jax.Array,
     *,
     policy: ProductPolicy = PLAIN_PRODUCTS,
+    activation: str = "silu",
 ) -> jax.Array:
+    """act(x w_gate) * (x w_up), times w_down; `activation` names one of ACTIVATIONS."""
     gate, up = dense(x, w_gate, policy=policy), dense(x, w_up, policy=policy)
-    return dense(jax.nn.silu(gate) * up, w_down, policy=policy)
+    return dense(ACTIVATIONS[activation](gate) * up, w_down, policy=policy)
 
 
 def causal_mask(cursor_B: jax.Array, t: int, s: int, window: int | None = None) -> jax.Array:

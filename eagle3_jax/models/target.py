@@ -1,12 +1,14 @@
-"""The frozen target model: a functional decoder (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2, and
-the mixture-of-experts Qwen3-MoE / Mixtral).
+"""The frozen target model: a functional decoder (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 /
+Gemma 3's text model, and the mixture-of-experts Qwen3-MoE / Mixtral).
 
 Parameters are a plain pytree:
   {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (absent when tied),
    "layers": [per-layer dict] (a list: unrolled, fastest decode on CPU) or one dict of
              [L, ...]-stacked arrays (scanned: fast compiles, the layout for training on pods)}
 Per layer: attn_norm, mlp_norm [D]; wq [D, H*K], wk/wv [D, G*K], wo [H*K, D]; optional bq/bk/bv;
-optional q_norm/k_norm ([K] for Qwen3, [H*K]/[G*K] for OLMo 2); w_gate/w_up [D, F], w_down [F, D].
+optional q_norm/k_norm ([K] for Qwen3 and Gemma 3, [H*K]/[G*K] for OLMo 2); w_gate/w_up [D, F],
+w_down [F, D]; Gemma 3's sandwich norms add post_attn_norm and post_mlp_norm [D] (its norms are
+x * (1 + w), so they start at zero).
 Decoding on an accelerator fuses them at load (`fuse_projections`): wqkv [D, G*(R+2)*K] (each kv
 head's R query heads, then its key and value head; R = H / G) and w_gate_up [D, F*2] (each
 intermediate unit's gate and up column side by side), so a layer runs two products where it ran
@@ -31,6 +33,13 @@ experts becomes a partial sum XLA all-reduces, so no expert's weights move betwe
 
 `forward` runs T new tokens against a static-shape KV cache under an explicit attention mask and
 returns logits, the final (normed) hidden state and the EAGLE-3 auxiliary hidden states.
+
+Sliding windows are the layers' own: the caller's mask is plain causal (or a tree's), and
+`forward` intersects it with the window for the layers `cfg.is_sliding_layer` names (Mistral's
+every layer, Gemma 3's local ones, each with its own RoPE), counting positions: cached slot s
+holds position s, as every caller lays its cache out. A tree verification's nodes thus each see
+their own window of the cache (and of the tree), exact where the tree crosses it. Stacked layers
+of both kinds (Gemma 3) scan with a per-layer flag choosing the RoPE tables and mask.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import numpy as np
 from eagle3_jax.config import TargetConfig, rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models.layers import (
+    ACTIVATIONS,
     apply_rope,
     cached_attention,
     dense,
@@ -86,9 +96,10 @@ def layer_param_specs(cfg: TargetConfig, layer: int | None = None) -> dict[str, 
     """Layer `layer`'s parameters (None: those every layer shares, see `_is_moe`)."""
     d, f = cfg.hidden_size, cfg.intermediate_size
     hk, gk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    one = _norm_init(cfg)
     specs = {
-        "attn_norm": ParamSpec((d,), (None,), "ones"),
-        "mlp_norm": ParamSpec((d,), (None,), "ones"),
+        "attn_norm": ParamSpec((d,), (None,), one),
+        "mlp_norm": ParamSpec((d,), (None,), one),
         "wq": ParamSpec((d, hk), ("embed", "heads"), "normal"),
         "wk": ParamSpec((d, gk), ("embed", "kv_heads"), "normal"),
         "wv": ParamSpec((d, gk), ("embed", "kv_heads"), "normal"),
@@ -113,12 +124,20 @@ def layer_param_specs(cfg: TargetConfig, layer: int | None = None) -> dict[str, 
         specs["bk"] = ParamSpec((gk,), ("kv_heads",), "zeros")
         specs["bv"] = ParamSpec((gk,), ("kv_heads",), "zeros")
     if cfg.qk_norm == "head":
-        specs["q_norm"] = ParamSpec((cfg.head_dim,), (None,), "ones")
-        specs["k_norm"] = ParamSpec((cfg.head_dim,), (None,), "ones")
+        specs["q_norm"] = ParamSpec((cfg.head_dim,), (None,), one)
+        specs["k_norm"] = ParamSpec((cfg.head_dim,), (None,), one)
     elif cfg.qk_norm == "full":
-        specs["q_norm"] = ParamSpec((hk,), ("heads",), "ones")
-        specs["k_norm"] = ParamSpec((gk,), ("kv_heads",), "ones")
+        specs["q_norm"] = ParamSpec((hk,), ("heads",), one)
+        specs["k_norm"] = ParamSpec((gk,), ("kv_heads",), one)
+    if cfg.norm_placement == "sandwich":
+        specs["post_attn_norm"] = ParamSpec((d,), (None,), one)
+        specs["post_mlp_norm"] = ParamSpec((d,), (None,), one)
     return specs
+
+
+def _norm_init(cfg: TargetConfig) -> str:
+    """A norm weight's identity: 1, or 0 where the norm multiplies by (1 + w) (Gemma)."""
+    return "zeros" if cfg.norm_unit_offset else "ones"
 
 
 FUSED_QKV = ("wq", "wk", "wv")
@@ -231,7 +250,7 @@ def fuse_projections(params: Params, cfg: TargetConfig, mesh=None) -> Params:
 def top_param_specs(cfg: TargetConfig) -> dict[str, ParamSpec]:
     specs = {
         "embed": ParamSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "normal"),
-        "final_norm": ParamSpec((cfg.hidden_size,), (None,), "ones"),
+        "final_norm": ParamSpec((cfg.hidden_size,), (None,), _norm_init(cfg)),
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec(
@@ -364,21 +383,52 @@ class Output(NamedTuple):
     cache: dict[str, Any] | None
 
 
+class _Site(NamedTuple):
+    """What one kind of layer's attention reads (full attention, or a sliding window): RoPE
+    tables [B, T, 1, K] and the masks (`forward`'s mask and mask_new, windowed or not)."""
+
+    cos: jax.Array
+    sin: jax.Array
+    mask: jax.Array
+    mask_new: jax.Array | None
+
+
+def _sites(positions_BT, mask, mask_new, cfg: TargetConfig, cached: bool) -> dict[bool, _Site]:
+    """{sliding: _Site} for each kind of layer cfg has (True: a sliding-window layer). The
+    window counts positions: a query at p sees keys at positions > p - window, where a cached slot
+    s holds position s (`cached`) and a cache-less call's or a tree's keys are its own tokens."""
+    tables: dict[Any, tuple[jax.Array, jax.Array]] = {}
+    out = {}
+    for sliding in sorted({cfg.is_sliding_layer(i) for i in range(cfg.num_layers)}):
+        rope = cfg.sliding_rope if sliding and cfg.sliding_rope is not None else cfg.rope
+        if rope not in tables:
+            tables[rope] = rope_cos_sin(positions_BT, rope_inv_freq(rope, cfg.head_dim))
+        m, m_new = mask, mask_new
+        if sliding:
+            lo = positions_BT[:, :, None] - cfg.sliding_window
+            keys = jnp.arange(mask.shape[-1])[None, None, :] if cached else positions_BT[:, None]
+            m = mask & (keys > lo)
+            if mask_new is not None:
+                m_new = mask_new & (positions_BT[:, None, :] > lo)
+        out[sliding] = _Site(*tables[rope], m, m_new)
+    return out
+
+
 def _layer(
     p: Params,
     h_BTD: jax.Array,
     kv: tuple[jax.Array, jax.Array] | None,
     write_B: jax.Array | None,
-    cos: jax.Array,
-    sin: jax.Array,
-    mask: jax.Array,
+    site: _Site,
     cfg: TargetConfig,
-    mask_new: jax.Array | None = None,
+    sliding: bool | None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """One decoder layer; `site` its kind's RoPE and masks, `sliding` whether it is a
+    sliding-window layer (None: either, a scan over layers of both kinds)."""
     b, t, _ = h_BTD.shape
-    eps = cfg.rms_norm_eps
-    pre = cfg.norm_placement == "pre"
-    x = rms_norm(h_BTD, p["attn_norm"], eps) if pre else h_BTD
+    norm = functools.partial(rms_norm, eps=cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
+    pre = cfg.norm_placement in ("pre", "sandwich")
+    x = norm(h_BTD, p["attn_norm"]) if pre else h_BTD
     pol = cfg.products
     if "wqkv" in p:
         qkv = dense(x, p["wqkv"], policy=pol)
@@ -388,25 +438,34 @@ def _layer(
         if cfg.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if cfg.qk_norm == "full":
-        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+        q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm == "head":
-        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])
+    q, k = apply_rope(q, site.cos, site.sin), apply_rope(k, site.cos, site.sin)
     # a verification crossing a sliding window gives its nodes different cached ranges
-    one_range = cfg.sliding_window is None or q.shape[1] == 1
-    att, kv = cached_attention(q, k, v, kv, write_B, mask, mask_new, cfg.attention, one_range)
+    one_range = sliding is False or t == 1
+    att, kv = cached_attention(
+        q, k, v, kv, write_B, site.mask, site.mask_new, cfg.attention, one_range,
+        cfg.attention_scale,
+    )  # fmt: skip
     o = dense(att.reshape(b, t, -1), p["wo"], policy=pol)
-    mlp = functools.partial(_moe, cfg=cfg) if "router" in p else functools.partial(_mlp, pol=pol)
-    if pre:
+    if "router" in p:
+        mlp = functools.partial(_moe, cfg=cfg)
+    else:
+        mlp = functools.partial(_mlp, pol=pol, activation=cfg.mlp_activation)
+    if cfg.norm_placement == "sandwich":  # Gemma 3: each block's input and output normed
+        h_BTD = h_BTD + norm(o, p["post_attn_norm"])
+        h_BTD = h_BTD + norm(mlp(p, norm(h_BTD, p["mlp_norm"])), p["post_mlp_norm"])
+    elif pre:
         h_BTD = h_BTD + o
-        x = rms_norm(h_BTD, p["mlp_norm"], eps)
+        x = norm(h_BTD, p["mlp_norm"])
         h_BTD = h_BTD + mlp(p, x)
     else:
-        h_BTD = h_BTD + rms_norm(o, p["attn_norm"], eps)
-        h_BTD = h_BTD + rms_norm(mlp(p, h_BTD), p["mlp_norm"], eps)
+        h_BTD = h_BTD + norm(o, p["attn_norm"])
+        h_BTD = h_BTD + norm(mlp(p, h_BTD), p["mlp_norm"])
     return h_BTD, kv
 
 
@@ -424,14 +483,14 @@ def _split_qkv(qkv: jax.Array, cfg: TargetConfig) -> tuple[jax.Array, jax.Array,
     )
 
 
-def _mlp(p: Params, x: jax.Array, pol) -> jax.Array:
-    """SwiGLU from separate gate/up matrices or the fused one ([D, F*2], gate and up of a unit
-    side by side)."""
+def _mlp(p: Params, x: jax.Array, pol, activation: str = "silu") -> jax.Array:
+    """The gated MLP (SwiGLU, or Gemma's GeGLU) from separate gate/up matrices or the fused one
+    ([D, F*2], gate and up of a unit side by side)."""
     if "w_gate_up" not in p:
-        return swiglu(x, p["w_gate"], p["w_up"], p["w_down"], policy=pol)
+        return swiglu(x, p["w_gate"], p["w_up"], p["w_down"], policy=pol, activation=activation)
     gu = dense(x, p["w_gate_up"], policy=pol)
     gu = gu.reshape(*gu.shape[:-1], -1, 2)
-    return dense(jax.nn.silu(gu[..., 0]) * gu[..., 1], p["w_down"], policy=pol)
+    return dense(ACTIVATIONS[activation](gu[..., 0]) * gu[..., 1], p["w_down"], policy=pol)
 
 
 def route(router_DE: jax.Array, x_BTD: jax.Array, cfg: TargetConfig):
@@ -485,7 +544,8 @@ def forward(
 
     Args:
       tokens_BT, positions_BT: int32 [B, T] token ids and RoPE positions (tree depth offsets allowed).
-      mask: bool [B, T, S] over cache slots after this call's writes (cache given), else [B, T, T].
+      mask: bool [B, T, S] over cache slots after this call's writes (cache given), else [B, T, T]:
+        causal (a tree's), without the sliding window, which the layers apply (module docstring).
       cache: from `make_cache`; the new K/V of row b go to slots write_B[b] .. write_B[b] + T - 1.
       aux_ids: HF `hidden_states` indices to capture (i < L: input to layer i; L: final normed state).
       logits_idx_BP: optional [B, P] token indices whose logits are computed (saves the lm_head cost).
@@ -494,8 +554,8 @@ def forward(
         cache holds just the new entries ([B, T, G, K] per layer), for the caller to write where
         it wants (a tree verification keeps only the accepted path's). write_B is unused.
     """
-    cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(cfg.rope, cfg.head_dim))
-    h = params["embed"][tokens_BT]
+    sites = _sites(positions_BT, mask, mask_new, cfg, cached=cache is not None)
+    h = embed_tokens(params, tokens_BT, cfg)
     captured: dict[int, jax.Array] = {}
     layers = params["layers"]
     new_k, new_v = [], []
@@ -504,17 +564,16 @@ def forward(
             if i in aux_ids:
                 captured[i] = h
             kv = None if cache is None else (cache["k"][i], cache["v"][i])
+            sliding = cfg.is_sliding_layer(i)
             with jax.named_scope(f"layer_{i}"):
-                h, kv = _layer(lp, h, kv, write_B, cos, sin, mask, cfg, mask_new)
+                h, kv = _layer(lp, h, kv, write_B, sites[sliding], cfg, sliding)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         new_cache = None if cache is None else {"k": new_k, "v": new_v}
     else:
-        h, new_cache, captured = _scan_layers(
-            layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids, mask_new
-        )
-    hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+        h, new_cache, captured = _scan_layers(layers, h, cache, write_B, sites, cfg, aux_ids)
+    hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps, cfg.norm_unit_offset)
     if cfg.num_layers in aux_ids:
         captured[cfg.num_layers] = hidden
     aux = jnp.concatenate([captured[i] for i in aux_ids], axis=-1) if aux_ids else None
@@ -529,41 +588,74 @@ def forward(
     return Output(logits, hidden, aux, new_cache)
 
 
+def embed_tokens(params: Params, tokens_BT: jax.Array, cfg: TargetConfig) -> jax.Array:
+    """The decoder's input [B, T, D]: the embedding rows, times sqrt(D) where cfg.scale_embeddings
+    (Gemma 3), the scale rounded to fp32 and then to the embedding's dtype and the product in
+    that dtype, as transformers' Gemma3TextScaledWordEmbedding computes it."""
+    h = params["embed"][tokens_BT]
+    if cfg.scale_embeddings:
+        h = h * jnp.asarray(np.float32(cfg.hidden_size**0.5), h.dtype)
+    return h
+
+
 def lm_head(params: Params, hidden: jax.Array, cfg: TargetConfig) -> jax.Array:
     """Logits [..., V], fp32 whatever the parameters' dtype, from final normed hidden states (tied
-    embeddings read the embedding). bf16 logits tie often (one bf16 step at a logit of 16-32 is
-    0.125) and a one-step change flips a greedy choice; fp32 ones make greedy decoding, and a
-    speculative round's acceptance, far less sensitive to the order of the products' sums."""
+    embeddings read the embedding), soft-capped where cfg.final_logit_softcapping is set. bf16
+    logits tie often (one bf16 step at a logit of 16-32 is 0.125) and a one-step change flips a
+    greedy choice; fp32 ones make greedy decoding, and a speculative round's acceptance, far less
+    sensitive to the order of the products' sums."""
     if cfg.tie_word_embeddings:
         # hidden . embed^T without transposing the [V, D] embedding: a few rows (a tree
         # verification) as a row reduction where cfg.products says, which cpu_tuning measures per
         # CPU (layers.dense_t)
-        return dense_t(hidden, params["embed"], jnp.float32, weight_left=True, policy=cfg.products)
-    return jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = dense_t(
+            hidden, params["embed"], jnp.float32, weight_left=True, policy=cfg.products
+        )
+    else:
+        logits = jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    cap = cfg.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
-def _scan_layers(layers, h, cache, write_B, cos, sin, mask, cfg, aux_ids, mask_new=None):
-    """Stacked layers: one lax.scan per segment between aux capture points."""
+def _scan_layers(layers, h, cache, write_B, sites: dict[bool, _Site], cfg, aux_ids):
+    """Stacked layers: one lax.scan per segment between aux capture points. Where the target has
+    layers of both kinds (Gemma 3), each step picks its kind's RoPE tables and masks by a
+    scanned per-layer flag."""
     bounds = sorted({0, cfg.num_layers, *[i for i in aux_ids if i < cfg.num_layers]})
+    flags = np.asarray([cfg.is_sliding_layer(i) for i in range(cfg.num_layers)])
+    mixed = len(sites) > 1
+
+    def site_of(flag) -> tuple[_Site, bool | None]:
+        if not mixed:
+            (sliding,) = sites
+            return sites[sliding], sliding
+        return jax.tree.map(lambda a, b: jnp.where(flag, a, b), sites[True], sites[False]), None
+
     captured, ks, vs = {}, [], []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if lo in aux_ids:
             captured[lo] = h
         seg = jax.tree.map(lambda x: x[lo:hi], layers)
+        seg_flags = jnp.asarray(flags[lo:hi])
         if cache is None:
 
-            def body(h, lp):
-                return _layer(lp, h, None, None, cos, sin, mask, cfg)[0], None
+            def body(h, xs):
+                lp, flag = xs
+                site, sliding = site_of(flag)
+                return _layer(lp, h, None, None, site, cfg, sliding)[0], None
 
-            h, _ = jax.lax.scan(body, h, seg)
+            h, _ = jax.lax.scan(body, h, (seg, seg_flags))
         else:
 
             def body_c(h, xs):
-                lp, k, v = xs
-                h, (k, v) = _layer(lp, h, (k, v), write_B, cos, sin, mask, cfg, mask_new)
+                lp, k, v, flag = xs
+                site, sliding = site_of(flag)
+                h, (k, v) = _layer(lp, h, (k, v), write_B, site, cfg, sliding)
                 return h, (k, v)
 
-            h, (k, v) = jax.lax.scan(body_c, h, (seg, cache["k"][lo:hi], cache["v"][lo:hi]))
+            h, (k, v) = jax.lax.scan(
+                body_c, h, (seg, cache["k"][lo:hi], cache["v"][lo:hi], seg_flags)
+            )
             ks.append(k)
             vs.append(v)
     new_cache = None if cache is None else {"k": jnp.concatenate(ks), "v": jnp.concatenate(vs)}
@@ -577,8 +669,6 @@ def full_forward(params: Params, tokens_BT: jax.Array, cfg: TargetConfig, aux_id
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     q = jnp.arange(t)
     mask = q[None, :] <= q[:, None]
-    if cfg.sliding_window is not None:
-        mask = mask & (q[None, :] > q[:, None] - cfg.sliding_window)
     return forward(
         params, tokens_BT, positions, jnp.broadcast_to(mask, (b, t, t)), cfg, aux_ids=aux_ids
     )
