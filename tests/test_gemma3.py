@@ -280,3 +280,28 @@ def test_conditional_generation_checkpoint_reads_its_language_model(gemma3, tmp_
     again, _ = load_hf(tmp_path)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_every_attention_path_takes_the_query_pre_attn_scale():
+    """Gemma 3's score scale 1/sqrt(query_pre_attn_scalar) reaches the exact path, the mixed one
+    and the Pallas flash-decoding kernel (interpreted on the CPU): a decode step and a
+    verification with new entries agree across paths to fp32 rounding, and differ from the
+    default 1/sqrt(head_dim)."""
+    from eagle3_jax.models.layers import attention, mixed_attention, pallas_attention
+
+    b, t, h, g, k, s = 2, 3, 4, 2, 16, 32
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    q = jax.random.normal(ks[0], (b, t, h, k))
+    kc = jax.random.normal(ks[1], (b, g, k, s))  # [B, G, K, S]
+    vc = jax.random.normal(ks[2], (b, g, s, k))
+    kn, vn = jax.random.normal(ks[3], (b, t, g, k)), jax.random.normal(ks[4], (b, t, g, k))
+    mask = jnp.broadcast_to(jnp.arange(s)[None, None, :] < jnp.asarray([20, 9])[:, None, None],
+                            (b, t, s))  # fmt: skip
+    mask_new = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    scale = 24**-0.5
+    for args in ((q[:, :1], kc, vc, mask[:, :1]), (q, kc, vc, mask, kn, vn, mask_new)):
+        want = attention(*args, scale=scale)
+        assert not np.allclose(want, attention(*args), atol=1e-3)
+        np.testing.assert_allclose(mixed_attention(*args, scale=scale), want, atol=2e-6)
+        slot_major = (args[0], kc.transpose(0, 1, 3, 2), *args[2:])
+        np.testing.assert_allclose(pallas_attention(*slot_major, scale=scale), want, atol=2e-6)
