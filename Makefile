@@ -35,7 +35,7 @@ test: $(VENV)/.test
 # the real SmolLM2 checks and the longest runs (kill-and-resume, training on a mesh, the device
 # steps at a toy shape): 21 tests, 1,089 s on a 2-core VM (2026-12-07)
 test-slow: $(VENV)/.test
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+	EAGLE3_JAX_TEST_XLA_OPT=default $(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 test-all: $(VENV)/.test
 	$(PY) -m pytest -q $(PYTEST_ARGS)

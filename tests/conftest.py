@@ -3,12 +3,42 @@ and the tiny llama with a random draft head (shared helpers: helpers.py)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-# the command-line tools keep compiled programs on disk (compile_cache); the tests stay hermetic
+# Compiling is three quarters of the suite's time (the tiny models run in microseconds), and
+# XLA:CPU spends most of a compilation in LLVM's optimisation passes: the tests compile at LLVM
+# -O0, which takes ~40 % less time. The programs are the same (XLA's own passes, fusion and
+# library calls do not change), though LLVM's optimised code rounds a few operations differently
+# (1e-6 relative on the tiny models): every assertion compares programs compiled alike, or
+# within a tolerance, and holds at either level. `make test-slow` and the tools run at XLA's
+# default level; EAGLE3_JAX_TEST_XLA_OPT=default (or an XLA_FLAGS of your own) gives it here too.
+_opt = os.environ.get("EAGLE3_JAX_TEST_XLA_OPT", "0")
+os.environ.setdefault(
+    "XLA_FLAGS",
+    "--xla_force_host_platform_device_count=8"
+    + ("" if _opt == "default" else f" --xla_backend_optimization_level={int(_opt)}"),
+)
+# the command-line tools keep compiled programs on disk (compile_cache) under the user's cache;
+# the tests never read or write that one
 os.environ.setdefault("EAGLE3_JAX_COMPILATION_CACHE", "0")
+# One compilation cache per test session instead, empty at its start and removed at its end:
+# tests that build the same program (a training step of the shared tiny config, a round of the
+# same tree, the command-line tools run as subprocesses) compile it once, whichever pytest-xdist
+# worker or subprocess gets there first. The controller makes it, before the workers start, and
+# they and every subprocess inherit it. EAGLE3_JAX_TEST_COMPILE_CACHE=0 compiles everything anew.
+if (
+    "PYTEST_XDIST_WORKER" not in os.environ
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ
+    and os.environ.get("EAGLE3_JAX_TEST_COMPILE_CACHE", "1") != "0"
+):
+    _session_cache = tempfile.mkdtemp(prefix="eagle3_jax_test_xla_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _session_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    atexit.register(shutil.rmtree, _session_cache, True)
 
 import pytest  # noqa: E402
 

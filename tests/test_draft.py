@@ -564,7 +564,9 @@ def test_product_policies_compute_the_same_draft_step(source):
 
     cfgs = {k: dataclasses.replace(dcfg, products=ProductPolicy(k, k)) for k in (0, 8)}
     outs = {k: step(params, embed, toks, feat, pos, cache, start, c) for k, c in cfgs.items()}
-    np.testing.assert_allclose(outs[8].hidden, outs[0].hidden, rtol=1e-5, atol=1e-5)
+    # hidden states reach ~12: fp32 sums of 64 such products round to ~1e-5 apart in either
+    # order (LLVM -O0, the tests' level, rounds the row products' loops differently from -O2)
+    np.testing.assert_allclose(outs[8].hidden, outs[0].hidden, rtol=1e-5, atol=3e-5)
     np.testing.assert_allclose(outs[8].logits, outs[0].logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(outs[8].logits.argmax(-1), outs[0].logits.argmax(-1))
     for a, b_ in zip(jax.tree.leaves(outs[8].cache), jax.tree.leaves(outs[0].cache)):

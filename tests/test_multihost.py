@@ -37,11 +37,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def xla_flags(devices: int) -> str:
+    """This session's XLA_FLAGS (conftest: the tests' optimisation level, so the processes compile
+    as this one compiles its reference) with `devices` simulated CPU devices. Defined here, not in
+    helpers.py: the workers import this module as tests.test_multihost."""
+    kept = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    return " ".join([f"--xla_force_host_platform_device_count={devices}", *kept])
+
+
 def _env(port: int, pid: int, devices: int = DEVICES, **extra) -> dict:
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
         "EAGLE3_JAX_COMPILATION_CACHE": "0",
         "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
         "JAX_NUM_PROCESSES": str(PROCESSES),
