@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from eagle3_jax.accelerators import acceptance, hbm, lowering, predict, programs, roofline, specs
+from eagle3_jax.accelerators import experts as experts_mod
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.tree import TreeConfig
 
@@ -116,10 +117,13 @@ def test_published_sizes():
     """Parameter counts of the published checkpoints, and the same config.json fields as the
     accelerator exports use."""
     want = {"llama31_8b": 8.03e9, "olmo2_7b": 7.30e9, "qwen3_4b": 4.02e9, "olmo2_1b": 1.48e9}
+    want |= {"qwen3_30b_a3b": 30.5e9, "gpt_oss_20b": 20.9e9}  # the model cards' totals
     for name, n in want.items():
         assert roofline.target_params(specs.TARGETS[name]) == pytest.approx(n, rel=0.01), name
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
     fields += ("num_kv_heads", "head_dim", "tie_word_embeddings", "qk_norm", "norm_placement")
+    fields += ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+    fields += ("moe_layers", "sliding_window", "full_attention_layers", "attention_bias")
     for name in set(specs.REAL_TARGETS) & set(specs.TARGETS):
         theirs = specs.target_config(name)
         for f in fields:
@@ -181,11 +185,24 @@ def test_devices_and_chips():
         assert dev.hbm_bw > 5e11 and dev.matmul_flops > 1e14 and dev.fp32_flops < dev.matmul_flops
 
 
-def test_flops_match_xla_cost_analysis(monkeypatch):
+SMALL_MOE = {  # the same, each layer routed over 8 experts of width 512, top 2
+    **SMALL,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 512,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+}
+
+
+@pytest.mark.parametrize("config", [SMALL, SMALL_MOE], ids=["dense", "moe"])
+def test_flops_match_xla_cost_analysis(config, monkeypatch):
     """XLA's count of the real programs' FLOPs (unoptimized HLO, lowered on this CPU) within 5 %
     of the model's, on a 2-layer config whose products dominate (at Llama-3.1-8B shapes the
-    benchmark's --xla finds 0.991-0.999)."""
-    monkeypatch.setitem(specs.REAL_TARGETS, "cost_small", SMALL)
+    benchmark's --xla finds 0.991-0.999); a mixture-of-experts one counted as our programs run
+    it, every expert on every token (`lowering.flops_check`: 0.995 when written)."""
+    monkeypatch.setitem(specs.REAL_TARGETS, "cost_small", config)
     setup = programs.Setup(
         target="cost_small", mesh=(1, 1), prompt=64, new=64, tree=TreeConfig(4, 3, 8)
     )
@@ -294,3 +311,170 @@ def test_the_per_kernel_cost_is_learnt_from_a_measurement():
     assert len(checked) == 14 and max(abs(r["error"]) for r in checked[:12]) < 0.02
     with pytest.raises(ValueError, match="no sweep row"):
         predict.fit_kernel_cost({**summary, "programs": rows[-1:]})
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+MOE = specs.TARGETS["qwen3_30b_a3b"]
+
+
+def _random_routes(rng, experts: int, top_k: int, tokens: int, trials: int, logits=None):
+    """[trials, tokens, top_k] distinct experts per token: uniform (the k largest of uniform noise)
+    or, with `logits` [E], Gumbel top-k, the k experts drawn without replacement by weight."""
+    noise = rng.random((trials, tokens, experts))
+    if logits is not None:
+        noise = logits - np.log(-np.log(noise))
+    return np.argpartition(-noise, top_k - 1, axis=-1)[..., :top_k]
+
+
+def _distinct(routes) -> np.ndarray:
+    return np.array([np.unique(r).size for r in routes])
+
+
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (32, 4)])
+def test_expected_experts_touched_match_random_routing(experts, top_k):
+    """E (1 - (1 - k/E)^n) against 2,000 forwards of n tokens routed uniformly at random (each to
+    k distinct experts), within 3 standard errors: k at n = 1; 56.4 of 128 at Qwen3-30B-A3B's
+    chain of 9 tokens, 125.3 at 60; the busiest of 8 chips holding 16 experts each against the
+    same forwards split by chip, within 3 %; and a skewed router (independent tokens, Zipf-like
+    expert weights) touches fewer experts than the uniform expectation, which bounds it."""
+    rng = np.random.default_rng(0)
+    assert experts_mod.expected_touched(experts, top_k, 1) == pytest.approx(top_k)
+    for n in (1, 4, 9, 60):
+        routes = _random_routes(rng, experts, top_k, n, 2000)
+        counts = _distinct(routes)
+        want = experts_mod.expected_touched(experts, top_k, n)
+        se = counts.std() / np.sqrt(counts.size)
+        assert abs(counts.mean() - want) <= 3 * se + 1e-6 * want, (n, counts.mean(), want)
+        per_chip = np.stack(
+            [_distinct(np.where(routes // (experts // 8) == c, routes, -1)) - 1 for c in range(8)]
+        )  # distinct experts of each chip (the -1 placeholder counted once and taken off)
+        busiest = experts_mod.busiest_chip(experts, want, 8)
+        assert busiest == pytest.approx(per_chip.max(axis=0).mean(), rel=0.03), n
+        skewed = _distinct(
+            _random_routes(rng, experts, top_k, n, 200, -1.2 * np.log(np.arange(1, experts + 1)))
+        )
+        assert skewed.mean() <= want + 1e-9
+    assert experts_mod.expected_touched(128, 8, 9) == pytest.approx(56.4, abs=0.05)
+    assert experts_mod.expected_touched(128, 8, 60) == pytest.approx(125.3, abs=0.05)
+    assert experts_mod.busiest_chip(128, 128.0, 8) == pytest.approx(16.0)
+    assert experts_mod.busiest_chip(128, 8.0, 1) == 8.0
+
+
+def _non_expert_weights(tcfg) -> int:
+    """Weights a forward reads besides the experts: attention and norms, routers, final norm,
+    the output layer (not the input embedding: only its rows are read)."""
+    experts = tcfg.num_layers * tcfg.num_experts * roofline.expert_weights(tcfg)
+    return roofline.target_params(tcfg) - tcfg.vocab_size * tcfg.hidden_size - experts
+
+
+def test_a_moe_plain_step_reads_k_experts_a_layer():
+    """Qwen3-30B-A3B, batch 1: a plain step reads the 8 routed experts of each of its 48 layers
+    (3.4B of its 30.5B parameters, 6.1 GB in bf16, the rest of them never leaving HBM) and runs
+    k / E of the dense dispatch's expert FLOPs; our engine's dense dispatch reads and runs all
+    128."""
+    step = roofline.plain_step(MOE, 1, 2048).total()
+    per_expert = roofline.expert_weights(MOE)
+    assert per_expert == 3 * 2048 * 768
+    assert step.weights == 2 * (_non_expert_weights(MOE) + 48 * 8 * per_expert)
+    assert step.weights == pytest.approx(6.1e9, rel=0.02)
+    dense = roofline.plain_step(MOE, 1, 2048, routing=experts_mod.Routing("dense")).total()
+    assert dense.weights == 2 * (_non_expert_weights(MOE) + 48 * 128 * per_expert)
+    assert dense.flops - step.flops == 2 * 48 * (128 - 8) * per_expert
+    # a dense twin (each routed MLP one SwiGLU of 8 x 768) runs the same FLOPs less the routers'
+    twin = roofline.plain_step(experts_mod.dense_twin(MOE), 1, 2048).total()
+    assert step.flops - twin.flops == 2 * 48 * 2048 * 128
+    # the published active size: 3.3B parameters a token (Qwen's model card)
+    assert roofline.target_params(experts_mod.dense_twin(MOE)) == pytest.approx(3.34e9, rel=0.01)
+
+
+def test_a_large_tree_reads_nearly_every_expert():
+    """The reporting tree's 60 tokens touch 125.3 of 128 experts a layer (98 %) in expectation,
+    a batch of 8 such trees all 128 (to 10 digits): the verification reads 9.8 times the expert
+    bytes of a plain step at batch 1 and nearly the whole 61 GB target. A two-chip split charges
+    the busiest chip, which at one token is more than the even split."""
+    dcfg = specs.draft_for(MOE)
+    rnd = roofline.spec_round(MOE, dcfg, acceptance.REPORTING_TREE, 1, 2304)
+    verify = next(p for p in rnd.phases if p.name == "verify")
+    expert_bytes = verify.weights - 2 * _non_expert_weights(MOE)
+    touched = expert_bytes / (2 * 48 * roofline.expert_weights(MOE))
+    assert touched == pytest.approx(125.3, abs=0.05)
+    assert touched / 8 == pytest.approx(15.7, abs=0.05)
+    assert verify.weights > 0.97 * 2 * (roofline.target_params(MOE) - 151936 * 2048)
+    wide = roofline.spec_round(MOE, dcfg, acceptance.REPORTING_TREE, 8, 2304)
+    verify8 = next(p for p in wide.phases if p.name == "verify")
+    assert verify8.weights == pytest.approx(2 * (roofline.target_params(MOE) - 151936 * 2048))
+    one, two = (roofline.plain_step(MOE, 1, 2048, chips=c).total() for c in (1, 2))
+    assert two.weights > one.weights  # 2 x the busiest chip's experts, not the mean's
+
+
+def test_speculation_pays_less_on_a_moe_target_than_on_a_dense_one_of_its_active_size():
+    """H100, batch 1, 2k context, τ 6.5 at 10/8/60 (the assumed head, the same τ for both): on
+    Qwen3-30B-A3B the reporting-tree round costs 10.2 plain steps (1.91 ms a step, 19.5 ms a
+    round) and speculation is slower than plain decoding (0.64×), where the dense twin of the
+    same active size (3.3B) pays 1.90 plain steps for 3.42×. The best tree of the grid for the
+    MoE target verifies few tokens: the chain 1/3/4 (τ 3.38, 1.27×) on an H100; at batch 8,
+    where a plain step already touches 51.6 experts a layer, the round's relative cost falls
+    (3.3 plain steps) and 10/8/60 gives 1.96×."""
+    h100 = specs.DEVICES["H100"]
+    moe = predict.predict(h100, "qwen3_30b_a3b", acceptance.REPORTING_TREE, 6.5)
+    twin = predict.predict(h100, experts_mod.dense_twin(MOE), acceptance.REPORTING_TREE, 6.5)
+    assert moe.ratio == pytest.approx(10.2, abs=0.1)
+    assert moe.speedup == pytest.approx(0.64, abs=0.01)
+    assert twin.ratio == pytest.approx(1.90, abs=0.02)
+    assert twin.speedup == pytest.approx(3.42, abs=0.02)
+    assert moe.plain_s == pytest.approx(twin.plain_s, rel=0.01)  # same active bytes a step
+    assert moe.speedup < 1 < twin.speedup
+    best = predict.best_tree(h100, "qwen3_30b_a3b", acceptance.llama_acceptance())
+    assert predict.tree_text(best.tree) == "1/3/4" and best.speedup == pytest.approx(1.27, abs=0.01)
+    assert experts_mod.expected_touched(128, 8, 8) == pytest.approx(51.6, abs=0.05)
+    wide = predict.predict(h100, "qwen3_30b_a3b", acceptance.REPORTING_TREE, 6.5, batch=8)
+    assert wide.ratio == pytest.approx(3.32, abs=0.02) and wide.speedup > moe.speedup
+
+
+def test_measured_expert_counts_replace_the_formula(tmp_path):
+    """The router's own choices: `record_routes` around a forward of a small random Qwen3-MoE
+    gives each routed layer's [B, T, k] experts, `distinct_experts` counts them, and
+    `ExpertCounts` (saved and read back as JSON) takes the place of the expectation in a
+    prediction: a router that sends a whole tree to the same k experts (measured k at every n)
+    makes the verification read what a plain step reads, so the round costs what the dense
+    twin's does; counts between measured sizes are interpolated."""
+    import jax
+
+    from eagle3_jax.models import target as tgt
+
+    cfg = TargetConfig(
+        family="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=8, norm_topk_prob=True, moe_layers=(0, 1),
+    )  # fmt: skip
+    params = tgt.init_params(cfg, jax.random.key(0), jnp.float32, scale=0.5)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 6)), jnp.int32)
+    with experts_mod.record_routes() as routes:
+        tgt.full_forward(params, tokens, cfg)
+    assert len(routes) == 2 and all(r.shape == (2, 6, 2) for r in routes)
+    counts = [experts_mod.distinct_experts(r) for r in routes]
+    assert all(2 <= c <= 8 for c in counts)
+    assert experts_mod.distinct_experts(routes[0][:1, :1]) == 2  # one token: its k experts
+    assert tgt.route is not None and "record" not in getattr(tgt.route, "__qualname__", "")
+    measured = experts_mod.ExpertCounts.from_routes(cfg, {12: routes}, "random init")
+    assert measured.counts == {12: float(np.mean(counts))}
+    path = tmp_path / "counts.json"
+    path.write_text(measured.to_json())
+    assert experts_mod.ExpertCounts.from_json(path) == measured
+    # interpolation: k at n = 1, linear between measured sizes, the formula's shape above them
+    shared = experts_mod.ExpertCounts(128, 8, {9: 20.0, 60: 40.0})
+    assert shared.touched(1) == 8 and shared.touched(9) == 20 and shared.touched(34.5) == 30
+    assert shared.touched(480) == pytest.approx(
+        40 / experts_mod.expected_touched(128, 8, 60) * experts_mod.expected_touched(128, 8, 480)
+    )
+    # a router that keeps a whole tree on the same k experts: the round costs the dense twin's
+    same = experts_mod.Routing(measured=experts_mod.ExpertCounts(128, 8, {60: 8.0, 480: 8.0}))
+    h100, tree = specs.DEVICES["H100"], acceptance.REPORTING_TREE
+    moe = predict.predict(h100, "qwen3_30b_a3b", tree, 6.5, routing=same)
+    twin = predict.predict(h100, experts_mod.dense_twin(MOE), tree, 6.5)
+    assert moe.round_s == pytest.approx(twin.round_s, rel=0.02)
+    uniform = predict.predict(h100, "qwen3_30b_a3b", tree, 6.5)
+    assert moe.speedup > 4 * uniform.speedup
+    with pytest.raises(Exception, match="expert counts for 32 experts"):
+        experts_mod.Routing(measured=experts_mod.ExpertCounts(32, 4, {60: 8.0})).touched(MOE, 60)

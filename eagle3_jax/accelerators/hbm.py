@@ -63,6 +63,15 @@ def _div(n: int, mesh_axis: int) -> int:
     return mesh_axis if n % mesh_axis == 0 else 1
 
 
+def _mlp_width(tcfg: TargetConfig, model: int) -> int:
+    """A token's MLP intermediates per device: a dense layer's F over model, or a routed layer's
+    E x F' (`models.target._moe`'s dense dispatch runs every expert on every token) with the
+    experts over model. A target with routed layers is sized by them (the wider, at real sizes)."""
+    if tcfg.num_experts:
+        return tcfg.num_experts // _div(tcfg.num_experts, model) * tcfg.moe_intermediate_size
+    return tcfg.intermediate_size // _div(tcfg.intermediate_size, model)
+
+
 @dataclasses.dataclass
 class Memory:
     """Bytes per device of one program at one setup (decimal GB in `row`)."""
@@ -86,13 +95,14 @@ def verify_activations(
     """A verification of `nodes` tokens per row, per device, from shapes: the fp32 logits
     [B, N, V] (vocab over model), every layer's new K/V [B, N, G, K] (held until the path is
     chosen), the aux features [B, N, 3D], and one layer's largest transients (fp32 scores and
-    probabilities [B, H, N, S + N], the MLP's gate/up/product [B, N, F])."""
+    probabilities [B, H, N, S + N], the MLP's gate/up/product [B, N, F], a routed layer's
+    [B, N, E, F'])."""
     data, model = mesh
     b = batch // _div(batch, data)
     v = tcfg.vocab_size // _div(tcfg.vocab_size, model)
     g = tcfg.num_kv_heads // _div(tcfg.num_kv_heads, model)
     h = tcfg.num_heads // _div(tcfg.num_heads, model)
-    f = tcfg.intermediate_size // _div(tcfg.intermediate_size, model)
+    f = _mlp_width(tcfg, model)
     logits = b * nodes * v * 4
     new_kv = tcfg.num_layers * 2 * b * nodes * g * tcfg.head_dim * 2
     aux = b * nodes * dcfg.feature_size * 2
@@ -107,7 +117,7 @@ def prefill_activations(tcfg: TargetConfig, batch: int, t: int, slots: int, mesh
     data, model = mesh
     b = batch // _div(batch, data)
     h = tcfg.num_heads // _div(tcfg.num_heads, model)
-    f = tcfg.intermediate_size // _div(tcfg.intermediate_size, model)
+    f = _mlp_width(tcfg, model)
     stream = b * t * tcfg.hidden_size * 2 * 5  # residual, normed, attention out, aux x 3 (bf16)
     layer = b * h * t * slots * (4 + 2) + 3 * b * t * f * 2
     return stream + layer
@@ -125,10 +135,11 @@ def train_activations(
     v = tcfg.vocab_size // _div(tcfg.vocab_size, model)
     h = tcfg.num_heads // _div(tcfg.num_heads, model)
     dh = dcfg.num_heads // _div(dcfg.num_heads, model)
-    f = tcfg.intermediate_size // _div(tcfg.intermediate_size, model)
+    f = _mlp_width(tcfg, model)
+    df = dcfg.intermediate_size // _div(dcfg.intermediate_size, model)  # the head's, dense
     vd = dcfg.draft_vocab_size // _div(dcfg.draft_vocab_size, model)
     teacher = b * t * v * 4 + b * t * dcfg.feature_size * 2
     target_layer = b * h * t * t * (4 + 2) + 3 * b * t * f * 2
-    per_step = b * dh * t * t * (4 + 2) + 2 * b * t * vd * 4 + 3 * b * t * f * 2
+    per_step = b * dh * t * t * (4 + 2) + 2 * b * t * vd * 4 + 3 * b * t * df * 2
     per_step += b * t * 2 * dcfg.hidden_size * 2 * 2
     return teacher + max(target_layer, steps * per_step)

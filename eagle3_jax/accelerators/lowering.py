@@ -25,6 +25,7 @@ import numpy as np
 from jax import export
 
 from eagle3_jax.accelerators import roofline
+from eagle3_jax.accelerators.experts import Routing
 from eagle3_jax.accelerators.hbm import (
     Memory,
     prefill_activations,
@@ -300,18 +301,21 @@ def row(report: Report, mem: Memory) -> dict[str, Any]:
 def flops_check(s: Setup, names=("decode_step", "round_tree", "round_chain")) -> list[dict]:
     """XLA's FLOPs of the real programs (`cost_analysis()` of the unoptimized HLO, lowered on
     this backend) beside the roofline's count of the same shapes, in GFLOP; `xla` is None when
-    the backend gives no cost analysis."""
+    the backend gives no cost analysis. A mixture-of-experts target is counted as these programs
+    run it, a dense dispatch (every expert on every token)."""
     tcfg = target_config(s.target)
     dcfg = draft_for(tcfg)
+    dense = Routing("dense")
     rows = []
     for name in names:
         prog = build(name, s)
         analysis = prog.fn.lower(*prog.args, **prog.kwargs).cost_analysis() or {}
         slots = prog.kwargs["shape"].slots
         if name == "decode_step":
-            model = roofline.plain_step(tcfg, s.batch, slots).flops
+            model = roofline.plain_step(tcfg, s.batch, slots, routing=dense).flops
         else:
-            model = roofline.spec_round(tcfg, dcfg, prog.kwargs["tree"], s.batch, slots).flops
+            tree = prog.kwargs["tree"]
+            model = roofline.spec_round(tcfg, dcfg, tree, s.batch, slots, routing=dense).flops
         xla = analysis.get("flops")
         rows.append(
             {"program": name, "xla": None if xla is None else xla / 1e9, "model": model / 1e9}

@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 from eagle3_jax.accelerators.acceptance import Acceptance
+from eagle3_jax.accelerators.experts import ROUTED, Routing
 from eagle3_jax.accelerators.hbm import chips_needed
 from eagle3_jax.accelerators.roofline import (
     Phase,
@@ -57,20 +58,23 @@ def predict(
     dcfg: DraftConfig | None = None,
     chips: int | None = None,
     layer_overhead_s: float = 0.0,
+    routing: Routing = ROUTED,
 ) -> Prediction:
     """Plain step and round times on `dev` at τ `tau`, for `context` tokens (prompt + new): each
-    program's cache is the static size `plan_shape` gives it (`slots_for`), read whole."""
+    program's cache is the static size `plan_shape` gives it (`slots_for`), read whole. A
+    mixture-of-experts target's layers read the experts `routing` says (`experts.Routing`: by
+    default the uniform expectation under a routed dispatch; measured counts where given)."""
     tcfg = TARGETS[target] if isinstance(target, str) else target
     dcfg = dcfg or draft_for(tcfg)
     slots, rslots = slots_for(context), slots_for(context, tree)
     if chips is None:
         chips = chips_needed(dev, tcfg, dcfg, batch, rslots, dtype_bytes)
-    plain = plain_step(tcfg, batch, slots, dtype_bytes).time_s(dev, chips, layer_overhead_s)
-    rnd = spec_round(tcfg, dcfg, tree, batch, rslots, dtype_bytes).time_s(
-        dev, chips, layer_overhead_s
-    )
+    plain = plain_step(tcfg, batch, slots, dtype_bytes, routing, chips)
+    rnd = spec_round(tcfg, dcfg, tree, batch, rslots, dtype_bytes, routing=routing, chips=chips)
+    plain_s = plain.time_s(dev, chips, layer_overhead_s)
+    round_s = rnd.time_s(dev, chips, layer_overhead_s)
     name = target if isinstance(target, str) else tcfg.family
-    return Prediction(dev.name, name, tree, batch, context, chips, plain, rnd, tau)
+    return Prediction(dev.name, name, tree, batch, context, chips, plain_s, round_s, tau)
 
 
 def tree_grid() -> list[TreeConfig]:
@@ -87,14 +91,18 @@ def tree_grid() -> list[TreeConfig]:
 
 def best_tree(
     dev: Device,
-    target: str,
+    target: str | TargetConfig,
     acc: Acceptance,
     batch: int = 1,
     context: int = 2048,
     trees: list[TreeConfig] | None = None,
+    routing: Routing = ROUTED,
 ) -> Prediction:
     """The tree of the grid with the highest predicted speedup at τ = acc.tau(tree)."""
-    preds = [predict(dev, target, t, acc.tau(t), batch, context) for t in (trees or tree_grid())]
+    preds = [
+        predict(dev, target, t, acc.tau(t), batch, context, routing=routing)
+        for t in (trees or tree_grid())
+    ]
     return max(preds, key=lambda p: p.speedup)
 
 

@@ -7,7 +7,9 @@ cache size S and the parameters' dtype.
 
 What is counted (per program; `Phase` fields):
   weights: every weight matrix the phase multiplies by, read once (the embedding only as the rows
-    gathered, unless it is the tied output layer);
+    gathered, unless it is the tied output layer); of a mixture-of-experts layer, the router and
+    only the experts the forward's tokens touch (`experts`: k at one token, nearly all E for a
+    60-token tree), unless the dispatch is dense;
   kv: the KV cache read and written. Attention reads the WHOLE static buffer (`slots`) whatever
     the current length (the mask hides the rest), so S is the buffer size `plan_shape` picks, not
     the tokens so far. A verification also writes a float32 copy of V for its float32 p.V
@@ -17,6 +19,7 @@ What is counted (per program; `Phase` fields):
     passes over [B, H, T, S + T]), logits in float32 (written and read again by the top-k or the
     argmax), aux features;
   flops: 2 x rows x weights for every product, plus QK and p.V; elementwise work is left out.
+    A routed layer's: the router and k experts a token (k / E of running every expert).
     `fp32_flops` are the products XLA runs at float32 precision: p.V of a verification or a
     draft step (`Precision.HIGHEST`), and a one-query step's multiply-and-sum attention. On a GPU
     they run on the CUDA cores (67 TFLOP/s on an H100, not 989), on a TPU as 6 bf16 passes.
@@ -28,7 +31,8 @@ Time of a phase = max(bytes / bandwidth, flops / peak + fp32_flops / fp32 peak) 
 collectives; a program's time = the sum of its phases (they are data dependent, so one's memory
 traffic cannot hide under another's compute) + `Device.launch_s` once (each is one jitted
 program). With `chips` > 1 (tensor parallel over the model axis) bytes and FLOPs split evenly and
-each layer pays two all-reduces of `Device.allreduce_s`.
+each layer pays two all-reduces of `Device.allreduce_s`; a routed layer's experts are split by
+expert (expert parallelism), so its expert bytes are charged as the busiest chip's.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from eagle3_jax.accelerators.experts import ROUTED, Routing, busiest_chip
 from eagle3_jax.accelerators.specs import Device
 from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.decoding.tree import TreeConfig
@@ -113,11 +118,11 @@ class Program:
 # ----------------------------------------------------------------------------- counting
 
 
-def _layer_weights(tcfg: TargetConfig) -> int:
-    """Parameters of one target layer (projections, MLP, norms, biases)."""
-    d, f = tcfg.hidden_size, tcfg.intermediate_size
+def _attention_weights(tcfg: TargetConfig) -> int:
+    """Parameters of one target layer's attention and norms (projections, biases, q/k norms)."""
+    d = tcfg.hidden_size
     hk, gk = tcfg.num_heads * tcfg.head_dim, tcfg.num_kv_heads * tcfg.head_dim
-    n = d * hk + 2 * d * gk + hk * d + 3 * d * f + 2 * d
+    n = d * hk + 2 * d * gk + hk * d + 2 * d
     if tcfg.attention_bias:
         n += hk + 2 * gk
     if tcfg.qk_norm == "head":
@@ -127,12 +132,28 @@ def _layer_weights(tcfg: TargetConfig) -> int:
     return n
 
 
+def expert_weights(tcfg: TargetConfig) -> int:
+    """Parameters of one expert (its gate, up and down projections)."""
+    return 3 * tcfg.hidden_size * tcfg.moe_intermediate_size
+
+
+def _layer_weights(tcfg: TargetConfig, layer: int) -> int:
+    """Parameters of one target layer: attention, norms, and its MLP (a dense SwiGLU, or a routed
+    layer's router [D, E] and all E experts)."""
+    d = tcfg.hidden_size
+    if tcfg.is_moe_layer(layer):
+        mlp = d * tcfg.num_experts + tcfg.num_experts * expert_weights(tcfg)
+    else:
+        mlp = 3 * d * tcfg.intermediate_size
+    return _attention_weights(tcfg) + mlp
+
+
 def target_params(tcfg: TargetConfig) -> int:
     """All target parameters (embedding, layers, final norm, untied output layer)."""
     vd = tcfg.vocab_size * tcfg.hidden_size
     return (
         vd * (1 if tcfg.tie_word_embeddings else 2)
-        + tcfg.num_layers * _layer_weights(tcfg)
+        + sum(_layer_weights(tcfg, i) for i in range(tcfg.num_layers))
         + tcfg.hidden_size
     )
 
@@ -238,35 +259,56 @@ def _attention(
 def target_forward(
     tcfg: TargetConfig,
     batch: int,
-    tokens: int,
+    tokens: float,
     slots: int,
     dtype_bytes: int = 2,
     *,
     verify: bool = False,
     aux_layers: int = 0,
     name: str = "target",
+    routing: Routing = ROUTED,
+    chips: int = 1,
 ) -> Phase:
     """One target forward of `tokens` new tokens per row against a `slots`-slot cache, logits for
     every token. verify=False: a decode step (new K/V written in place into the cache first);
     verify=True: a tree verification (cache only read, new K/V returned and the own entries
-    joined in the softmax: `target.forward(mask_new=...)`)."""
+    joined in the softmax: `target.forward(mask_new=...)`).
+
+    A routed (mixture-of-experts) layer reads its router and the experts its b x tokens tokens
+    touch (`routing.touched`: the uniform expectation or a measured count; all E under a dense
+    dispatch), and runs `routing.experts_per_token` experts per token. With the experts split
+    over `chips` chips the bytes charged are `chips` x the busiest chip's (`experts.busiest_chip`),
+    so the even split `Phase.time_s` makes gives the busiest chip's time."""
     b, t, db = batch, tokens, dtype_bytes
     d, f, v = tcfg.hidden_size, tcfg.intermediate_size, tcfg.vocab_size
     h, g, k = tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim
     hk, gk = h * k, g * k
     n_layers = tcfg.num_layers
-    mat = n_layers * (d * hk + 2 * d * gk + hk * d + 3 * d * f) + d * v  # multiplied weights
-    weights = (target_params(tcfg) - v * d * (0 if tcfg.tie_word_embeddings else 1)) * db
+    n_moe = len(tcfg.moe_layers)
+    n_dense = n_layers - n_moe
+    e, fe = tcfg.num_experts, tcfg.moe_intermediate_size
+    # multiplied weights per token: attention, dense MLPs, output layer; routers and the experts
+    # each token runs
+    mat = n_layers * (d * hk + 2 * d * gk + hk * d) + n_dense * 3 * d * f + d * v
+    weights = target_params(tcfg) - v * d * (0 if tcfg.tie_word_embeddings else 1)
     # ^ every parameter except the input embedding table, of which only b * t rows are read
+    if n_moe:
+        per_token = routing.experts_per_token(tcfg)
+        mat += n_moe * (d * e + per_token * expert_weights(tcfg))
+        read = chips * busiest_chip(e, routing.touched(tcfg, b * t), chips)
+        weights += n_moe * (read - e) * expert_weights(tcfg)  # the touched experts, not all
     kv_l, scores_l, mm_l, f32_l = _attention(b, h, g, k, t, slots, db, own=verify, mixed=db < 4)
     kv = n_layers * (kv_l + 2 * b * t * gk * db)  # + the new entries written
-    acts = n_layers * (b * t * _layer_act_elems(d, f, hk, gk, d) * db + scores_l)
+    acts = n_dense * b * t * _layer_act_elems(d, f, hk, gk, d) * db + n_layers * scores_l
+    if n_moe:  # the MLP's intermediates are each token's experts'; fp32 router logits and probs
+        wide = routing.experts_per_token(tcfg) * fe
+        acts += n_moe * b * t * (_layer_act_elems(d, wide, hk, gk, d) * db + 4 * e * 4)
     acts += b * t * d * db  # embedding rows gathered
     acts += 2 * b * t * v * 4  # fp32 logits written, read by sampling / acceptance
     acts += 2 * b * t * aux_layers * d * db  # aux features concatenated and read
     return Phase(
         name,
-        weights=weights,
+        weights=weights * db,
         kv=kv,
         activations=acts,
         flops=2 * b * t * mat + n_layers * mm_l,
@@ -320,9 +362,20 @@ def draft_forward(
 # ----------------------------------------------------------------------------- the two programs
 
 
-def plain_step(tcfg: TargetConfig, batch: int, slots: int, dtype_bytes: int = 2) -> Program:
-    """`plain.decode_step`: one token per row through the target, logits, sampling."""
-    return Program("plain_step", (target_forward(tcfg, batch, 1, slots, dtype_bytes, name="step"),))
+def plain_step(
+    tcfg: TargetConfig,
+    batch: int,
+    slots: int,
+    dtype_bytes: int = 2,
+    routing: Routing = ROUTED,
+    chips: int = 1,
+) -> Program:
+    """`plain.decode_step`: one token per row through the target, logits, sampling (`routing`,
+    `chips`: a routed layer's experts, as `target_forward`)."""
+    step = target_forward(
+        tcfg, batch, 1, slots, dtype_bytes, name="step", routing=routing, chips=chips
+    )
+    return Program("plain_step", (step,))
 
 
 def spec_round(
@@ -334,6 +387,8 @@ def spec_round(
     dtype_bytes: int = 2,
     verify_tokens: float | None = None,
     fused_gather: bool = False,
+    routing: Routing = ROUTED,
+    chips: int = 1,
 ) -> Program:
     """`speculative.round_step` with the eagle3 drafter, greedy, verify threshold 0
     (`fused_gather`: SpecVocab's candidate rows counted as `output_layer`'s lower bound):
@@ -342,7 +397,9 @@ def spec_round(
       the one row that roots the tree;
     expand_2 .. expand_depth: draft forward over top_k rows (its own features), lm_head on them;
     verify: the target over total_tokens tokens (or `verify_tokens`: a mean verified size, for
-      the adaptive threshold) with the 3 aux layers;
+      the adaptive threshold; a MoE target's experts are then those of the mean size, which
+      over-counts them a little, the count being concave in the size) with the 3 aux layers, a
+      routed layer's experts as `routing` and `chips` say (`target_forward`);
     bookkeeping: pool top-k, select_tree's and acceptance's loops over the nodes, the path's K/V
       gathered."""
     b, db = batch, dtype_bytes
@@ -380,8 +437,9 @@ def spec_round(
         )
     n1 = tree.total_tokens if verify_tokens is None else verify_tokens
     verify = target_forward(
-        tcfg, b, n1, slots, db, verify=True, aux_layers=dcfg.n_aux, name="verify"
-    )
+        tcfg, b, n1, slots, db, verify=True, aux_layers=dcfg.n_aux, name="verify",
+        routing=routing, chips=chips,
+    )  # fmt: skip
     phases.append(verify)
     n = tree.total_tokens - 1
     pool = tree.pool_size

@@ -110,6 +110,28 @@ TARGETS: dict[str, TargetConfig] = {
         num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm="head",
         tie_word_embeddings=True, rope=RopeConfig(1000000.0),
     ),
+    # Qwen/Qwen3-30B-A3B: mixture of experts, every layer routed, 128 experts of width 768, top 8
+    # (renormalised); 30.5B parameters, 3.3B active a token
+    "qwen3_30b_a3b": _target(
+        family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, qk_norm="head",
+        rope=RopeConfig(1000000.0), num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, moe_layers=tuple(range(48)),
+    ),
+    # openai/gpt-oss-20b: 24 layers, every one routed over 32 experts of width 2880, top 4 (a
+    # softmax over the top 4 logits: renormalised), attention biases, a 128-token sliding window
+    # on the even layers and attention sinks; YaRN RoPE. Its experts are MXFP4 on the hub (4.25
+    # bits a weight); our loader dequantises them to bf16, so the cost model counts bf16 bytes
+    # (20.9B parameters, 3.6B active a token). Not counted: the sinks (64 a layer), the output
+    # projection's and the experts' biases (0.3M a layer, 0.03 %), which config.py cannot state yet
+    "gpt_oss_20b": _target(
+        family="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, attention_bias=True,
+        sliding_window=128, full_attention_layers=tuple(range(1, 24, 2)),
+        rope=RopeConfig(150000.0, "yarn", 32.0, 1.0, 4.0, 4096), num_experts=32,
+        num_experts_per_tok=4, moe_intermediate_size=2880, norm_topk_prob=True,
+        moe_layers=tuple(range(24)),
+    ),
     # HuggingFaceTB/SmolLM2-135M-Instruct (our CPU target; tied embeddings)
     "smollm2_135m": _target(
         family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -166,6 +188,31 @@ REAL_TARGETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 100257,
         "eos_token_id": 100257,
         "pad_token_id": 100277,
+    },
+    "qwen3_30b_a3b": {  # Qwen/Qwen3-30B-A3B
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
     },
     "qwen3_4b": {  # Qwen/Qwen3-4B
         "architectures": ["Qwen3ForCausalLM"],
