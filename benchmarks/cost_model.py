@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """What a plain step and a speculative round cost on accelerators, predicted from the shapes
 (`eagle3_jax.accelerators`: roofline, acceptance, predict): tables per device x target x tree,
-the best tree per device, the calibration against published speedups and our CPU measurement,
-a JSON and a plot.
+the best tree per device, mixture-of-experts targets beside Llama-3.1-8B, the calibration against
+published speedups and our CPU measurement, a JSON and a plot.
 
   .venv/bin/python benchmarks/cost_model.py                 # tables, JSON, plot (~10 s)
   .venv/bin/python benchmarks/cost_model.py --xla           # + XLA's own FLOP counts (~20 s more)
+  .venv/bin/python benchmarks/cost_model.py --expert-counts qwen3_30b_a3b=counts.json
+      # a MoE target's distinct experts per forward as its router measured them
+      # (`accelerators.experts.ExpertCounts`), in place of the uniform expectation
 
 No device is used: bytes and FLOPs are counted from the configs; --xla lowers the real programs
 (`eagle3_jax.accelerators.programs`, Llama-3.1-8B shapes, on this CPU) and compares their
@@ -20,13 +23,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3_jax.accelerators import acceptance, hbm, predict, roofline, specs  # noqa: E402
+from eagle3_jax.accelerators import acceptance, experts, hbm, predict, roofline, specs  # noqa: E402
 from eagle3_jax.decoding.tree import TreeConfig  # noqa: E402
 from eagle3_jax.evaluation import study  # noqa: E402
 
@@ -51,6 +55,10 @@ CPU_MEASURED = {
     "AMD EPYC, XLA products (verify_cost_logit_reduce.json)": 1.48,
 }
 LAYER_OVERHEAD_S = 50e-6  # an eager framework: ~10 kernel launches of ~5 us per layer (assumed)
+# mixture-of-experts targets beside Llama-3.1-8B; "<name>_dense_twin": the target with each routed
+# MLP one dense SwiGLU k x F' wide (the same active size, `experts.dense_twin`)
+MOE_TARGETS = ("llama31_8b", "qwen3_30b_a3b", "qwen3_30b_a3b_dense_twin", "gpt_oss_20b")
+TWIN = "_dense_twin"
 
 
 def us(s: float) -> str:
@@ -69,6 +77,10 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--tau", type=float, default=acceptance.EAGLE3_LLAMA_TAU, help="τ at 10/8/60")
     p.add_argument("--xla", action="store_true", help="compare with XLA's cost_analysis FLOPs")
+    p.add_argument(
+        "--expert-counts", action="append", default=[], metavar="TARGET=FILE",
+        help="measured distinct experts per forward for a MoE target (experts.ExpertCounts JSON)",
+    )  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/cost_model"))
     p.add_argument(
         "--gpu-speed", default=str(ROOT / "benchmarks/results/gpu_speed/summary.json"),
@@ -199,6 +211,8 @@ def main(argv=None) -> int:
     ))  # fmt: skip
 
     res["vocab_methods"] = vocab_section(args.context)
+    counts = dict(c.split("=", 1) for c in args.expert_counts)
+    res["moe"] = moe_section(args.context, batches, acc, counts)
 
     # 5. acceptance model against our measured τ
     acc_rows = [
@@ -237,7 +251,7 @@ def main(argv=None) -> int:
              for r in res["kernel_cost"]["recheck"]],
         ))  # fmt: skip
 
-    (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / "results.json").write_text(dump(res))
     plot(out / "speedup_vs_tree.png", acc, args.context)
     print(f"\nwrote {out / 'results.json'} and {out / 'speedup_vs_tree.png'}")
     return 0
@@ -281,6 +295,118 @@ def vocab_section(context: int) -> dict:
         "paper_specvocab_over_eagle3": {"tps_olmo2_7b": tps, "tau_olmo2_1b": tau_1b},
         "implied_tau_ratio_olmo2_7b": implied,
     }
+
+
+def moe_target(name: str):
+    """A MOE_TARGETS name -> its TargetConfig."""
+    if name.endswith(TWIN):
+        return experts.dense_twin(specs.TARGETS[name[: -len(TWIN)]])
+    return specs.TARGETS[name]
+
+
+def moe_section(
+    context: int, batches: list[int], acc: acceptance.Acceptance, counts: dict[str, str]
+) -> dict:
+    """Mixture-of-experts targets beside Llama-3.1-8B and a dense twin of Qwen3-30B-A3B's active
+    size, per batch and device: the plain step, the distinct experts a layer reads in a step and
+    in the reporting tree's verification (the uniform expectation, or `counts`' measured file per
+    target), each tree's round in plain steps and speedup at the assumed head's τ, and the best
+    tree of the grid; then our engine's dense dispatch (every expert read and run) for contrast."""
+    routings = {
+        name: experts.Routing(measured=experts.ExpertCounts.from_json(path))
+        for name, path in counts.items()
+    }
+    rows, recs, best_recs = [], [], []
+    for b in batches:
+        for dname, dev in specs.DEVICES.items():
+            for name in MOE_TARGETS:
+                tcfg, routing = moe_target(name), routings.get(name, experts.ROUTED)
+                moe = bool(tcfg.num_experts)
+                step_experts = routing.touched(tcfg, b) if moe else None
+                cells = []
+                for tree in TREES.values():
+                    pr = predict.predict(
+                        dev, tcfg, tree, acc.tau(tree), b, context, routing=routing
+                    )
+                    touched = routing.touched(tcfg, b * tree.total_tokens) if moe else None
+                    recs.append([
+                        b, dname, name, pr.chips, pr.plain_s * 1e6, step_experts,
+                        predict.tree_text(tree), pr.round_s * 1e6, touched, pr.ratio, pr.tau,
+                        pr.speedup,
+                    ])  # fmt: skip
+                    cells.append(recs[-1])
+                best = predict.best_tree(dev, tcfg, acc, b, context, routing=routing)
+                best_recs.append([
+                    b, dname, name, predict.tree_text(best.tree), best.round_s * 1e6, best.ratio,
+                    best.tau, best.speedup,
+                ])  # fmt: skip
+                rep = cells[0]  # the reporting tree's
+                rows.append([
+                    b, dname, name, pr.chips, us(pr.plain_s),
+                    "-" if not moe else f"{step_experts:.1f} / {tcfg.num_experts}",
+                    us(rep[7] * 1e-6), "-" if not moe else f"{rep[8]:.1f}",
+                    *[f"{c[11]:.2f}× ({c[9]:.2f})" for c in cells],
+                    f"{predict.tree_text(best.tree)}: {best.speedup:.2f}× (τ {best.tau:.2f})",
+                ])  # fmt: skip
+    print(f"\n## Mixture-of-experts targets beside Llama-3.1-8B (context {context}; τ from the "
+          f"assumed head for every target; experts: distinct per routed layer)\n")  # fmt: skip
+    print(table(
+        ["B", "device", "target", "chips", "plain µs", "experts a step", "10/8/60 round µs",
+         "experts a round", *[f"{t}: speedup (round/plain)" for t in TREES], "best tree"],
+        rows,
+    ))  # fmt: skip
+    # our engine's dense dispatch (models.target._moe): every expert read and run on every token
+    dense, dense_rows = experts.Routing("dense"), []
+    h100, rep_tree = specs.DEVICES["H100"], acceptance.REPORTING_TREE
+    for b in batches:
+        for name in ("qwen3_30b_a3b", "gpt_oss_20b"):
+            tcfg = moe_target(name)
+            for label, routing in (("routed", experts.ROUTED), ("dense dispatch", dense)):
+                pr = predict.predict(h100, tcfg, rep_tree, acc.tau(rep_tree), b, context,
+                                     routing=routing)  # fmt: skip
+                dense_rows.append(
+                    [b, name, label, pr.plain_s * 1e6, pr.round_s * 1e6, pr.ratio, pr.speedup]
+                )
+    print("\nRouted (an engine that runs the chosen experts only) against our engine's dense "
+          "dispatch, H100, 10/8/60:\n")  # fmt: skip
+    print(table(
+        ["B", "target", "dispatch", "plain µs", "round µs", "round/plain", "speedup"],
+        [[b, n, d, us(p * 1e-6), us(r * 1e-6), f"{q:.2f}", f"{x:.2f}×"]
+         for b, n, d, p, r, q, x in dense_rows],
+    ))  # fmt: skip
+    return {
+        "routing": {
+            n: ("measured: " + routings[n].measured.source) if n in routings else "uniform"
+            for n in MOE_TARGETS if moe_target(n).num_experts
+        },
+        "columns": ["batch", "device", "target", "chips", "plain_us", "experts_step", "tree",
+                    "round_us", "experts_round", "ratio", "tau", "speedup"],
+        "rows": recs,
+        "best_columns": ["batch", "device", "target", "tree", "round_us", "ratio", "tau",
+                         "speedup"],
+        "best": best_recs,
+        "dispatch_h100_columns": ["batch", "target", "dispatch", "plain_us", "round_us", "ratio",
+                                  "speedup"],
+        "dispatch_h100": dense_rows,
+    }  # fmt: skip
+
+
+def dump(res: dict) -> str:
+    """JSON, indented, each list of plain values on one line (the tables' rows)."""
+    text = json.dumps(rounded(res), indent=1, default=str)
+    inner = re.compile(r"\[\n\s*([^\[\]{}]*?)\n\s*\]")
+    return inner.sub(lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text)
+
+
+def rounded(x, digits: int = 5):
+    """Floats to `digits` significant digits (the JSON's size; the model is no more precise)."""
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}")
+    if isinstance(x, dict):
+        return {k: rounded(v, digits) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [rounded(v, digits) for v in x]
+    return x
 
 
 def pred_dict(p: predict.Prediction) -> dict:
