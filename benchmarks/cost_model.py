@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                         b, dname, tg, tname, pr.chips, us(pr.plain_s), us(pr.round_s),
                         f"{pr.ratio:.2f}", f"{pr.tau:.2f}", f"{pr.speedup:.2f}",
                     ])  # fmt: skip
-    res["predictions"] = recs
+    res["predictions"] = columnar(recs)
     print(f"## Predicted cost, context {args.context} (τ from the assumed head: {acc.label})\n")
     print(table(
         ["B", "device", "target", "tree", "chips", "plain µs", "round µs", "round/plain", "τ",
@@ -139,7 +139,8 @@ def main(argv=None) -> int:
                     b, dname, tg, predict.tree_text(bc.tree), f"{bc.tau:.2f}", f"{bc.speedup:.2f}",
                     predict.tree_text(bt.tree), f"{bt.tau:.2f}", f"{bt.speedup:.2f}",
                 ])  # fmt: skip
-    res["best_trees"] = best
+    kinds = ("best", "best_chain", "best_branching")
+    res["best_trees"] = columnar([{"kind": k, **e[k]} for e in best for k in kinds])
     print(f"\n## Best tree per device ({len(trees)} shapes; τ from the acceptance model)\n")
     print(table(
         ["B", "device", "target", "best chain", "τ", "speedup", "best tree", "τ", "speedup"],
@@ -396,6 +397,12 @@ def dump(res: dict) -> str:
     text = json.dumps(rounded(res), indent=1, default=str)
     inner = re.compile(r"\[\n\s*([^\[\]{}]*?)\n\s*\]")
     return inner.sub(lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text)
+
+
+def columnar(records: list[dict]) -> dict:
+    """Records with the same keys as {"columns": keys, "rows": [values, ...]} (the JSON's size)."""
+    cols = list(records[0])
+    return {"columns": cols, "rows": [[r[c] for c in cols] for r in records]}
 
 
 def rounded(x, digits: int = 5):

@@ -1,5 +1,5 @@
-"""Building blocks shared by the target and the draft: RMSNorm, RoPE, masked GQA attention, the
-gated MLP (SwiGLU, Gemma's GeGLU).
+"""Building blocks shared by the target and the draft: RMSNorm, RoPE, masked GQA attention (with
+gpt-oss's attention sinks), the gated MLP (SwiGLU, Gemma's GeGLU).
 
 Each mirrors the transformers PyTorch computation order (fp32 statistics, cast back to the compute
 dtype) so that parity tests hold at 1e-4 or tighter.
@@ -28,11 +28,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = Fa
     return weight * xf.astype(x.dtype)
 
 
-def rope_cos_sin(positions_BT: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables [B, T, 1, K] for rotate-half RoPE at arbitrary (tree) positions."""
+def rope_cos_sin(
+    positions_BT: jax.Array, inv_freq: np.ndarray, scale: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [B, T, 1, K] for rotate-half RoPE at arbitrary (tree) positions, times
+    `scale` where it is not 1 (YaRN's attention factor, `RopeConfig.attention_factor`: both q and
+    k are rotated with the scaled tables, as transformers does)."""
     freqs = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    return jnp.cos(emb), jnp.sin(emb)
+    if scale == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * np.float32(scale), jnp.sin(emb) * np.float32(scale)
 
 
 def apply_rope(x_BTHK: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -94,6 +100,7 @@ def attention(
     kind: str = "exact",
     one_range: bool = True,
     scale: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention of T queries over S keys under an explicit boolean mask.
 
@@ -109,16 +116,19 @@ def attention(
     verification through the flash-decoding kernel (`pallas_attention`) where `one_range` (the
     caller's promise that every query's cached slots are the first query's, one contiguous range:
     no sliding window across a tree), else the mixed path. `scale`: the scores' scale (default
-    1 / sqrt(K); Gemma 3's 1 / sqrt(query_pre_attn_scalar)).
+    1 / sqrt(K); Gemma 3's 1 / sqrt(query_pre_attn_scalar)). `sinks` [H] (gpt-oss): a learned
+    logit per query head that joins the softmax's denominator once and contributes no value, as
+    transformers' eager_attention_forward appends it as one more column and drops it.
     """
     if kind == "pallas" and one_range and (q_BTHK.shape[1] == 1 or k_new is not None):
         return pallas_attention(
-            q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT, scale=scale
+            q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT, scale=scale, sinks=sinks
         )
     if kind in ("mixed", "pallas"):
         return mixed_attention(
-            q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT, kind == "pallas", scale
-        )
+            q_BTHK, k_BGKS, v_BGSK, mask_BTS, k_new, v_new, mask_new_BTT, kind == "pallas", scale,
+            sinks,
+        )  # fmt: skip
     b, t, h, k = q_BTHK.shape
     g = k_BGKS.shape[1]
     r = h // g
@@ -161,7 +171,12 @@ def attention(
         )
         own = jnp.where(mask_new_BTT[:, None, None, :, :], own * scale, NEG_INF)
         scores = jnp.concatenate([scores, own], axis=-1)
+    if sinks is not None:  # one more column in the softmax, dropped after it
+        sink = jnp.broadcast_to(_head_sinks(sinks, g, r), (*scores.shape[:-1], 1))
+        scores = jnp.concatenate([scores, sink], axis=-1)
     probs = jax.nn.softmax(scores, axis=-1).astype(pv_dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
     p = probs[..., :s].reshape(b, g, r * t, s)
     if t == 1:
         out = jnp.sum(p[..., None] * v_BGSK[:, :, None].astype(f32), axis=-2)
@@ -195,6 +210,7 @@ def mixed_attention(
     mask_new_BTT: jax.Array | None = None,
     slot_major: bool = False,
     scale: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """`attention` as flash attention computes it, for accelerators with bf16 weights: both
     products take their inputs in the cache's dtype (queries, and the probabilities, rounded to
@@ -204,12 +220,18 @@ def mixed_attention(
     [.., S + T] score matrix is concatenated. Unlike the exact path, a decode step and a
     verification round their probabilities alike, and neither runs fp32 products at HIGHEST (on
     an H100's CUDA cores, 67 TFLOP/s against the matrix units' 989). `slot_major`: K is
-    [B, G, S, K]; `scale`: `attention`'s."""
+    [B, G, S, K]; `scale`, `sinks`: `attention`'s (a sink enters the merged denominator once,
+    after the parts are merged)."""
     q = _grouped_queries(q_BTHK, k_BGKS.shape[1], v_BGSK.dtype)
     k_spec = "bgrtk,bgsk->bgrts" if slot_major else "bgrtk,bgks->bgrts"
     scores = jnp.einsum(k_spec, q, k_BGKS, preferred_element_type=jnp.float32)
     part = _reduced_part(scores, mask_BTS, v_BGSK, "bgrts,bgsk->bgrtk", scale)
-    return _merged_heads(q, *part, k_new, v_new, mask_new_BTT, scale)
+    return _merged_heads(q, *part, k_new, v_new, mask_new_BTT, scale, sinks)
+
+
+def _head_sinks(sinks_H: jax.Array, groups: int, rep: int) -> jax.Array:
+    """gpt-oss's per-head sink logits [H] as fp32 [1, G, R, 1, 1] (head h = g R + r)."""
+    return sinks_H.astype(jnp.float32).reshape(1, groups, rep, 1, 1)
 
 
 def _grouped_queries(q_BTHK: jax.Array, groups: int, dtype) -> jax.Array:
@@ -232,10 +254,11 @@ def _reduced_part(scores, mask, values, spec: str, scale=None):
     return top, jnp.sum(p, axis=-1, keepdims=True), pv
 
 
-def _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT, scale=None):
+def _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT, scale=None, sinks=None):
     """The cached part's (max, sum of exponentials, unnormalised p.V) with a verification's new
     entries ([B, U, G, K] under mask_new [B, T, U], when given) merged in by their log-sum-exp,
-    normalised, as [B, T, H, K] in the cache's dtype; q [B, G, R, T, K] in that dtype."""
+    and then the sinks [H] (gpt-oss: one more exponential in each head's sum, no value), when
+    given; normalised, as [B, T, H, K] in the cache's dtype; q [B, G, R, T, K] in that dtype."""
     dt = q.dtype
     if k_new is not None:  # rounded to the cache's dtype, as a decode step writes them
         kn, vn = k_new.astype(dt), v_new.astype(dt)
@@ -243,7 +266,12 @@ def _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT, scale=None):
         top2, total2, out2 = _reduced_part(s_new, mask_new_BTT, vn, "bgrtu,bugk->bgrtk", scale)
         both = jnp.maximum(top, top2)
         a, a2 = jnp.exp(top - both), jnp.exp(top2 - both)
-        out, total = out * a + out2 * a2, total * a + total2 * a2
+        out, total, top = out * a + out2 * a2, total * a + total2 * a2, both
+    if sinks is not None:
+        sink = _head_sinks(sinks, q.shape[1], q.shape[2])
+        both = jnp.maximum(top, sink)
+        a = jnp.exp(top - both)
+        out, total = out * a, total * a + jnp.exp(sink - both)
     b, g, r, t, k = out.shape
     return (out / total).astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, t, g * r, k)
 
@@ -267,6 +295,7 @@ def pallas_attention(
     mask_new_BTT: jax.Array | None = None,
     interpret: bool | None = None,
     scale: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """`mixed_attention` with the cached part through JAX's Pallas flash-decoding kernel
     (jax.experimental.pallas.ops.gpu.decode_attention, Triton on a GPU), which reads only each
@@ -275,7 +304,8 @@ def pallas_attention(
     returning its max and sum of exponentials so that the splits, and then the tree's own
     entries, are merged by their log-sum-exp. The T queries of a row ride as T x R heads of each
     kv head. K and V are [B, G, S, K] (`slot_major_keys`). `interpret` (default: off a GPU) runs
-    the kernel through Pallas' interpreter, for the CPU's tests; `scale`: `attention`'s."""
+    the kernel through Pallas' interpreter, for the CPU's tests; `scale`: `attention`'s;
+    `sinks` (`attention`'s) join the merge after the kernel, which never sees them."""
     from jax.experimental.pallas.ops.gpu import decode_attention as flash
 
     b, t, h, k = q_BTHK.shape
@@ -301,7 +331,7 @@ def pallas_attention(
     top = top.reshape(b, g, r, t, 1)
     total = total.reshape(b, g, r, t, 1)
     out = o.reshape(b, g, r, t, k).astype(jnp.float32) * total  # unnormalised, as mixed's
-    return _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT, scale)
+    return _merged_heads(q, top, total, out, k_new, v_new, mask_new_BTT, scale, sinks)
 
 
 def write_kv(
@@ -335,14 +365,15 @@ def cached_attention(
     kind: str = "exact",
     one_range: bool = True,
     scale: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Attention of a layer's new q/k/v [B, T, ...] with its K/V cache, -> (out, kv):
     no cache: over the T new tokens; kv is None;
     a cache, no mask_new: the new K/V written at write_B first, then attended; kv the new cache;
     a cache and mask_new: the cache only read, the new K/V joined in one softmax; kv the new
       entries (k, v) [B, T, G, K], for the caller to write where it wants (`write_kv`).
-    `kind`, `one_range`, `scale`: `attention`'s (a "pallas" cache is slot-major)."""
-    at = functools.partial(attention, kind=kind, one_range=one_range, scale=scale)
+    `kind`, `one_range`, `scale`, `sinks`: `attention`'s (a "pallas" cache is slot-major)."""
+    at = functools.partial(attention, kind=kind, one_range=one_range, scale=scale, sinks=sinks)
     if kv is not None and mask_new is not None:
         with jax.named_scope("attention"):
             return at(q, kv[0], kv[1], mask, k, v, mask_new), (k, v)
