@@ -27,6 +27,7 @@ FAMILIES = {
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model; the vision tower is ignored
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 MODEL_TYPES = {
     "llama": "llama",
@@ -38,9 +39,10 @@ MODEL_TYPES = {
     "gemma3": "gemma3",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "gpt_oss": "gpt_oss",
 }
 # the mixture-of-experts families (`TargetConfig.num_experts` > 0)
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -56,7 +58,12 @@ def default_dtype(name: str | None = None):
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding: `kind` is "default", "linear" or "llama3"."""
+    """Rotary embedding: `kind` is "default", "linear", "llama3" or "yarn".
+
+    YaRN (gpt-oss) reads `factor`, `original_max_position`, `beta_fast`, `beta_slow` and
+    `truncate` (`rope_inv_freq`), and multiplies the cos/sin tables by `attention_factor`
+    (transformers' attention_scaling, its "mscale": 1 for every other kind). `to_json` leaves
+    these four fields out at their defaults, so other configs' files are unchanged."""
 
     theta: float = 10000.0
     kind: str = "default"
@@ -64,6 +71,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,17 +96,17 @@ PLAIN_PRODUCTS = ProductPolicy()
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """A decoder-only target model (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 / Gemma 3's text
-    model, and the mixture-of-experts Qwen3-MoE / Mixtral).
+    model, and the mixture-of-experts Qwen3-MoE / Mixtral / gpt-oss).
 
     `qk_norm`: "none", "head" (Qwen3: RMSNorm over head_dim per head) or "full" (OLMo 2: RMSNorm over
     all heads' q and k before the head split). `norm_placement`: "pre" (Llama), "post" (OLMo 2: the
     norm is applied to each block's output before the residual add) or "sandwich" (Gemma 3: both,
     four norms a layer). `sliding_window`: the window of the sliding-window layers, every layer but
-    those in `full_attention_layers` (Mistral: all; Gemma 3: its "sliding_attention" layer_types);
-    the layers apply it themselves (`models.target.forward`), so callers' masks are plain causal.
-    `products`: how a few rows
-    are multiplied (ProductPolicy); `attention`: how attention computes its probabilities and
-    p.V (`models.layers.attention`: "exact", or "mixed" as flash attention does); both properties
+    those in `full_attention_layers` (Mistral: all; Gemma 3, gpt-oss: their "sliding_attention"
+    layer_types); the layers apply it themselves (`models.target.forward`), so callers' masks
+    are plain causal. `products`: how a few rows are multiplied (ProductPolicy); `attention`:
+    how attention computes its probabilities and p.V (`models.layers.attention`: "exact", or
+    "mixed" as flash attention does); both properties
     of the machine, not of the checkpoint (`eagle3_jax.backends` chooses them), so they are left
     out of `to_json`.
 
@@ -117,6 +128,15 @@ class TargetConfig:
     vLLM's EAGLE-3 heads do: docs/design.md, "Gemma 3 targets"); `query_pre_attn_scalar`, the
     attention scale's 1 / sqrt of it in place of head_dim's; `final_logit_softcapping`, the
     logits as cap * tanh(x / cap) where set.
+
+    gpt-oss (`to_json` leaves each out at its default; docs/design.md, "gpt-oss targets"):
+    `attention_sinks`, a learned logit per query head (the layer's `sinks` [H]) that joins each
+    softmax's denominator and nothing else; `attention_out_bias`, the output projection's bias
+    `bo` [D]; `moe_bias`, biases on the router and on every expert projection;
+    `router_topk_logits`, the top k of the router's logits and then the softmax over those k
+    (rather than the top k of the softmax over all experts); `swiglu_limit` / `swiglu_alpha`,
+    the experts' clamped SwiGLU, (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    g = min(gate, limit), where set.
     """
 
     family: str
@@ -150,6 +170,12 @@ class TargetConfig:
     scale_embeddings: bool = False
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
+    moe_bias: bool = False
+    router_topk_logits: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
     products: ProductPolicy = PLAIN_PRODUCTS
     attention: str = "exact"
 
@@ -200,9 +226,14 @@ class TargetConfig:
         if not self.num_experts:  # a dense config's file stays as it was before MoE targets
             for name in _MOE_FIELDS:
                 del d[name]
-        for name, default in _GEMMA_FIELDS.items():  # and as it was before Gemma 3
+        for name, default in {**_GEMMA_FIELDS, **_GPT_OSS_FIELDS}.items():  # and before those
             if d[name] == default:
                 del d[name]
+        for name in ("rope", "sliding_rope"):  # YaRN's fields only where they say something
+            if d.get(name) is not None:
+                for field, default in _YARN_FIELDS.items():
+                    if d[name][field] == default:
+                        del d[name][field]
         return json.dumps(d, indent=1)
 
     @classmethod
@@ -236,19 +267,36 @@ _GEMMA_FIELDS = {
     "query_pre_attn_scalar": None,
     "final_logit_softcapping": None,
 }
+# gpt-oss's fields and their defaults
+_GPT_OSS_FIELDS = {
+    "attention_sinks": False,
+    "attention_out_bias": False,
+    "moe_bias": False,
+    "router_topk_logits": False,
+    "swiglu_limit": None,
+    "swiglu_alpha": None,
+}
+# RopeConfig's YaRN fields and their defaults
+_YARN_FIELDS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "attention_factor": 1.0}
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+def _rope_from_hf(hf: dict[str, Any], theta: float = 10000.0) -> RopeConfig:
+    """The RoPE of a config.json (`theta` where it names none: the family's default)."""
     # transformers 5.x keeps theta and scaling under `rope_parameters`; 4.x under rope_theta/rope_scaling.
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     if scaling:
         params = {**params, **scaling}
-    return _rope_params(params, float(hf.get("rope_theta", 10000.0)))
+    return _rope_params(
+        params, float(hf.get("rope_theta", theta)), hf.get("max_position_embeddings")
+    )
 
 
-def _rope_params(params: dict[str, Any], theta: float) -> RopeConfig:
-    """A RopeConfig from one transformers rope-parameters dict (theta where it names none)."""
+def _rope_params(
+    params: dict[str, Any], theta: float, max_position: int | None = None
+) -> RopeConfig:
+    """A RopeConfig from one transformers rope-parameters dict (theta where it names none;
+    `max_position`, the config's max_position_embeddings, for YaRN's defaults)."""
     theta = float(params.get("rope_theta", theta))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
@@ -264,9 +312,48 @@ def _rope_params(params: dict[str, Any], theta: float) -> RopeConfig:
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position=int(params["original_max_position_embeddings"]),
         )
+    if kind == "yarn":
+        return _yarn(params, theta, max_position)
     raise Eagle3Error(
-        f"unsupported RoPE scaling {kind!r}: supported are default, linear and llama3; "
+        f"unsupported RoPE scaling {kind!r}: supported are default, linear, llama3 and yarn; "
         "convert the checkpoint or drop rope_scaling from config.json"
+    )
+
+
+def _yarn(params: dict[str, Any], theta: float, max_position: int | None) -> RopeConfig:
+    """YaRN's RopeConfig as transformers' `_compute_yarn_parameters` reads the dict:
+    original_max_position_embeddings defaults to max_position_embeddings, factor to their
+    ratio; attention_factor, where not given, is 0.1 ln(factor) + 1 (1 for factor <= 1), or the
+    ratio of that formula at mscale and mscale_all_dim where both are set; beta_fast /
+    beta_slow 32 / 1 where absent or zero; truncate True where absent."""
+    original = params.get("original_max_position_embeddings") or max_position
+    if original is None:
+        raise Eagle3Error(
+            "YaRN RoPE needs original_max_position_embeddings (or max_position_embeddings) "
+            "in config.json"
+        )
+    factor = params.get("factor")
+    if factor is None:
+        if max_position is None:
+            raise Eagle3Error("YaRN RoPE needs a factor or max_position_embeddings in config.json")
+        factor = max_position / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeConfig(
+        theta=theta,
+        kind="yarn",
+        factor=float(factor),
+        original_max_position=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention),
     )
 
 
@@ -281,10 +368,12 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
             f"unsupported architecture {archs or hf.get('model_type')!r}: eagle3_jax runs "
             f"{', '.join(FAMILIES)} checkpoints"
         )
-    gemma: dict[str, Any] = {}
+    layered: dict[str, Any] = {}  # Gemma 3's or gpt-oss's: per-layer windows, their RoPE
     if family == "gemma3":
         hf = _gemma3_text_config(hf)
-        gemma = _gemma3_fields(hf)
+        layered = _gemma3_fields(hf)
+    elif family == "gpt_oss":
+        layered = _gpt_oss_fields(hf)
     hidden = int(hf["hidden_size"])
     heads = int(hf["num_attention_heads"])
     eos = hf.get("eos_token_id")
@@ -294,11 +383,11 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
         window = None
     if family in ("qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         window = None
-    if gemma:
-        if len(gemma["full_attention_layers"]) == int(hf["num_hidden_layers"]):
+    if layered:
+        if len(layered["full_attention_layers"]) == int(hf["num_hidden_layers"]):
             window = None
         if not window:  # no layer is windowed
-            gemma["full_attention_layers"] = ()
+            layered["full_attention_layers"] = ()
     return TargetConfig(
         family=family,
         vocab_size=int(hf["vocab_size"]),
@@ -309,8 +398,8 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hidden // heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=gemma.pop("rope") if gemma else _rope_from_hf(hf),
-        attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
+        rope=layered.pop("rope") if layered else _rope_from_hf(hf),
+        attention_bias=bool(hf.get("attention_bias", family in ("qwen2", "gpt_oss"))),
         qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "gemma3": "head"}.get(
             family, "none"
         ),
@@ -322,7 +411,7 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
         eos_token_ids=eos_ids,
         pad_token_id=hf.get("pad_token_id"),
         **(_moe_from_hf(hf, family) if family in MOE_FAMILIES else {}),
-        **gemma,
+        **layered,
     )
 
 
@@ -389,17 +478,7 @@ def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
             f"Gemma 3 hidden_activation {act!r} is not supported: use one of "
             f"{', '.join(_ACTIVATIONS)}"
         )
-    layers = int(hf["num_hidden_layers"])
-    types = hf.get("layer_types")
-    if types is None:
-        pattern = int(hf.get("sliding_window_pattern") or 6)
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                 for i in range(layers)]  # fmt: skip
-    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise Eagle3Error(
-            f"Gemma 3 layer_types {types!r} must name {layers} layers, each sliding_attention "
-            "or full_attention"
-        )
+    full_layers = _full_attention_layers(hf, int(hf.get("sliding_window_pattern") or 6), "Gemma 3")
     params = hf.get("rope_parameters") or {}
     per_type = isinstance(params.get("full_attention"), dict) or isinstance(
         params.get("sliding_attention"), dict
@@ -415,7 +494,7 @@ def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     cap = hf.get("final_logit_softcapping")
     return dict(
         rope=full,
-        full_attention_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
+        full_attention_layers=full_layers,
         sliding_rope=None if local == full else local,
         norm_unit_offset=True,
         mlp_activation=_ACTIVATIONS[act],
@@ -425,15 +504,75 @@ def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _full_attention_layers(hf: dict[str, Any], pattern: int, name: str) -> tuple[int, ...]:
+    """The layers exempt from the sliding window, as transformers reads them (Gemma 3,
+    gpt-oss): layer i is a sliding-window layer where layer_types says "sliding_attention", or,
+    without layer_types, unless (i + 1) is a multiple of `pattern` (the family's default)."""
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(layers)]  # fmt: skip
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise Eagle3Error(
+            f"{name} layer_types {types!r} must name {layers} layers, each sliding_attention "
+            "or full_attention"
+        )
+    return tuple(i for i, t in enumerate(types) if t == "full_attention")
+
+
+# transformers' GptOssConfig defaults where config.json leaves them out: its RoPE (YaRN) and
+# theta, the experts' clamped SwiGLU
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+_GPT_OSS_THETA = 150_000.0
+
+
+def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """TargetConfig's gpt-oss fields (and its `rope` and `full_attention_layers`) from a
+    GptOssForCausalLM config.json, as transformers' GptOssConfig and modeling_gpt_oss read it:
+    layer_types (default: every other layer slides, the first included), RoPE from
+    rope_parameters / rope_scaling (YaRN, factor 32, where it names none) with theta 150000 by
+    default, attention biases on q/k/v and o (attention_bias, default True), per-head sinks,
+    biased router and experts, top-k of the router logits then their softmax, the clamped
+    SwiGLU (swiglu_limit 7, swiglu_alpha 1.702). Quantised weights other than the hub's MXFP4
+    experts (`checkpoints.mxfp4`) are refused."""
+    quant = (hf.get("quantization_config") or {}).get("quant_method")
+    if quant not in (None, "mxfp4"):
+        raise Eagle3Error(
+            f"gpt-oss quantization_config quant_method {quant!r} is not supported: eagle3_jax "
+            "reads unquantised weights or the hub's MXFP4 experts"
+        )
+    if not hf.get("rope_parameters") and not hf.get("rope_scaling"):
+        hf = {**hf, "rope_parameters": dict(_GPT_OSS_ROPE)}
+    bias = bool(hf.get("attention_bias", True))
+    return dict(
+        rope=_rope_from_hf(hf, _GPT_OSS_THETA),
+        full_attention_layers=_full_attention_layers(hf, 2, "gpt-oss"),
+        attention_sinks=True,
+        attention_out_bias=bias,
+        moe_bias=True,
+        router_topk_logits=True,
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+    )
+
+
 def _moe_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
-    """TargetConfig's expert fields from a Qwen3-MoE or Mixtral config.json (transformers' own
-    rules: Qwen3MoeDecoderLayer routes layer i unless i is in mlp_only_layers or (i + 1) is not a
-    multiple of decoder_sparse_step; Mixtral routes every layer, its experts as wide as
-    intermediate_size, and always renormalises the chosen experts' probabilities)."""
+    """TargetConfig's expert fields from a Qwen3-MoE, Mixtral or gpt-oss config.json
+    (transformers' own rules: Qwen3MoeDecoderLayer routes layer i unless i is in mlp_only_layers
+    or (i + 1) is not a multiple of decoder_sparse_step; Mixtral and gpt-oss route every layer,
+    their experts as wide as intermediate_size, the chosen experts' weights summing to 1)."""
     layers = int(hf["num_hidden_layers"])
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-    top_k = int(hf.get("num_experts_per_tok") or 0)
-    if family == "mixtral":
+    top_k = int(hf.get("num_experts_per_tok") or hf.get("experts_per_token") or 0)
+    if family in ("mixtral", "gpt_oss"):  # gpt-oss: the softmax over the top-k logits sums to 1
         width, norm, moe = int(hf["intermediate_size"]), True, tuple(range(layers))
     else:
         width, norm = int(hf["moe_intermediate_size"]), bool(hf.get("norm_topk_prob", False))
@@ -474,7 +613,36 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / np.float32(rope.factor) + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
     return inv
+
+
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """YaRN's inverse frequencies, step by step as transformers' `_compute_yarn_parameters`
+    (float64 for the correction range, float32 tensors for the rest): the pairs below the
+    range keep their frequency (extrapolation), those above it are divided by `factor`
+    (interpolation), a linear ramp blends the two between."""
+    dim, base = head_dim, rope.theta
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position / (rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    pos_freqs = (np.float32(base) ** exps).astype(np.float32)
+    extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    interpolation = (np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)).astype(np.float32)
+    ramp = (np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
+    keep = np.float32(1.0) - np.clip(ramp, 0, 1).astype(np.float32)
+    return (interpolation * (np.float32(1.0) - keep) + extrapolation * keep).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)

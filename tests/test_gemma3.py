@@ -120,7 +120,7 @@ def test_config_reads_the_gemma3_fields(gemma3):
     with pytest.raises(Eagle3Error, match="hidden_activation 'relu'"):
         target_config_from_hf({**hf, "hidden_activation": "relu"})
     with pytest.raises(Eagle3Error, match="Gemma3ForCausalLM, Gemma3ForConditionalGeneration"):
-        target_config_from_hf({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"})
+        target_config_from_hf({"architectures": ["DeepseekV3ForCausalLM"]})
 
 
 def test_logits_and_hidden_states_match_transformers(gemma3):

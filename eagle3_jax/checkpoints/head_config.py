@@ -104,6 +104,16 @@ def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
             "high_freq_factor": float(rope.high_freq_factor),
             "original_max_position_embeddings": int(rope.original_max_position),
         }
+    elif rope.kind == "yarn":  # attention_factor written out: it may not be the factor's default
+        out["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": float(rope.factor),
+            "original_max_position_embeddings": int(rope.original_max_position),
+            "beta_fast": float(rope.beta_fast),
+            "beta_slow": float(rope.beta_slow),
+            "truncate": bool(rope.truncate),
+            "attention_factor": float(rope.attention_factor),
+        }
     return out
 
 

@@ -1,7 +1,8 @@
 """Transformers checkpoint directories: config.json + safetensors (one file or sharded, any float
 dtype); dense families, Gemma 3's text model (a Gemma3ForCausalLM, or the language model of a
 Gemma3ForConditionalGeneration, whose vision tower is not read) and the mixture-of-experts
-Qwen3-MoE and Mixtral (their experts one by one or fused)."""
+Qwen3-MoE and Mixtral (their experts one by one or fused) and gpt-oss (its experts fused, or as
+the hub's MXFP4 blocks and scales, dequantised at load: `checkpoints.mxfp4`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from eagle3_jax.checkpoints.mxfp4 import Mxfp4Experts
 from eagle3_jax.checkpoints.safetensors_io import read_safetensors
 from eagle3_jax.config import TargetConfig, target_config_from_hf
 from eagle3_jax.errors import Eagle3Error
@@ -24,6 +26,8 @@ _LAYER_KEYS = {
     "self_attn.k_proj.weight": ("wk", True),
     "self_attn.v_proj.weight": ("wv", True),
     "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.o_proj.bias": ("bo", False),  # gpt-oss (read where the config says it is there)
+    "self_attn.sinks": ("sinks", False),  # gpt-oss
     "self_attn.q_proj.bias": ("bq", False),
     "self_attn.k_proj.bias": ("bk", False),
     "self_attn.v_proj.bias": ("bv", False),
@@ -59,8 +63,16 @@ _LANGUAGE_MODEL = (
 # checkpoints and transformers' save_pretrained write them, [F', D] gate/up and [D, F'] down
 # (Qwen3-MoE gate_proj/up_proj/down_proj, Mixtral w1/w3/w2), or fused as transformers 5 holds
 # them in memory: gate_up_proj [E, 2F', D] (gate rows first) and down_proj [E, D, F'].
+# gpt-oss: the router `mlp.router` with a bias, and its experts fused as transformers holds them
+# (gate_up_proj [E, D, 2F'], each unit's gate and up columns interleaved, gate first; down_proj
+# [E, F', D]; biases [E, 2F'] and [E, D]) or, in hub checkpoints, gate_up_proj / down_proj as
+# MXFP4 `_blocks` and `_scales` (the same matrices transposed, rows = outputs).
 _MOE = r"(?:mlp|block_sparse_moe)\."
-_ROUTER_RE = re.compile(_MOE + r"gate\.weight$")
+_ROUTER_RE = re.compile(_MOE + r"(?:gate|router)\.weight$")
+_ROUTER_BIAS_RE = re.compile(_MOE + r"router\.bias$")
+_GPT_OSS_EXPERTS_RE = re.compile(
+    _MOE + r"experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$"
+)
 _EXPERT_RE = re.compile(_MOE + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED_EXPERTS_RE = re.compile(_MOE + r"experts\.(gate_up_proj|down_proj)$")
 _EXPERT_KEYS = {
@@ -131,6 +143,7 @@ def hf_to_params(
     specs = [tgt.layer_param_specs(cfg, i) for i in range(cfg.num_layers)]
     layers: list[dict[str, Any]] = [{} for _ in range(cfg.num_layers)]
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}  # (layer, key) -> expert -> matrix
+    packed: dict[tuple[int, str], dict[str, np.ndarray]] = {}  # (layer, proj) -> MXFP4 parts
     top: dict[str, Any] = {}
     sh = (lambda *k: None) if shardings is None else (lambda *k: _get(shardings, k))
     for name, arr in tensors.items():
@@ -149,6 +162,17 @@ def hf_to_params(
                 key, transpose = _LAYER_KEYS[rest]
             elif _ROUTER_RE.match(rest):
                 key, transpose = "router", True
+            elif _ROUTER_BIAS_RE.match(rest):
+                key, transpose = "router_bias", False
+            elif cfg.family == "gpt_oss" and (gm := _GPT_OSS_EXPERTS_RE.match(rest)):
+                proj, part = gm.group(1), gm.group(2) or ""
+                if part in ("_blocks", "_scales"):
+                    packed.setdefault((i, proj), {})[part] = arr
+                    continue
+                for key, value in _gpt_oss_experts(proj + part, arr).items():
+                    if key in specs[i]:
+                        layers[i][key] = put(value, sh("layers", i, key), dtype)
+                continue
             elif em := _EXPERT_RE.match(rest):
                 experts.setdefault((i, _EXPERT_KEYS[em.group(2)]), {})[int(em.group(1))] = arr.T
                 continue
@@ -168,6 +192,15 @@ def hf_to_params(
             top["final_norm"] = put(arr, sh("final_norm"), dtype)
         elif name == "lm_head.weight" and not cfg.tie_word_embeddings:
             top["lm_head"] = put(arr.T, sh("lm_head"), dtype)
+    for (i, proj), parts in packed.items():
+        if set(parts) != {"_blocks", "_scales"}:
+            raise Eagle3Error(
+                f"layer {i}'s MXFP4 {proj} has {sorted(parts)} but needs both _blocks and "
+                "_scales: the files are incomplete"
+            )
+        for key, value in _mxfp4_experts(proj, parts["_blocks"], parts["_scales"]).items():
+            if key in specs[i] and key not in layers[i]:
+                layers[i][key] = put(value, sh("layers", i, key), dtype)
     for (i, key), parts in experts.items():
         if key not in specs[i] or key in layers[i]:
             continue
@@ -202,6 +235,30 @@ def _unfuse_experts(kind: str, arr: np.ndarray) -> dict[str, np.ndarray]:
         return {"we_down": arr.transpose(0, 2, 1)}
     f = arr.shape[1] // 2
     return {"we_gate": arr[:, :f].transpose(0, 2, 1), "we_up": arr[:, f:].transpose(0, 2, 1)}
+
+
+def _gpt_oss_experts(name: str, arr: np.ndarray) -> dict[str, np.ndarray]:
+    """gpt-oss's fused expert tensors -> ours, as views: gate_up_proj [E, D, 2F'] -> we_gate
+    (columns 0::2), we_up (1::2) [E, D, F'], as GptOssExperts._apply_gate splits them;
+    down_proj [E, F', D] as it is; their biases alike ([E, 2F'] -> be_gate, be_up; [E, D])."""
+    if name == "down_proj":
+        return {"we_down": arr}
+    if name == "down_proj_bias":
+        return {"be_down": arr}
+    prefix = "we" if name == "gate_up_proj" else "be"
+    return {f"{prefix}_gate": arr[..., 0::2], f"{prefix}_up": arr[..., 1::2]}
+
+
+def _mxfp4_experts(proj: str, blocks: np.ndarray, scales: np.ndarray) -> dict[str, Mxfp4Experts]:
+    """A hub gpt-oss projection in MXFP4 (blocks [E, R, G, 16], scales [E, R, G]) -> ours,
+    dequantised per expert where read: gate_up_proj's rows are the 2F' interleaved gate/up
+    outputs (gate rows 0::2, up rows 1::2), down_proj's the D outputs."""
+    if proj == "down_proj":
+        return {"we_down": Mxfp4Experts(blocks, scales)}
+    return {
+        "we_gate": Mxfp4Experts(blocks, scales, slice(0, None, 2)),
+        "we_up": Mxfp4Experts(blocks, scales, slice(1, None, 2)),
+    }
 
 
 def _get(tree, keys):

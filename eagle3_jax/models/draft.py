@@ -328,7 +328,8 @@ def forward(
     if cache is not None and write_B is None:
         raise Eagle3Error("draft forward got a cache but no write_B: pass the slot offsets per row")
     emb = embed_VD[tokens_BT].astype(h.dtype)
-    cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(cfg.rope, cfg.head_dim))
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+    cos, sin = rope_cos_sin(positions_BT, inv_freq, cfg.rope.attention_factor)
     kv = None if cache is None else (cache["k"], cache["v"])
     with jax.named_scope("draft_midlayer"):
         h, kv = midlayer(params["layer"], emb, h, cos, sin, mask, cfg, kv, write_B)

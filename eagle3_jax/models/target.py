@@ -1,5 +1,5 @@
 """The frozen target model: a functional decoder (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 /
-Gemma 3's text model, and the mixture-of-experts Qwen3-MoE / Mixtral).
+Gemma 3's text model, and the mixture-of-experts Qwen3-MoE / Mixtral / gpt-oss).
 
 Parameters are a plain pytree:
   {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (absent when tied),
@@ -8,7 +8,8 @@ Parameters are a plain pytree:
 Per layer: attn_norm, mlp_norm [D]; wq [D, H*K], wk/wv [D, G*K], wo [H*K, D]; optional bq/bk/bv;
 optional q_norm/k_norm ([K] for Qwen3 and Gemma 3, [H*K]/[G*K] for OLMo 2); w_gate/w_up [D, F],
 w_down [F, D]; Gemma 3's sandwich norms add post_attn_norm and post_mlp_norm [D] (its norms are
-x * (1 + w), so they start at zero).
+x * (1 + w), so they start at zero); gpt-oss adds the output projection's bias bo [D] and the
+attention sinks, sinks [H] (a logit per query head in each softmax's denominator).
 Decoding on an accelerator fuses them at load (`fuse_projections`): wqkv [D, G*(R+2)*K] (each kv
 head's R query heads, then its key and value head; R = H / G) and w_gate_up [D, F*2] (each
 intermediate unit's gate and up column side by side), so a layer runs two products where it ran
@@ -20,7 +21,9 @@ cfg.moe_intermediate_size; the expert weights are never fused). `_moe` computes 
 does: router logits and their softmax in fp32, the top k (`jax.lax.top_k`, which takes the lowest
 expert index first among equal probabilities; torch.topk's order at an exact tie is its own, see
 `route`), renormalised where cfg.norm_topk_prob (Mixtral's softmax over the top-k logits is the
-same thing). It is a dense
+same thing; gpt-oss takes the top k of the logits first, `cfg.router_topk_logits`). gpt-oss's
+layers (cfg.moe_bias) add router_bias [E] and be_gate/be_up [E, F'], be_down [E, D], and its
+experts run the clamped SwiGLU (`expert_activation`). It is a dense
 dispatch: every expert runs on every token and a [B, T, E] weight matrix, zero for the experts a
 token was not routed to, scales each expert's activations before the down projection, which
 contracts the expert axis with the intermediate one. That is exact (an unrouted expert adds an
@@ -113,6 +116,13 @@ def layer_param_specs(cfg: TargetConfig, layer: int | None = None) -> dict[str, 
             we_up=ParamSpec((e, d, fe), ("experts", "embed", "expert_mlp"), "normal"),
             we_down=ParamSpec((e, fe, d), ("experts", "expert_mlp", "embed"), "normal"),
         )
+        if cfg.moe_bias:
+            specs.update(
+                router_bias=ParamSpec((e,), (None,), "zeros"),
+                be_gate=ParamSpec((e, fe), ("experts", "expert_mlp"), "zeros"),
+                be_up=ParamSpec((e, fe), ("experts", "expert_mlp"), "zeros"),
+                be_down=ParamSpec((e, d), ("experts", "embed"), "zeros"),
+            )
     else:
         specs.update(
             w_gate=ParamSpec((d, f), ("embed", "mlp"), "normal"),
@@ -123,6 +133,10 @@ def layer_param_specs(cfg: TargetConfig, layer: int | None = None) -> dict[str, 
         specs["bq"] = ParamSpec((hk,), ("heads",), "zeros")
         specs["bk"] = ParamSpec((gk,), ("kv_heads",), "zeros")
         specs["bv"] = ParamSpec((gk,), ("kv_heads",), "zeros")
+    if cfg.attention_out_bias:
+        specs["bo"] = ParamSpec((d,), ("embed",), "zeros")
+    if cfg.attention_sinks:
+        specs["sinks"] = ParamSpec((cfg.num_heads,), ("heads",), "normal")
     if cfg.qk_norm == "head":
         specs["q_norm"] = ParamSpec((cfg.head_dim,), (None,), one)
         specs["k_norm"] = ParamSpec((cfg.head_dim,), (None,), one)
@@ -402,7 +416,8 @@ def _sites(positions_BT, mask, mask_new, cfg: TargetConfig, cached: bool) -> dic
     for sliding in sorted({cfg.is_sliding_layer(i) for i in range(cfg.num_layers)}):
         rope = cfg.sliding_rope if sliding and cfg.sliding_rope is not None else cfg.rope
         if rope not in tables:
-            tables[rope] = rope_cos_sin(positions_BT, rope_inv_freq(rope, cfg.head_dim))
+            inv_freq = rope_inv_freq(rope, cfg.head_dim)
+            tables[rope] = rope_cos_sin(positions_BT, inv_freq, rope.attention_factor)
         m, m_new = mask, mask_new
         if sliding:
             lo = positions_BT[:, :, None] - cfg.sliding_window
@@ -449,9 +464,11 @@ def _layer(
     one_range = sliding is False or t == 1
     att, kv = cached_attention(
         q, k, v, kv, write_B, site.mask, site.mask_new, cfg.attention, one_range,
-        cfg.attention_scale,
+        cfg.attention_scale, p.get("sinks"),
     )  # fmt: skip
     o = dense(att.reshape(b, t, -1), p["wo"], policy=pol)
+    if cfg.attention_out_bias:
+        o = o + p["bo"]
     if "router" in p:
         mlp = functools.partial(_moe, cfg=cfg)
     else:
@@ -493,7 +510,9 @@ def _mlp(p: Params, x: jax.Array, pol, activation: str = "silu") -> jax.Array:
     return dense(ACTIVATIONS[activation](gu[..., 0]) * gu[..., 1], p["w_down"], policy=pol)
 
 
-def route(router_DE: jax.Array, x_BTD: jax.Array, cfg: TargetConfig):
+def route(
+    router_DE: jax.Array, x_BTD: jax.Array, cfg: TargetConfig, bias_E: jax.Array | None = None
+):
     """The router of a mixture-of-experts layer, for x [..., D] (here [B, T, D]) ->
     (top_idx_BTk int32, top_w_BTk fp32, weights_BTE fp32): each token's k chosen experts, best
     first, their weights, and the same weights scattered over all E experts (zero for the
@@ -502,12 +521,23 @@ def route(router_DE: jax.Array, x_BTD: jax.Array, cfg: TargetConfig):
     rounds them to the weights' dtype first (the same in fp32). Equal probabilities go to the
     lowest expert index (`jax.lax.top_k`); torch.topk promises no order there and on the CPU
     does not always take the lowest, so at an exact tie the two can route differently
-    (tests/test_moe.py builds one; docs/design.md, "Mixture-of-experts targets")."""
+    (tests/test_moe.py builds one; docs/design.md, "Mixture-of-experts targets").
+
+    gpt-oss (GptOssTopKRouter): `bias_E` is added to the logits, and with
+    cfg.router_topk_logits the top k is taken of the logits and the softmax over those k only
+    (the same weights as a renormalised top k of the full softmax, up to rounding, but chosen
+    from the logits themselves, as transformers chooses them)."""
     logits_BTE = jnp.matmul(x_BTD, router_DE, preferred_element_type=jnp.float32)
-    probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
-    top_w, top_idx = jax.lax.top_k(probs_BTE, cfg.num_experts_per_tok)
-    if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    if bias_E is not None:
+        logits_BTE = logits_BTE + bias_E.astype(jnp.float32)
+    if cfg.router_topk_logits:
+        top_logits, top_idx = jax.lax.top_k(logits_BTE, cfg.num_experts_per_tok)
+        top_w = jax.nn.softmax(top_logits, axis=-1)
+    else:
+        probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+        top_w, top_idx = jax.lax.top_k(probs_BTE, cfg.num_experts_per_tok)
+        if cfg.norm_topk_prob:
+            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     onehot_BTkE = jax.nn.one_hot(top_idx, cfg.num_experts, dtype=jnp.float32)
     weights_BTE = jnp.einsum("...k,...ke->...e", top_w, onehot_BTkE)
     return top_idx, top_w, weights_BTE
@@ -518,13 +548,33 @@ def _moe(p: Params, x_BTD: jax.Array, cfg: TargetConfig) -> jax.Array:
     token, each expert's activations scaled by the token's weight for it (zero unless routed)
     before one down projection that sums over experts and intermediate units. With experts
     sharded over the model axis the products stay on each device's experts and the sum over
-    experts is a partial sum XLA all-reduces."""
-    _, _, weights_BTE = route(p["router"], x_BTD, cfg)
+    experts is a partial sum XLA all-reduces. gpt-oss's biases (cfg.moe_bias): the gate and up
+    biases join each expert's products, and each expert's down bias is weighted like its output
+    (a [B, T, E] x [E, D] product, zero for the unrouted)."""
+    _, _, weights_BTE = route(p["router"], x_BTD, cfg, p.get("router_bias"))
     gate_BTEF = jnp.einsum("btd,edf->btef", x_BTD, p["we_gate"])
     up_BTEF = jnp.einsum("btd,edf->btef", x_BTD, p["we_up"])
-    act_BTEF = jax.nn.silu(gate_BTEF) * up_BTEF
-    act_BTEF = act_BTEF * weights_BTE[..., None].astype(act_BTEF.dtype)
-    return jnp.einsum("btef,efd->btd", act_BTEF, p["we_down"])
+    if cfg.moe_bias:
+        gate_BTEF, up_BTEF = gate_BTEF + p["be_gate"], up_BTEF + p["be_up"]
+    act_BTEF = expert_activation(gate_BTEF, up_BTEF, cfg)
+    w_BTE = weights_BTE.astype(act_BTEF.dtype)
+    out_BTD = jnp.einsum("btef,efd->btd", act_BTEF * w_BTE[..., None], p["we_down"])
+    if cfg.moe_bias:
+        out_BTD = out_BTD + jnp.einsum("bte,ed->btd", w_BTE, p["be_down"])
+    return out_BTD
+
+
+def expert_activation(gate: jax.Array, up: jax.Array, cfg: TargetConfig) -> jax.Array:
+    """An expert's gated activation: SwiGLU, silu(gate) * up; or, where cfg.swiglu_limit is set,
+    gpt-oss's clamped variant as transformers' GptOssExperts._apply_gate computes it: the gate
+    clamped above at the limit, up clamped to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    if cfg.swiglu_limit is None:
+        return jax.nn.silu(gate) * up
+    limit = cfg.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
 
 
 def forward(

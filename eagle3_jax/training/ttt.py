@@ -281,7 +281,7 @@ def _layer_step(dparams, embed_VD, dcfg, carry, i, ids_BT, positions_BT, inv_fre
     h_BTD, k_JBTGK, v_JBTGK = carry
     lp = dparams["layer"]
     emb_BTD = embed_VD[ids_BT].astype(h_BTD.dtype)
-    cos, sin = rope_cos_sin(positions_BT + i, inv_freq)
+    cos, sin = rope_cos_sin(positions_BT + i, inv_freq, dcfg.rope.attention_factor)
     q, k, v = project_qkv(lp, emb_BTD, h_BTD, cos, sin, dcfg)
     k_JBTGK = jax.lax.dynamic_update_index_in_dim(k_JBTGK, k.astype(kv_dtype), i, 0)
     v_JBTGK = jax.lax.dynamic_update_index_in_dim(v_JBTGK, v.astype(kv_dtype), i, 0)
