@@ -4,10 +4,10 @@ exported with `jax.export` for ("tpu", "cuda") from ShapeDtypeStructs (no weight
 compilation). A program fails on what only the CPU backend accepts: a custom call other than a
 sharding annotation (a host callback, a CPU library kernel), work run at trace time (a probe, a
 backend query), a float buffer of the params or state in another dtype than the bf16 asked for,
-or a size in HBM that a device cannot hold. A mixture-of-experts target (Qwen3-30B-A3B) lowers
-its decoding programs with each device holding its own 16 of the 128 experts, and its compiled
-program moves no expert weight. `benchmarks/accelerator_export.py` runs the full grid (every
-`specs.REAL_TARGETS` target x batch 1 and 8)."""
+or a size in HBM that a device cannot hold. The mixture-of-experts targets (Qwen3-30B-A3B,
+gpt-oss-20b) lower their decoding programs with each device holding its own eighth of the
+experts, and their compiled programs move no expert weight. `benchmarks/accelerator_export.py`
+runs the full grid (every `specs.REAL_TARGETS` target x batch 1 and 8)."""
 
 from __future__ import annotations
 
@@ -74,57 +74,64 @@ def test_program_lowers_for_tpu_and_cuda(program):
         assert prog.kwargs["tree"].total_tokens == 60 and prog.kwargs["tree"].top_k == 10
 
 
-MOE = "qwen3_30b_a3b"
+# mixture-of-experts targets: name -> (experts, bf16 bytes of the whole target)
+MOE = {"qwen3_30b_a3b": (128, 61.1e9), "gpt_oss_20b": (32, 41.8e9)}
 
 
 @pytest.mark.parametrize("program", ["decode_step", "round_tree"])
-def test_moe_target_lowers_with_its_experts_over_the_model_axis(program):
-    """Qwen3-30B-A3B at real size (48 routed layers, 128 experts of width 768, top 8) on a 1 x 8
+@pytest.mark.parametrize("target", list(MOE))
+def test_moe_target_lowers_with_its_experts_over_the_model_axis(target, program):
+    """Qwen3-30B-A3B (48 routed layers, 128 experts of width 768, top 8) and gpt-oss-20b (24
+    layers, 32 experts of width 2880, top 4, its MXFP4 experts in bf16) at real size on a 1 x 8
     mesh: the plain step and the reporting-tree round export for TPUs and GPUs with nothing a
-    device would object to, every expert matrix laid out [128 / 8, ...] per device (expert
-    parallelism), one device holding an eighth of the 61 GB of bf16 weights, and the program
+    device would object to, every expert matrix laid out [E / 8, ...] per device (expert
+    parallelism), one device holding an eighth of the target's bf16 weights, and the program
     fitting every chip's HBM."""
-    setup = programs.Setup(target=MOE, batch=1)
+    experts, nbytes = MOE[target]
+    setup = programs.Setup(target=target, batch=1)
     prog = programs.build(program, setup)
     exported, report = lowering.export_program(prog)
     assert exported.nr_devices == 8 and report.problems == [], report.problems
-    tcfg = specs.target_config(MOE)
-    assert tcfg.moe_layers == tuple(range(48)) and tcfg.num_experts == 128
-    layers = prog.args[0]["layers"]
-    for layer in layers:
+    tcfg = specs.target_config(target)
+    assert tcfg.moe_layers == tuple(range(tcfg.num_layers)) and tcfg.num_experts == experts
+    for layer in prog.args[0]["layers"]:
         for name in ("we_gate", "we_up", "we_down"):
             w = layer[name]
             assert w.sharding.spec[0] == "model", (name, w.sharding.spec)
-            assert w.sharding.shard_shape(w.shape)[0] == 128 // 8
+            assert w.sharding.shard_shape(w.shape)[0] == experts // 8
     shapes = jax.eval_shape(lambda k: tgt.init_params(tcfg, k, jnp.bfloat16), jax.random.key(0))
     full = sum(x.size * 2 for x in jax.tree.leaves(shapes))
-    assert full == pytest.approx(61.1e9, rel=0.01)
+    assert full == pytest.approx(nbytes, rel=0.01)
     assert full / 8 <= report.inputs["params"] <= 1.01 * full / 8
     mem = lowering.memory(prog, report, setup)
     for device, fits in mem.fits().items():
-        assert fits, f"{program} ({MOE}) needs {mem.total / 1e9:.1f} GB on a {device}"
+        assert fits, f"{program} ({target}) needs {mem.total / 1e9:.1f} GB on a {device}"
 
 
 @pytest.mark.parametrize(
     "program", ["decode_step", pytest.param("round_tree", marks=pytest.mark.slow)]
 )
-def test_moe_program_moves_no_expert_weights(program, monkeypatch):
+@pytest.mark.parametrize("target", list(MOE))
+def test_moe_program_moves_no_expert_weights(target, program, monkeypatch):
     """Compiled for this CPU's 8 devices (the SPMD partitioner inserts the collectives), two of
-    Qwen3-30B-A3B's routed layers at real width: each device's parameters hold its 16 experts
-    ([16, 2048, 768]) and no all-gather has an expert matrix's shape (the contraction over
-    experts is all-reduced instead). Two layers, not 48: the layers are alike and the compile
-    takes 3 s for the plain step (12 s for the round, marked slow)."""
-    monkeypatch.setitem(
-        specs.REAL_TARGETS, "moe_2_layers", {**specs.REAL_TARGETS[MOE], "num_hidden_layers": 2}
-    )
+    the target's routed layers at real width: each device's parameters hold its E / 8 experts
+    and no all-gather has an expert matrix's shape (the contraction over experts is
+    all-reduced instead). Two layers, not all: the layers are alike, and the compile takes 2-4 s
+    for the plain step (9-13 s for the round, marked slow)."""
+    two = {**specs.REAL_TARGETS[target], "num_hidden_layers": 2}
+    if "layer_types" in two:  # gpt-oss: one sliding-window layer and one full
+        two["layer_types"] = two["layer_types"][:2]
+    monkeypatch.setitem(specs.REAL_TARGETS, "moe_2_layers", two)
+    tcfg = specs.target_config("moe_2_layers")
+    d, f, local = tcfg.hidden_size, tcfg.moe_intermediate_size, MOE[target][0] // 8
     prog = programs.build(program, programs.Setup(target="moe_2_layers", batch=1))
     hlo = prog.fn.lower(*prog.args, **prog.kwargs).compile().as_text()
-    local = re.findall(r"bf16\[16,(?:2048,768|768,2048)\]\S* parameter\(", hlo)
-    assert len(local) >= 2 * 3, "each device should hold [16, ...] of every expert matrix"
+    held = re.findall(rf"bf16\[{local},(?:{d},{f}|{f},{d})\]\S* parameter\(", hlo)
+    assert len(held) >= 2 * 3, f"each device should hold [{local}, ...] of every expert matrix"
     gathered = [
         dims
         for dims in re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
-        if {"2048", "768"} <= set(dims.split(",")) or "128,2048,768" in dims
+        if sorted(map(int, dims.split(",")))[-2:] == sorted((d, f))
     ]
     assert not gathered, gathered
     assert "all-reduce(" in hlo

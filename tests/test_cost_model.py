@@ -15,6 +15,7 @@ from eagle3_jax.accelerators import acceptance, hbm, lowering, predict, programs
 from eagle3_jax.accelerators import experts as experts_mod
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.tree import TreeConfig
+from eagle3_jax.models import target as tgt
 
 SMALL = {  # a 2-layer Llama whose products dominate its FLOPs (XLA's counts against the model's)
     "architectures": ["LlamaForCausalLM"],
@@ -124,10 +125,14 @@ def test_published_sizes():
     fields += ("num_kv_heads", "head_dim", "tie_word_embeddings", "qk_norm", "norm_placement")
     fields += ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
     fields += ("moe_layers", "sliding_window", "full_attention_layers", "attention_bias")
+    fields += ("rope", "attention_sinks", "attention_out_bias", "moe_bias", "router_topk_logits")
     for name in set(specs.REAL_TARGETS) & set(specs.TARGETS):
         theirs = specs.target_config(name)
         for f in fields:
             assert getattr(specs.TARGETS[name], f) == getattr(theirs, f), (name, f)
+        # the roofline's count is the model's own parameters, every bias and sink included
+        shapes = jax.eval_shape(lambda k, c=theirs: tgt.init_params(c, k), jax.random.key(0))
+        assert roofline.target_params(theirs) == sum(x.size for x in jax.tree.leaves(shapes))
 
 
 def test_acceptance_model_calibration():
@@ -439,10 +444,6 @@ def test_measured_expert_counts_replace_the_formula(tmp_path):
     prediction: a router that sends a whole tree to the same k experts (measured k at every n)
     makes the verification read what a plain step reads, so the round costs what the dense
     twin's does; counts between measured sizes are interpolated."""
-    import jax
-
-    from eagle3_jax.models import target as tgt
-
     cfg = TargetConfig(
         family="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=4, num_experts=8, num_experts_per_tok=2,

@@ -119,12 +119,17 @@ class Program:
 
 
 def _attention_weights(tcfg: TargetConfig) -> int:
-    """Parameters of one target layer's attention and norms (projections, biases, q/k norms)."""
+    """Parameters of one target layer's attention and norms (projections, biases, q/k norms,
+    gpt-oss's sinks)."""
     d = tcfg.hidden_size
     hk, gk = tcfg.num_heads * tcfg.head_dim, tcfg.num_kv_heads * tcfg.head_dim
     n = d * hk + 2 * d * gk + hk * d + 2 * d
     if tcfg.attention_bias:
         n += hk + 2 * gk
+    if tcfg.attention_out_bias:
+        n += d
+    if tcfg.attention_sinks:
+        n += tcfg.num_heads
     if tcfg.qk_norm == "head":
         n += 2 * tcfg.head_dim
     elif tcfg.qk_norm == "full":
@@ -133,8 +138,15 @@ def _attention_weights(tcfg: TargetConfig) -> int:
 
 
 def expert_weights(tcfg: TargetConfig) -> int:
-    """Parameters of one expert (its gate, up and down projections)."""
-    return 3 * tcfg.hidden_size * tcfg.moe_intermediate_size
+    """Parameters of one expert (its gate, up and down projections, and their biases where
+    `moe_bias`)."""
+    d, fe = tcfg.hidden_size, tcfg.moe_intermediate_size
+    return 3 * d * fe + (2 * fe + d if tcfg.moe_bias else 0)
+
+
+def _router_weights(tcfg: TargetConfig) -> int:
+    e = tcfg.num_experts
+    return tcfg.hidden_size * e + (e if tcfg.moe_bias else 0)
 
 
 def _layer_weights(tcfg: TargetConfig, layer: int) -> int:
@@ -142,7 +154,7 @@ def _layer_weights(tcfg: TargetConfig, layer: int) -> int:
     layer's router [D, E] and all E experts)."""
     d = tcfg.hidden_size
     if tcfg.is_moe_layer(layer):
-        mlp = d * tcfg.num_experts + tcfg.num_experts * expert_weights(tcfg)
+        mlp = _router_weights(tcfg) + tcfg.num_experts * expert_weights(tcfg)
     else:
         mlp = 3 * d * tcfg.intermediate_size
     return _attention_weights(tcfg) + mlp
@@ -294,7 +306,7 @@ def target_forward(
     # ^ every parameter except the input embedding table, of which only b * t rows are read
     if n_moe:
         per_token = routing.experts_per_token(tcfg)
-        mat += n_moe * (d * e + per_token * expert_weights(tcfg))
+        mat += n_moe * (_router_weights(tcfg) + per_token * expert_weights(tcfg))
         read = chips * busiest_chip(e, routing.touched(tcfg, b * t), chips)
         weights += n_moe * (read - e) * expert_weights(tcfg)  # the touched experts, not all
     kv_l, scores_l, mm_l, f32_l = _attention(b, h, g, k, t, slots, db, own=verify, mixed=db < 4)

@@ -15,6 +15,7 @@ EAGLE-3's 32k draft vocabulary (`draft_for`), as the published heads are.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from eagle3_jax.config import (
@@ -119,18 +120,19 @@ TARGETS: dict[str, TargetConfig] = {
         moe_intermediate_size=768, norm_topk_prob=True, moe_layers=tuple(range(48)),
     ),
     # openai/gpt-oss-20b: 24 layers, every one routed over 32 experts of width 2880, top 4 (a
-    # softmax over the top 4 logits: renormalised), attention biases, a 128-token sliding window
-    # on the even layers and attention sinks; YaRN RoPE. Its experts are MXFP4 on the hub (4.25
-    # bits a weight); our loader dequantises them to bf16, so the cost model counts bf16 bytes
-    # (20.9B parameters, 3.6B active a token). Not counted: the sinks (64 a layer), the output
-    # projection's and the experts' biases (0.3M a layer, 0.03 %), which config.py cannot state yet
+    # softmax over the top 4 logits), biases on attention, router and experts, a 128-token sliding
+    # window on the even layers, attention sinks, YaRN RoPE. Its experts are MXFP4 on the hub (4.25
+    # bits a weight); our loader dequantises them to bf16 (checkpoints/mxfp4.py), so the cost
+    # model counts bf16 bytes: 20.9B parameters, 3.6B active a token
     "gpt_oss_20b": _target(
         family="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
         num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, attention_bias=True,
         sliding_window=128, full_attention_layers=tuple(range(1, 24, 2)),
-        rope=RopeConfig(150000.0, "yarn", 32.0, 1.0, 4.0, 4096), num_experts=32,
-        num_experts_per_tok=4, moe_intermediate_size=2880, norm_topk_prob=True,
-        moe_layers=tuple(range(24)),
+        rope=RopeConfig(150000.0, "yarn", 32.0, original_max_position=4096, truncate=False,
+                        attention_factor=0.1 * math.log(32.0) + 1.0),
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880, norm_topk_prob=True,
+        moe_layers=tuple(range(24)), attention_sinks=True, attention_out_bias=True,
+        moe_bias=True, router_topk_logits=True, swiglu_limit=7.0, swiglu_alpha=1.702,
     ),
     # HuggingFaceTB/SmolLM2-135M-Instruct (our CPU target; tied embeddings)
     "smollm2_135m": _target(
@@ -213,6 +215,38 @@ REAL_TARGETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "bos_token_id": 151643,
         "eos_token_id": 151645,
+    },
+    "gpt_oss_20b": {  # openai/gpt-oss-20b (its quantization_config, MXFP4 experts, left out)
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "attention_bias": True,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "eos_token_id": 200002,
+        "pad_token_id": 199999,
     },
     "qwen3_4b": {  # Qwen/Qwen3-4B
         "architectures": ["Qwen3ForCausalLM"],
