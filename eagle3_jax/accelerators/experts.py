@@ -41,10 +41,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.models import target as tgt
 
 # ----------------------------------------------------------------------------- the expectation
 
@@ -96,10 +98,6 @@ def record_routes():
     runs with jit disabled, so the forward runs op by op and its routes are concrete (a compiled
     program would neither call the wrapper nor hold values); measure on a small batch, not at
     serving speed."""
-    import jax
-
-    from eagle3_jax.models import target as tgt
-
     seen: list[np.ndarray] = []
     real = tgt.route
 
