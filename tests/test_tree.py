@@ -1,6 +1,7 @@
 """decoding/tree.py: tree selection, pruning and chains on hand-made pools (greedy acceptance over
 them: tests/test_verify.py)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from helpers import draft_pool
@@ -87,6 +88,9 @@ def test_accepted_path_equals_propagating_acceptance_down_the_tree():
     from eagle3_jax.decoding.tree import Tree, _depth_and_mask
     from eagle3_jax.decoding.verify import accepted_path
 
+    # compiled as decoding runs them (one small program per tree size, not every operation alone)
+    _depth_and_mask = jax.jit(_depth_and_mask)
+    accepted_path = jax.jit(accepted_path, static_argnums=2)
     rng = np.random.default_rng(1)
     for trial in range(40):
         m = int(rng.integers(1, 40))

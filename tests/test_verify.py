@@ -34,8 +34,13 @@ def test_tree_logits_equal_path_forward(spec_setup):
     params, cfg, dparams, dcfg, vocab = spec_setup
     prompt = random_prompts(cfg.vocab_size, [9], seed=21)
     state, shape = spec_prefill(spec_setup, prompt, 16, SPEC_TREE)
-    trees, _ = eagle3_drafter(dparams, params["embed"], vocab, state, dcfg, shape, SPEC_TREE)
-    out = forward_tree(params, trees, state, cfg, dcfg, shape)
+
+    @jax.jit  # as a round runs them: one program, not every operation compiled alone
+    def draft_and_verify(params, dparams, state):
+        trees, _ = eagle3_drafter(dparams, params["embed"], vocab, state, dcfg, shape, SPEC_TREE)
+        return trees, forward_tree(params, trees, state, cfg, dcfg, shape)
+
+    trees, out = draft_and_verify(params, dparams, state)
     tokens, parent = np.asarray(trees.tokens[0]), np.asarray(trees.parent[0])
     assert len(set(map(tuple, np.asarray(trees.mask[0]).astype(int)))) == SPEC_TREE.total_tokens
     for node in range(SPEC_TREE.total_tokens):
