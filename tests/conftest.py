@@ -10,18 +10,24 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiling is three quarters of the suite's time (the tiny models run in microseconds), and
-# XLA:CPU spends most of a compilation in LLVM: the tests compile at LLVM -O0, in about half the
-# time (test_speculative.py: 64 s of compiling where the default level takes 108). The programs
-# are the same (XLA's own passes, fusion and library calls do not change), though LLVM's
-# optimised code rounds a few operations differently (1e-6 relative on the tiny models): every
-# assertion compares programs compiled alike, or within a tolerance, and holds at either level.
+# XLA:CPU spends most of a compilation making machine code: the tests compile at LLVM -O0 with
+# XLA's older loop emitters for fused elementwise code (its MLIR fusion emitters, the default,
+# cost more to compile at -O0), in half the time (test_speculative.py's first six tests: 8 s of
+# compiling where the default takes 16). The programs are the same (XLA's passes, its fusion
+# decisions and library calls do not change), though the code rounds a few operations
+# differently (1e-6 relative on the tiny models): every assertion compares programs compiled
+# alike, or within a tolerance, and holds either way.
 # `make test-slow` and the tools run at XLA's default level; EAGLE3_JAX_TEST_XLA_OPT=default (or
 # an XLA_FLAGS of your own) gives it here too.
 _opt = os.environ.get("EAGLE3_JAX_TEST_XLA_OPT", "0")
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=8"
-    + ("" if _opt == "default" else f" --xla_backend_optimization_level={int(_opt)}"),
+    + (
+        ""
+        if _opt == "default"
+        else f" --xla_backend_optimization_level={int(_opt)} --xla_cpu_use_fusion_emitters=false"
+    ),
 )
 # the command-line tools keep compiled programs on disk (compile_cache) under the user's cache;
 # the tests never read or write that one
