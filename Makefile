@@ -1,8 +1,8 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11):
 #   make demo   EAGLE-3 speculative decoding on the embedded default with its shipped head, compared
 #               with plain decoding in the same run (answer, tau, tokens/s, speedup)
-#   make test   the default test suite on 2 pytest-xdist workers, printing its wall time: 16 min
-#               (967 s, 534 tests) on a 2-core VM (.ci/run calls it, then make test-slow, then make demo
+#   make test   the default test suite on 2 pytest-xdist workers, printing its wall time: 6.5 min
+#               (394 s, 585 tests) on a 2-core VM (.ci/run calls it, then make test-slow, then make demo
 #               with the base install alone and an empty cache)
 PYTHON ?= python3
 VENV ?= .venv
@@ -26,14 +26,16 @@ demo: $(VENV)/.base
 	$(PY) decode.py --compare-plain --max-new-tokens 128 --timing-runs 3
 
 # 2 pytest-xdist workers, one test file each at a time (a file's tests share their fixtures and
-# compiled programs); TEST_WORKERS=0 runs it in one process. Prints the wall time it took.
+# compiled programs); TEST_WORKERS=0 runs it in one process. Prints the wall time it took. The
+# tests compile at LLVM -O0 and share one compilation cache per run (tests/conftest.py).
 test: $(VENV)/.test
 	@start=$$(date +%s); \
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	echo "make test: the default suite took $$(( $$(date +%s) - start )) s (wall)"; exit $$rc
 
 # the real SmolLM2 checks and the longest runs (kill-and-resume, training on a mesh, the device
-# steps at a toy shape): 21 tests, 1,089 s on a 2-core VM (2026-12-07)
+# steps at a toy shape): 21 tests, 1,089 s on a 2-core VM (2026-12-07), compiled at XLA's
+# default optimisation level
 test-slow: $(VENV)/.test
 	EAGLE3_JAX_TEST_XLA_OPT=default $(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
