@@ -94,7 +94,19 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"needs a {m}: jax has no {m} backend"))
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--compile-stats",
+        action="store_true",
+        help="print each test file's wall time beside its XLA compilations (tests/compile_stats.py)",
+    )
+
+
 def pytest_configure(config):
+    if config.getoption("--compile-stats"):
+        from compile_stats import CompileStats
+
+        config.pluginmanager.register(CompileStats(), "eagle3_compile_stats")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_WorkerMaps(), "eagle3_worker_maps")
 
