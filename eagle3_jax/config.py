@@ -41,6 +41,9 @@ MODEL_TYPES = {
     "mixtral": "mixtral",
     "gpt_oss": "gpt_oss",
 }
+# the families whose o_proj has a bias where config.json's attention_bias is true (transformers
+# 5.24's modeling files; Qwen2's, Mistral's and Mixtral's never has)
+_OUT_BIAS_FAMILIES = ("llama", "qwen3", "olmo2", "gemma3", "qwen3_moe", "gpt_oss")
 # the mixture-of-experts families (`TargetConfig.num_experts` > 0)
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
@@ -132,8 +135,9 @@ class TargetConfig:
     gpt-oss (`to_json` leaves each out at its default; docs/design.md, "gpt-oss targets"):
     `attention_sinks`, a learned logit per query head (the layer's `sinks` [H]) that joins each
     softmax's denominator and nothing else; `attention_out_bias`, the output projection's bias
-    `bo` [D]; `moe_bias`, biases on the router and on every expert projection;
-    `router_topk_logits`, the top k of the router's logits and then the softmax over those k
+    `bo` [D] (also where Llama's, Qwen3's, OLMo 2's, Gemma 3's or Qwen3-MoE's attention_bias
+    is true: their o_proj takes it, as q/k/v do); `moe_bias`, biases on the router and on every
+    expert projection; `router_topk_logits`, the top k of the router's logits and then the softmax over those k
     (rather than the top k of the softmax over all experts); `swiglu_limit` / `swiglu_alpha`,
     the experts' clamped SwiGLU, (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
     g = min(gate, limit), where set.
@@ -383,6 +387,12 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
         window = None
     if family in ("qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         window = None
+    # transformers' attention modules: Qwen2's q/k/v always carry a bias and its o_proj never;
+    # Mistral's and Mixtral's carry none; the others put one on q/k/v and o_proj alike where
+    # attention_bias says so (gpt-oss's default True)
+    bias = {"qwen2": True, "mistral": False, "mixtral": False}.get(
+        family, bool(hf.get("attention_bias", family == "gpt_oss"))
+    )
     if layered:
         if len(layered["full_attention_layers"]) == int(hf["num_hidden_layers"]):
             window = None
@@ -399,7 +409,8 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
         head_dim=int(hf.get("head_dim") or hidden // heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope=layered.pop("rope") if layered else _rope_from_hf(hf),
-        attention_bias=bool(hf.get("attention_bias", family in ("qwen2", "gpt_oss"))),
+        attention_bias=bias,
+        attention_out_bias=bias and family in _OUT_BIAS_FAMILIES,
         qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "gemma3": "head"}.get(
             family, "none"
         ),
@@ -551,12 +562,10 @@ def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
         )
     if not hf.get("rope_parameters") and not hf.get("rope_scaling"):
         hf = {**hf, "rope_parameters": dict(_GPT_OSS_ROPE)}
-    bias = bool(hf.get("attention_bias", True))
     return dict(
         rope=_rope_from_hf(hf, _GPT_OSS_THETA),
         full_attention_layers=_full_attention_layers(hf, 2, "gpt-oss"),
         attention_sinks=True,
-        attention_out_bias=bias,
         moe_bias=True,
         router_topk_logits=True,
         swiglu_limit=float(hf.get("swiglu_limit", 7.0)),

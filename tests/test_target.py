@@ -47,6 +47,45 @@ def test_logits_and_hidden_states_match_transformers(family, tie, hf_checkpoint)
         )
 
 
+# attention_bias=True: Llama's and Qwen3-MoE's o_proj take a bias as q/k/v do; Mistral's
+# attention ignores the flag (no bias anywhere), Qwen2's biases q/k/v whatever it says
+BIASED = {
+    "LlamaConfig": dict(attention_bias=True),
+    "Qwen3MoeConfig": dict(
+        attention_bias=True, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),
+    "MistralConfig": dict(attention_bias=True),
+    "Qwen2Config": dict(attention_bias=False, use_sliding_window=False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", list(BIASED))
+def test_attention_biases_follow_each_family(cls, tmp_path):
+    import transformers
+
+    config = getattr(transformers, cls)(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, **BIASED[cls],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    params, cfg = load_hf(tmp_path)
+    attn = model.model.layers[0].self_attn
+    assert cfg.attention_bias == (attn.q_proj.bias is not None)
+    assert cfg.attention_out_bias == (attn.o_proj.bias is not None)
+    assert ("bo" in params["layers"][0]) == (attn.o_proj.bias is not None)
+    toks = _tokens(2, 12, cfg.vocab_size)
+    with torch.no_grad():
+        ref = model(torch.tensor(toks, dtype=torch.long)).logits.numpy()
+    out = tgt.full_forward(params, jnp.asarray(toks), cfg, ())
+    np.testing.assert_allclose(np.asarray(out.logits), ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_then_stepwise_decode_equals_full_forward(family, hf_checkpoint):
     _, path = hf_checkpoint(family)

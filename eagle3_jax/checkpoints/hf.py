@@ -26,7 +26,7 @@ _LAYER_KEYS = {
     "self_attn.k_proj.weight": ("wk", True),
     "self_attn.v_proj.weight": ("wv", True),
     "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.o_proj.bias": ("bo", False),  # gpt-oss (read where the config says it is there)
+    "self_attn.o_proj.bias": ("bo", False),  # read where attention_out_bias says it is there
     "self_attn.sinks": ("sinks", False),  # gpt-oss
     "self_attn.q_proj.bias": ("bq", False),
     "self_attn.k_proj.bias": ("bk", False),
