@@ -87,6 +87,7 @@ RANKS = {
     "eagle3_jax.evaluation.paired": 4,
     "eagle3_jax.evaluation.study": 4,
     "eagle3_jax.evaluation.grid_report": 4,
+    "eagle3_jax.evaluation.budget_report": 4,
     "eagle3_jax.ablation": 4,
     "eagle3_jax.accelerators.programs": 4,
     "eagle3_jax.accelerators.lowering": 4,

@@ -52,6 +52,21 @@ class AblationConfig:
     # on as many records (not the same ones: length buckets order records by batch size)
     acc_records: int = 0
     evaluate: bool = True  # False: train only (a caller measures the heads itself, e.g. in one run)
+    # training steps at which each cell's exported head is measured (each a multiple of the base's
+    # export_every; the last may be max_steps, the final head); () = the final head alone. With a
+    # constant learning rate after warmup (`schedule="constant"`) the head at step B is what a run
+    # of B steps gives, so one run per cell answers "at which budget do the cells part"
+    budgets: tuple[int, ...] = ()
+    # (bench, questions per task) measured on each head, in order; () = ((bench, questions),)
+    benches: tuple[tuple[str, int | None], ...] = ()
+    # True: the cells compute the target's features as they train (features="online"; the shared
+    # dataset is still built once) instead of reading one precomputed store: a store of six
+    # layers in bfloat16 is ~7 KB a token, more than a device's disk at tens of millions of tokens
+    online_features: bool = False
+
+    def measured(self) -> tuple[tuple[str, int | None], ...]:
+        """(bench, questions per task) of every harness run a head gets."""
+        return self.benches or ((self.bench, self.questions),)
 
     def acc_span(self, tc: TrainConfig) -> int | None:
         """The training steps whose logged acc_i a cell averages (None: the last acc_window
@@ -65,6 +80,18 @@ class AblationConfig:
             raise Eagle3Error(f"acc_window {self.acc_window} < 1")
         if self.acc_records < 0:
             raise Eagle3Error(f"acc_records {self.acc_records} < 0 (0 = use acc_window)")
+        every = self.base.run.export_every
+        last = self.base.optim.max_steps
+        for b in self.budgets:
+            if b < 1 or (b != last and (not every or b % every)):
+                raise Eagle3Error(
+                    f"budget {b}: measured budgets are steps where a head is exported (multiples "
+                    f"of export_every {every}, or max_steps {last})"
+                )
+            if last and b > last:
+                raise Eagle3Error(f"budget {b} is past max_steps {last}")
+        if list(self.budgets) != sorted(set(self.budgets)):
+            raise Eagle3Error(f"budgets {self.budgets}: give them increasing, once each")
         names = [c.name for c in self.cells]
         if len(set(names)) != len(names):
             raise Eagle3Error(f"cell names repeat: {', '.join(names)}")
@@ -107,7 +134,7 @@ def cell_config(ac: AblationConfig, cell: Cell, out: Path, tcfg) -> TrainConfig:
     tc = ac.base.replace(
         **cell.overrides,
         out_dir=str(out / "cells" / cell.name),
-        features="offline",
+        features="online" if ac.online_features else "offline",
         features_dir=str(out / "features"),
         feature_layers=feature_layers(ac, tcfg),
     )

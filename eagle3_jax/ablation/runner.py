@@ -31,7 +31,7 @@ from eagle3_jax.evaluation.runner import run_eval
 from eagle3_jax.evaluation.study import read_curve
 from eagle3_jax.training.config import TrainConfig
 from eagle3_jax.training.loop import train
-from eagle3_jax.training.prepare import draft_size, precompute_features
+from eagle3_jax.training.prepare import draft_size, precompute_features, prepare_data
 from eagle3_jax.training.start import draft_config
 
 
@@ -112,7 +112,19 @@ def _plan(ac: AblationConfig, cells, out: Path, tcfg) -> list[tuple[Cell, TrainC
 
 def _shared_features(ac: AblationConfig, out: Path, layers, progress: bool) -> None:
     """The grid's dataset (OUT/shared) and the target's features of `layers` (OUT/features), made
-    once; a store lacking layers the grid now needs is refused."""
+    once; a store lacking layers the grid now needs is refused. With `online_features` the
+    dataset alone: each cell computes its features as it trains."""
+    if ac.online_features:
+        from eagle3_jax.checkpoints import load_target
+        from eagle3_jax.config import DTYPES
+
+        shared = ac.base.replace(out_dir=str(out / "shared"), features="online")
+        (out / "shared").mkdir(parents=True, exist_ok=True)
+        if not (out / "shared" / "dataset.npz").exists():
+            target = load_target(shared.corpus.target, dtype=DTYPES[shared.compute.param_dtype])
+            prepare_data(shared, target, out / "shared", progress)
+        print("dataset ready (features computed online by each cell)", file=sys.stderr)
+        return
     shared = ac.base.replace(
         out_dir=str(out / "shared"),
         features="offline",

@@ -152,10 +152,15 @@ class HeadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay, clipped, over a number of steps of a batch."""
+    """AdamW with linear warmup and cosine decay (or a constant rate after warmup), clipped, over
+    a number of steps of a batch."""
 
     lr: float = 1e-4
     warmup_ratio: float = 0.015
+    # "cosine": warmup then cosine to zero at the last step; "constant": warmup then lr to the
+    # end, so that a head exported at any step is what a run stopped there gives (a grid that
+    # measures one run at several budgets: configs/fusion_ablation_trained_smollm2.py)
+    schedule: str = "cosine"
     epochs: int = 1
     max_steps: int = 0  # 0 = epochs * steps per epoch
     batch_size: int = 8  # global sequences per optimizer step (before accumulation)
@@ -177,6 +182,7 @@ class OptimConfig:
 
     def validate(self) -> None:
         _check_numbers(self, self._RANGES)
+        _check_choice(self, "schedule", ("cosine", "constant"))
         _check_not_negative(self, {"max_steps": "epochs x steps per epoch",
                                    "epochs": "max_steps alone"})  # fmt: skip
         if self.epochs == 0 and self.max_steps == 0:

@@ -34,11 +34,19 @@ class TrainState(NamedTuple):
 
 
 def make_optimizer(oc: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW (beta 0.9/0.95, no weight decay by default), linear warmup then cosine, clip 0.5,
-    gradient accumulation over `grad_accum` micro-steps."""
+    """AdamW (beta 0.9/0.95, no weight decay by default), linear warmup then cosine (or the
+    peak rate held: `schedule="constant"`), clip 0.5, gradient accumulation over `grad_accum`
+    micro-steps."""
     updates = max(1, total_steps // oc.grad_accum)
     warmup = max(1, int(round(updates * oc.warmup_ratio)))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, oc.lr, warmup, max(updates, warmup + 1), 0.0)
+    if oc.schedule == "constant":
+        schedule = optax.join_schedules(
+            [optax.linear_schedule(0.0, oc.lr, warmup), optax.constant_schedule(oc.lr)], [warmup]
+        )
+    else:
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, oc.lr, warmup, max(updates, warmup + 1), 0.0
+        )
     tx = optax.chain(
         optax.clip_by_global_norm(oc.clip_norm),
         optax.adamw(schedule, b1=oc.beta1, b2=oc.beta2, weight_decay=oc.weight_decay),
