@@ -107,8 +107,12 @@ def check_run_config(tc: TrainConfig, out: Path, resuming: bool) -> None:
 
 def config_changes(saved: dict, tc: TrainConfig) -> list[str]:
     """The fields in which a run's saved train_config.json (nested by group, or the flat layout
-    written before the groups) differs from `tc`, leaving out the `RESUMABLE` ones."""
-    return differing_keys(flatten(saved), flatten(tc.record(RESUMABLE)))
+    written before the groups) differs from `tc`, leaving out the `RESUMABLE` ones. A field
+    the saved record lacks (added to TrainConfig since, e.g. `schedule`) counts as its default."""
+    now, saved = flatten(tc.record(RESUMABLE)), flatten(saved)
+    defaults = flatten(TrainConfig().record(RESUMABLE))
+    saved = {**{k: defaults[k] for k in now.keys() - saved.keys() if k in defaults}, **saved}
+    return differing_keys(saved, now)
 
 
 def restore(ckpt: Checkpoints, state, total: int, out: Path) -> tuple[Any, int, int]:
