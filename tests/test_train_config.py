@@ -18,7 +18,7 @@ ALL = sorted(p for p in (ROOT / "configs").glob("*.py") if "def get_config" in p
 GRIDS = [p for p in ALL if any(k in p.read_text() for k in ("AblationConfig(", "paper_grid("))]
 CONFIGS = [p for p in ALL if p not in GRIDS]
 GRID_COMMANDS = ("python -m eagle3_jax ablate", "benchmarks/vocab_study.py",
-                 "benchmarks/fusion_ablation.py")  # fmt: skip
+                 "benchmarks/fusion_ablation.py", "benchmarks/fusion_ablation_trained.py")  # fmt: skip
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -58,7 +58,10 @@ def test_every_cell_of_the_default_target_s_grids_builds_its_head():
             dcfg = draft_config(tc, tcfg, draft_size(tc, tcfg.vocab_size))
             if dcfg.final_norm_aux:
                 marked[f"{path.stem}/{cell.name}"] = dcfg.aux_layer_ids
-    assert marked == {"fusion_ablation_smollm2/top_layer": (30,)}
+    assert marked == {
+        "fusion_ablation_smollm2/top_layer": (30,),
+        "fusion_ablation_trained_smollm2/top_layer": (30,),
+    }
 
 
 def test_overrides_use_field_types():
