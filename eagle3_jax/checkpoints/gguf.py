@@ -5,6 +5,20 @@ gguf_file=)` goes through) imports PyTorch since transformers 5, and the base in
 fresh `make demo` failed converting the embedded default. The metadata is read here with the
 `gguf` package, and only transformers' tokenizer builder (`gguf_tokenizer_mapping`, no torch) is
 used, with the same inputs its reader would give it.
+
+Architectures, as llama.cpp's `convert_hf_to_gguf.py` writes them (tensor names from gguf-py's
+`TensorNameMap`): llama (Llama, Mistral; Mixtral too, as "llama" with an `expert_count`), qwen2,
+qwen3, olmo2, qwen3moe, gemma3 (the text model) and gpt-oss. What a GGUF file does not record
+is what llama.cpp's graph hard-codes, and we read it the same way: Qwen3-MoE renormalises the
+chosen experts' weights (`expert_weights_norm`, absent = true); Gemma 3 has every sixth layer
+global (`attention.sliding_window_pattern` where given), a local RoPE base of 10000
+(`rope.freq_base_swa`) and scores scaled by 1/sqrt(head_dim) (hidden/heads for the 62-layer
+27B); gpt-oss alternates sliding and full layers (the first sliding), clamps its SwiGLU at 7 and
+takes YaRN's betas 32 / 1 without truncation (transformers' GptOssConfig; llama.cpp's own YaRN
+truncates the correction range, a difference of the runtime, not of the file). The converter
+stores Gemma's norm weights as 1 + w (Gemma3RMSNorm's x * (1 + w)); the reader subtracts the 1
+(exact: Sterbenz), so 1 + w is again the file's value. gpt-oss's MXFP4 experts are GGML type
+MXFP4, which the `gguf` package dequantises.
 """
 
 from __future__ import annotations
@@ -16,10 +30,13 @@ import numpy as np
 from eagle3_jax.errors import Eagle3Error
 
 _ARCH = {
-    "llama": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM",  # MixtralForCausalLM where it has experts
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -40,7 +57,24 @@ _BLOCK = {
     "ffn_norm": "post_attention_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # the router [E, D]; gpt-oss's mlp.router
+    "attn_sinks": "self_attn.sinks",  # gpt-oss, [H]
 }
+# per-architecture exceptions to _BLOCK
+_BLOCK_ARCH = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gpt-oss": {"ffn_gate_inp": "mlp.router"},
+}
+# stacked experts [E, out, in] (and gpt-oss's biases [E, out]): the matrix they are
+_EXPS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+# llama.cpp's early Mixtral files: one tensor per expert, blk.{i}.ffn_{gate,up,down}.{e}.weight
+_ONE_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+
+
+def _f32(x) -> float:
+    """A GGUF float32 as the decimal it was written from (1e-05, not 9.999999747378752e-06): the
+    shortest repr that rounds to the same float32, so configs equal their config.json's."""
+    return float(str(np.float32(x)))
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -95,16 +129,17 @@ def _config_and_tensors(path: Path, reader, meta: dict) -> tuple[dict, dict[str,
     if not vocab:
         raise Eagle3Error(f"GGUF file {path} states no vocabulary size and holds no tokenizer")
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    experts = int(g("expert_count") or 0)
     hf = {
         "architectures": [_ARCH[arch]],
         "hidden_size": hidden,
-        "intermediate_size": int(g("feed_forward_length")),
+        "intermediate_size": int(g("feed_forward_length") or g("expert_feed_forward_length")),
         "num_hidden_layers": int(g("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
         "head_dim": int(g("attention.key_length") or hidden // heads),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(g("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 4096)),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in names,
@@ -113,21 +148,137 @@ def _config_and_tensors(path: Path, reader, meta: dict) -> tuple[dict, dict[str,
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
+    if experts:
+        if arch not in ("llama", "qwen3moe", "gpt-oss"):
+            raise Eagle3Error(
+                f"GGUF architecture {arch!r} with {experts} experts is not supported: "
+                "mixture-of-experts GGUF files are read for Mixtral (llama), qwen3moe and gpt-oss"
+            )
+        if arch == "llama":
+            hf["architectures"] = ["MixtralForCausalLM"]
+        hf.update(
+            num_experts=experts,
+            num_local_experts=experts,
+            num_experts_per_tok=int(g("expert_used_count")),
+            moe_intermediate_size=int(g("expert_feed_forward_length") or hf["intermediate_size"]),
+            norm_topk_prob=bool(g("expert_weights_norm", True)),
+        )
+    hf.update(_ARCH_FIELDS.get(arch, lambda g, hf: {})(g, hf))
+    layer_names = {**_BLOCK, **_BLOCK_ARCH.get(arch, {})}
     tensors: dict[str, np.ndarray] = {}
+    stacked: dict[
+        tuple[str, str, str], np.ndarray
+    ] = {}  # (layer, gate/up/down, suffix) -> [E, ...]
     for t in reader.tensors:
         w = gguf.dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape([int(x) for x in reversed(t.shape.tolist())])
+        if arch == "gemma3" and t.name.split(".")[-2].endswith("norm"):
+            w = w - np.float32(1.0)  # stored as 1 + w (Gemma3RMSNorm's scale)
         if t.name in _TOP:
             tensors[_TOP[t.name]] = w
             continue
         parts = t.name.split(".")
-        if parts[0] != "blk" or parts[2] not in _BLOCK:
+        if parts[0] != "blk":
             continue
-        i, kind, suffix = parts[1], parts[2], parts[3]
+        i, kind, suffix = parts[1], parts[2], parts[-1]
+        if kind in _EXPS:
+            stacked[i, _EXPS[kind], suffix] = w
+            continue
+        if len(parts) == 5 and kind in _ONE_EXPERT:  # blk.i.ffn_gate.{e}.weight
+            tensors[f"model.layers.{i}.mlp.experts.{parts[3]}.{_ONE_EXPERT[kind]}.weight"] = w
+            continue
+        if kind not in layer_names:
+            continue
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             w = _unpermute(w, heads if kind == "attn_q" else kv)
-        tensors[f"model.layers.{i}.{_BLOCK[kind]}.{suffix}"] = w
+        name = f"model.layers.{i}.{layer_names[kind]}"
+        tensors[name if kind == "attn_sinks" else f"{name}.{suffix}"] = w
+    for (i, which, suffix), w in stacked.items():
+        if which == "up":
+            continue
+        tensors.update(_experts(arch, i, which, suffix, w, stacked.get((i, "up", suffix))))
     return hf, tensors
+
+
+def _experts(arch: str, i: str, which: str, suffix: str, w: np.ndarray, up) -> dict:
+    """Stacked expert tensors (gate, up, down [E, out, in]; gpt-oss's biases [E, out]) under the
+    names checkpoints.hf reads: transformers 5's fused experts (gate_up_proj [E, 2F', D] with the
+    gate rows first, down_proj [E, D, F']), or gpt-oss's (gate_up_proj [E, D, 2F'] with gate and
+    up columns interleaved, down_proj [E, F', D], biases [E, 2F'] and [E, D])."""
+    base = f"model.layers.{i}.mlp.experts"
+    if which == "gate" and up is None:
+        raise Eagle3Error(f"GGUF layer {i} has ffn_gate_exps but no ffn_up_exps")
+    if arch != "gpt-oss":
+        if suffix != "weight":
+            raise Eagle3Error(f"GGUF layer {i}'s experts have a {suffix} (only gpt-oss has one)")
+        if which == "down":
+            return {f"{base}.down_proj": w}
+        return {f"{base}.gate_up_proj": np.concatenate([w, up], axis=1)}
+    if suffix == "bias":
+        if which == "down":
+            return {f"{base}.down_proj_bias": w}
+        return {f"{base}.gate_up_proj_bias": np.stack([w, up], -1).reshape(*w.shape[:-1], -1)}
+    if which == "down":
+        return {f"{base}.down_proj": w.transpose(0, 2, 1)}
+    both = np.stack([w.transpose(0, 2, 1), up.transpose(0, 2, 1)], -1)
+    return {f"{base}.gate_up_proj": both.reshape(*both.shape[:-2], -1)}
+
+
+def _gemma3_fields(g, hf: dict) -> dict:
+    """A Gemma 3 text config as llama.cpp's graph reads the file: the fields it does not store
+    are what llama.cpp hard-codes (every sixth layer global, a local RoPE base of 10000, the
+    scores scaled by 1/sqrt(head_dim), or hidden/heads for the 62-layer 27B)."""
+    layers, pattern = hf["num_hidden_layers"], g("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag a layer, true = sliding
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        types = [
+            "sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+            for i in range(layers)
+        ]
+    cap, scale = g("final_logit_softcapping"), g("attention.scale")
+    if scale:
+        scalar = _f32(scale) ** -2
+    else:
+        scalar = hf["hidden_size"] / hf["num_attention_heads"] if layers == 62 else hf["head_dim"]
+    out = {
+        "model_type": "gemma3_text",
+        "sliding_window": int(g("attention.sliding_window") or 4096),
+        "layer_types": types,
+        "rope_local_base_freq": _f32(g("rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": cap if cap is None else _f32(cap),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+    kind = g("rope.scaling.type")
+    if kind not in (None, "none"):
+        if kind != "linear":
+            raise Eagle3Error(f"Gemma 3 GGUF RoPE scaling {kind!r} is not supported (linear is)")
+        out["rope_scaling"] = {"rope_type": "linear", "factor": _f32(g("rope.scaling.factor"))}
+    return out
+
+
+def _gpt_oss_fields(g, hf: dict) -> dict:
+    """A gpt-oss config as the file gives it, with what it leaves out as GptOssConfig has it."""
+    rope = {
+        "rope_type": "yarn",
+        "factor": _f32(g("rope.scaling.factor", 32.0)),
+        "original_max_position_embeddings": int(g("rope.scaling.original_context_length", 4096)),
+        "beta_fast": _f32(g("rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": _f32(g("rope.scaling.yarn_beta_slow", 1.0)),
+        "truncate": False,
+    }
+    if g("rope.scaling.attn_factor"):
+        rope["attention_factor"] = _f32(g("rope.scaling.attn_factor"))
+    return {
+        "sliding_window": int(g("attention.sliding_window") or 128),
+        "rope_scaling": rope,
+        "attention_bias": True,
+        "intermediate_size": int(g("expert_feed_forward_length") or hf["intermediate_size"]),
+    }
+
+
+_ARCH_FIELDS = {"gemma3": _gemma3_fields, "gpt-oss": _gpt_oss_fields}
 
 
 # the tokenizer's special tokens: PreTrainedTokenizerFast argument <- tokenizer.ggml.<key> (an id)
