@@ -828,3 +828,63 @@ def test_a_detected_cluster_fills_what_the_environment_leaves_unset(monkeypatch)
     monkeypatch.setattr(distributed, "detected_cluster", lambda: Broken)
     with pytest.raises(Eagle3Error, match="Broken: cannot read .*SLURM_NTASKS.*set JAX_"):
         distributed.initialize()
+
+
+# ---------------------------------------------------------------------------------------------
+# expert parallelism over both processes
+
+EXPERTS_WORKER = """
+import json, sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import multihost_utils
+from eagle3_jax import distributed
+from eagle3_jax.checkpoints.hf import load_hf
+from eagle3_jax.decoding import plain
+from eagle3_jax.models import target as tgt
+from eagle3_jax.sharding import make_mesh
+from eagle3_jax.training.step import replicate
+
+assert distributed.initialize() and jax.process_count() == 2 and jax.device_count() == 4
+path, out = Path(sys.argv[1]), Path(sys.argv[2])
+mesh = make_mesh(1, 4)  # the model axis over both processes' devices
+params, cfg = load_hf(path, mesh=mesh)
+w = params["layers"][0]["we_gate"]  # [8, D, F']: 2 experts a device, 4 in this process
+assert w.sharding.spec[0] == "model" and not w.is_fully_addressable
+assert {s.data.shape[0] for s in w.addressable_shards} == {2}
+toks = np.asarray(json.loads(sys.argv[3]), np.int32)
+logits = tgt.full_forward(params, replicate(toks, mesh), cfg).logits
+logits = multihost_utils.process_allgather(logits, tiled=True)
+res = plain.generate(params, cfg, toks[:, :8].tolist(), 10, eos_ids=())
+if jax.process_index() == 0:
+    np.save(out / "logits.npy", np.asarray(logits))
+    (out / "tokens.json").write_text(json.dumps(res.output_ids))
+distributed.barrier("done")
+print("ok", jax.process_index())
+"""
+
+
+@pytest.mark.slow  # 17 s on 2 busy cores: with the GGUF tests over the default suite's share
+def test_experts_sharded_over_two_processes_equal_one(tmp_path):
+    """A tiny Qwen3-MoE (8 experts top-2, layers 0, 2 and 3 routed) on a 1x4 mesh over 2 processes x 2
+    devices, 2 experts a device and each process holding half of them: its forward's logits
+    (1e-5) and greedy decoding's tokens equal one process's on one device."""
+    from test_moe import tiny_moe_model
+
+    from eagle3_jax.checkpoints.hf import load_hf
+    from eagle3_jax.decoding import plain
+    from eagle3_jax.models import target as tgt
+
+    model = tiny_moe_model("qwen3_moe")
+    ckpt = tmp_path / "qwen3_moe"
+    model.save_pretrained(ckpt)
+    toks = np.random.default_rng(5).integers(3, 97, (2, 16)).astype(np.int32)
+    logs = tmp_path / "experts.log"
+    procs = _launch(EXPERTS_WORKER, [str(ckpt), str(tmp_path), json.dumps(toks.tolist())], logs)
+    params, cfg = load_hf(ckpt)
+    assert cfg.moe_layers == (0, 2, 3) and cfg.num_experts == 8
+    ref = np.asarray(tgt.full_forward(params, toks, cfg).logits)
+    want = plain.generate(params, cfg, toks[:, :8].tolist(), 10, eos_ids=()).output_ids
+    _wait(procs, logs, timeout=300)
+    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), ref, rtol=1e-5, atol=1e-5)
+    assert json.loads((tmp_path / "tokens.json").read_text()) == want
