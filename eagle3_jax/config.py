@@ -41,6 +41,19 @@ MODEL_TYPES = {
     "mixtral": "mixtral",
     "gpt_oss": "gpt_oss",
 }
+# our family name -> the model_type and architecture a head's config.json records for its target
+# (`target_model_type`, `target_architectures`: checkpoints.head_config)
+FAMILY_NAMES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
+}
 # the families whose o_proj has a bias where config.json's attention_bias is true (transformers
 # 5.24's modeling files; Qwen2's, Mistral's and Mixtral's never has)
 _OUT_BIAS_FAMILIES = ("llama", "qwen3", "olmo2", "gemma3", "qwen3_moe", "gpt_oss")
@@ -690,6 +703,10 @@ class DraftConfig:
     # 0 = min(2048, V), the published k
     final_norm_aux: bool = False
     products: ProductPolicy = PLAIN_PRODUCTS
+    # the family of the target it was made for (TargetConfig.family), or the model_type /
+    # architecture a head's config.json names where it is not one of ours; None: not recorded.
+    # Out of == and hash: it changes no program, only which targets `check_compatible` accepts.
+    target_family: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
@@ -753,14 +770,22 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, target_cfg: TargetConfig, **overrides) -> DraftConfig:
-        """A head sized like the target (as published EAGLE-3 heads are), full vocab by default.
+        """A head sized like the target (as published EAGLE-3 heads are), full vocab by default,
+        recording the target's family.
 
         RoPE defaults to theta 10000 without scaling whatever the target uses: the published
-        Llama-3.1 head is trained that way (override `rope` for a head that is not).
+        Llama-3.1 head is trained that way (override `rope` for a head that is not). The MLP is
+        the target's intermediate_size, dense: a Qwen3-MoE config's dense width (Qwen3-30B-A3B's
+        6144, as SpecForge's head for it), a Mixtral's expert width (14336); gpt-oss's experts
+        are narrow (2880 = hidden_size), and SpecForge's gpt-oss heads are 6 x hidden_size wide
+        (17280 for gpt-oss-20b), which we take.
         """
+        width = target_cfg.intermediate_size
+        if target_cfg.family == "gpt_oss":
+            width = 6 * target_cfg.hidden_size
         fields = dict(
             hidden_size=target_cfg.hidden_size,
-            intermediate_size=target_cfg.intermediate_size,
+            intermediate_size=width,
             num_heads=target_cfg.num_heads,
             num_kv_heads=target_cfg.num_kv_heads,
             head_dim=target_cfg.head_dim,
@@ -770,6 +795,7 @@ class DraftConfig:
             target_hidden_size=target_cfg.hidden_size,
             rms_norm_eps=target_cfg.rms_norm_eps,
             rope=RopeConfig(theta=10000.0),
+            target_family=target_cfg.family,
         )
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:

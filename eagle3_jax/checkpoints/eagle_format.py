@@ -30,7 +30,7 @@ from eagle3_jax.checkpoints.head_config import (
     read_head_config,
 )
 from eagle3_jax.checkpoints.safetensors_io import read_safetensors, write_safetensors
-from eagle3_jax.config import TargetConfig
+from eagle3_jax.config import FAMILY_NAMES, TargetConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as dr
 from eagle3_jax.sharding import put
@@ -255,6 +255,14 @@ def check_compatible(
     `embed` is the head's own embedding if it has one; without it the target's embedding is used,
     which needs the draft hidden size to equal the target's.
     """
+    family = draft_cfg.target_family
+    if family is not None and family != target_cfg.family:
+        ours = ", ".join(FAMILY_NAMES.get(target_cfg.family, (target_cfg.family,)))
+        raise Eagle3Error(
+            f"the head was made for a {family} target (its config.json's target model type / "
+            f"architecture) and this target is {target_cfg.family} ({ours}): its features "
+            "come from another model; use a head trained on this target"
+        )
     if draft_cfg.target_hidden_size != target_cfg.hidden_size:
         raise Eagle3Error(
             f"draft target_hidden_size {draft_cfg.target_hidden_size} != the "

@@ -9,6 +9,12 @@ plain head's config.
 `DraftConfig.aux_layer_ids` name layer INPUTS (HF hidden_states indices), so ours = theirs + 1;
 a top-level `eagle_aux_hidden_state_layer_ids` (vLLM's key) names hidden_states indices, ours as is
 (`layouts`).
+
+The target a head was made for (`DraftConfig.target_family`) is written as `target_model_type`
+(SpecForge's key, e.g. its Gemma 3 heads') and `target_architectures`; read from those, from a
+speculators head's verifier architectures, or from a head's own `model_type` where it is not
+"llama" (SpecForge's gpt-oss heads name "gpt_oss" there). `eagle_format.check_compatible` refuses
+a head whose recorded family is not its target's.
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_jax.checkpoints import layouts
-from eagle3_jax.config import RopeConfig, TargetConfig, _rope_from_hf
+from eagle3_jax.config import (
+    FAMILIES,
+    FAMILY_NAMES,
+    MODEL_TYPES,
+    RopeConfig,
+    TargetConfig,
+    _rope_from_hf,
+)
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as dr
 
@@ -74,8 +87,31 @@ def draft_config_from_hf(
         target_hidden_size=int(hf.get("target_hidden_size") or hidden),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' LlamaConfig default
         rope=_rope_from_hf(hf),
+        target_family=target_family_from_hf(hf),
         **_output_from_hf(hf),
     )
+
+
+def target_family_from_hf(hf: dict[str, Any]) -> str | None:
+    """The family of the target a head's config.json names (`target_architectures`,
+    `target_model_type`, or a `model_type` other than the head's own "llama"), as our family
+    name, or as the name given where it is none of ours; None where it names none. Names that
+    disagree are refused."""
+    archs = hf.get("target_architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    named = [(f"target_architectures {a!r}", FAMILIES.get(a, a)) for a in archs]
+    for key in ("target_model_type", "model_type"):
+        kind = hf.get(key)
+        if kind and not (key == "model_type" and kind == "llama"):
+            named.append((f"{key} {kind!r}", MODEL_TYPES.get(kind, kind)))
+    families = {f for _, f in named}
+    if len(families) > 1:
+        raise Eagle3Error(
+            f"the head's config.json names targets of different families ("
+            f"{', '.join(w for w, _ in named)}): fix the one it was not trained for"
+        )
+    return families.pop() if families else None
 
 
 _OUTPUT_FIELDS = ("lm_head_source", "speculator_rank", "spec_candidates", "final_norm_aux")
@@ -149,8 +185,21 @@ def draft_config_to_hf(cfg: dr.DraftConfig, torch_dtype: str = "bfloat16") -> di
         "torch_dtype": torch_dtype,
         **_rope_to_hf(cfg.rope),
         **aux,
+        **_target_to_hf(cfg.target_family),
         **_output_to_hf(cfg),
     }
+
+
+def _target_to_hf(family: str | None) -> dict[str, Any]:
+    """The target's model_type and architecture (ours' canonical names; a name that is none of
+    our families as it was read); nothing where the head records none."""
+    if family is None:
+        return {}
+    model_type, arch = FAMILY_NAMES.get(family, (family, None))
+    out: dict[str, Any] = {"target_model_type": model_type}
+    if arch is not None:
+        out["target_architectures"] = [arch]
+    return out
 
 
 def _output_to_hf(cfg: dr.DraftConfig) -> dict[str, Any]:

@@ -176,6 +176,9 @@ def from_speculators(hf: dict[str, Any]) -> dict[str, Any]:
         out["target_hidden_size"] = hf["target_hidden_size"]
     if hf.get("eagle_aux_hidden_state_layer_ids") is not None:
         out["eagle_aux_hidden_state_layer_ids"] = hf["eagle_aux_hidden_state_layer_ids"]
+    verifier = (hf.get("speculators_config") or {}).get("verifier") or {}
+    if verifier.get("architectures"):  # the target it was made for (head_config reads it)
+        out["target_architectures"] = list(verifier["architectures"])
     if "eagle3_jax" in hf:
         out["eagle3_jax"] = hf["eagle3_jax"]
     return out
