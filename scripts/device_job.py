@@ -62,9 +62,11 @@ $OUT/peers/ (summary.json, report.md):
 the machine is warm; what is finished goes into $OUT/vocab_study.tar.gz after every call:
   python3 scripts/device_job.py vocab-study --minutes 9 --out $OUT   (again to continue)
 
-`fusion-ablation` (after the GGUF's parts, as `run`): the fusion ablation
-(benchmarks/fusion_ablation.py, its four cells trained on the device and replayed), the same way;
-$OUT/fusion_ablation.tar.gz after every call:
+`fusion-ablation` (after the GGUF's parts, as `run`): the trained fusion ablation (issue 62:
+benchmarks/fusion_ablation_trained.py, five cells at ~20M tokens, each measured at four budgets):
+first every turn of the carried conversations answered (resumable; the answers into
+$OUT/turns/ in parts once they grow), then the cells trained on the device and replayed, the
+same way; $OUT/fusion_ablation_trained.tar.gz after every call:
   python3 scripts/device_job.py fusion-ablation --minutes 9 --out $OUT   (again to continue)
 
 This file parses the command line; the steps live in device_steps/: common.py (paths, the log,

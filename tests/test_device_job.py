@@ -177,11 +177,11 @@ def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch)
     del seen["study"]
     dj.main(["fusion-ablation", "--minutes", "9"])
     fa = seen["study"]
-    assert fa.grid.endswith("configs/fusion_ablation_smollm2.py") and fa.questions is None
+    assert fa.grid.endswith("configs/fusion_ablation_trained_smollm2.py") and fa.questions is None
     assert dj.study.command(fa)[1:] == [
-        "benchmarks/fusion_ablation.py", "--grid", fa.grid,
-        "--out", str(dj.c.ROOT / "runs/fusion_ablation_device"),
-        "--publish", str(dj.c.ROOT / "runs/fusion_ablation_device/published"),
+        "benchmarks/fusion_ablation_trained.py", "--grid", fa.grid,
+        "--out", str(dj.c.ROOT / "runs/fusion_ablation_trained_device"),
+        "--publish", str(dj.c.ROOT / "runs/fusion_ablation_trained_device/published"),
     ]  # fmt: skip
     del seen["step"]  # comma lists: kept in order, once each, spaces dropped
     dj.main(["round-cost", "--target", "olmo2_7b, olmo2_1b", "--head", "eagle3,specvocab,eagle3"])
@@ -361,8 +361,9 @@ def test_a_study_step_runs_the_study_and_packs_what_is_done(dj, c, tmp_path, mon
 
     monkeypatch.setattr(c, "phase", phase)
     out = tmp_path / "out"
+    regen = ["--no-regenerate"] if st.regenerate else []  # its own test below
     assert dj.main([cmd, "--minutes", "2", "--out", str(out), "--target", "/t",
-                    "--questions", "3", "--study-arg=--skip-train"]) == 0  # fmt: skip
+                    "--questions", "3", "--study-arg=--skip-train", *regen]) == 0  # fmt: skip
     ((phase_name, argv, timeout_s),) = calls
     assert phase_name == name and 0 < timeout_s <= 120 - 30
     assert argv[1] == f"benchmarks/{name}.py" and "--skip-train" in argv
@@ -377,6 +378,55 @@ def test_a_study_step_runs_the_study_and_packs_what_is_done(dj, c, tmp_path, mon
             f"runs/{name}_device/{name}.log"} <= names  # fmt: skip
     with pytest.raises(SystemExit):  # the device tool's 10-minute command limit
         dj.main([cmd, "--minutes", "12", "--out", str(out)])
+
+
+def test_the_trained_fusion_ablation_answers_every_turn_before_any_cell(
+    dj, c, tmp_path, monkeypatch
+):
+    """`fusion-ablation` (issue 62): the regeneration phase first; the study waits until every
+    conversation is answered (the same tokens for every cell); the answers come back gzipped in
+    parts with the marker, and a later lease that carries them to .device/turns/ restores them and
+    goes straight to the study."""
+    import gzip
+    import shutil
+
+    root = tmp_path / "repo"
+    monkeypatch.setattr(c, "ROOT", root)
+    monkeypatch.setattr(c, "DEVICE", root / ".device")
+    monkeypatch.setattr(c, "TURNS", root / "runs/turns/regenerated_turns.jsonl")
+    monkeypatch.setattr(c, "FULL_CONVERSATIONS", root / ".device/conv/none.jsonl.gz")
+    monkeypatch.setattr(dj.study, "grid_root", lambda grid: root / "runs/fat")
+    monkeypatch.setattr(c, "env", lambda args: {})
+    calls, finish = [], []
+
+    def phase(log, name, cmd, env, timeout_s, log_dir=None):
+        calls.append(name)
+        if name == "regenerate":
+            c.TURNS.parent.mkdir(parents=True, exist_ok=True)
+            with open(c.TURNS, "a") as f:
+                f.write('{"id": "a"}\n')
+            return 0 if finish else -9
+        return 0
+
+    monkeypatch.setattr(c, "phase", phase)
+    args = ["fusion-ablation", "--minutes", "5", "--target", "/t"]
+    assert dj.main([*args, "--out", str(tmp_path / "o1")]) == 0
+    assert calls == ["regenerate"]  # stopped midway: no cell trains on part of the data
+    assert (tmp_path / "o1/turns/regenerated_turns.jsonl.gz.part0").exists()
+    finish.append(True)
+    assert dj.main([*args, "--out", str(tmp_path / "o2")]) == 0
+    assert calls == ["regenerate", "regenerate", "fusion_ablation_trained"]
+    assert (tmp_path / "o2/turns/complete").exists()
+    # a fresh machine: the answers carried back, no regeneration
+    got = b"".join(p.read_bytes() for p in sorted((tmp_path / "o2/turns").glob("*.part*")))
+    shutil.rmtree(root / "runs")
+    (root / ".device/turns").mkdir(parents=True)
+    for p in (tmp_path / "o2/turns").iterdir():
+        shutil.copy2(p, root / ".device/turns" / p.name)
+    calls.clear()
+    assert dj.main([*args, "--out", str(tmp_path / "o3")]) == 0
+    assert calls == ["fusion_ablation_trained"]
+    assert c.TURNS.read_bytes() == gzip.decompress(got) == b'{"id": "a"}\n' * 2
 
 
 def test_round_timing_drafts_with_each_vocabulary_head(dj, tmp_path):
