@@ -21,6 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from eagle3_jax.checkpoints import Target, load_target  # noqa: E402
 from eagle3_jax.checkpoints.heads import Head  # noqa: E402
 from eagle3_jax.decoding.generate import DecodeOptions  # noqa: E402
+from eagle3_jax.decoding.sampling import Sampling  # noqa: E402
 from eagle3_jax.decoding.slots import SlotEngine  # noqa: E402
 from eagle3_jax.prompts import encode_chat  # noqa: E402
 from eagle3_jax.serving.api import Server, build_app  # noqa: E402
@@ -156,6 +157,36 @@ def test_streamed_chat_equals_whole_and_decoding_alone(served):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 14
 
 
+def test_each_request_samples_as_it_asks(served):
+    """Two concurrent requests with their own settings: the greedy one (temperature 0) equals
+    decoding alone, the sampled one (temperature 0.9, top_k 6, seed 5) equals decoding it alone
+    with those settings and that seed; /metrics shows the tree."""
+    srv, target, head, _ = served
+    greedy_p, sampled_p = random_prompts(target.cfg.vocab_size, [8, 13], seed=21)
+    results = {}
+
+    def ask(i, body):
+        time.sleep(0.2 * i)
+        results[i] = _post(srv, "/v1/completions", body | {"return_token_ids": True})
+
+    bodies = [{"prompt": greedy_p, "max_tokens": 16, "temperature": 0},
+              {"prompt": sampled_p, "max_tokens": 16, "temperature": 0.9, "top_k": 6,
+               "seed": 5}]  # fmt: skip
+    threads = [threading.Thread(target=ask, args=(i, b)) for i, b in enumerate(bodies)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    p, c, dp, dc, v = target.params, target.cfg, *head[:3]
+    assert results[0][2]["choices"][0]["token_ids"] == _alone(served, greedy_p, 16)
+    alone = spec_generate(p, c, dp, dc, v, [sampled_p], 16, TREE, eos_ids=(), seed=5,
+                          sampling=Sampling(0.9, 6, 1.0)).output_ids[0]  # fmt: skip
+    assert results[1][2]["choices"][0]["token_ids"] == alone
+    _, text = _get(srv, "/metrics")
+    assert f"eagle3_tree_tokens {float(TREE.total_tokens)}" in text
+    assert 'eagle3_tree_rounds_total{tree="3/3/9"}' in text
+
+
 def test_stop_string_ends_the_request(served):
     srv, target, _, _ = served
     prompt = random_prompts(target.cfg.vocab_size, [8], seed=11)[0]
@@ -183,7 +214,10 @@ def test_stop_string_ends_the_request(served):
         ({"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
         ({"prompt": [5, 6], "max_tokens": 31}, "max_tokens"),
         ({"prompt": [5] * 240, "max_tokens": 20}, "max_tokens"),
-        ({"prompt": [5, 6], "temperature": 0.7}, "temperature"),
+        ({"prompt": [5, 6], "temperature": 2.5}, "temperature"),
+        ({"prompt": [5, 6], "temperature": "hot"}, "temperature"),
+        ({"prompt": [5, 6], "top_p": 0}, "top_p"),
+        ({"prompt": [5, 6], "top_k": 1.5}, "top_k"),
         ({"prompt": [5, 500]}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [5], "stop": 3}, "stop"),

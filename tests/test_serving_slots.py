@@ -2,7 +2,8 @@
 into a 3-slot engine, some leaving and others joining the freed slots, give token for token what
 decoding each prompt alone gives (greedy: eagle3 and plain rounds; sampled with a seed: the same
 draws as decoding it alone with that seed), with one compiled round and one admission per prompt
-bucket."""
+bucket; requests with their own sampling settings side by side (a greedy one exact, a seeded
+sampled one the same as alone), and the tree switched by occupancy between rounds."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.decoding.generate import DecodeOptions
 from eagle3_jax.decoding.sampling import Sampling
-from eagle3_jax.decoding.slots import SlotEngine
+from eagle3_jax.decoding.slots import PLAIN, SlotEngine, TreeSchedule, envelope
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
 
 # (arrival round, prompt length, max_tokens): the fourth and fifth wait for slots the first ones free
@@ -23,13 +25,14 @@ ARRIVALS = [(0, 5, 12), (0, 17, 30), (1, 9, 7), (2, 30, 20), (2, 3, 25), (6, 12,
 NEW = 30  # the largest max_tokens: one token buffer (64) for the engine and decoding alone
 
 
-def _engine(spec_setup, method="eagle3", sampling=Sampling(), slots=3, tree=TREE):
+def _engine(spec_setup, method="eagle3", sampling=Sampling(), slots=3, tree=TREE, schedule=None):
     params, cfg, dparams, dcfg, vocab = spec_setup
     opts = DecodeOptions(method, NEW, tree, sampling, eos_ids=(), max_context=256)
-    return SlotEngine(Target(params, cfg, None, None), Head(dparams, dcfg, vocab), opts, slots)
+    head = Head(dparams, dcfg, vocab)
+    return SlotEngine(Target(params, cfg, None, None), head, opts, slots, schedule)
 
 
-def _serve(engine, requests, seeds=None, max_iters=300):
+def _serve(engine, requests, seeds=None, max_iters=300, samplings=None):
     """Runs `requests` [(arrival round, prompt, max_tokens)] FIFO through the engine: each
     iteration admits what has arrived into free slots, then runs a round. Returns each request's
     tokens and finish reason, and the slots each went to."""
@@ -40,7 +43,13 @@ def _serve(engine, requests, seeds=None, max_iters=300):
         while waiting and requests[waiting[0]][0] <= it and engine.free_slots():
             i = waiting.pop(0)
             _, prompt, limit = requests[i]
-            where[i] = engine.admit(i, prompt, limit, seed=0 if seeds is None else seeds[i])
+            where[i] = engine.admit(
+                i,
+                prompt,
+                limit,
+                seed=0 if seeds is None else seeds[i],
+                sampling=None if samplings is None else samplings[i],
+            )
         for u in engine.step():
             out[u.request] += u.new_ids
             assert u.num_tokens == len(out[u.request])
@@ -145,3 +154,57 @@ def test_release_frees_the_slot_and_refusals(spec_setup):
     eng.admit("c", b, 3)
     with pytest.raises(Eagle3Error, match="no free slot"):
         eng.admit("d", b, 3)
+
+
+def test_per_request_sampling_settings(spec_setup):
+    """Each request's own temperature, top-k, top-p in one batch (one compiled round): the
+    greedy requests give exactly what decoding them alone gives, and each seeded sampled one
+    what decoding it alone with its seed and settings gives."""
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    requests = _requests(cfg.vocab_size)[:4]
+    samplings = [Sampling(), Sampling(0.8, 5, 1.0), Sampling(), Sampling(1.3, 0, 0.9)]
+    seeds = [0, 11, 0, 12]
+    eng = _engine(spec_setup)  # the default (opts.sampling) is greedy: the requests override it
+    out, _, _ = _serve(eng, requests, seeds=seeds, samplings=samplings)
+    assert eng.compiles()["round"] >= 1
+    for i, (_, prompt, limit) in enumerate(requests):
+        alone = spec_generate(params, cfg, dparams, dcfg, vocab, [prompt], limit, TREE,
+                              sampling=samplings[i], seed=seeds[i], eos_ids=())  # fmt: skip
+        assert out[i] == alone.output_ids[0], (i, samplings[i])
+    # the sampled ones did sample: not their greedy decoding
+    greedy = spec_generate(params, cfg, dparams, dcfg, vocab, [requests[1][1]], requests[1][2],
+                           TREE, eos_ids=())  # fmt: skip
+    assert out[1] != greedy.output_ids[0]
+
+
+SCHEDULE = "1:3/3/9,2:1/2/3,3-:plain"
+
+
+def test_tree_schedule_parse():
+    base = TREE
+    s = TreeSchedule.parse(SCHEDULE, base)
+    assert [s.tree_for(n) for n in (1, 2, 3, 7)] == [TREE, TreeConfig(1, 2, 3), PLAIN, PLAIN]
+    s = TreeSchedule.parse("2-3:2/2/4/0.1", base)
+    assert s.tree_for(1) == base and s.tree_for(3).verify_threshold == 0.1
+    assert envelope(TreeSchedule.parse(SCHEDULE, base).trees()) == TREE
+    with pytest.raises(Eagle3Error, match="RANGE:TREE"):
+        TreeSchedule.parse("1-2:10/8", base)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "pld"])
+def test_tree_by_occupancy_greedy_equals_alone(spec_setup, method):
+    """The tree switches between rounds as staggered requests arrive and leave (3 slots: the
+    full tree at one, a chain at two, plain rounds at three): each greedy output is still that of
+    decoding the prompt alone; each tree compiled one round."""
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    schedule = TreeSchedule.parse(SCHEDULE, TREE)
+    eng = _engine(spec_setup, method, schedule=schedule)
+    requests = _requests(cfg.vocab_size)
+    out, reasons, _ = _serve(eng, requests)
+    assert set(eng.tree_rounds) == ({"3/3/9", "1/2/3", "plain"} if method == "eagle3"
+                                    else {"1/3/4", "1/2/3", "plain"})  # fmt: skip
+    for i, (_, prompt, limit) in enumerate(requests):
+        alone = spec_generate(params, cfg, dparams, dcfg, vocab, [prompt], limit, TREE, method,
+                              eos_ids=())  # fmt: skip
+        assert out[i] == alone.output_ids[0], (method, i)
+        assert reasons[i] == "max_tokens"

@@ -5,10 +5,12 @@
       --slots 8 --max-context 4096 --max-new-tokens 1024 --port 8000
 
 Endpoints: POST /v1/completions and /v1/chat/completions (stream or not), GET /v1/models,
-/health and /metrics. The sampling settings (--temperature, --top-p, --sample-top-k) are the
-server's: a request may repeat them, not change them. docs/serving.md has the details and what is
-not served yet. SIGTERM (or Ctrl-C) stops taking connections and lets running requests finish
-for --drain-timeout seconds.
+/health and /metrics. Each request samples as its own fields say (temperature, top_p, top_k,
+seed; temperature 0 is greedy); --temperature, --top-p and --sample-top-k are the defaults.
+--tree-by-occupancy picks each round's tree from the busy slots, down to plain rounds:
+  --tree-by-occupancy "1-2:10/8/60,3-4:1/4/5,5-:plain"   (RANGE:top_k/depth/total or plain)
+docs/serving.md has the details and what is not served yet. SIGTERM (or Ctrl-C) stops taking
+connections and lets running requests finish for --drain-timeout seconds.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from eagle3_jax import compile_cache
 from eagle3_jax.cli import decode, decode_flags
 from eagle3_jax.decoding.generate import DecodeOptions
 from eagle3_jax.decoding.sampling import Sampling
-from eagle3_jax.decoding.slots import SlotEngine
+from eagle3_jax.decoding.slots import SlotEngine, TreeSchedule
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.serving.api import Server, build_app
 from eagle3_jax.serving.scheduler import Scheduler
@@ -40,9 +42,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="requests that may wait for a slot; more are answered 429")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=512,
                    help="the most tokens a request may ask for (its default too)")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--sample-top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="a request's default temperature (0 = greedy); requests may set their own",
+    )
+    p.add_argument("--sample-top-k", type=int, default=0, help="a request's default top_k (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="a request's default top_p")
+    p.add_argument("--tree-by-occupancy", default=None, metavar="SCHEDULE",
+                   help="each round's tree by the number of busy slots, e.g. "
+                   "'1-2:10/8/60,3-4:1/4/5,5-:plain' (top_k/depth/total_tokens[/verify "
+                   "threshold], or plain: the root alone); occupancies not listed use the tree "
+                   "flags' tree (default: that tree every round). Logged when it changes; "
+                   "/metrics has eagle3_tree_tokens and eagle3_tree_rounds_total{tree}")  # fmt: skip
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the target's folder name)")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -67,6 +80,8 @@ def check(args) -> None:
         decode_flags.check_tree(args)
     if args.method == "eagle3":
         decode_flags.draft_vocab(args)
+    if args.tree_by_occupancy is not None:
+        TreeSchedule.parse(args.tree_by_occupancy, decode_flags.tree_of(args))
 
 
 def main(argv=None) -> int:
@@ -80,7 +95,10 @@ def main(argv=None) -> int:
             Sampling(args.temperature, args.sample_top_k, args.top_p),
             max_context=max_context, same_engine=True,
         )  # fmt: skip
-        engine = SlotEngine(target, head, opts, args.slots)
+        schedule = None
+        if args.tree_by_occupancy is not None:
+            schedule = TreeSchedule.parse(args.tree_by_occupancy, opts.tree)
+        engine = SlotEngine(target, head, opts, args.slots, schedule)
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -103,10 +121,18 @@ def main(argv=None) -> int:
 
 
 def warm(engine: SlotEngine) -> None:
-    """Compiles the admission of the first prompt bucket and the round before serving."""
-    engine.admit("warmup", [engine.pad], 2)
-    for _ in range(4):
-        if any(u.finish_reason for u in engine.step()):
-            break
-    for slot in range(engine.slots):
-        engine.release(slot)
+    """Compiles the admission of the first prompt bucket and the round before serving (each
+    tree's round under a schedule: occupancy 1 .. slots)."""
+    for busy in range(1, engine.slots + 1):
+        if busy > 1 and engine.schedule.tree_for(busy) in map(engine.schedule.tree_for,
+                                                              range(1, busy)):  # fmt: skip
+            continue
+        for i in range(busy):
+            engine.admit(f"warmup{i}", [engine.pad], 2)
+        for _ in range(4):
+            if any(u.finish_reason for u in engine.step()):
+                break
+        for slot in range(engine.slots):
+            engine.release(slot)
+    engine.current_tree = None
+    engine.tree_rounds.clear()

@@ -29,8 +29,8 @@ def _encode_pairs(dparams, embed, state: SpecState, dcfg: drf.DraftConfig, shape
     """Step 1: the pairs (target feature at p, token at p + 1) committed last round, onto the
     draft's stable cache. Returns (the draft's hidden state at the last pair, the root's
     [B, H]; the draft cache)."""
-    b, e = state.root.shape[0], tree.depth + 1
-    dslots = shape.slots + tree.tree_slots
+    b, e = state.enc_tok.shape  # E: the state's (its largest tree's depth + 1)
+    dslots = _draft_slots(state.dcache)
     start = state.length - state.enc_n
     pos = start[:, None] + jnp.arange(e, dtype=jnp.int32)[None, :]
     # stable slots only: tree slots are >= S > pos
@@ -49,6 +49,12 @@ def _encode_pairs(dparams, embed, state: SpecState, dcfg: drf.DraftConfig, shape
         target_features=True,
     )
     return out.hidden[jnp.arange(b), state.enc_n - 1], out.cache
+
+
+def _draft_slots(dcache) -> int:
+    """The draft cache's slots: S stable ones, then the scratch slots of the largest tree the
+    state was sized for (a smaller tree uses the first of them)."""
+    return dcache["v"].shape[-2]
 
 
 class _Frontier(NamedTuple):
@@ -71,7 +77,10 @@ def _level(dparams, embed, vocab, dcache, front: _Frontier, r, lvl, running, dcf
     own = jax.nn.one_hot((lvl - 2) * k + jnp.arange(k), tree.tree_slots, dtype=bool)  # [k, TS]
     anc = front.anc | own[None]
     stable = jnp.arange(s)[None, None, :] < r[:, None, None]  # [B, 1, S]
-    mask = jnp.concatenate([jnp.broadcast_to(stable, (b, k, s)), anc], axis=-1)
+    extra = _draft_slots(dcache) - s - tree.tree_slots  # a larger tree's scratch: unused here
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(stable, (b, k, s)), anc, jnp.zeros((b, k, extra), bool)], axis=-1
+    )
     pos = jnp.broadcast_to((r + lvl - 2)[:, None], (b, k))
 
     def expand(dc):
@@ -198,6 +207,15 @@ def vanilla_drafter(dparams, embed, vocab, state: SpecState, dcfg, shape: Shape,
     b = state.root.shape[0]
     root_only = jax.vmap(chain_tree)(state.root, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0)))
     return root_only, state.dcache
+
+
+def encode_drafter(dparams, embed, vocab, state: SpecState, dcfg, shape: Shape, tree: TreeConfig):
+    """No draft, but the head keeps up: last round's pairs are encoded into the draft cache as
+    EAGLE-3's round encodes them, and the root alone is verified. Serving's plain rounds with a
+    head (`slots.TreeSchedule`), so that a later speculative round drafts from the whole
+    context."""
+    _, dcache = _encode_pairs(dparams, embed, state, dcfg, shape, tree)
+    return vanilla_drafter(dparams, embed, vocab, state, dcfg, shape, tree)[0], dcache
 
 
 DRAFTERS = {"eagle3": eagle3_drafter, "pld": pld_drafter, "vanilla": vanilla_drafter}

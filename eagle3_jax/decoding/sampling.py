@@ -1,4 +1,11 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p (shared by plain and speculative decoding)."""
+"""Turning logits into tokens: greedy, temperature, top-k, top-p (shared by plain and speculative decoding).
+
+`Sampling` is the settings of one decode (static in plain decoding's programs). The speculative
+engine keeps them per row as runtime arrays (`RowSampling`, in `SpecState.sampling`), so rows of
+one batch may sample differently (a greedy row next to sampled ones, each its own temperature,
+top-k and top-p: the serving slots) without a compile per setting; its compiled programs keep
+only `Sampling.greedy` static (a batch that never samples skips the sampling code).
+"""
 
 from __future__ import annotations
 
@@ -36,6 +43,69 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Each row's settings as arrays: temperature [B] float32 (0: greedy), top_k [B] int32
+    (0: off), top_p [B] float32 (1: off)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @classmethod
+    def fill(cls, sampling: Sampling, batch: int) -> RowSampling:
+        """`sampling` for every one of `batch` rows."""
+        return cls.of([sampling] * batch)
+
+    @classmethod
+    def of(cls, rows: list[Sampling]) -> RowSampling:
+        """One row per `Sampling` (each validated on construction)."""
+        return cls(
+            jnp.asarray([s.temperature for s in rows], jnp.float32),
+            jnp.asarray([s.top_k for s in rows], jnp.int32),
+            jnp.asarray([s.top_p for s in rows], jnp.float32),
+        )
+
+
+def row_log_probs(logits_BXV: jax.Array, rows: RowSampling) -> jax.Array:
+    """`log_probs` with each row's own settings ([B, ..., V] logits, rows [B]); fp32. Top-k is a
+    rank mask over the sorted logits (a per-row k, the shapes static); a row whose filters are
+    off gets exactly its unfiltered log-softmax (`jnp.where`, not arithmetic), as `log_probs`
+    gives it. The sort runs only when some row filters."""
+    x_ = logits_BXV.astype(jnp.float32)
+    extra = (1,) * (x_.ndim - 1)
+    t = rows.temperature.reshape((-1,) + extra)
+    k = rows.top_k.reshape((-1,) + extra)
+    p = rows.top_p.reshape((-1,) + extra)
+    x = x_ / jnp.maximum(t, 1e-6)
+    v = x.shape[-1]
+
+    def filtered(x):
+        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+        idx = jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1), x.shape[:-1] + (1,))
+        kth = jnp.take_along_axis(sorted_x, idx, axis=-1)
+        use_k = (k > 0) & (k < v)
+        x = jnp.where(use_k & (x < kth), -jnp.inf, x)
+        sorted_x = jnp.where(use_k & (sorted_x < kth), -jnp.inf, sorted_x)
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+        cutoff = jnp.min(jnp.where(before < p, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where((p < 1.0) & (x < cutoff), -jnp.inf, x)
+
+    needs = jnp.any(((rows.top_k > 0) & (rows.top_k < v)) | (rows.top_p < 1.0))
+    x = jax.lax.cond(needs, filtered, lambda x: x, x)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def row_sample(logits_BV: jax.Array, key: jax.Array, rows: RowSampling) -> jax.Array:
+    """[B, V] logits -> [B] int32 tokens, each row as its settings say (temperature 0: the
+    argmax); one key for the batch, as `sample` draws."""
+    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    drawn = jax.random.categorical(key, row_log_probs(logits_BV, rows), axis=-1).astype(jnp.int32)
+    return jnp.where(rows.temperature == 0, greedy, drawn)
 
 
 def log_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:

@@ -16,19 +16,31 @@ stops for the context where decoding it alone would not.
 
 Exactness: rows do not read each other, so a greedy request's tokens are those of decoding it
 alone (`generate.generate_ids`, same tree, float32), whatever shares the batch and whenever it
-arrived. Sampling: the state holds a key per row ([B, 2]), the request's `seed` as decoding
-alone seeds its batch of one, and a round splits each row's key as a batch of one would split
-its key, so a sampled request draws what it would draw decoded alone with that seed. Adaptive
-verification (`TreeConfig.verify_threshold` > 0) verifies the largest need over the running
-rows: greedy output is unchanged, but a sampled request's tree, hence its tokens, then depend on
-the batch (use threshold 0 where sampled outputs must be reproducible). One `Sampling`
-(temperature, top-k, top-p) serves every slot: it is static in the compiled round.
+arrived. Sampling: each request brings its own settings (temperature, top-k, top-p; kept per row
+in the state, `sampling.RowSampling`: the round compiles once for all of them, a greedy row
+getting exactly the greedy rule) and its own key ([B, 2] in the state), the request's `seed` as
+decoding alone seeds its batch of one; a round splits each row's key as a batch of one would
+split its key, so a sampled request draws what it would draw decoded alone with that seed and
+those settings. Adaptive verification (`TreeConfig.verify_threshold` > 0) verifies the largest
+need over the running rows, and a tree schedule (`TreeSchedule`) picks each round's tree from
+the occupancy: greedy output is unchanged by either, but a sampled request's tree, hence its
+tokens, then depend on the batch.
+
+The tree per round: `TreeSchedule` maps the number of occupied slots to a tree, down to plain
+rounds (the root alone: `PLAIN`) where speculation does not pay. The state is sized once for the
+largest (`envelope`: E = its depth + 1, the draft's scratch slots, the room a round reserves),
+and each tree compiles its own round once; a smaller tree pads its accepted path to E. With a
+head, a plain round still encodes last round's pairs into the draft cache (`encode_drafter`), so
+a later speculative round drafts from the whole context.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import logging
+import re
 from typing import NamedTuple
 
 import jax
@@ -39,12 +51,84 @@ from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
-from eagle3_jax.decoding.drafters import method_head_tree
+from eagle3_jax.decoding.drafters import encode_drafter, method_head_tree, method_tree
 from eagle3_jax.decoding.generate import DecodeOptions
+from eagle3_jax.decoding.sampling import RowSampling, Sampling
 from eagle3_jax.decoding.state import SpecState
+from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
 
+log = logging.getLogger(__name__)
+
 _STATIC = ("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids")
+# the static sampling of the engine's programs: rows may sample (each row's settings are in the
+# state); a batch of greedy rows skips the sampling code at run time (`verify.accept`)
+ROWS_SAMPLE = Sampling(temperature=1.0)
+PLAIN = TreeConfig(top_k=1, depth=1, total_tokens=1)  # the root alone: a plain decoding step
+
+
+def tree_name(tree: TreeConfig) -> str:
+    """The tree's name: plain, or top_k/depth/total_tokens (/threshold if adaptive)."""
+    if tree.total_tokens == 1:
+        return "plain"
+    name = f"{tree.top_k}/{tree.depth}/{tree.total_tokens}"
+    return name + (f"/{tree.verify_threshold:g}" if tree.verify_threshold > 0 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSchedule:
+    """The tree of a round by the number of occupied slots: `ranges` are (lo, hi, tree), hi
+    None for no upper bound; an occupancy no range covers gets `default`."""
+
+    ranges: tuple[tuple[int, int | None, TreeConfig], ...]
+    default: TreeConfig
+
+    @classmethod
+    def parse(cls, text: str, default: TreeConfig) -> TreeSchedule:
+        """A schedule from text such as 1-2:10/8/60,3-4:1/4/5,5-:plain: occupancy ranges (lo-hi,
+        lo- or n), each with a tree top_k/depth/total_tokens[/verify threshold] (the threshold
+        default: `default`'s) or `plain` (the root alone)."""
+        ranges = []
+        for part in filter(None, (x.strip() for x in text.split(","))):
+            m = re.fullmatch(r"(\d+)(-(\d*))?:(plain|\d+/\d+/\d+(/[0-9.]+)?)", part)
+            if not m:
+                raise Eagle3Error(
+                    f"--tree-by-occupancy: {part!r} is not RANGE:TREE (e.g. 1-2:10/8/60, 5-:plain)"
+                )
+            lo = int(m[1])
+            hi = lo if m[2] is None else (int(m[3]) if m[3] else None)
+            if lo < 1 or (hi is not None and hi < lo):
+                raise Eagle3Error(f"--tree-by-occupancy: bad range in {part!r}")
+            if m[4] == "plain":
+                tree = PLAIN
+            else:
+                k, d, n, *thr = m[4].split("/")
+                t = float(thr[0]) if thr else default.verify_threshold
+                tree = TreeConfig(int(k), int(d), int(n), t)
+            ranges.append((lo, hi, tree))
+        return cls(tuple(ranges), default)
+
+    def tree_for(self, occupied: int) -> TreeConfig:
+        for lo, hi, tree in self.ranges:
+            if lo <= occupied and (hi is None or occupied <= hi):
+                return tree
+        return self.default
+
+    def trees(self) -> list[TreeConfig]:
+        return list(dict.fromkeys([t for _, _, t in self.ranges] + [self.default]))
+
+
+def envelope(trees: list[TreeConfig]) -> TreeConfig:
+    """The tree a state is sized for so that every one of `trees` runs on it: the largest depth
+    (E), top_k x depth (the draft's scratch slots) and total (the room a round reserves). Only
+    its sizes are read (not a tree to draft: it may not validate)."""
+    if len(trees) == 1:
+        return trees[0]
+    return TreeConfig(
+        top_k=max(t.top_k for t in trees),
+        depth=max(t.depth for t in trees),
+        total_tokens=max(t.total_tokens for t in trees),
+    )
 
 
 def insert_row(state: SpecState, row: SpecState, slot: jax.Array) -> SpecState:
@@ -69,13 +153,14 @@ def insert_row(state: SpecState, row: SpecState, slot: jax.Array) -> SpecState:
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=4)
 def admit_row(
     tparams, dparams, embed, vocab, state: SpecState, slot, prompt_1T, length_1, limit_1, key,
-    tcfg, dcfg, shape: plain.Shape, tree, sampling, eos_ids,
+    tcfg, dcfg, shape: plain.Shape, tree, sampling, eos_ids, rows: RowSampling | None = None,
 ) -> SpecState:  # fmt: skip
-    """One request's prefill (prompt_1T [1, T] right-padded, length_1 and limit_1 [1], key [2];
-    `shape` the batch of one's: its prompt bucket, the slots' S and M) written into row `slot`
-    ([] int32, a runtime value: no compile per slot) of the batched state, which is donated."""
+    """One request's prefill (prompt_1T [1, T] right-padded, length_1 and limit_1 [1], key [2],
+    rows its sampling settings [1]; `shape` the batch of one's: its prompt bucket, the slots' S
+    and M) written into row `slot` ([] int32, a runtime value: no compile per slot) of the
+    batched state, which is donated."""
     row = spec.prefill(tparams, dparams, embed, vocab, prompt_1T, length_1, limit_1, key,
-                       tcfg, dcfg, shape, tree, sampling, eos_ids)  # fmt: skip
+                       tcfg, dcfg, shape, tree, sampling, eos_ids, row_sampling=rows)  # fmt: skip
     return insert_row(state, row, slot)
 
 
@@ -83,6 +168,11 @@ def admit_row(
 def _free_row(state: SpecState, slot) -> SpecState:
     """Row `slot` marked finished (frozen from the next round on)."""
     return dataclasses.replace(state, finish=state.finish.at[slot].set(2))
+
+
+def _map_trees(schedule: TreeSchedule, fn) -> TreeSchedule:
+    ranges = tuple((lo, hi, fn(t)) for lo, hi, t in schedule.ranges)
+    return TreeSchedule(ranges, fn(schedule.default))
 
 
 class Update(NamedTuple):
@@ -102,18 +192,35 @@ class SlotEngine:
 
     Args:
       target, head: as `generate_ids` takes them (head None for pld and vanilla).
-      opts: the engine's method, tree, sampling, EOS ids and pad id; `max_context` is S, the
-        cache slots every request gets (default the target's context), and `max_new_tokens`
-        the largest max_tokens a request may ask for. `seed` is unused: a request brings its own.
+      opts: the engine's method, tree, EOS ids and pad id; `sampling` is a request's default
+        (`admit` takes its own); `max_context` is S, the cache slots every request gets
+        (default the target's context), and `max_new_tokens` the largest max_tokens a request
+        may ask for. `seed` is unused: a request brings its own.
       slots: B, the requests decoded together.
+      schedule: the tree of each round by occupancy (`TreeSchedule`; None: `opts.tree` always).
+        Its trees are checked against the head as `opts.tree` is; ignored by method vanilla.
     """
 
-    def __init__(self, target: Target, head: Head | None, opts: DecodeOptions, slots: int):
+    def __init__(self, target: Target, head: Head | None, opts: DecodeOptions, slots: int,
+                 schedule: TreeSchedule | None = None):  # fmt: skip
         if slots < 1:
             raise Eagle3Error(f"slots {slots} < 1")
         method = opts.method
-        head, self.tree = method_head_tree(method, head, opts.tree)
+        head, tree = method_head_tree(method, head, opts.tree)
         dparams, dcfg, vocab, embed = head or (None, None, None, None)
+        if schedule is None or method == "vanilla":
+            schedule = TreeSchedule((), tree)
+        elif method != "eagle3":  # pld: a chain of each tree's depth, or plain rounds
+            schedule = _map_trees(
+                schedule, lambda t: t if t == PLAIN else method_tree(method, t, 1)
+            )
+        else:
+            choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
+            schedule = _map_trees(schedule, lambda t: t if t == PLAIN else t.validate(choices))
+        self.schedule = schedule
+        self.tree = envelope(schedule.trees())  # the state's sizes: every tree runs on it
+        self.current_tree: TreeConfig | None = None  # the last round's
+        self.tree_rounds: collections.Counter = collections.Counter()  # rounds by tree_name
         tcfg = target.cfg
         context = opts.max_context or tcfg.max_position_embeddings
         cache = plain.round_up(context, plain.PROMPT_BUCKET)  # a prompt bucket always fits
@@ -160,8 +267,8 @@ class SlotEngine:
 
     # ------------------------------------------------------------------ the state
 
-    def _static(self, shape: plain.Shape) -> tuple:
-        return (*self.cfgs, shape, self.tree, self.opts.sampling, self.eos)
+    def _static(self, shape: plain.Shape, tree: TreeConfig | None = None) -> tuple:
+        return (*self.cfgs, shape, tree or self.tree, ROWS_SAMPLE, self.eos)
 
     def _empty(self) -> SpecState:
         """B free slots: zeros of the batched state's shapes, every row finished (frozen)."""
@@ -188,10 +295,11 @@ class SlotEngine:
         return self.slots - len(self.free_slots())
 
     def admit(self, request: object, prompt: list[int], max_tokens: int, seed: int = 0,
-              slot: int | None = None) -> int:  # fmt: skip
+              slot: int | None = None, sampling: Sampling | None = None) -> int:  # fmt: skip
         """Prefills `prompt` into a free slot (the first, or `slot`) for `max_tokens` new tokens
-        at most, sampling (if the engine samples) from `seed`; returns the slot. `request` is the
-        caller's id for it in `step`'s updates."""
+        at most, sampled as `sampling` says (default `opts.sampling`; temperature 0: greedy)
+        from `seed`; returns the slot. `request` is the caller's id for it in `step`'s
+        updates."""
         self.check(prompt, max_tokens)
         free = self.free_slots()
         if not free:
@@ -205,6 +313,7 @@ class SlotEngine:
         self.state = admit_row(
             *self.models, self.state, jnp.int32(slot), toks, lengths,
             np.array([max_tokens], np.int32), jax.random.PRNGKey(seed), *self._static(one),
+            RowSampling.of([self.opts.sampling if sampling is None else sampling]),
         )  # fmt: skip
         self.owner[slot], self.shown[slot] = request, 0
         return slot
@@ -225,9 +334,18 @@ class SlotEngine:
             return []
         finish = np.asarray(jax.device_get(self.state.finish))
         if any(finish[i] == 0 for i in running):
-            self.state = spec.round_step(*self.models, self.state, *self._static(self.shape),
-                                         self.method)  # fmt: skip
+            tree = self.schedule.tree_for(len(running))
+            if tree != self.current_tree:
+                log.info("occupancy %d: tree %s (%d tokens)", len(running), tree_name(tree),
+                         tree.total_tokens)  # fmt: skip
+                self.current_tree = tree
+            method = self.method
+            if tree == PLAIN and method != "vanilla":  # the root alone; a head keeps encoding
+                method = encode_drafter if method == "eagle3" else "vanilla"
+            self.state = spec.round_step(*self.models, self.state,
+                                         *self._static(self.shape, tree), method)  # fmt: skip
             self.rounds += 1
+            self.tree_rounds[tree_name(tree)] += 1
         return self.poll()
 
     def poll(self) -> list[Update]:

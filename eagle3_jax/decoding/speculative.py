@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.drafters import DRAFTERS
 from eagle3_jax.decoding.plain import Shape
-from eagle3_jax.decoding.sampling import Sampling, sample
+from eagle3_jax.decoding.sampling import RowSampling, Sampling, row_sample, sample
 from eagle3_jax.decoding.state import SpecState, eos_mask, write_pending
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.decoding.verify import Verdict, forward_tree, verify_tree
@@ -81,9 +81,14 @@ def prefill(
     sampling: Sampling,
     eos_ids: tuple[int, ...],
     mesh=None,
+    row_sampling: RowSampling | None = None,
 ) -> SpecState:
     """Target prefill (root token + aux features) and the draft's encode of the prompt
-    (right-padded prompt_BT [B, T], lengths_B and limit_B [B]). With a mesh (the target
+    (right-padded prompt_BT [B, T], lengths_B and limit_B [B]). `row_sampling`: each row's sampling
+    settings (runtime arrays, `sampling.RowSampling`; default `sampling` for every row), kept in
+    the state; `sampling` greedy compiles the greedy programs, where every row is greedy. The
+    state's E is `tree`'s depth + 1 and its draft cache holds `tree`'s scratch slots: a round
+    may run any tree no deeper and no wider on it. With a mesh (the target
     parameters', `sharding.mesh_of`) the target cache is laid out on it (`target.make_cache`);
     the decode loop keeps it there. The draft's small cache follows the draft parameters' layout."""
     b, t = prompt_BT.shape
@@ -102,7 +107,12 @@ def prefill(
         logits_idx_BP=(lengths_B - 1)[:, None],
     )
     key, sub = jax.random.split(key)
-    root = sample(out.logits[:, 0], sub, sampling)
+    if row_sampling is None:
+        row_sampling = RowSampling.fill(sampling, b)
+    if sampling.greedy:
+        root = sample(out.logits[:, 0], sub, sampling)
+    else:
+        root = row_sample(out.logits[:, 0], sub, row_sampling)
     e = tree.depth + 1
     rows = jnp.arange(b)
     dcache: dict[str, Any] = {}
@@ -140,6 +150,7 @@ def prefill(
         accept_hist=jnp.zeros((b, e), jnp.int32),
         limit=limit_B,
         key=key,
+        sampling=row_sampling,
     )
 
 
@@ -147,7 +158,7 @@ def _commit(state: SpecState, v: Verdict, dcache, key, shape: Shape, tree: TreeC
     """Step 5: the accepted drafted tokens and the bonus emitted (up to an EOS or the row's
     limit), the path's K/V made pending at r, the path's features next round's encode pairs;
     rows that had finished keep their state."""
-    b, e = state.root.shape[0], tree.depth + 1
+    b, e = state.enc_tok.shape  # E: the state's (its largest tree's depth + 1)
     rows, j = jnp.arange(b), jnp.arange(e)[None, :]
     running = state.finish == 0
     r, a = state.length, v.accepted

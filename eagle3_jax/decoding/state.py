@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding.sampling import RowSampling
 from eagle3_jax.models.layers import write_kv
 
 
@@ -24,6 +25,10 @@ from eagle3_jax.models.layers import write_kv
 @dataclasses.dataclass(frozen=True)
 class SpecState:
     """One batch of B rows between rounds (E = depth + 1 encode pairs, F = aux feature width).
+
+    E is the depth + 1 of the tree prefill was given; a round may run a shallower tree on it
+    (serving switches trees by occupancy on a state sized for its largest: `slots.py`), padding
+    its path to E.
 
     The root (the newest token, already emitted) sits at position `length` and is in neither
     cache; `length` counts the tokens committed to the target cache, last round's path K/V
@@ -52,6 +57,7 @@ class SpecState:
     accept_hist: jax.Array  # [B, E] rounds by number of accepted draft tokens
     limit: jax.Array  # [B] max new tokens (a runtime value: no recompile per limit)
     key: jax.Array  # the PRNG key (sampling): [2] for the batch, or [B, 2] a row each (slots.py)
+    sampling: RowSampling  # [B] each row's temperature, top-k, top-p (runtime values)
 
 
 def map_cache(fn: Callable, *caches: dict[str, Any]) -> dict[str, Any]:

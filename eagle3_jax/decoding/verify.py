@@ -26,7 +26,7 @@ import numpy as np
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.plain import Shape
-from eagle3_jax.decoding.sampling import Sampling, log_probs
+from eagle3_jax.decoding.sampling import RowSampling, Sampling, log_probs, row_log_probs
 from eagle3_jax.decoding.state import SpecState, gather_path
 from eagle3_jax.decoding.tree import Tree, TreeConfig, prune_tree
 from eagle3_jax.models import draft as drf
@@ -119,12 +119,15 @@ def accept(
     sampling: Sampling,
     depth: int,
     max_children: int,
+    rows: RowSampling | None = None,
 ) -> tuple[Accepted, jax.Array]:
     """Batched: (Accepted with [B]-leading fields, bonus [B]), greedy or sampled as `sampling`
-    says. max_children bounds any node's child count (the tree's top_k). Greedy also takes the
-    target's tokens themselves, int [B, N+1], in place of logits (replay.py's oracle)."""
+    says, or, given `rows` (and `sampling` not greedy), as each row's settings say: a row at
+    temperature 0 gets exactly the greedy rule's verdict. max_children bounds any node's child
+    count (the tree's top_k). Greedy also takes the target's tokens themselves, int [B, N+1], in
+    place of logits (replay.py's oracle)."""
     b = logits_BNV.shape[0]
-    if sampling.greedy:
+    if sampling.greedy or jnp.issubdtype(logits_BNV.dtype, jnp.integer):
         target_tokens = (
             logits_BNV
             if jnp.issubdtype(logits_BNV.dtype, jnp.integer)
@@ -132,16 +135,30 @@ def accept(
         )
         acc = jax.vmap(greedy_accept, in_axes=(0, 0, None))(trees, target_tokens, depth)
         return acc, target_tokens[jnp.arange(b), acc.last]
-    logp = log_probs(logits_BNV, sampling)
     # one key for the batch is split over its rows; a key per row ([B, 2], decoding/slots.py) is
     # split as a batch of one would split it, so a row draws what it would draw decoded alone
     if key.ndim == 2:
         keys = jax.vmap(lambda k: jax.random.split(k, 1)[0])(key)
     else:
         keys = jax.random.split(key, b)
-    return jax.vmap(sample_accept, in_axes=(0, 0, 0, None, None))(
-        trees, logp, keys, depth, max_children
-    )
+
+    def sampled(logp):
+        return jax.vmap(sample_accept, in_axes=(0, 0, 0, None, None))(
+            trees, logp, keys, depth, max_children
+        )
+
+    if rows is None:
+        return sampled(log_probs(logits_BNV, sampling))
+    greedy = accept(trees, logits_BNV, key, Sampling(), depth, max_children)
+
+    def mixed(_):
+        drawn = sampled(row_log_probs(logits_BNV, rows))
+        is_greedy = rows.temperature == 0
+        pick = lambda g, d: jnp.where(is_greedy.reshape((b,) + (1,) * (g.ndim - 1)), g, d)  # noqa
+        return jax.tree.map(pick, greedy, drawn)
+
+    # a batch of greedy rows skips the sampling (its sort over the vocabulary) at run time
+    return jax.lax.cond(jnp.any(rows.temperature > 0), mixed, lambda _: greedy, None)
 
 
 def forward_tree(
@@ -171,7 +188,8 @@ def forward_tree(
 
 
 class Verdict(NamedTuple):
-    """What a round's verification decided, per row (E = depth + 1)."""
+    """What a round's verification decided, per row (E: the state's, depth + 1 of its largest
+    tree)."""
 
     accepted: jax.Array  # [B] a: drafted tokens accepted (0 .. depth)
     path_tok: jax.Array  # [B, E] the token after each path node: the accepted drafted ones first
@@ -187,15 +205,19 @@ def _check(
 ):  # fmt: skip
     """Steps 3-4 on the tree's best `size` nodes: verify, accept, gather the path's K/V.
     Returns the Verdict's fields but `verified`."""
-    e = tree.depth + 1
     if size < trees.tokens.shape[1]:
         trees = jax.vmap(prune_tree, in_axes=(0, None))(trees, size)
     tout = target_pass(tparams, trees, state, tcfg, dcfg, shape)
-    acc, bonus = accept(trees, tout.logits, key, sampling, tree.depth, tree.top_k)
+    acc, bonus = accept(trees, tout.logits, key, sampling, tree.depth, tree.top_k, state.sampling)
+    # the state's E may exceed this tree's depth + 1 (serving sizes it for its largest tree):
+    # the path is padded as it is past the accepted length, by repeating its last node
+    e = state.enc_tok.shape[1]
+    path = acc.path
+    if e > path.shape[1]:
+        path = jnp.concatenate([path, jnp.repeat(acc.last[:, None], e - path.shape[1], 1)], 1)
+        acc = acc._replace(path=path)
     path_kv = tout.cache and gather_path(tout.cache, acc.path)  # a replay's oracle has none: {}
-    path_next = jnp.take_along_axis(
-        acc.path, jnp.minimum(jnp.arange(1, e + 1), tree.depth)[None], axis=1
-    )
+    path_next = jnp.take_along_axis(acc.path, jnp.minimum(jnp.arange(1, e + 1), e - 1)[None], 1)
     path_tok = jnp.take_along_axis(trees.tokens, path_next, axis=1)
     enc_feat = (
         state.enc_feat

@@ -3,8 +3,9 @@
 
 Request bodies are checked field by field before anything is queued; a bad one is answered 400
 with OpenAI's error body naming the field (`error.param`). A full queue is 429 and a draining
-server 503, both with Retry-After. The sampling settings are the server's (one `Sampling` is
-compiled into the round): a request may repeat them but not change them. Text comes from the
+server 503, both with Retry-After. Each request's sampling settings (`temperature`, `top_p`,
+`top_k`, `seed`; default the server's flags) are its own: the engine keeps them per slot, with no
+compile per setting. Text comes from the
 target's tokenizer, decoded from all of a request's ids so far (a streamed delta is the new
 suffix; an incomplete UTF-8 character, or what could be the start of a stop string, is held back
 until it is complete). A client that goes away has its request cancelled: its slot is freed before
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.prompts import encode_chat
 from eagle3_jax.serving.scheduler import Draining, Event, Job, QueueFull, Scheduler
@@ -101,7 +103,13 @@ class Server:
         self.m_ttft = Histogram("eagle3_time_to_first_token_seconds", "arrival to first token",
                                 registry=r)  # fmt: skip
         self.m_latency = Histogram("eagle3_request_latency_seconds", "arrival to end", registry=r)
+        self.m_tree = Gauge("eagle3_tree_tokens",
+                            "tokens the current round's tree verifies, root included (1: plain)",
+                            registry=r)  # fmt: skip
+        self.m_tree_rounds = Counter("eagle3_tree_rounds", "rounds run, by tree", ["tree"],
+                                     registry=r)  # fmt: skip
         self._seen = {"rounds": 0, "prompt": 0, "gen": 0}
+        self._seen_trees: dict[str, int] = {}
         self.m_slots.set(self.engine.slots)
 
     def metrics_text(self) -> bytes:
@@ -115,6 +123,11 @@ class Server:
         for values, hist in ((st.ttft, self.m_ttft), (st.latency, self.m_latency)):
             while values:
                 hist.observe(values.pop(0))
+        for name, n in list(self.engine.tree_rounds.items()):
+            self.m_tree_rounds.labels(tree=name).inc(n - self._seen_trees.get(name, 0))
+            self._seen_trees[name] = n
+        tree = self.engine.current_tree or self.engine.schedule.tree_for(1)
+        self.m_tree.set(tree.total_tokens)
         self.m_waiting.set(self.scheduler.waiting())
         self.m_running.set(self.scheduler.busy())
         ended = sum(n for k, n in st.finished.items() if k != "cancelled")
@@ -139,19 +152,7 @@ class Server:
         n = _int(body, "n", 1, 1)
         if n != 1:
             raise BadRequest("n: this server returns one choice (n = 1)", "n")
-        sampling = self.engine.opts.sampling
-        for name, have in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
-            v = body.get(name)
-            if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise BadRequest(f"{name} must be a number", name)
-            if abs(v - have) > 1e-9:
-                raise BadRequest(
-                    f"{name} {v}: this server samples at {name} {have} (fixed at start: "
-                    f"serve --{name.replace('_', '-')})",
-                    name,
-                )
+        sampling = self._sampling(body)
         names = ["max_tokens"] + (["max_completion_tokens"] if chat else [])
         given = [m for m in names if body.get(m) is not None]
         limit = self.engine.max_tokens_for(len(prompt))
@@ -172,11 +173,35 @@ class Server:
             "prompt": prompt,
             "max_tokens": max_tokens,
             "seed": seed,
+            "sampling": sampling,
             "stop": _stop(body),
             "stream": stream,
             "usage_chunk": bool(opts.get("include_usage")),
             "token_ids": bool(body.get("return_token_ids")),
         }
+
+    def _sampling(self, body: dict) -> Sampling:
+        """The request's temperature (0: greedy; at most 2, OpenAI's range), top_p (0, 1] and
+        top_k (vLLM's extension; 0 or -1: off), each defaulting to the server's."""
+        default = self.engine.opts.sampling
+        values = {}
+        for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+            v = body.get(name)
+            if v is None:
+                values[name] = getattr(default, name)
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise BadRequest(f"{name} must be a number", name)
+            if not low <= v <= high or (name == "top_p" and v == 0):
+                span = "(0, 1]" if name == "top_p" else "[0, 2]"
+                raise BadRequest(f"{name} {v} outside {span}", name)
+            values[name] = float(v)
+        top_k = body.get("top_k")
+        if top_k is None:
+            top_k = default.top_k
+        elif isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+            raise BadRequest("top_k must be an integer >= -1 (0 or -1: no top-k)", "top_k")
+        return Sampling(values["temperature"], max(top_k, 0), values["top_p"])
 
     def _messages(self, messages) -> list[int]:
         if not isinstance(messages, list) or not messages:
@@ -228,7 +253,8 @@ class Server:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         job = Job(uuid.uuid4().hex, req["prompt"], req["max_tokens"], req["seed"],
-                  lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))  # fmt: skip
+                  lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                  sampling=req["sampling"])  # fmt: skip
         self.scheduler.submit(job)
         ids: list[int] = []
         sent, unsent = 0, 0  # characters sent; ids not yet sent with them

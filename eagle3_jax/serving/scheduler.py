@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.decoding.slots import SlotEngine
 from eagle3_jax.errors import Eagle3Error
 
@@ -51,6 +52,7 @@ class Job:
     max_tokens: int
     seed: int
     deliver: Callable[[Event], None]
+    sampling: Sampling | None = None  # temperature, top-k, top-p (None: the engine's default)
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     first_token: float | None = None
     slot: int | None = None
@@ -174,7 +176,8 @@ class Scheduler:
 
     def _admit(self, job: Job, slot: int) -> None:
         try:
-            self.engine.admit(job.id, job.prompt, job.max_tokens, job.seed, slot=slot)
+            self.engine.admit(job.id, job.prompt, job.max_tokens, job.seed, slot=slot,
+                              sampling=job.sampling)  # fmt: skip
         except Eagle3Error as e:  # checked at submit; a refusal here is a bug, told to the client
             job.deliver(Event([], f"error: {e}"))
             return
