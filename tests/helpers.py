@@ -83,3 +83,72 @@ def rec(qid, method, seed, new, fw, wall, hist=None, task="t", gens=1, out=None)
         "accept_hist": hist,
         "output_ids": out if out is not None else [[qid]],
     }
+
+
+def family_tokens(b, t, v, seed=0):
+    """Random token ids [b, t] in 3..v-1 (no pad, bos or eos), int32."""
+    return np.random.default_rng(seed).integers(3, v, size=(b, t)).astype(np.int32)
+
+
+def assert_forward_matches_transformers(model, params, cfg, toks, tol=1e-4):
+    """Our full forward of `toks` against transformers' `model` (fp32): logits and every hidden
+    state (the embedding output first) within `tol`. -> (ours, transformers' output), for the
+    caller's further checks (a hook registered on `model` sees this call)."""
+    import torch
+
+    from eagle3_jax.models import target as tgt
+
+    with torch.no_grad():
+        ref = model(torch.tensor(toks, dtype=torch.long), output_hidden_states=True)
+    aux_ids = tuple(range(cfg.num_layers + 1))
+    out = tgt.full_forward(params, jnp.asarray(toks), cfg, aux_ids)
+    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), rtol=tol, atol=tol)
+    d = cfg.hidden_size
+    for i in aux_ids:
+        np.testing.assert_allclose(
+            np.asarray(out.aux[..., i * d : (i + 1) * d]),
+            ref.hidden_states[i].numpy(),
+            rtol=tol,
+            atol=tol,
+            err_msg=f"hidden_states[{i}]",
+        )
+    return out, ref
+
+
+def assert_stepwise_decode_equals_full_forward(params, cfg, toks, prompt, slots, aux_ids, stacked):
+    """A `prompt`-token prefill of `toks` [B, T] into a cache of `slots`, then one token a step to
+    T: the logits and aux states equal one full forward's (1e-4), unrolled or with the layers
+    stacked for the scan."""
+    import jax
+
+    from eagle3_jax.models import target as tgt
+    from eagle3_jax.models.layers import causal_mask
+
+    b, t = toks.shape
+    full = tgt.full_forward(params, toks, cfg, aux_ids)
+    step = jax.jit(tgt.forward, static_argnames=("cfg", "aux_ids"))
+    p = tgt.stack_layers(params) if stacked else params
+    cache = tgt.make_cache(cfg, b, slots, stacked=stacked)
+    cursor = jnp.zeros((b,), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
+    mask = causal_mask(cursor, prompt, slots)  # the layers add their windows
+    out = step(p, toks[:, :prompt], pos, mask, cfg, cache, cursor, aux_ids)
+    logits, aux, cursor = [out.logits], [out.aux], cursor + prompt
+    for i in range(prompt, t):
+        mask = causal_mask(cursor, 1, slots)
+        out = step(p, toks[:, i : i + 1], cursor[:, None], mask, cfg, out.cache, cursor, aux_ids)
+        logits.append(out.logits)
+        aux.append(out.aux)
+        cursor = cursor + 1
+    np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate(aux, 1), full.aux, rtol=1e-4, atol=1e-4)
+
+
+def hf_greedy(model, prompt, n):
+    """transformers' greedy `generate` of exactly n tokens after `prompt` (no EOS stop)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             min_new_tokens=n, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    return out[0, len(prompt) :].tolist()

@@ -16,7 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import CHAIN, TREE, random_prompts, spec_generate
+from helpers import (
+    CHAIN,
+    TREE,
+    assert_forward_matches_transformers,
+    assert_stepwise_decode_equals_full_forward,
+    family_tokens,
+    hf_greedy,
+    random_prompts,
+    spec_generate,
+)
 
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.config import TargetConfig, target_config_from_hf
@@ -25,7 +34,6 @@ from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
-from eagle3_jax.models.layers import causal_mask
 from eagle3_jax.sharding import make_mesh
 from eagle3_jax.vocab import build_from_counts
 
@@ -76,10 +84,6 @@ def gemma3(tmp_path_factory):
     return (model, d, *load_hf(d))
 
 
-def _tokens(b, t, v, seed=0):
-    return np.random.default_rng(seed).integers(3, v, size=(b, t)).astype(np.int32)
-
-
 def test_config_reads_the_gemma3_fields(gemma3):
     """config.json -> TargetConfig: which layers slide, each kind's RoPE, the attention scale,
     the sandwich norms, GeGLU, the scaled embedding and the tying; transformers 4.x's field names
@@ -128,21 +132,8 @@ def test_logits_and_hidden_states_match_transformers(gemma3):
     transformers over 20 tokens, past the 8-token window; logits soft-capped as
     final_logit_softcapping says."""
     model, _, params, cfg = gemma3
-    toks = _tokens(2, 20, cfg.vocab_size)
-    with torch.no_grad():
-        ref = model(torch.tensor(toks, dtype=torch.long), output_hidden_states=True)
-    aux_ids = tuple(range(cfg.num_layers + 1))
-    out = tgt.full_forward(params, jnp.asarray(toks), cfg, aux_ids)
-    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), rtol=1e-4, atol=1e-4)
-    d = cfg.hidden_size
-    for i in aux_ids:
-        np.testing.assert_allclose(
-            np.asarray(out.aux[..., i * d : (i + 1) * d]),
-            ref.hidden_states[i].numpy(),
-            rtol=1e-4,
-            atol=1e-4,
-            err_msg=f"hidden_states[{i}]",
-        )
+    toks = family_tokens(2, 20, cfg.vocab_size)
+    out, _ = assert_forward_matches_transformers(model, params, cfg, toks)
     # the final soft-capping, on the same hidden states (transformers reads it at forward time)
     capped = dataclasses.replace(cfg, final_logit_softcapping=0.5)
     model.config.final_logit_softcapping = 0.5
@@ -162,27 +153,9 @@ def test_prefill_then_stepwise_decode_equals_full_forward(gemma3, stacked):
     window passed after 8) give one full forward's logits and every hidden state; with the layers
     stacked too, where a scanned flag picks each layer's window and RoPE."""
     _, _, params, cfg = gemma3
-    b, t, prompt, s = 2, 20, 6, 32
-    toks = jnp.asarray(_tokens(b, t, cfg.vocab_size))
+    toks = jnp.asarray(family_tokens(2, 20, cfg.vocab_size))
     aux_ids = tuple(range(cfg.num_layers + 1))
-    full = tgt.full_forward(params, toks, cfg, aux_ids)
-    step = jax.jit(tgt.forward, static_argnames=("cfg", "aux_ids"))
-    p = tgt.stack_layers(params) if stacked else params
-    cursor = jnp.zeros((b,), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
-    cache = tgt.make_cache(cfg, b, s, stacked=stacked)
-    out = step(
-        p, toks[:, :prompt], pos, causal_mask(cursor, prompt, s), cfg, cache, cursor, aux_ids
-    )
-    logits, aux, cursor = [out.logits], [out.aux], cursor + prompt
-    for i in range(prompt, t):
-        mask = causal_mask(cursor, 1, s)
-        out = step(p, toks[:, i : i + 1], cursor[:, None], mask, cfg, out.cache, cursor, aux_ids)
-        logits.append(out.logits)
-        aux.append(out.aux)
-        cursor = cursor + 1
-    np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.concatenate(aux, 1), full.aux, rtol=1e-4, atol=1e-4)
+    assert_stepwise_decode_equals_full_forward(params, cfg, toks, 6, 32, aux_ids, stacked)
 
 
 def test_greedy_decoding_matches_transformers_generate(gemma3):
@@ -191,10 +164,7 @@ def test_greedy_decoding_matches_transformers_generate(gemma3):
     prompts = random_prompts(cfg.vocab_size, [5, 11], seed=2)
     res = plain.generate(params, cfg, prompts, 12, eos_ids=())
     for p, got in zip(prompts, res.output_ids):
-        with torch.no_grad():
-            out = model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
-        assert got == out[0, len(p) :].tolist()
+        assert got == hf_greedy(model, p, 12)
 
 
 def test_greedy_speculative_decoding_equals_plain(gemma3):
@@ -225,7 +195,7 @@ def test_sharded_forward_equals_one_device(gemma3):
     mesh = make_mesh(2, 4)
     sharded, _ = load_hf(path, mesh=mesh)
     assert not sharded["layers"][0]["w_gate"].sharding.is_fully_replicated
-    toks = jnp.asarray(_tokens(2, 20, cfg.vocab_size, seed=4))
+    toks = jnp.asarray(family_tokens(2, 20, cfg.vocab_size, seed=4))
     aux_ids = tuple(range(cfg.num_layers + 1))
     ref = tgt.full_forward(params, toks, cfg, aux_ids)
     out = tgt.full_forward(sharded, toks, cfg, aux_ids)
@@ -265,7 +235,7 @@ def test_conditional_generation_checkpoint_reads_its_language_model(gemma3, tmp_
     assert gcfg == cfg
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    toks = _tokens(2, 20, cfg.vocab_size)
+    toks = family_tokens(2, 20, cfg.vocab_size)
     with torch.no_grad():
         ref = mm(input_ids=torch.tensor(toks, dtype=torch.long)).logits.numpy()
     out = tgt.full_forward(got, jnp.asarray(toks), gcfg, tuple(range(cfg.num_layers + 1)))

@@ -18,7 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import CHAIN, TREE, random_prompts, spec_generate
+from helpers import (
+    CHAIN,
+    TREE,
+    assert_forward_matches_transformers,
+    assert_stepwise_decode_equals_full_forward,
+    family_tokens,
+    hf_greedy,
+    random_prompts,
+    spec_generate,
+)
 
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.checkpoints.mxfp4 import Mxfp4Experts, dequantize
@@ -28,7 +37,6 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import layers
 from eagle3_jax.models import target as tgt
-from eagle3_jax.models.layers import causal_mask
 from eagle3_jax.sharding import make_mesh
 from eagle3_jax.vocab import build_from_counts
 
@@ -89,10 +97,6 @@ def gpt_oss(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpt_oss")
     model.save_pretrained(d)
     return (model, d, *load_hf(d))
-
-
-def _tokens(b, t, v, seed=0):
-    return np.random.default_rng(seed).integers(3, v, size=(b, t)).astype(np.int32)
 
 
 def test_config_reads_the_gpt_oss_fields(gpt_oss, tmp_path):
@@ -209,7 +213,7 @@ def test_logits_hidden_states_and_routing_match_transformers(gpt_oss):
     activations past the SwiGLU's limit (the clamp is exercised). Zero sinks would change the
     logits (the sinks are exercised)."""
     model, _, params, cfg = gpt_oss
-    toks = _tokens(2, 20, cfg.vocab_size)
+    toks = family_tokens(2, 20, cfg.vocab_size)
     seen = {}
     hooks = [
         layer.mlp.router.register_forward_hook(
@@ -218,23 +222,10 @@ def test_logits_hidden_states_and_routing_match_transformers(gpt_oss):
         for i, layer in enumerate(model.model.layers)
     ]
     try:
-        with torch.no_grad():
-            ref = model(torch.tensor(toks, dtype=torch.long), output_hidden_states=True)
+        out, _ = assert_forward_matches_transformers(model, params, cfg, toks)
     finally:
         for h in hooks:
             h.remove()
-    aux_ids = tuple(range(cfg.num_layers + 1))
-    out = tgt.full_forward(params, jnp.asarray(toks), cfg, aux_ids)
-    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), rtol=1e-4, atol=1e-4)
-    d = cfg.hidden_size
-    for i in aux_ids:
-        np.testing.assert_allclose(
-            np.asarray(out.aux[..., i * d : (i + 1) * d]),
-            ref.hidden_states[i].numpy(),
-            rtol=1e-4,
-            atol=1e-4,
-            err_msg=f"hidden_states[{i}]",
-        )
     assert sorted(seen) == list(range(cfg.num_layers))
     for i, (x, (_, hf_w, hf_idx)) in seen.items():
         lp = params["layers"][i]
@@ -247,7 +238,7 @@ def test_logits_hidden_states_and_routing_match_transformers(gpt_oss):
         up = np.asarray(jnp.einsum("td,edf->tef", x, lp["we_up"]) + lp["be_up"])
         assert (gate > LIMIT).any() and (up > LIMIT).any() and (up < -LIMIT).any()
     no_sinks = {**params, "layers": [{**lp, "sinks": lp["sinks"] * 0} for lp in params["layers"]]}
-    other = tgt.full_forward(no_sinks, jnp.asarray(toks), cfg, aux_ids)
+    other = tgt.full_forward(no_sinks, jnp.asarray(toks), cfg)
     assert np.abs(np.asarray(other.logits) - np.asarray(out.logits)).max() > 1e-2
 
 
@@ -258,27 +249,9 @@ def test_prefill_then_stepwise_decode_equals_full_forward(gpt_oss, stacked):
     stacked too (every layer routed, so they stack), a scanned flag picking each layer's
     window."""
     _, _, params, cfg = gpt_oss
-    b, t, prompt, s = 2, 20, 6, 32
-    toks = jnp.asarray(_tokens(b, t, cfg.vocab_size))
+    toks = jnp.asarray(family_tokens(2, 20, cfg.vocab_size))
     aux_ids = tuple(range(cfg.num_layers + 1))
-    full = tgt.full_forward(params, toks, cfg, aux_ids)
-    step = jax.jit(tgt.forward, static_argnames=("cfg", "aux_ids"))
-    p = tgt.stack_layers(params) if stacked else params
-    cursor = jnp.zeros((b,), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
-    cache = tgt.make_cache(cfg, b, s, stacked=stacked)
-    out = step(
-        p, toks[:, :prompt], pos, causal_mask(cursor, prompt, s), cfg, cache, cursor, aux_ids
-    )
-    logits, aux, cursor = [out.logits], [out.aux], cursor + prompt
-    for i in range(prompt, t):
-        mask = causal_mask(cursor, 1, s)
-        out = step(p, toks[:, i : i + 1], cursor[:, None], mask, cfg, out.cache, cursor, aux_ids)
-        logits.append(out.logits)
-        aux.append(out.aux)
-        cursor = cursor + 1
-    np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.concatenate(aux, 1), full.aux, rtol=1e-4, atol=1e-4)
+    assert_stepwise_decode_equals_full_forward(params, cfg, toks, 6, 32, aux_ids, stacked)
 
 
 def test_greedy_decoding_matches_transformers_generate(gpt_oss):
@@ -287,10 +260,7 @@ def test_greedy_decoding_matches_transformers_generate(gpt_oss):
     prompts = random_prompts(cfg.vocab_size, [5, 11], seed=2)
     res = plain.generate(params, cfg, prompts, 12, eos_ids=())
     for p, got in zip(prompts, res.output_ids):
-        with torch.no_grad():
-            out = model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
-        assert got == out[0, len(p) :].tolist()
+        assert got == hf_greedy(model, p, 12)
 
 
 def test_greedy_speculative_decoding_equals_plain(gpt_oss):
@@ -327,7 +297,7 @@ def test_sharded_forward_equals_one_device(gpt_oss):
     assert lp["sinks"].sharding.spec[0] == "model"
     assert lp["router"].sharding.is_fully_replicated
     assert lp["router_bias"].sharding.is_fully_replicated
-    toks = jnp.asarray(_tokens(2, 20, cfg.vocab_size, seed=4))
+    toks = jnp.asarray(family_tokens(2, 20, cfg.vocab_size, seed=4))
     aux_ids = tuple(range(cfg.num_layers + 1))
     ref = tgt.full_forward(params, toks, cfg, aux_ids)
     out = tgt.full_forward(sharded, toks, cfg, aux_ids)

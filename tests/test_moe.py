@@ -15,7 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import CHAIN, TREE, random_prompts, spec_generate
+from helpers import (
+    CHAIN,
+    TREE,
+    assert_forward_matches_transformers,
+    assert_stepwise_decode_equals_full_forward,
+    family_tokens,
+    hf_greedy,
+    random_prompts,
+    spec_generate,
+)
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.checkpoints.hf import load_hf
@@ -25,7 +34,6 @@ from eagle3_jax.decoding import plain
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
-from eagle3_jax.models.layers import causal_mask
 from eagle3_jax.sharding import make_mesh
 from eagle3_jax.vocab import build_from_counts
 
@@ -97,10 +105,6 @@ def moe_checkpoint(tmp_path_factory):
     return get
 
 
-def _tokens(b, t, v, seed=0):
-    return np.random.default_rng(seed).integers(3, v, size=(b, t)).astype(np.int32)
-
-
 def test_configs_read_the_expert_fields(moe_checkpoint):
     """config.json -> TargetConfig: experts, top-k, widths, renormalisation and which layers are
     routed (Qwen3-MoE's mlp_only_layers and decoder_sparse_step), and back through to_json; a
@@ -134,7 +138,7 @@ def test_logits_hidden_states_and_routing_match_transformers(family, moe_checkpo
     given the input transformers' router saw, picks the same experts in the same order with the
     same weights."""
     model, _, params, cfg = moe_checkpoint(family)
-    toks = _tokens(2, 20, cfg.vocab_size)
+    toks = family_tokens(2, 20, cfg.vocab_size)
     seen = {}
     hooks = [
         layer.mlp.gate.register_forward_hook(
@@ -144,23 +148,10 @@ def test_logits_hidden_states_and_routing_match_transformers(family, moe_checkpo
         if i in cfg.moe_layers
     ]
     try:
-        with torch.no_grad():
-            ref = model(torch.tensor(toks, dtype=torch.long), output_hidden_states=True)
+        out, _ = assert_forward_matches_transformers(model, params, cfg, toks)
     finally:
         for h in hooks:
             h.remove()
-    aux_ids = tuple(range(cfg.num_layers + 1))
-    out = tgt.full_forward(params, jnp.asarray(toks), cfg, aux_ids)
-    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), rtol=1e-4, atol=1e-4)
-    d = cfg.hidden_size
-    for i in aux_ids:
-        np.testing.assert_allclose(
-            np.asarray(out.aux[..., i * d : (i + 1) * d]),
-            ref.hidden_states[i].numpy(),
-            rtol=1e-4,
-            atol=1e-4,
-            err_msg=f"hidden_states[{i}]",
-        )
     assert sorted(seen) == list(cfg.moe_layers)
     for i, (x, (_, hf_w, hf_idx)) in seen.items():
         idx, w, weights = tgt.route(params["layers"][i]["router"], jnp.asarray(x.numpy()), cfg)
@@ -260,11 +251,8 @@ def test_prefill_then_stepwise_decode_equals_full_forward(family, moe_checkpoint
     logits and aux states; Mixtral (every layer routed) also with its layers stacked for the
     scan, which Qwen3-MoE's mixed layers refuse."""
     _, _, params, cfg = moe_checkpoint(family)
-    b, t, prompt, s = 2, 24, 9, 32
-    toks = jnp.asarray(_tokens(b, t, cfg.vocab_size, seed=1))
+    toks = jnp.asarray(family_tokens(2, 24, cfg.vocab_size, seed=1))
     aux_ids = cfg.default_aux_layer_ids()
-    full = tgt.full_forward(params, toks, cfg, aux_ids)
-    step = jax.jit(tgt.forward, static_argnames=("cfg", "aux_ids"))
     layouts = [False]
     if cfg.mixed_layers:
         with pytest.raises(Eagle3Error, match=r"layers \[0, 2, 3\] are mixture-of-experts"):
@@ -274,29 +262,7 @@ def test_prefill_then_stepwise_decode_equals_full_forward(family, moe_checkpoint
     else:
         layouts.append(True)
     for stacked in layouts:
-        p = tgt.stack_layers(params) if stacked else params
-        cursor = jnp.zeros((b,), jnp.int32)
-        pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
-        cache = tgt.make_cache(cfg, b, s, stacked=stacked)
-        mask = causal_mask(cursor, prompt, s, cfg.sliding_window)
-        out = step(p, toks[:, :prompt], pos, mask, cfg, cache, cursor, aux_ids)
-        logits, aux, cursor = [out.logits], [out.aux], cursor + prompt
-        for i in range(prompt, t):
-            mask = causal_mask(cursor, 1, s, cfg.sliding_window)
-            out = step(p, toks[:, i : i + 1], cursor[:, None], mask, cfg, out.cache, cursor,
-                       aux_ids)  # fmt: skip
-            logits.append(out.logits)
-            aux.append(out.aux)
-            cursor = cursor + 1
-        np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(np.concatenate(aux, 1), full.aux, rtol=1e-4, atol=1e-4)
-
-
-def _hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             min_new_tokens=n, pad_token_id=0, eos_token_id=None)  # fmt: skip
-    return out[0, len(prompt) :].tolist()
+        assert_stepwise_decode_equals_full_forward(params, cfg, toks, 9, 32, aux_ids, stacked)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -305,7 +271,7 @@ def test_greedy_decoding_matches_transformers_generate(family, moe_checkpoint):
     prompts = random_prompts(cfg.vocab_size, [5, 11], seed=2)
     res = plain.generate(params, cfg, prompts, 8, eos_ids=())
     for p, got in zip(prompts, res.output_ids):
-        assert got == _hf_greedy(model, p, 8)
+        assert got == hf_greedy(model, p, 8)
 
 
 def test_greedy_speculative_decoding_equals_plain(moe_checkpoint):
@@ -337,7 +303,7 @@ def test_experts_sharded_over_the_model_axis_give_the_same_forward(moe_checkpoin
         assert {s.data.shape[0] for s in w.addressable_shards} == {2}
     assert sharded["layers"][0]["router"].sharding.is_fully_replicated
     assert sharded["layers"][1]["w_gate"].sharding.spec == P(None, "model")
-    toks = jnp.asarray(_tokens(2, 16, cfg.vocab_size, seed=4))
+    toks = jnp.asarray(family_tokens(2, 16, cfg.vocab_size, seed=4))
     aux_ids = (2, 3)
     ref = tgt.full_forward(params, toks, cfg, aux_ids)
     out = tgt.full_forward(sharded, toks, cfg, aux_ids)

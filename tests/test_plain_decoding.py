@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-import torch
 from conftest import FAMILIES
+from helpers import hf_greedy
 
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.decoding import plain
@@ -16,19 +16,6 @@ def _prompts(v, lengths, seed=0):
     return [list(map(int, rng.integers(3, v, size=n))) for n in lengths]
 
 
-def _hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            do_sample=False,
-            min_new_tokens=n,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers_generate(family, hf_checkpoint):
     model, path = hf_checkpoint(family)
@@ -36,7 +23,7 @@ def test_greedy_matches_transformers_generate(family, hf_checkpoint):
     prompts = _prompts(cfg.vocab_size, [5, 11, 8])
     res = plain.generate(params, cfg, prompts, 20, eos_ids=())
     for p, got in zip(prompts, res.output_ids):
-        assert got == _hf_greedy(model, p, 20)
+        assert got == hf_greedy(model, p, 20)
     assert res.finish_reasons == ["max_tokens"] * 3
     assert res.target_forwards == 20
 

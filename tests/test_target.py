@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 from conftest import FAMILIES
+from helpers import (
+    assert_forward_matches_transformers,
+    assert_stepwise_decode_equals_full_forward,
+    family_tokens,
+)
 
 from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.config import ProductPolicy
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
-
-
-def _tokens(b, t, v, seed=0):
-    return np.random.default_rng(seed).integers(3, v, size=(b, t)).astype(np.int32)
-
 
 PARITY = [(family, False) for family in FAMILIES] + [("llama", True)]  # True: tied embeddings
 
@@ -33,18 +33,7 @@ def test_logits_and_hidden_states_match_transformers(family, tie, hf_checkpoint)
     model, path = hf_checkpoint(family, tie=tie)
     params, cfg = load_hf(path)
     assert cfg.tie_word_embeddings == tie and ("lm_head" in params) != tie
-    toks = _tokens(2, 20, cfg.vocab_size)
-    with torch.no_grad():
-        ref = model(torch.tensor(toks, dtype=torch.long), output_hidden_states=True)
-    aux_ids = tuple(range(cfg.num_layers + 1))
-    out = tgt.full_forward(params, jnp.asarray(toks), cfg, aux_ids)
-    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), rtol=1e-4, atol=1e-4)
-    d = cfg.hidden_size
-    for i in aux_ids:
-        ours = np.asarray(out.aux[..., i * d : (i + 1) * d])
-        np.testing.assert_allclose(
-            ours, ref.hidden_states[i].numpy(), rtol=1e-4, atol=1e-4, err_msg=f"hidden_states[{i}]"
-        )
+    assert_forward_matches_transformers(model, params, cfg, family_tokens(2, 20, cfg.vocab_size))
 
 
 # attention_bias=True: Llama's and Qwen3-MoE's o_proj take a bias as q/k/v do; Mistral's
@@ -79,7 +68,7 @@ def test_attention_biases_follow_each_family(cls, tmp_path):
     assert cfg.attention_bias == (attn.q_proj.bias is not None)
     assert cfg.attention_out_bias == (attn.o_proj.bias is not None)
     assert ("bo" in params["layers"][0]) == (attn.o_proj.bias is not None)
-    toks = _tokens(2, 12, cfg.vocab_size)
+    toks = family_tokens(2, 12, cfg.vocab_size)
     with torch.no_grad():
         ref = model(torch.tensor(toks, dtype=torch.long)).logits.numpy()
     out = tgt.full_forward(params, jnp.asarray(toks), cfg, ())
@@ -90,44 +79,10 @@ def test_attention_biases_follow_each_family(cls, tmp_path):
 def test_prefill_then_stepwise_decode_equals_full_forward(family, hf_checkpoint):
     _, path = hf_checkpoint(family)
     params, cfg = load_hf(path)
-    b, t, prompt, s = 2, 24, 9, 32
-    toks = jnp.asarray(_tokens(b, t, cfg.vocab_size, seed=1))
+    toks = jnp.asarray(family_tokens(2, 24, cfg.vocab_size, seed=1))
     aux_ids = cfg.default_aux_layer_ids()
-    full = tgt.full_forward(params, toks, cfg, aux_ids)
-    step = jax.jit(tgt.forward, static_argnames=("cfg", "aux_ids"))
     for stacked in (False, True):
-        p = tgt.stack_layers(params) if stacked else params
-        cache = tgt.make_cache(cfg, b, s, stacked=stacked)
-        cursor = jnp.zeros((b,), jnp.int32)
-        pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
-        out = step(
-            p,
-            toks[:, :prompt],
-            pos,
-            causal_mask(cursor, prompt, s, cfg.sliding_window),
-            cfg,
-            cache,
-            cursor,
-            aux_ids,
-        )
-        logits, aux = [out.logits], [out.aux]
-        cache, cursor = out.cache, cursor + prompt
-        for i in range(prompt, t):
-            out = step(
-                p,
-                toks[:, i : i + 1],
-                cursor[:, None],
-                causal_mask(cursor, 1, s, cfg.sliding_window),
-                cfg,
-                out.cache,
-                cursor,
-                aux_ids,
-            )
-            logits.append(out.logits)
-            aux.append(out.aux)
-            cursor = cursor + 1
-        np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(np.concatenate(aux, 1), full.aux, rtol=1e-4, atol=1e-4)
+        assert_stepwise_decode_equals_full_forward(params, cfg, toks, 9, 32, aux_ids, stacked)
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
@@ -139,7 +94,7 @@ def test_reading_the_cache_equals_writing_it(stacked, hf_checkpoint):
     params, cfg = load_hf(path)
     params = tgt.stack_layers(params) if stacked else params
     b, prompt, t, s = 2, 7, 4, 24
-    toks = jnp.asarray(_tokens(b, prompt + t, cfg.vocab_size, seed=5))
+    toks = jnp.asarray(family_tokens(b, prompt + t, cfg.vocab_size, seed=5))
     aux_ids = cfg.default_aux_layer_ids()
     zero = jnp.zeros((b,), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
@@ -197,7 +152,7 @@ def test_bf16_logits_are_fp32(hf_checkpoint):
     for tie in (True, False):
         _, path = hf_checkpoint("llama", tie=tie)
         params, cfg = load_hf(path, dtype=jnp.bfloat16)
-        out = tgt.full_forward(params, jnp.asarray(_tokens(1, 5, cfg.vocab_size)), cfg)
+        out = tgt.full_forward(params, jnp.asarray(family_tokens(1, 5, cfg.vocab_size)), cfg)
         assert out.logits.dtype == jnp.float32
         # the fp32 product of the bf16 inputs, not a bf16 result widened afterwards
         w = params["embed"].T if tie else params["lm_head"]
@@ -214,11 +169,11 @@ def test_product_policies_compute_the_same_forward(tie, hf_checkpoint):
     params, cfg = load_hf(path)
     b, t, s = 2, 4, 16
     cache = tgt.make_cache(cfg, b, s)
-    prefix = jnp.asarray(_tokens(b, 8, cfg.vocab_size, seed=3))
+    prefix = jnp.asarray(family_tokens(b, 8, cfg.vocab_size, seed=3))
     pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (b, 8))
     zero = jnp.zeros((b,), jnp.int32)
     cache = tgt.forward(params, prefix, pos, causal_mask(zero, 8, s), cfg, cache, zero).cache
-    toks = jnp.asarray(_tokens(b, t, cfg.vocab_size, seed=4))
+    toks = jnp.asarray(family_tokens(b, t, cfg.vocab_size, seed=4))
     start = jnp.full((b,), 8, jnp.int32)
     pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     aux = (1, cfg.num_layers // 2, cfg.num_layers)
