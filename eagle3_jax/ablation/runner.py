@@ -20,9 +20,10 @@ from eagle3_jax.ablation.config import (
 )
 from eagle3_jax.ablation.report import write_outputs
 from eagle3_jax.ablation.status import logged_seconds
-from eagle3_jax.checkpoints import load_target_config
+from eagle3_jax.checkpoints import load_target, load_target_config
 from eagle3_jax.checkpoints.atomic import exclusive, write_text_atomic
 from eagle3_jax.checkpoints.eagle_format import load_draft
+from eagle3_jax.config import DTYPES
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation.metrics import tau
 from eagle3_jax.evaluation.options import EvalOptions
@@ -115,9 +116,6 @@ def _shared_features(ac: AblationConfig, out: Path, layers, progress: bool) -> N
     once; a store lacking layers the grid now needs is refused. With `online_features` the
     dataset alone: each cell computes its features as it trains."""
     if ac.online_features:
-        from eagle3_jax.checkpoints import load_target
-        from eagle3_jax.config import DTYPES
-
         shared = ac.base.replace(out_dir=str(out / "shared"), features="online")
         (out / "shared").mkdir(parents=True, exist_ok=True)
         if not (out / "shared" / "dataset.npz").exists():
