@@ -136,20 +136,27 @@ def _off_dtype(prog: Program, exported) -> list[str]:
     for g, n in prog.groups.items():
         names += [g] * n
     for (path, leaf), g in zip(flat, names):
-        if g in skip:
+        if g in skip or _settings(path):
             continue
         if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != want:
             bad.append(f"in{_path_str(path)}: {leaf.dtype}")
     if prog.state_arg is not None or prog.name.endswith("prefill"):  # the state it returns
-        state_out = jax.tree.leaves(
-            jax.tree.unflatten(exported.out_tree, exported.out_avals)[0]
-            if prog.name == "train_step"
-            else jax.tree.unflatten(exported.out_tree, exported.out_avals)
+        out = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+        state_out, _ = jax.tree_util.tree_flatten_with_path(
+            out[0] if prog.name == "train_step" else out
         )
-        for i, a in enumerate(state_out):
+        for i, (path, a) in enumerate(state_out):
+            if _settings(path):
+                continue
             if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != want:
                 bad.append(f"out state leaf {i} {a.shape}: {a.dtype}")
     return bad
+
+
+def _settings(path) -> bool:
+    """A row's sampling settings (SpecState.sampling: temperature, top-p, [B] float32 each):
+    per-request numbers, neither a cache nor a weight, kept in float32 whatever the dtype."""
+    return any(getattr(k, "name", None) == "sampling" for k in path)
 
 
 def export_program(prog: Program, platforms=PLATFORMS):
