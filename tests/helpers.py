@@ -152,3 +152,22 @@ def hf_greedy(model, prompt, n):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                              min_new_tokens=n, pad_token_id=0, eos_token_id=None)  # fmt: skip
     return out[0, len(prompt) :].tolist()
+
+
+def assert_random_head_decodes_plainly(params, cfg, prompts, new=24):
+    """A random head over a 60-id draft vocabulary (the top of random counts, as conftest's
+    spec_setup): greedy speculative decoding of `prompts` with CHAIN and TREE gives plain
+    decoding's tokens."""
+    import jax
+
+    from eagle3_jax.decoding import plain
+    from eagle3_jax.models import draft as drf
+    from eagle3_jax.vocab import build_from_counts
+
+    vocab = build_from_counts(np.random.default_rng(1).integers(0, 100, cfg.vocab_size), 60)
+    dcfg = drf.DraftConfig.from_target(cfg, draft_vocab_size=60)
+    dparams = drf.init_params(dcfg, jax.random.PRNGKey(0), scale=0.2)
+    ref = plain.generate(params, cfg, prompts, new, eos_ids=())
+    for tree in (CHAIN, TREE):
+        out = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, new, tree, eos_ids=())
+        assert out.output_ids == ref.output_ids, tree

@@ -16,14 +16,12 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
-    CHAIN,
-    TREE,
     assert_forward_matches_transformers,
+    assert_random_head_decodes_plainly,
     assert_stepwise_decode_equals_full_forward,
     family_tokens,
     hf_greedy,
     random_prompts,
-    spec_generate,
 )
 from jax.sharding import PartitionSpec as P
 
@@ -32,10 +30,8 @@ from eagle3_jax.checkpoints.native import load_native, save_native
 from eagle3_jax.config import TargetConfig, target_config_from_hf
 from eagle3_jax.decoding import plain
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.sharding import make_mesh
-from eagle3_jax.vocab import build_from_counts
 
 MOE_CONFIGS = {
     "qwen3_moe": dict(
@@ -278,14 +274,8 @@ def test_greedy_speculative_decoding_equals_plain(moe_checkpoint):
     """Qwen3-MoE (routed and dense layers) with a random head: chain and tree give plain
     decoding's tokens; the verification routes its tree's tokens as the steps routed them."""
     _, _, params, cfg = moe_checkpoint("qwen3_moe")
-    vocab = build_from_counts(np.random.default_rng(1).integers(0, 100, cfg.vocab_size), 60)
-    dcfg = drf.DraftConfig.from_target(cfg, draft_vocab_size=60)
-    dparams = drf.init_params(dcfg, jax.random.PRNGKey(0), scale=0.2)
     prompts = random_prompts(cfg.vocab_size, [7, 12], seed=3)
-    ref = plain.generate(params, cfg, prompts, 24, eos_ids=())
-    for tree in (CHAIN, TREE):
-        out = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 24, tree, eos_ids=())
-        assert out.output_ids == ref.output_ids, tree
+    assert_random_head_decodes_plainly(params, cfg, prompts)
 
 
 def test_experts_sharded_over_the_model_axis_give_the_same_forward(moe_checkpoint):
