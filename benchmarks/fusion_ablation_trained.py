@@ -26,6 +26,7 @@ from pathlib import Path
 from eagle3_jax.checkpoints import resolve_target, target_digest
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import budget_report, study
+from eagle3_jax.evaluation.questions import BENCHES
 from eagle3_jax.evaluation.records import read_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,6 +66,11 @@ def budgets_of(grid) -> list[int]:
     return list(grid.budgets or (grid.base.optim.max_steps,))
 
 
+def bench_name(bench: str) -> str:
+    """A bench as its files and the report name it: a built-in's name, a question file's stem."""
+    return bench if bench in BENCHES else Path(bench).name.split(".")[0]
+
+
 def head_dir(cdir: Path, step: int, last: int) -> Path:
     """The head a cell exported at `step` (its final head at the last step)."""
     return cdir / "head" if step == last else cdir / "heads" / f"step_{step:06d}"
@@ -100,10 +106,11 @@ def stages(args, overrides: list[str], out: Path) -> None:
                  "--no-eval", "--no-progress", *overrides])  # fmt: skip
         files = {}
         for bench, questions in benches:  # 2, each resuming from its records
+            where = out / "eval" / c.name / bench_name(bench)
             ev = [PY, "-m", "eagle3_jax", "eval", "--methods", f"vanilla,eagle3:{k},{d},{n}",
                   "--replay", "--bench", bench, "--max-new-tokens", str(grid.max_new_tokens),
                   "--no-progress", "--batch-size", str(args.batch_size),
-                  "--out", str(out / "eval" / c.name / bench)]  # fmt: skip
+                  "--out", str(where)]  # fmt: skip
             for b in budgets_of(grid):
                 ev += ["--draft", f"{budget_report.head_name(c.name, b)}={head_dir(cdir, b, last)}"]
             if grid.base.corpus.target:
@@ -113,7 +120,7 @@ def stages(args, overrides: list[str], out: Path) -> None:
             if questions:
                 ev += ["--questions", str(questions)]
             run(ev)
-            files[f"results_{bench}.json.gz"] = out / "eval" / c.name / bench / "results.json"
+            files[f"results_{bench_name(bench)}.json.gz"] = where / "results.json"
         publish_group(files, cdir, gdir, key)
         report_stage(args, out, grid, results)
 
@@ -124,7 +131,7 @@ def report_stage(args, out: Path, grid, results: Path) -> None:
     if not kept:
         return
     runs = {}
-    for bench, _ in grid.measured():
+    for bench in (bench_name(b) for b, _ in grid.measured()):
         parts = [(c.name, results / c.name / f"results_{bench}.json.gz") for c in kept]
         parts = [(name, p) for name, p in parts if p.exists()]
         if parts:
