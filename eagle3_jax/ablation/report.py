@@ -61,8 +61,14 @@ def report_markdown(result: dict) -> str:
 def _how_measured(cfg: dict, held_cols: list[str]) -> str:
     """The report's paragraph on how every cell was trained and measured."""
     return (
-        f"Every cell trained from the same precomputed features (layers {cfg['feature_layers']}), "
-        f"records, seed and step budget (in one order per batch size); "
+        "Every cell trained from the same "
+        + (
+            "target features, computed as it trained"
+            if cfg.get("online_features")
+            else "precomputed features"
+        )
+        + f" (layers {cfg['feature_layers']}), records, seed and step budget (in one order per "
+        "batch size); "
         + (
             f"evaluated greedily on `{cfg['bench']}` ({cfg['questions']} questions per task, "
             f"{cfg['max_new_tokens']} new tokens per turn, tree top_k,depth,total = "

@@ -84,6 +84,7 @@ def _run_locked(ac: AblationConfig, cells, out: Path, progress: bool) -> dict:
             "acc_records": ac.acc_records,
             "evaluate": ac.evaluate,
             "feature_layers": list(layers),
+            "online_features": ac.online_features,
             "base": ac.base.record(),
         },
         "planned": [cell.name for cell, _, _ in plan],
