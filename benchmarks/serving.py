@@ -9,6 +9,18 @@ output tokens per second over the run.
 
 Prompts are the first turns of a benchmark's questions (`--bench`, as eval takes it), cycled.
 `--rate inf` sends every request at once. Needs the openai package (`pip install openai`).
+
+`--sweep` starts the server itself (`python -m eagle3_jax serve` with `--serve-args`), once with
+EAGLE-3 rounds and once with `--method vanilla` (plain rounds through the same engine), and runs
+closed-loop levels on the same prompts at each `--concurrency` (N clients, each sending its next
+request when its last one ended): output tokens/s, time to first token and time per output token
+(p50, p99), τ from /metrics. Then, with the server stopped, it decodes every prompt alone
+in-process (`generate_ids`, batch 1, the same chat-templated ids and max_tokens: EAGLE-3 and plain
+decoding's own loop, timed after a warm-up) and checks each greedy output's token ids against it:
+
+  .venv/bin/python benchmarks/serving.py --sweep --concurrency 1 4 8 --requests 8 \
+      --max-tokens 64 --serve-args "--slots 4 --max-context 1024" \
+      --out benchmarks/results/serving_cpu/serving.json
 """
 
 from __future__ import annotations
@@ -17,8 +29,15 @@ import argparse
 import asyncio
 import json
 import random
+import re
+import shlex
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from eagle3_jax.evaluation.questions import load_questions
@@ -26,21 +45,25 @@ from eagle3_jax.evaluation.questions import load_questions
 
 async def _one(client, model: str, text: str, max_tokens: int, seed: int) -> dict:
     t0 = time.perf_counter()
-    first, parts, usage, reason = None, [], None, None
+    first, parts, ids, usage, reason = None, [], [], None, None
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
-        stream=True, stream_options={"include_usage": True}, seed=seed,
+        stream=True, stream_options={"include_usage": True}, seed=seed, temperature=0,
+        extra_body={"return_token_ids": True},
     )  # fmt: skip
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
-            if c.delta.content:
+            new = getattr(c, "token_ids", None) or []
+            if c.delta.content or new:
                 first = first or time.perf_counter()
-                parts.append(c.delta.content)
+            parts.append(c.delta.content or "")
+            ids.extend(new)
             reason = c.finish_reason or reason
     end = time.perf_counter()
     return {
+        "token_ids": ids,
         "ttft_s": (first or end) - t0,
         "latency_s": end - t0,
         "prompt_tokens": usage.prompt_tokens if usage else None,
@@ -89,6 +112,195 @@ async def run(url: str, texts: list[str], rate: float, max_tokens: int, seed: in
     return {"summary": summary, "requests": rows}
 
 
+# ---------------------------------------------------------------------- --sweep: closed loop
+
+
+async def closed_loop(url: str, texts: list[str], clients: int, max_tokens: int) -> dict:
+    """`clients` workers share `texts`, each sending its next request (streamed, greedy) when its
+    last one ended; the level's figures and every request in the order of `texts`."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600)
+    model = (await client.models.list()).data[0].id
+    todo, rows = list(enumerate(texts)), [None] * len(texts)
+
+    async def worker():
+        while todo:
+            i, text = todo.pop(0)
+            rows[i] = await _one(client, model, text, max_tokens, 0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    out_tokens = sum(r["completion_tokens"] or 0 for r in rows)
+    ttft = [r["ttft_s"] for r in rows]
+    tpot = [(r["latency_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1)
+            for r in rows if (r["completion_tokens"] or 0) > 1]  # fmt: skip
+    summary = {
+        "concurrency": clients,
+        "requests": len(rows),
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall,
+        "ttft_s": {"p50": statistics.median(ttft), "p99": _pct(ttft, 0.99)},
+        "tpot_s": {"p50": statistics.median(tpot), "p99": _pct(tpot, 0.99)},
+    }
+    return {"summary": summary, "requests": rows}
+
+
+def _metric(base: str, name: str) -> float:
+    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(serve_args: list[str], log: Path, timeout_s: float = 900) -> tuple:
+    """`python -m eagle3_jax serve` on a free localhost port; (process, base url) once /health
+    answers 200."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "eagle3_jax", "serve", "--port", str(port), *serve_args]
+    print("$", shlex.join(cmd), file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    base, end = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited {proc.returncode}: see {log}")
+        try:
+            if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
+                return proc, base
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"the server did not answer /health in {timeout_s:.0f} s: see {log}")
+
+
+def stop_server(proc, timeout_s: float = 60) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def serve_levels(serve_args, texts, levels, max_tokens, log: Path) -> dict:
+    """One server started with `serve_args`; a closed-loop run per level; each level's τ from
+    the change of /metrics' generated tokens and tokens per target pass."""
+    proc, base = start_server(serve_args, log)
+    out = []
+    try:
+        asyncio.run(closed_loop(base + "/v1", texts, 1, 2))  # every prompt bucket's compile
+        for n in levels:
+            gen0, tau0 = (
+                _metric(base, "eagle3_generation_tokens_total"),
+                _metric(base, "eagle3_tau"),
+            )
+            level = asyncio.run(closed_loop(base + "/v1", texts, n, max_tokens))
+            gen1, tau1 = (
+                _metric(base, "eagle3_generation_tokens_total"),
+                _metric(base, "eagle3_tau"),
+            )
+            passes = gen1 / tau1 - (gen0 / tau0 if tau0 else 0.0)
+            level["summary"]["tau"] = (gen1 - gen0) / passes if passes else None
+            s = level["summary"]
+            print(f"  {serve_args[-1] if '--method' in serve_args else 'eagle3'} c={n}: "
+                  f"{s['output_tokens_per_s']:.1f} tok/s, tau {s['tau']:.2f}", file=sys.stderr)  # fmt: skip
+            out.append(level)
+    finally:
+        rc = stop_server(proc)
+    return {"serve_args": serve_args, "exit_code": rc, "levels": out}
+
+
+def alone(serve_args, texts, max_tokens) -> dict:
+    """Each prompt decoded alone in this process (batch 1, the server's model flags, the same
+    chat-templated ids and max_tokens): EAGLE-3 and plain decoding, ids and timings."""
+    from eagle3_jax.cli import decode, decode_flags, serve
+    from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
+    from eagle3_jax.prompts import encode_chat
+
+    args = serve.parse_args(serve_args)
+    serve.check(args)
+    target, head, max_context = decode._load(args)
+    tree = decode_flags.tree_of(args)
+    ids = [encode_chat(target.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    out = {"prompt_ids": ids}
+    for method in ("eagle3", "vanilla"):
+        opts = DecodeOptions(method, max_tokens, tree, max_context=max_context)
+        gens = [generate_ids(target, head if method == "eagle3" else None, [p], opts, warmup=True)
+                for p in ids]  # fmt: skip
+        tokens = sum(len(g.output_ids[0]) for g in gens)
+        wall = sum(g.wall_time_s for g in gens)
+        out[method] = {"output_ids": [g.output_ids[0] for g in gens], "tokens": tokens,
+                       "wall_s": wall, "output_tokens_per_s": tokens / wall}  # fmt: skip
+        print(f"  alone {method}: {tokens / wall:.1f} tok/s", file=sys.stderr)
+    out["speedup"] = out["eagle3"]["output_tokens_per_s"] / out["vanilla"]["output_tokens_per_s"]
+    return out
+
+
+def sweep(args) -> dict:
+    questions = load_questions(args.bench)
+    texts = [questions[i % len(questions)].turns[0] for i in range(args.requests)]
+    base_args = shlex.split(args.serve_args) + ["--max-new-tokens", str(args.max_tokens)]
+    runs_dir = Path(args.out).parent if args.out else Path(".")
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for name, extra in (("eagle3", []), ("plain", ["--method", "vanilla"])):
+        if name == "eagle3" and args.tree_by_occupancy:
+            extra = ["--tree-by-occupancy", args.tree_by_occupancy]
+        runs[name] = serve_levels(base_args + extra, texts, args.concurrency, args.max_tokens,
+                                  runs_dir / f"server_{name}.log")  # fmt: skip
+    ref = alone(shlex.split(args.serve_args), texts, args.max_tokens)
+    for name, want in (("eagle3", ref["eagle3"]["output_ids"]),
+                       ("plain", ref["vanilla"]["output_ids"])):  # fmt: skip
+        for level in runs[name]["levels"]:
+            got = [r["token_ids"] for r in level["requests"]]
+            level["summary"]["equal_to_alone"] = sum(g == w for g, w in zip(got, want))
+    table = []
+    for i, n in enumerate(args.concurrency):
+        e, p = (runs[k]["levels"][i]["summary"] for k in ("eagle3", "plain"))
+        table.append({"concurrency": n, "eagle3": e, "plain": p,
+                      "speedup": e["output_tokens_per_s"] / p["output_tokens_per_s"]})  # fmt: skip
+    return {
+        "bench": args.bench, "requests": args.requests, "max_tokens": args.max_tokens,
+        "serve_args": args.serve_args, "tree_by_occupancy": args.tree_by_occupancy,
+        "alone": {k: ref[k] if k == "speedup" else {x: y for x, y in ref[k].items()
+                                                   if x != "output_ids"}
+                  for k in ("eagle3", "vanilla", "speedup")},
+        "table": table, "runs": runs,
+    }  # fmt: skip
+
+
+def print_table(result: dict) -> None:
+    a = result["alone"]
+    print(
+        f"decoding alone (batch 1): EAGLE-3 {a['eagle3']['output_tokens_per_s']:.1f} tok/s, "
+        f"plain {a['vanilla']['output_tokens_per_s']:.1f} tok/s, speedup {a['speedup']:.2f}x"
+    )
+    print(
+        "| concurrency | method | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | τ "
+        "| greedy = alone | speedup |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for row in result["table"]:
+        for k in ("eagle3", "plain"):
+            s = row[k]
+            sp = f"**{row['speedup']:.2f}×**" if k == "eagle3" else ""
+            print(
+                f"| {row['concurrency']} | {'EAGLE-3' if k == 'eagle3' else 'plain'} "
+                f"| {s['output_tokens_per_s']:.1f} "
+                f"| {s['ttft_s']['p50']:.2f} / {s['ttft_s']['p99']:.2f} "
+                f"| {1e3 * s['tpot_s']['p50']:.0f} / {1e3 * s['tpot_s']['p99']:.0f} "
+                f"| {s['tau']:.2f} | {s['equal_to_alone']}/{s['requests']} | {sp} |"
+            )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -99,7 +311,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the summary and every request here")
+    p.add_argument("--sweep", action="store_true",
+                   help="start the server itself: EAGLE-3 then plain rounds, closed loop")  # fmt: skip
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--serve-args", default="--slots 4", help="serve's flags for --sweep")
+    p.add_argument("--tree-by-occupancy", default=None, help="the EAGLE-3 server's schedule")
     args = p.parse_args(argv)
+    if args.sweep:
+        result = sweep(args)
+        print_table(result)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     questions = load_questions(args.bench)
     texts = [questions[i % len(questions)].turns[0] for i in range(args.requests)]
     result = asyncio.run(run(args.url, texts, args.rate, args.max_tokens, args.seed))

@@ -353,3 +353,67 @@ def test_serving_benchmark_with_the_openai_client(served):
         ids = encode_chat(target.tokenizer, [{"role": "user", "content": text}])
         want = target.tokenizer.decode(_alone(served, ids, 10), skip_special_tokens=True)
         assert (row["text"], row["finish_reason"], row["completion_tokens"]) == (want, "length", 10)
+
+
+def test_sigterm_drains_a_real_server_process(tiny_target_dir):
+    """`python -m eagle3_jax serve` as its own process (the tiny target, plain rounds, one slot):
+    SIGTERM while streams run or wait for the slot; new connections are refused (or answered
+    503), every stream ends with [DONE], and the process exits 0 within the drain timeout."""
+    import http.client
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "eagle3_jax", "serve", "--target", str(tiny_target_dir),
+           "--method", "vanilla", "--slots", "1", "--max-context", "256",
+           "--max-new-tokens", "200", "--port", str(port), "--drain-timeout", "20"]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        srv = type("Srv", (), {"port": port, "url": _Running.url})()
+        for _ in range(1200):  # 120 s at most: the load and the round's compile
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            try:
+                if _get(srv, "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("no /health in 120 s")
+        # three requests through one slot: two wait while the first streams
+        streams = [_stream_lines(srv, {"prompt": [5 + i, 9, 12], "max_tokens": 200})
+                   for i in range(3)]  # fmt: skip
+        first = streams[0][1].readline()
+        assert first.startswith(b"data: {")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for _ in range(100):  # uvicorn closes its socket within a tick of the signal
+            try:
+                _get(srv, "/health")
+                time.sleep(0.05)
+            except OSError:
+                break
+        else:
+            raise AssertionError("/health still answers 200 5 s after SIGTERM")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": [5], "max_tokens": 4}),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            assert conn.getresponse().status == 503
+        except OSError:
+            pass  # refused: uvicorn closed its socket
+        for i, (conn, resp) in enumerate(streams):
+            text = ((first if i == 0 else b"") + resp.read()).decode()
+            conn.close()
+            lines = [ln for ln in text.split("\n") if ln]
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            last = json.loads(lines[-2][6:])["choices"][0]
+            assert last["finish_reason"] in ("stop", "length")
+        assert proc.wait(30) == 0
+        assert time.monotonic() - t0 < 20 + 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

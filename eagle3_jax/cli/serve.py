@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from eagle3_jax import compile_cache
@@ -112,6 +113,11 @@ def main(argv=None) -> int:
     app = build_app(Server(scheduler, target.tokenizer, name))
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             timeout_graceful_shutdown=int(args.drain_timeout))  # fmt: skip
+    # uvicorn re-raises the signal that stopped it once it has shut down, under the handler it
+    # found: with the default one SIGTERM would kill the process (exit -15) before the drain
+    # below, so the handler it finds ignores it and main drains and returns 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         uvicorn.Server(config).run()  # returns after SIGTERM/SIGINT and the graceful shutdown
     finally:
