@@ -427,6 +427,14 @@ def test_the_trained_fusion_ablation_answers_every_turn_before_any_cell(
     assert dj.main([*args, "--out", str(tmp_path / "o3")]) == 0
     assert calls == ["fusion_ablation_trained"]
     assert c.TURNS.read_bytes() == gzip.decompress(got) == b'{"id": "a"}\n' * 2
+    # a regeneration that answers nothing (every conversation too long for the context) ends
+    # well but is not complete: no cell trains on no data
+    shutil.rmtree(root / "runs")
+    shutil.rmtree(root / ".device/turns")
+    calls.clear()
+    monkeypatch.setattr(c, "phase", lambda log, name, *a, **k: calls.append(name) or 0)
+    assert dj.main([*args, "--out", str(tmp_path / "o4")]) == 0
+    assert calls == ["regenerate"] and not dj.study.complete_marker().exists()
 
 
 def test_round_timing_drafts_with_each_vocabulary_head(dj, tmp_path):
@@ -758,3 +766,103 @@ def test_peers_times_both_engines_at_the_toy_shape(dj, tmp_path, monkeypatch):
         assert r["compiled"] and r["graphs"] >= 1 and len(r["walls_s"]) == 2
     report = (folder / "report.md").read_text()
     assert "| 1 |" in report and "torch.compile" in report
+
+
+TOY_FUSION_GRID = """
+from eagle3_jax.ablation.config import AblationConfig, Cell
+from eagle3_jax.training.config import load_config
+
+
+def get_config():
+    base = load_config("{root}/configs/tiny.py").replace(
+        data="{turns}", max_steps=8, batch_size=2, schedule="constant", save_every=4,
+        keep_checkpoints=1, export_every=4, log_every=2, val_data="{val}", val_every=4,
+        val_conversations=2,
+    )
+    return AblationConfig(
+        base=base,
+        cells=(Cell("low_mid_high", {{"aux_layer_ids": (1, 3, 4)}}),
+               Cell("top_layer", {{"aux_layer_ids": (5,), "ttt_steps": 2}})),
+        out_dir="{cells}", benches=(("{bench_a}", None), ("{bench_b}", None)), budgets=(4, 8),
+        online_features=True, max_new_tokens=6, tree=(2, 2, 4), evaluate=False,
+    )
+"""
+
+
+@pytest.mark.slow  # ~2 min on a busy 2-core VM (regenerate, two cells trained, four replays)
+def test_the_trained_fusion_ablation_runs_every_phase_at_the_toy_shape(
+    dj, c, tiny_target_dir, tmp_path, monkeypatch
+):
+    """The whole `fusion-ablation` step on the CPU with the tiny target: every turn of the
+    carried conversations answered (--all-turns), then two cells trained on those answers with
+    online features and heads exported at two budgets, each budget's head replayed on two
+    benches, the budget report with its plot, all packed; a second call redoes nothing."""
+    import gzip
+    import tarfile
+
+    import numpy as np
+
+    repo = c.ROOT
+    root = tmp_path / "repo"  # runs/ and .device/ of a device's checkout; the code is this one's
+    root.mkdir()
+    (root / "benchmarks").symlink_to(repo / "benchmarks")
+    monkeypatch.setattr(c, "ROOT", root)
+    monkeypatch.setattr(c, "DEVICE", root / ".device")
+    monkeypatch.setattr(c, "TURNS", root / "runs/turns/regenerated_turns.jsonl")
+    monkeypatch.setattr(c, "FULL_CONVERSATIONS", root / ".device/conv/none.jsonl.gz")
+    monkeypatch.setattr(c, "SHIPPED_CONVERSATIONS", tmp_path / "conv.jsonl.gz")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
+    rng = np.random.default_rng(0)
+
+    def words(n):
+        return " ".join(f"w{x}" for x in rng.integers(3, 97, n))
+
+    with gzip.open(c.SHIPPED_CONVERSATIONS, "wt") as f:
+        for i in range(6):
+            turns = [("human", words(5)), ("gpt", words(8)), ("human", words(4)), ("gpt", words(6))]
+            conv = [{"from": who, "value": text} for who, text in turns]
+            f.write(json.dumps({"id": f"c{i}", "conversations": conv}) + "\n")
+    (tmp_path / "val.jsonl").write_text("".join(
+        json.dumps({"id": f"v{i}", "conversations": [{"from": "human", "value": words(5)},
+                                                     {"from": "gpt", "value": words(8)}]}) + "\n"
+        for i in range(2)))  # fmt: skip
+    for name, n in (("bench_a", 2), ("bench_b", 3)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({"question_id": i, "category": f"t{i}", "turns": [words(4)]}) + "\n"
+            for i in range(n)))  # fmt: skip
+    grid = tmp_path / "grid.py"
+    grid.write_text(TOY_FUSION_GRID.format(
+        root=repo, turns=c.TURNS, val=tmp_path / "val.jsonl",
+        cells=root / "runs/fusion_ablation_trained", bench_a=tmp_path / "bench_a.jsonl",
+        bench_b=tmp_path / "bench_b.jsonl"))  # fmt: skip
+    argv = ["fusion-ablation", "--minutes", "9", "--target", str(tiny_target_dir), "--grid",
+            str(grid), "--no-install", "--regen-batch-size", "4", "--regen-max-new-tokens", "12",
+            "--study-arg=--batch-size=2"]  # fmt: skip
+    assert dj.main([*argv, "--out", str(tmp_path / "o1")]) == 0
+    log = (root / "runs/fusion_ablation_trained_device/device_log.txt").read_text()
+    assert "regenerate: rc 0" in log and "fusion_ablation_trained: rc 0" in log, log
+    assert c.count_lines(c.TURNS) == 6 and (c.TURNS.with_suffix(".complete")).exists()
+    assert (tmp_path / "o1/turns/complete").exists()
+    pub = root / "runs/fusion_ablation_trained_device/published"
+    report = (pub / "report.md").read_text()
+    assert "## bench_a (2 questions)" in report and "## bench_b (3 questions)" in report
+    assert "| top_layer | layers 5, TTT steps 2 | " in report and "step 8 (" in report
+    assert (pub / "tau_vs_tokens.png").stat().st_size > 0
+    summary = json.loads((pub / "summary.json").read_text())
+    assert summary["budgets"] == [4, 8] and set(summary["benches"]) == {"bench_a", "bench_b"}
+    for bench in ("bench_a", "bench_b"):
+        for cell in ("low_mid_high", "top_layer"):
+            assert (pub / "groups" / cell / f"results_{bench}.json.gz").exists()
+    with tarfile.open(tmp_path / "o1/fusion_ablation_trained.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert "runs/fusion_ablation_trained_device/published/report.md" in names
+    # a second call: nothing answered, trained or replayed again
+    stamp = (pub / "groups/top_layer/results_bench_b.json.gz").stat().st_mtime_ns
+    study_log = root / "runs/fusion_ablation_trained_device/fusion_ablation_trained.log"
+    before = len(study_log.read_text())
+    assert dj.main([*argv, "--out", str(tmp_path / "o2")]) == 0
+    assert (pub / "groups/top_layer/results_bench_b.json.gz").stat().st_mtime_ns == stamp
+    second = study_log.read_text()[before:]
+    assert second.count("measured already") == 2 and "\n+ " not in second, second
+    assert not (tmp_path / "o2/turns").exists()  # no answers added: none packed again

@@ -100,6 +100,10 @@ def add_args(p, study: Study) -> None:
     p.add_argument("--no-install", action="store_true")
     if study.regenerate:
         p.add_argument("--regen-batch-size", type=int, default=512)
+        p.add_argument(
+            "--regen-max-new-tokens", type=int, default=256,
+            help="per answered turn (a toy target's context needs fewer: CPU dry runs)",
+        )  # fmt: skip
         p.add_argument("--limit", type=int, default=0, help="first N conversations (dry runs)")
         p.add_argument(
             "--no-regenerate", action="store_true",
@@ -173,16 +177,19 @@ def answers_ready(args, log: c.Log, env: dict, out: Path) -> bool:
     before = c.count_lines(c.TURNS)
     cmd = [sys.executable, "-m", "eagle3_jax", "regenerate", str(conversations), str(c.TURNS),
            "--all-turns", "--max-len", "2048", "--batch-size", str(args.regen_batch_size),
-           "--chunk", "512", "--max-new-tokens", "256", "--max-batch-tokens", "262144",
+           "--chunk", "512", "--max-new-tokens", str(args.regen_max_new_tokens),
+           "--max-batch-tokens", "262144",
            "--buckets", "256,512", "--scan-layers", "--no-progress",
            *(["--target", args.target] if args.target else []),
            *(["--limit", str(args.limit)] if args.limit else [])]  # fmt: skip
     rc = c.phase(log, "regenerate", cmd, env, log.left(args.minutes) - args.reserve_s - 60)
     after = c.count_lines(c.TURNS)
     log(f"conversations answered in every turn: {after} ({after - before} this call)")
-    if rc == 0:
+    if rc == 0 and not after:  # every conversation skipped: no cell may train on nothing
+        log("regenerate answered no conversation (each too long for the context?): not complete")
+    elif rc == 0:
         COMPLETE.write_text(f"{conversations.name} {after}\n")
-    if after > before or rc == 0:
+    if after > before or (rc == 0 and after):
         gz = out / "regenerated_turns.jsonl.gz"
         with open(c.TURNS, "rb") as src, gzip.open(gz, "wb") as dst:
             shutil.copyfileobj(src, dst)
@@ -191,7 +198,7 @@ def answers_ready(args, log: c.Log, env: dict, out: Path) -> bool:
         if COMPLETE.exists():
             shutil.copy2(COMPLETE, out / "turns" / "complete")
         log(f"answers packed into {len(parts)} parts under {out / 'turns'}")
-    return rc == 0
+    return rc == 0 and after > 0
 
 
 def grid_root(grid: str) -> Path:
