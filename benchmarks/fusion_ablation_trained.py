@@ -23,10 +23,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from eagle3_jax.ablation.status import cell_status, running_line, status_lines, store_line
 from eagle3_jax.checkpoints import resolve_target, target_digest
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.evaluation import budget_report, study
-from eagle3_jax.evaluation.questions import BENCHES
+from eagle3_jax.evaluation.questions import BENCHES, load_questions
 from eagle3_jax.evaluation.records import read_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,10 +57,30 @@ def main(argv=None) -> int:
         argv += ["--out", str(ROOT / "runs/fusion_ablation_trained_eval")]
     args, overrides = parse_args(argv)
     if args.status:
-        from fusion_ablation import main as status_main
-
-        return status_main(argv)
+        print("\n".join(status(args, overrides)))
+        return 0
     return locked(Path(args.out), "trained fusion ablation", lambda o: stages(args, overrides, o))
+
+
+def status(args, overrides: list[str]) -> list[str]:
+    """Where the study stands (starts nothing): the driver, every cell's training, each harness
+    run under --out/eval/CELL/BENCH against its bench's questions, the groups kept."""
+    grid = load_grid(args.grid, overrides)
+    root, out = grid_root(grid), Path(args.out)
+    lines = [running_line(out, "trained fusion ablation")]
+    lines.append(
+        "features: computed online by each cell" if grid.online_features
+        else store_line(root / "features")
+    )  # fmt: skip
+    lines += status_lines(cell_status(grid, root), {})
+    for bench, q in grid.measured():
+        q = args.questions if args.questions is not None else q
+        runs = {f"{c.name} {bench_name(bench)}": out / "eval" / c.name / bench_name(bench)
+                for c in grid.cells if (out / "eval" / c.name / bench_name(bench)).is_dir()}  # fmt: skip
+        lines += status_lines([], runs, load_questions(bench, q))
+    groups = Path(args.publish or out) / "groups"
+    kept = ", ".join(c.name for c in kept_groups(grid, groups)) or "none yet"
+    return lines + [f"groups measured ({groups}): {kept}"]
 
 
 def budgets_of(grid) -> list[int]:

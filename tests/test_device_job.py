@@ -791,7 +791,7 @@ def get_config():
 
 @pytest.mark.slow  # ~2 min on a busy 2-core VM (regenerate, two cells trained, four replays)
 def test_the_trained_fusion_ablation_runs_every_phase_at_the_toy_shape(
-    dj, c, tiny_target_dir, tmp_path, monkeypatch
+    dj, c, tiny_target_dir, tmp_path, monkeypatch, capsys
 ):
     """The whole `fusion-ablation` step on the CPU with the tiny target: every turn of the
     carried conversations answered (--all-turns), then two cells trained on those answers with
@@ -857,6 +857,17 @@ def test_the_trained_fusion_ablation_runs_every_phase_at_the_toy_shape(
     with tarfile.open(tmp_path / "o1/fusion_ablation_trained.tar.gz") as tar:
         names = set(tar.getnames())
     assert "runs/fusion_ablation_trained_device/published/report.md" in names
+    # --status reads the same folders: the online features, every cell, each bench's runs
+    fat = load_script("benchmarks/fusion_ablation_trained.py")
+    home = pub.parent
+    assert (
+        fat.main(["--grid", str(grid), "--out", str(home), "--publish", str(pub), "--status"]) == 0
+    )
+    status = capsys.readouterr().out
+    assert "features: computed online by each cell" in status
+    assert "cell top_layer: trained; held-out at step 8" in status
+    assert "harness top_layer bench_b: vanilla 3, " in status and "of 3 questions" in status
+    assert "groups measured" in status and status.rstrip().endswith("low_mid_high, top_layer")
     # a second call: nothing answered, trained or replayed again
     stamp = (pub / "groups/top_layer/results_bench_b.json.gz").stat().st_mtime_ns
     study_log = root / "runs/fusion_ablation_trained_device/fusion_ablation_trained.log"
