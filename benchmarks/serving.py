@@ -320,8 +320,12 @@ def main(argv=None) -> int:
     if args.sweep:
         result = sweep(args)
         print_table(result)
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        if args.out:  # compact: every request's token ids, not its text
+            for run in result["runs"].values():
+                for level in run["levels"]:
+                    for r in level["requests"]:
+                        r.pop("text")
+            Path(args.out).write_text(json.dumps(result, separators=(",", ":")) + "\n")
         return 0
     questions = load_questions(args.bench)
     texts = [questions[i % len(questions)].turns[0] for i in range(args.requests)]
