@@ -355,10 +355,11 @@ def test_serving_benchmark_with_the_openai_client(served):
         assert (row["text"], row["finish_reason"], row["completion_tokens"]) == (want, "length", 10)
 
 
-def test_sigterm_drains_a_real_server_process(tiny_target_dir):
+def test_sigterm_drains_a_real_server_process(tiny_target_dir, tmp_path):
     """`python -m eagle3_jax serve` as its own process (the tiny target, plain rounds, one slot):
-    SIGTERM while streams run or wait for the slot; new connections are refused (or answered
-    503), every stream ends with [DONE], and the process exits 0 within the drain timeout."""
+    SIGTERM while one stream runs and eleven wait for the slot (/metrics says so just before);
+    new connections are refused (or answered 503), every stream ends with [DONE], and the
+    process exits 0 within the drain timeout."""
     import http.client
     import os
     import signal
@@ -368,13 +369,14 @@ def test_sigterm_drains_a_real_server_process(tiny_target_dir):
     port = _free_port()
     cmd = [sys.executable, "-m", "eagle3_jax", "serve", "--target", str(tiny_target_dir),
            "--method", "vanilla", "--slots", "1", "--max-context", "256",
-           "--max-new-tokens", "200", "--port", str(port), "--drain-timeout", "20"]  # fmt: skip
+           "--max-new-tokens", "240", "--port", str(port), "--drain-timeout", "20"]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     try:
         srv = type("Srv", (), {"port": port, "url": _Running.url})()
         for _ in range(1200):  # 120 s at most: the load and the round's compile
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
             try:
                 if _get(srv, "/health")[0] == 200:
                     break
@@ -382,11 +384,20 @@ def test_sigterm_drains_a_real_server_process(tiny_target_dir):
                 time.sleep(0.1)
         else:
             raise AssertionError("no /health in 120 s")
-        # three requests through one slot: two wait while the first streams
-        streams = [_stream_lines(srv, {"prompt": [5 + i, 9, 12], "max_tokens": 200})
-                   for i in range(3)]  # fmt: skip
+        # twelve requests for one slot, all sent before any answer is read: the tiny model
+        # decodes a request in a fraction of a second, so most still wait when the signal comes
+        conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=60) for _ in range(12)]
+        for i, conn in enumerate(conns):
+            body = {"prompt": [5 + i, 9, 12], "max_tokens": 240, "stream": True}
+            conn.request("POST", "/v1/completions", json.dumps(body),
+                         {"Content-Type": "application/json"})  # fmt: skip
+        streams = [(conn, conn.getresponse()) for conn in conns[:1]]
         first = streams[0][1].readline()
         assert first.startswith(b"data: {")
+        metrics = _get(srv, "/metrics")[1]
+        in_flight = sum(float(ln.split()[-1]) for ln in metrics.splitlines()
+                        if ln.startswith(("eagle3_requests_waiting ", "eagle3_requests_running ")))  # fmt: skip
+        assert in_flight >= 2
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         for _ in range(100):  # uvicorn closes its socket within a tick of the signal
@@ -404,6 +415,7 @@ def test_sigterm_drains_a_real_server_process(tiny_target_dir):
             assert conn.getresponse().status == 503
         except OSError:
             pass  # refused: uvicorn closed its socket
+        streams += [(conn, conn.getresponse()) for conn in conns[1:]]  # the ones that waited
         for i, (conn, resp) in enumerate(streams):
             text = ((first if i == 0 else b"") + resp.read()).decode()
             conn.close()
