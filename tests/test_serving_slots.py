@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from helpers import TREE, random_prompts, spec_generate
 
@@ -167,6 +168,9 @@ def test_per_request_sampling_settings(spec_setup):
     eng = _engine(spec_setup)  # the default (opts.sampling) is greedy: the requests override it
     out, _, _ = _serve(eng, requests, seeds=seeds, samplings=samplings)
     assert eng.compiles()["round"] >= 1
+    # every request has ended: no row keeps its temperature, so a batch of greedy requests
+    # admitted next skips the sampling branch
+    assert not np.asarray(eng.state.sampling.temperature).any()
     for i, (_, prompt, limit) in enumerate(requests):
         alone = spec_generate(params, cfg, dparams, dcfg, vocab, [prompt], limit, TREE,
                               sampling=samplings[i], seed=seeds[i], eos_ids=())  # fmt: skip

@@ -166,8 +166,18 @@ def admit_row(
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _free_row(state: SpecState, slot) -> SpecState:
-    """Row `slot` marked finished (frozen from the next round on)."""
-    return dataclasses.replace(state, finish=state.finish.at[slot].set(2))
+    """Row `slot` marked finished (frozen from the next round on), and greedy (`_greedy_row`)."""
+    return _greedy_row(dataclasses.replace(state, finish=state.finish.at[slot].set(2)), slot)
+
+
+def _greedy_row(state: SpecState, slot) -> SpecState:
+    """Row `slot` at temperature 0: a finished or free row's settings must not keep a batch of
+    greedy requests on the sampling branch (`verify.accept` skips it only when no row samples)."""
+    rows = state.sampling
+    if rows is None:
+        return state
+    cold = dataclasses.replace(rows, temperature=rows.temperature.at[slot].set(0.0))
+    return dataclasses.replace(state, sampling=cold)
 
 
 def _map_trees(schedule: TreeSchedule, fn) -> TreeSchedule:
@@ -362,6 +372,8 @@ class SlotEngine:
             self.shown[i] = int(n[i])
             if reason is not None:
                 self.owner[i] = None
+                if st.sampling is not None and float(st.sampling.temperature[i]) > 0:
+                    self.state = _greedy_row(self.state, jnp.int32(i))
         return out
 
     def compiles(self) -> dict[str, int]:
