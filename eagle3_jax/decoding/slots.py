@@ -174,8 +174,6 @@ def _greedy_row(state: SpecState, slot) -> SpecState:
     """Row `slot` at temperature 0: a finished or free row's settings must not keep a batch of
     greedy requests on the sampling branch (`verify.accept` skips it only when no row samples)."""
     rows = state.sampling
-    if rows is None:
-        return state
     cold = dataclasses.replace(rows, temperature=rows.temperature.at[slot].set(0.0))
     return dataclasses.replace(state, sampling=cold)
 
@@ -361,7 +359,9 @@ class SlotEngine:
     def poll(self) -> list[Update]:
         """Each occupied slot's tokens since the last report (admitted slots: the prefill's)."""
         st = self.state
-        tokens, n, finish, fw = jax.device_get((st.tokens, st.num_new, st.finish, st.forwards))
+        tokens, n, finish, fw, temp = jax.device_get(
+            (st.tokens, st.num_new, st.finish, st.forwards, st.sampling.temperature)
+        )
         out = []
         for i, req in enumerate(self.owner):
             if req is None:
@@ -372,7 +372,7 @@ class SlotEngine:
             self.shown[i] = int(n[i])
             if reason is not None:
                 self.owner[i] = None
-                if st.sampling is not None and float(st.sampling.temperature[i]) > 0:
+                if temp[i] > 0:
                     self.state = _greedy_row(self.state, jnp.int32(i))
         return out
 
