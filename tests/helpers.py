@@ -115,6 +115,24 @@ def assert_forward_matches_transformers(model, params, cfg, toks, tol=1e-4):
     return out, ref
 
 
+def forward_seeing_routers(model, params, cfg, toks, router: str, layers):
+    """`assert_forward_matches_transformers`, recording what transformers' router module
+    (`layer.mlp.<router>`) of each of `layers` took and gave: -> (ours, {layer: (input, output)})."""
+    seen = {}
+    hooks = [
+        getattr(model.model.layers[i].mlp, router).register_forward_hook(
+            lambda mod, inp, out, i=i: seen.__setitem__(i, (inp[0], out))
+        )
+        for i in layers
+    ]
+    try:
+        out, _ = assert_forward_matches_transformers(model, params, cfg, toks)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, seen
+
+
 def assert_stepwise_decode_equals_full_forward(params, cfg, toks, prompt, slots, aux_ids, stacked):
     """A `prompt`-token prefill of `toks` [B, T] into a cache of `slots`, then one token a step to
     T: the logits and aux states equal one full forward's (1e-4), unrolled or with the layers

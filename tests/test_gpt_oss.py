@@ -20,10 +20,10 @@ import pytest
 import torch
 from helpers import (
     CHAIN,
-    assert_forward_matches_transformers,
     assert_random_head_decodes_plainly,
     assert_stepwise_decode_equals_full_forward,
     family_tokens,
+    forward_seeing_routers,
     hf_greedy,
     random_prompts,
 )
@@ -212,18 +212,7 @@ def test_logits_hidden_states_and_routing_match_transformers(gpt_oss):
     logits (the sinks are exercised)."""
     model, _, params, cfg = gpt_oss
     toks = family_tokens(2, 20, cfg.vocab_size)
-    seen = {}
-    hooks = [
-        layer.mlp.router.register_forward_hook(
-            lambda mod, inp, out, i=i: seen.__setitem__(i, (inp[0], out))
-        )
-        for i, layer in enumerate(model.model.layers)
-    ]
-    try:
-        out, _ = assert_forward_matches_transformers(model, params, cfg, toks)
-    finally:
-        for h in hooks:
-            h.remove()
+    out, seen = forward_seeing_routers(model, params, cfg, toks, "router", range(cfg.num_layers))
     assert sorted(seen) == list(range(cfg.num_layers))
     for i, (x, (_, hf_w, hf_idx)) in seen.items():
         lp = params["layers"][i]

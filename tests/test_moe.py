@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
-    assert_forward_matches_transformers,
     assert_random_head_decodes_plainly,
     assert_stepwise_decode_equals_full_forward,
     family_tokens,
+    forward_seeing_routers,
     hf_greedy,
     random_prompts,
 )
@@ -135,19 +135,7 @@ def test_logits_hidden_states_and_routing_match_transformers(family, moe_checkpo
     same weights."""
     model, _, params, cfg = moe_checkpoint(family)
     toks = family_tokens(2, 20, cfg.vocab_size)
-    seen = {}
-    hooks = [
-        layer.mlp.gate.register_forward_hook(
-            lambda mod, inp, out, i=i: seen.__setitem__(i, (inp[0], out))
-        )
-        for i, layer in enumerate(model.model.layers)
-        if i in cfg.moe_layers
-    ]
-    try:
-        out, _ = assert_forward_matches_transformers(model, params, cfg, toks)
-    finally:
-        for h in hooks:
-            h.remove()
+    _, seen = forward_seeing_routers(model, params, cfg, toks, "gate", cfg.moe_layers)
     assert sorted(seen) == list(cfg.moe_layers)
     for i, (x, (_, hf_w, hf_idx)) in seen.items():
         idx, w, weights = tgt.route(params["layers"][i]["router"], jnp.asarray(x.numpy()), cfg)
