@@ -159,7 +159,6 @@ FAMILIES = list(FAMILY_CONFIGS)
 
 def tiny_hf_model(family: str, seed: int = 0, tie: bool = False, scale: float = 0.08):
     """A ~100k-parameter transformers model of `family` with random weights (fp32, eval mode)."""
-    import torch
     import transformers
 
     spec = dict(FAMILY_CONFIGS[family])
@@ -181,7 +180,15 @@ def tiny_hf_model(family: str, seed: int = 0, tie: bool = False, scale: float = 
     if family == "qwen2":
         base["use_sliding_window"] = False
     base.update(spec)
-    config = cls(**base)
+    return random_hf_model(cls(**base), seed, scale)
+
+
+def random_hf_model(config, seed: int = 0, scale: float = 0.08):
+    """The transformers causal LM of `config` with random weights (fp32, eval mode): norms around
+    1, biases around 0, the rest N(0, scale^2)."""
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # non-trivial norms and biases, so their placement is really tested

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import random_hf_model
 from helpers import (
     assert_random_head_decodes_plainly,
     assert_stepwise_decode_equals_full_forward,
@@ -75,14 +76,7 @@ def tiny_moe_model(family: str, seed: int = 0, scale: float = 0.08):
         pad_token_id=0,
         **spec,
     )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(
-                1.0 + 0.2 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p)
-            )
-    return model
+    return random_hf_model(config, seed, scale)  # no biases here: the same draws as before
 
 
 @pytest.fixture(scope="module")
