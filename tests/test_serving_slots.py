@@ -17,7 +17,14 @@ from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
 from eagle3_jax.decoding.generate import DecodeOptions
 from eagle3_jax.decoding.sampling import Sampling
-from eagle3_jax.decoding.slots import PLAIN, SlotEngine, TreeSchedule, envelope
+from eagle3_jax.decoding.slots import (
+    PLAIN,
+    MeasuredSchedule,
+    SlotEngine,
+    TreeSchedule,
+    envelope,
+    tree_name,
+)
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
 
@@ -195,20 +202,110 @@ def test_tree_schedule_parse():
         TreeSchedule.parse("1-2:10/8", base)
 
 
-@pytest.mark.parametrize("method", ["eagle3", "pld"])
-def test_tree_by_occupancy_greedy_equals_alone(spec_setup, method):
-    """The tree switches between rounds as staggered requests arrive and leave (3 slots: the
-    full tree at one, a chain at two, plain rounds at three): each greedy output is still that of
+@pytest.mark.parametrize("method, kind", [("eagle3", "table"), ("pld", "table"),
+                                          ("eagle3", "measured")])  # fmt: skip
+def test_tree_by_occupancy_greedy_equals_alone(spec_setup, method, kind):
+    """The tree switches between rounds as staggered requests arrive and leave (3 slots; a
+    table: the full tree at one, a chain at two, plain rounds at three; measured: the three
+    candidates tried in turn and then every other round): each greedy output is still that of
     decoding the prompt alone; each tree compiled one round."""
     params, cfg, dparams, dcfg, vocab = spec_setup
-    schedule = TreeSchedule.parse(SCHEDULE, TREE)
+    if kind == "table":
+        schedule = TreeSchedule.parse(SCHEDULE, TREE)
+    else:
+        schedule = MeasuredSchedule([TREE, TreeConfig(1, 2, 3), PLAIN], explore_every=2)
     eng = _engine(spec_setup, method, schedule=schedule)
     requests = _requests(cfg.vocab_size)
     out, reasons, _ = _serve(eng, requests)
     assert set(eng.tree_rounds) == ({"3/3/9", "1/2/3", "plain"} if method == "eagle3"
                                     else {"1/3/4", "1/2/3", "plain"})  # fmt: skip
+    if kind == "measured":  # every round was measured, by the busy slots it ran with
+        stats = eng.schedule.stats
+        assert sum(int(st[0]) for st in stats.values()) == eng.rounds
+        assert {n for n, _ in stats} == {1, 2, 3}
     for i, (_, prompt, limit) in enumerate(requests):
         alone = spec_generate(params, cfg, dparams, dcfg, vocab, [prompt], limit, TREE, method,
                               eos_ids=())  # fmt: skip
         assert out[i] == alone.output_ids[0], (method, i)
         assert reasons[i] == "max_tokens"
+
+
+def test_measured_schedule_picks_the_faster_per_occupancy():
+    """Each candidate is measured min_rounds times at an occupancy, then the one with the most
+    tokens per second runs and the other again every explore_every rounds, less often the more it
+    falls short; when the rates change the choice follows them."""
+    s = MeasuredSchedule([TREE, PLAIN], min_rounds=2, explore_every=4)
+    # tokens and seconds a round of each tree gives: the tree wins at one busy slot (30 vs 25
+    # tok/s), plain rounds at four (40 vs 50 tok/s)
+    cost = {(1, TREE): (3, 0.1), (1, PLAIN): (1, 0.04), (4, TREE): (8, 0.2), (4, PLAIN): (4, 0.08)}
+
+    def run(occupied, rounds):
+        picked = []
+        for _ in range(rounds):
+            tree = s.tree_for(occupied)
+            s.observe(occupied, tree, *cost[(occupied, tree)])
+            picked.append(tree_name(tree))
+        return picked
+
+    # TREE and PLAIN twice each (the least seen first), then TREE with PLAIN every 4th round
+    # (20 % short: 4 x 2 rounds apart)
+    assert run(1, 20) == ["3/3/9", "plain"] * 2 + (["3/3/9"] * 7 + ["plain"]) * 2
+    assert s.rate(1, TREE) == pytest.approx(30) and s.rate(1, PLAIN) == pytest.approx(25)
+    # at four busy slots the tree is 20 % short too: one round in 8 is a tree's
+    assert run(4, 20).count("3/3/9") == 2 + 2 and s.best == {1: TREE, 4: PLAIN}
+    cost[(1, PLAIN)] = (1, 0.1)  # 10 tok/s: 200 % short, tried every 4 x 8 = 32 rounds
+    picked = run(1, 64)
+    assert s.rate(1, PLAIN) < 25 and 2 <= picked.count("plain") <= 3
+    cost[(4, PLAIN)] = (4, 0.2)  # plain rounds got slower (20 tok/s): the tree takes over
+    picked = run(4, 60)
+    assert s.best[4] == TREE and picked[-8:].count("3/3/9") >= 7
+
+
+def test_measured_schedule_parse():
+    base = TREE
+    assert MeasuredSchedule.parse("auto", base).trees() == [TREE, PLAIN]
+    assert MeasuredSchedule.parse("auto:1/2/3,plain", base).trees() == [TreeConfig(1, 2, 3), PLAIN]
+    with pytest.raises(Eagle3Error, match="RANGE:TREE"):
+        MeasuredSchedule.parse("auto:1/2", base)
+    with pytest.raises(Eagle3Error, match="min_rounds"):
+        MeasuredSchedule([TREE], min_rounds=0)
+
+
+def test_admissions_compile_ahead_of_time(spec_setup):
+    """compile_admissions compiles one admission per prompt bucket up to the longest prompt the
+    context lets in, running nothing; admitting prompts of every bucket then compiles nothing
+    (JAX's backend-compile events, none while admitting; the session's compilation cache is off
+    here, so a program it holds cannot stand in for one compiled ahead)."""
+    import jax
+    import jax.monitoring
+
+    cfg = spec_setup[1]
+    cache_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        _admit_without_compiling(spec_setup, cfg)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_on)
+
+
+def _admit_without_compiling(spec_setup, cfg):
+    import jax.monitoring
+
+    eng = _engine(spec_setup, slots=2)
+    assert eng.prompt_buckets() == [64, 128, 192, 256]  # max_context 256
+    before = eng.state
+    assert eng.compile_admissions() == 4 and eng.state is before
+    eng.release(eng.admit("x", [1, 2, 3], 5))  # the release's own small program
+    compiled, listening = [], [True]
+
+    def on_duration(event: str, duration: float, **_) -> None:
+        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        for p in random_prompts(cfg.vocab_size, [64, 65, 150, 200], seed=5):
+            eng.release(eng.admit("x", p, 5))
+    finally:
+        listening[0] = False
+    assert compiled == []

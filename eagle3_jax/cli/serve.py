@@ -7,8 +7,9 @@
 Endpoints: POST /v1/completions and /v1/chat/completions (stream or not), GET /v1/models,
 /health and /metrics. Each request samples as its own fields say (temperature, top_p, top_k,
 seed; temperature 0 is greedy); --temperature, --top-p and --sample-top-k are the defaults.
---tree-by-occupancy picks each round's tree from the busy slots, down to plain rounds:
-  --tree-by-occupancy "1-2:10/8/60,3-4:1/4/5,5-:plain"   (RANGE:top_k/depth/total or plain)
+--tree-by-occupancy picks each round's tree from the busy slots, down to plain rounds: by default
+(auto) the faster of the tree flags' tree and plain rounds, measured per occupancy while serving;
+or a table, --tree-by-occupancy "1-2:10/8/60,3-4:1/4/5,5-:plain" (RANGE:top_k/depth/total or plain)
 docs/serving.md has the details and what is not served yet. SIGTERM (or Ctrl-C) stops taking
 connections and lets running requests finish for --drain-timeout seconds.
 """
@@ -17,14 +18,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import sys
+import time
 
 from eagle3_jax import compile_cache
 from eagle3_jax.cli import decode, decode_flags
 from eagle3_jax.decoding.generate import DecodeOptions
 from eagle3_jax.decoding.sampling import Sampling
-from eagle3_jax.decoding.slots import SlotEngine, TreeSchedule
+from eagle3_jax.decoding.slots import MeasuredSchedule, SlotEngine, TreeSchedule
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.serving.api import Server, build_app
 from eagle3_jax.serving.scheduler import Scheduler
@@ -51,12 +54,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--sample-top-k", type=int, default=0, help="a request's default top_k (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="a request's default top_p")
-    p.add_argument("--tree-by-occupancy", default=None, metavar="SCHEDULE",
-                   help="each round's tree by the number of busy slots, e.g. "
-                   "'1-2:10/8/60,3-4:1/4/5,5-:plain' (top_k/depth/total_tokens[/verify "
-                   "threshold], or plain: the root alone); occupancies not listed use the tree "
-                   "flags' tree (default: that tree every round). Logged when it changes; "
-                   "/metrics has eagle3_tree_tokens and eagle3_tree_rounds_total{tree}")  # fmt: skip
+    p.add_argument("--tree-by-occupancy", default="auto", metavar="SCHEDULE",
+                   help="each round's tree by the number of busy slots. auto (the default): "
+                   "measured while serving, per occupancy the faster of the tree flags' tree and "
+                   "plain rounds in tokens/s (auto:TREE,TREE,... other candidates); a table such "
+                   "as '1-2:10/8/60,3-4:1/4/5,5-:plain' (top_k/depth/total_tokens[/verify "
+                   "threshold], or plain: the root alone; occupancies not listed use the tree "
+                   "flags' tree); or fixed: the tree flags' tree every round. Logged when it "
+                   "changes; /metrics has eagle3_tree_tokens and eagle3_tree_rounds_total{tree}")  # fmt: skip
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the target's folder name)")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -82,7 +87,7 @@ def check(args) -> None:
     if args.method == "eagle3":
         decode_flags.draft_vocab(args)
     if args.tree_by_occupancy is not None:
-        TreeSchedule.parse(args.tree_by_occupancy, decode_flags.tree_of(args))
+        schedule_of(args.tree_by_occupancy, decode_flags.tree_of(args))
 
 
 def main(argv=None) -> int:
@@ -96,9 +101,7 @@ def main(argv=None) -> int:
             Sampling(args.temperature, args.sample_top_k, args.top_p),
             max_context=max_context, same_engine=True,
         )  # fmt: skip
-        schedule = None
-        if args.tree_by_occupancy is not None:
-            schedule = TreeSchedule.parse(args.tree_by_occupancy, opts.tree)
+        schedule = schedule_of(args.tree_by_occupancy, opts.tree)
         engine = SlotEngine(target, head, opts, args.slots, schedule)
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
@@ -126,19 +129,31 @@ def main(argv=None) -> int:
     return 0
 
 
+def schedule_of(text: str | None, tree):
+    """--tree-by-occupancy: measured (`auto`, `auto:TREE,...`), a table, or none (None or
+    `fixed`: the tree flags' tree every round)."""
+    if text is None or text.strip() == "fixed":
+        return None
+    if text.strip().startswith("auto"):
+        if not re.fullmatch(r"auto(:.*)?", text.strip()):
+            raise Eagle3Error(f"--tree-by-occupancy {text!r}: give auto or auto:TREE,TREE,...")
+        return MeasuredSchedule.parse(text.strip(), tree)
+    return TreeSchedule.parse(text, tree)
+
+
 def warm(engine: SlotEngine) -> None:
-    """Compiles the admission of the first prompt bucket and the round before serving (each
-    tree's round under a schedule: occupancy 1 .. slots)."""
-    for busy in range(1, engine.slots + 1):
-        if busy > 1 and engine.schedule.tree_for(busy) in map(engine.schedule.tree_for,
-                                                              range(1, busy)):  # fmt: skip
-            continue
-        for i in range(busy):
-            engine.admit(f"warmup{i}", [engine.pad], 2)
-        for _ in range(4):
-            if any(u.finish_reason for u in engine.step()):
+    """Compiles every program before serving: the admission of each prompt bucket (ahead of
+    time, `SlotEngine.compile_admissions`; the compilation cache keeps them for the next start)
+    and the round (each tree's round under a schedule: occupancy 1 .. slots)."""
+    start = time.perf_counter()
+    n = engine.compile_admissions()
+    print(f"compiled {n} admission programs (prompts up to {engine.prompt_buckets()[-1]} "
+          f"tokens) in {time.perf_counter() - start:.1f}s", file=sys.stderr)  # fmt: skip
+    for tree in engine.schedule.trees():  # a round's program depends on its tree alone
+        engine.admit("warmup", [engine.pad], 3)
+        for _ in range(2):
+            if any(u.finish_reason for u in engine.step(tree)):
                 break
-        for slot in range(engine.slots):
-            engine.release(slot)
+        engine.release(0)
     engine.current_tree = None
     engine.tree_rounds.clear()

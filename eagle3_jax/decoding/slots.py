@@ -40,7 +40,9 @@ import collections
 import dataclasses
 import functools
 import logging
+import math
 import re
+import time
 from typing import NamedTuple
 
 import jax
@@ -178,9 +180,101 @@ def _greedy_row(state: SpecState, slot) -> SpecState:
     return dataclasses.replace(state, sampling=cold)
 
 
-def _map_trees(schedule: TreeSchedule, fn) -> TreeSchedule:
+def _map_trees(schedule, fn):
+    if isinstance(schedule, MeasuredSchedule):
+        return MeasuredSchedule(list(dict.fromkeys(fn(t) for t in schedule.candidates)),
+                                **schedule.settings)  # fmt: skip
     ranges = tuple((lo, hi, fn(t)) for lo, hi, t in schedule.ranges)
     return TreeSchedule(ranges, fn(schedule.default))
+
+
+class MeasuredSchedule:
+    """The tree of a round by the number of occupied slots, chosen by measurement: for each
+    occupancy the candidate (a tree, or `PLAIN`) that has given the most tokens per second of
+    round there. Each candidate is tried `min_rounds` times at an occupancy before the choice
+    settles; after that another candidate runs again once `explore_every` rounds at that
+    occupancy have passed since its last, times its shortfall in tenths (with 16: a candidate
+    up to 15 % slower every 16 rounds, 20 % every 32, 50 % every 80, 75 % or more every 128),
+    so a change (longer contexts, a neighbour on the machine, other prompts) moves the choice
+    while a clearly worse candidate costs under ~1 % of the rounds. A candidate's rate is its
+    tokens per round over its seconds per round, each an exponentially weighted mean (weight
+    `smoothing` on the newest round).
+
+    Why measured: a round's cost depends on the backend, the slots, the context and, with
+    adaptive verification, on how many rows are busy; its tokens on the head and the prompts.
+    On a 2-core CPU with 4 slots the CPU default tree gains ~1.2x over plain rounds at one busy
+    slot and loses ~5 % with all four busy (docs/serving.md), which no fixed table gets right
+    on another machine. Greedy output is the same whichever tree runs (`SlotEngine`)."""
+
+    def __init__(self, candidates: list[TreeConfig], min_rounds: int = 3,
+                 explore_every: int = 16, smoothing: float = 0.1):  # fmt: skip
+        if not candidates:
+            raise Eagle3Error("a measured schedule needs at least one candidate tree")
+        if min_rounds < 1 or explore_every < 2 or not 0 < smoothing <= 1:
+            raise Eagle3Error("a measured schedule needs min_rounds >= 1, explore_every >= 2 "
+                              "and 0 < smoothing <= 1")  # fmt: skip
+        self.candidates = list(dict.fromkeys(candidates))
+        self.settings = dict(min_rounds=min_rounds, explore_every=explore_every,
+                             smoothing=smoothing)  # fmt: skip
+        self.min_rounds, self.explore_every, self.smoothing = min_rounds, explore_every, smoothing
+        # (occupancy, tree) -> [rounds seen, mean tokens per round, mean seconds per round]
+        self.stats: dict[tuple[int, TreeConfig], list[float]] = {}
+        self._rounds: collections.Counter = collections.Counter()  # rounds run per occupancy
+        self._last: dict[tuple[int, TreeConfig], int] = {}  # the round a candidate last ran
+        self.best: dict[int, TreeConfig] = {}  # the settled choice per occupancy (logged)
+
+    @classmethod
+    def parse(cls, text: str, default: TreeConfig) -> MeasuredSchedule:
+        """`auto` (the tree flags' tree and plain rounds) or `auto:TREE,TREE,...` (the listed
+        candidates: top_k/depth/total_tokens[/threshold] or plain)."""
+        _, _, listed = text.partition(":")
+        if not listed.strip():
+            return cls([default, PLAIN])
+        trees = []
+        for part in filter(None, (x.strip() for x in listed.split(","))):
+            trees.append(TreeSchedule.parse(f"1-:{part}", default).ranges[0][2])
+        return cls(trees)
+
+    def trees(self) -> list[TreeConfig]:
+        return list(self.candidates)
+
+    def rate(self, occupied: int, tree: TreeConfig) -> float | None:
+        """The measured tokens per second of `tree`'s rounds at this occupancy (None: unseen)."""
+        st = self.stats.get((occupied, tree))
+        return None if not st or st[0] == 0 or st[2] <= 0 else st[1] / st[2]
+
+    def tree_for(self, occupied: int) -> TreeConfig:
+        seen = {t: self.stats.get((occupied, t), [0])[0] for t in self.candidates}
+        young = [t for t in self.candidates if seen[t] < self.min_rounds]
+        if young:  # every candidate measured first, the least seen next
+            return min(young, key=lambda t: seen[t])
+        best = max(self.candidates, key=lambda t: self.rate(occupied, t))
+        if best != self.best.get(occupied):
+            others = ", ".join(f"{tree_name(t)} {self.rate(occupied, t):.1f}"
+                               for t in self.candidates if t != best)  # fmt: skip
+            log.info("occupancy %d: %s rounds (%.1f tok/s; %s)", occupied, tree_name(best),
+                     self.rate(occupied, best), others)  # fmt: skip
+            self.best[occupied] = best
+        n, top = self._rounds[occupied], self.rate(occupied, best)
+        rest = sorted((t for t in self.candidates if t != best),
+                      key=lambda t: self._last.get((occupied, t), -1))  # fmt: skip
+        for t in rest:  # the stalest candidate due for another try, if any
+            rate = self.rate(occupied, t)
+            gap = top / rate - 1 if rate and rate > 0 else math.inf
+            period = self.explore_every * min(8, max(1, round(10 * gap)))
+            if n - self._last.get((occupied, t), -1) >= period:
+                return t
+        return best
+
+    def observe(self, occupied: int, tree: TreeConfig, tokens: int, seconds: float) -> None:
+        """One round's outcome: `tokens` emitted by `occupied` busy slots in `seconds`."""
+        st = self.stats.setdefault((occupied, tree), [0, 0.0, 0.0])
+        w = 1.0 if st[0] == 0 else max(self.smoothing, 1.0 / (st[0] + 1))
+        st[0] += 1
+        st[1] += w * (tokens - st[1])
+        st[2] += w * (seconds - st[2])
+        self._last[(occupied, tree)] = self._rounds[occupied]
+        self._rounds[occupied] += 1
 
 
 class Update(NamedTuple):
@@ -205,12 +299,13 @@ class SlotEngine:
         (default the target's context), and `max_new_tokens` the largest max_tokens a request
         may ask for. `seed` is unused: a request brings its own.
       slots: B, the requests decoded together.
-      schedule: the tree of each round by occupancy (`TreeSchedule`; None: `opts.tree` always).
-        Its trees are checked against the head as `opts.tree` is; ignored by method vanilla.
+      schedule: the tree of each round by occupancy (`TreeSchedule`, a table, or
+        `MeasuredSchedule`, measured as it serves; None: `opts.tree` always). Its trees are
+        checked against the head as `opts.tree` is; ignored by method vanilla.
     """
 
     def __init__(self, target: Target, head: Head | None, opts: DecodeOptions, slots: int,
-                 schedule: TreeSchedule | None = None):  # fmt: skip
+                 schedule: TreeSchedule | MeasuredSchedule | None = None):  # fmt: skip
         if slots < 1:
             raise Eagle3Error(f"slots {slots} < 1")
         method = opts.method
@@ -315,16 +410,48 @@ class SlotEngine:
         slot = free[0] if slot is None else slot
         if self.owner[slot] is not None:
             raise Eagle3Error(f"slot {slot} is busy")
+        self.state = admit_row(*self._admit_args(slot, prompt, max_tokens, seed, sampling))
+        self.owner[slot], self.shown[slot] = request, 0
+        return slot
+
+    def _admit_args(self, slot: int, prompt: list[int], max_tokens: int, seed: int = 0,
+                    sampling: Sampling | None = None) -> tuple:  # fmt: skip
+        """`admit_row`'s arguments: the prompt padded to its bucket (`plain.PROMPT_BUCKET`)."""
         bucket = min(plain.round_up(len(prompt), plain.PROMPT_BUCKET), self.shape.slots)
         one = dataclasses.replace(self.shape, batch=1, prompt_len=bucket)
         toks, lengths = plain.pad_prompts([prompt], one, self.pad)
-        self.state = admit_row(
+        return (
             *self.models, self.state, jnp.int32(slot), toks, lengths,
             np.array([max_tokens], np.int32), jax.random.PRNGKey(seed), *self._static(one),
             RowSampling.of([self.opts.sampling if sampling is None else sampling]),
         )  # fmt: skip
-        self.owner[slot], self.shown[slot] = request, 0
-        return slot
+
+    def prompt_buckets(self) -> list[int]:
+        """The padded prompt lengths an admission can have, one compiled program each: every
+        multiple of `plain.PROMPT_BUCKET` up to the longest prompt `check` lets in (S less the
+        room a round reserves and one new token)."""
+        longest = self.shape.slots - self.tree.round_slots - 2
+        top = min(plain.round_up(longest, plain.PROMPT_BUCKET), self.shape.slots)
+        return list(range(plain.PROMPT_BUCKET, top + 1, plain.PROMPT_BUCKET))
+
+    def compile_admissions(self, buckets: list[int] | None = None, threads: int = 0) -> int:
+        """Compiles the admission of every prompt bucket (default `prompt_buckets()`) ahead of
+        time, so no request waits for a compile between rounds (seconds each on a CPU, holding
+        up every running request); `threads` compile at once (default: one per CPU). Nothing
+        runs: the state is untouched. Returns how many programs it compiled or found."""
+        import concurrent.futures
+        import os
+
+        buckets = self.prompt_buckets() if buckets is None else buckets
+        calls = [self._admit_args(0, [self.pad] * n, 1) for n in buckets]
+
+        def one(args):
+            admit_row.lower(*args).compile()
+
+        workers = threads or os.cpu_count() or 1
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(one, calls))
+        return len(calls)
 
     def release(self, slot: int) -> None:
         """Frees `slot` now (its request is dropped: a disconnect, a stop string); its row rides
@@ -334,27 +461,37 @@ class SlotEngine:
         self.state = _free_row(self.state, jnp.int32(slot))
         self.owner[slot] = None
 
-    def step(self) -> list[Update]:
+    def step(self, tree: TreeConfig | None = None) -> list[Update]:
         """One speculative round over every slot (none when no slot is running), then each
-        occupied slot's new tokens; a slot whose request ended is freed."""
+        occupied slot's new tokens; a slot whose request ended is freed. The round's tree is
+        the schedule's for the busy slots (a `MeasuredSchedule` is told how the round went), or
+        `tree` if given (one of the schedule's: compiling them before serving)."""
         running = [i for i, o in enumerate(self.owner) if o is not None]
         if not running:
             return []
         finish = np.asarray(jax.device_get(self.state.finish))
-        if any(finish[i] == 0 for i in running):
+        if not any(finish[i] == 0 for i in running):
+            return self.poll()
+        measured = tree is None and isinstance(self.schedule, MeasuredSchedule)
+        if tree is None:
             tree = self.schedule.tree_for(len(running))
-            if tree != self.current_tree:
-                log.info("occupancy %d: tree %s (%d tokens)", len(running), tree_name(tree),
-                         tree.total_tokens)  # fmt: skip
-                self.current_tree = tree
-            method = self.method
-            if tree == PLAIN and method != "vanilla":  # the root alone; a head keeps encoding
-                method = encode_drafter if method == "eagle3" else "vanilla"
-            self.state = spec.round_step(*self.models, self.state,
-                                         *self._static(self.shape, tree), method)  # fmt: skip
-            self.rounds += 1
-            self.tree_rounds[tree_name(tree)] += 1
-        return self.poll()
+        if tree != self.current_tree and not measured:
+            log.info("occupancy %d: tree %s (%d tokens)", len(running), tree_name(tree),
+                     tree.total_tokens)  # fmt: skip
+        self.current_tree = tree
+        method = self.method
+        if tree == PLAIN and method != "vanilla":  # the root alone; a head keeps encoding
+            method = encode_drafter if method == "eagle3" else "vanilla"
+        start = time.perf_counter()
+        self.state = spec.round_step(*self.models, self.state,
+                                     *self._static(self.shape, tree), method)  # fmt: skip
+        self.rounds += 1
+        self.tree_rounds[tree_name(tree)] += 1
+        updates = self.poll()  # waits for the round
+        if measured:
+            self.schedule.observe(len(running), tree, sum(len(u.new_ids) for u in updates),
+                                  time.perf_counter() - start)  # fmt: skip
+        return updates
 
     def poll(self) -> list[Update]:
         """Each occupied slot's tokens since the last report (admitted slots: the prefill's)."""

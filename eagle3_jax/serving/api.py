@@ -126,7 +126,7 @@ class Server:
         for name, n in list(self.engine.tree_rounds.items()):
             self.m_tree_rounds.labels(tree=name).inc(n - self._seen_trees.get(name, 0))
             self._seen_trees[name] = n
-        tree = self.engine.current_tree or self.engine.schedule.tree_for(1)
+        tree = self.engine.current_tree or self.engine.schedule.trees()[0]
         self.m_tree.set(tree.total_tokens)
         self.m_waiting.set(self.scheduler.waiting())
         self.m_running.set(self.scheduler.busy())
