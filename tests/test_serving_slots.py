@@ -234,7 +234,7 @@ def test_measured_schedule_picks_the_faster_per_occupancy():
     """Each candidate is measured min_rounds times at an occupancy, then the one with the most
     tokens per second runs and the other again every explore_every rounds, less often the more it
     falls short; when the rates change the choice follows them."""
-    s = MeasuredSchedule([TREE, PLAIN], min_rounds=2, explore_every=4)
+    s = MeasuredSchedule([TREE, PLAIN], min_rounds=2, explore_every=4, smoothing=0.1)
     # tokens and seconds a round of each tree gives: the tree wins at one busy slot (30 vs 25
     # tok/s), plain rounds at four (40 vs 50 tok/s)
     cost = {(1, TREE): (3, 0.1), (1, PLAIN): (1, 0.04), (4, TREE): (8, 0.2), (4, PLAIN): (4, 0.08)}
@@ -256,6 +256,9 @@ def test_measured_schedule_picks_the_faster_per_occupancy():
     cost[(1, PLAIN)] = (1, 0.1)  # 10 tok/s: 200 % short, tried every 4 x 8 = 32 rounds
     picked = run(1, 64)
     assert s.rate(1, PLAIN) < 25 and 2 <= picked.count("plain") <= 3
+    cost[(4, TREE)] = (8, 8 / 50.5)  # 1 % ahead of plain rounds: within the margin, no change
+    run(4, 200)
+    assert s.rate(4, TREE) > s.rate(4, PLAIN) and s.best[4] == PLAIN
     cost[(4, PLAIN)] = (4, 0.2)  # plain rounds got slower (20 tok/s): the tree takes over
     picked = run(4, 60)
     assert s.best[4] == TREE and picked[-8:].count("3/3/9") >= 7

@@ -197,8 +197,10 @@ class MeasuredSchedule:
     up to 15 % slower every 16 rounds, 20 % every 32, 50 % every 80, 75 % or more every 128),
     so a change (longer contexts, a neighbour on the machine, other prompts) moves the choice
     while a clearly worse candidate costs under ~1 % of the rounds. A candidate's rate is its
-    tokens per round over its seconds per round, each an exponentially weighted mean (weight
-    `smoothing` on the newest round).
+    tokens per round over its seconds per round, each a mean of its rounds there, exponentially
+    weighted once it has 1 / `smoothing` of them (`smoothing` on the newest: a round's accepted
+    tokens vary a lot, so the window is long); the settled choice changes only for a lead of
+    more than `margin`.
 
     Why measured: a round's cost depends on the backend, the slots, the context and, with
     adaptive verification, on how many rows are busy; its tokens on the head and the prompts.
@@ -207,16 +209,18 @@ class MeasuredSchedule:
     on another machine. Greedy output is the same whichever tree runs (`SlotEngine`)."""
 
     def __init__(self, candidates: list[TreeConfig], min_rounds: int = 3,
-                 explore_every: int = 16, smoothing: float = 0.1):  # fmt: skip
+                 explore_every: int = 16, smoothing: float = 0.05,
+                 margin: float = 0.02):  # fmt: skip
         if not candidates:
             raise Eagle3Error("a measured schedule needs at least one candidate tree")
-        if min_rounds < 1 or explore_every < 2 or not 0 < smoothing <= 1:
-            raise Eagle3Error("a measured schedule needs min_rounds >= 1, explore_every >= 2 "
-                              "and 0 < smoothing <= 1")  # fmt: skip
+        if min_rounds < 1 or explore_every < 2 or not 0 < smoothing <= 1 or margin < 0:
+            raise Eagle3Error("a measured schedule needs min_rounds >= 1, explore_every >= 2, "
+                              "0 < smoothing <= 1 and margin >= 0")  # fmt: skip
         self.candidates = list(dict.fromkeys(candidates))
         self.settings = dict(min_rounds=min_rounds, explore_every=explore_every,
-                             smoothing=smoothing)  # fmt: skip
+                             smoothing=smoothing, margin=margin)  # fmt: skip
         self.min_rounds, self.explore_every, self.smoothing = min_rounds, explore_every, smoothing
+        self.margin = margin
         # (occupancy, tree) -> [rounds seen, mean tokens per round, mean seconds per round]
         self.stats: dict[tuple[int, TreeConfig], list[float]] = {}
         self._rounds: collections.Counter = collections.Counter()  # rounds run per occupancy
@@ -249,7 +253,12 @@ class MeasuredSchedule:
         if young:  # every candidate measured first, the least seen next
             return min(young, key=lambda t: seen[t])
         best = max(self.candidates, key=lambda t: self.rate(occupied, t))
-        if best != self.best.get(occupied):
+        held = self.best.get(occupied)
+        if held is not None and self.rate(occupied, best) <= (1 + self.margin) * self.rate(
+            occupied, held
+        ):
+            best = held  # a lead within the margin is noise: the choice stays
+        if best != held:
             others = ", ".join(f"{tree_name(t)} {self.rate(occupied, t):.1f}"
                                for t in self.candidates if t != best)  # fmt: skip
             log.info("occupancy %d: %s rounds (%.1f tok/s; %s)", occupied, tree_name(best),
