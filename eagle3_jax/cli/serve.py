@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         return 2
     import uvicorn  # the serve extra; imported here so other commands never need it
 
-    logging.basicConfig(level=logging.INFO)
+    _log_to_stderr()
     print(f"compiling the round for {args.slots} slots ...", file=sys.stderr)
     warm(engine)
     scheduler = Scheduler(engine, args.max_queue).start()
@@ -127,6 +127,18 @@ def main(argv=None) -> int:
         scheduler.drain(args.drain_timeout)
         scheduler.stop()
     return 0
+
+
+def _log_to_stderr() -> None:
+    """The package's INFO lines (the tree choices) on stderr: the root logger may already have a
+    handler from a library imported earlier, which makes logging.basicConfig a no-op."""
+    pkg = logging.getLogger("eagle3_jax")
+    pkg.setLevel(logging.INFO)
+    if not pkg.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        pkg.addHandler(handler)
+        pkg.propagate = False
 
 
 def schedule_of(text: str | None, tree):

@@ -26,8 +26,9 @@ need over the running rows, and a tree schedule (`TreeSchedule`) picks each roun
 the occupancy: greedy output is unchanged by either, but a sampled request's tree, hence its
 tokens, then depend on the batch.
 
-The tree per round: `TreeSchedule` maps the number of occupied slots to a tree, down to plain
-rounds (the root alone: `PLAIN`) where speculation does not pay. The state is sized once for the
+The tree per round: `MeasuredSchedule` picks, per number of occupied slots, the candidate tree
+(or plain rounds: the root alone, `PLAIN`) that has given the most tokens per second of round
+there, measured as the engine runs; `TreeSchedule` is a fixed table of the same. The state is sized once for the
 largest (`envelope`: E = its depth + 1, the draft's scratch slots, the room a round reserves),
 and each tree compiles its own round once; a smaller tree pads its accepted path to E. With a
 head, a plain round still encodes last round's pairs into the draft cache (`encode_drafter`), so

@@ -122,7 +122,7 @@ class Server:
             self._seen[key] = value
         for values, hist in ((st.ttft, self.m_ttft), (st.latency, self.m_latency)):
             while values:
-                hist.observe(values.pop(0))
+                hist.observe(values.popleft())
         for name, n in list(self.engine.tree_rounds.items()):
             self.m_tree_rounds.labels(tree=name).inc(n - self._seen_trees.get(name, 0))
             self._seen_trees[name] = n

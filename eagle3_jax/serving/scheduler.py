@@ -68,8 +68,9 @@ class Stats:
         self.generated = 0
         self.prompt_tokens = 0
         self.target_forwards = 0
-        self.ttft: list[float] = []  # seconds, drained by the metrics exporter
-        self.latency: list[float] = []
+        # seconds, drained by the metrics exporter; the newest 4,096 kept while nobody scrapes
+        self.ttft: collections.deque[float] = collections.deque(maxlen=4096)
+        self.latency: collections.deque[float] = collections.deque(maxlen=4096)
 
 
 class Scheduler:
