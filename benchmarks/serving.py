@@ -21,6 +21,12 @@ decoding's own loop, timed after a warm-up) and checks each greedy output's toke
   .venv/bin/python benchmarks/serving.py --sweep --concurrency 1 4 8 --requests 8 \
       --max-tokens 64 --serve-args "--slots 4 --max-context 1024" \
       --out benchmarks/results/serving_cpu/serving.json
+
+`--sweep --in-process` runs the same levels without HTTP: the engine and scheduler `serve` would
+run, built in this process (`serve.build_engine`), one client thread per concurrent request;
+what a round and the scheduler cost, not the front end. It needs none of the serve extra's
+packages, so it is what the device job runs (`scripts/device_job.py serving`). With a
+`--method` in --serve-args (pld) that method stands in for EAGLE-3.
 """
 
 from __future__ import annotations
@@ -133,6 +139,11 @@ async def closed_loop(url: str, texts: list[str], clients: int, max_tokens: int)
     await asyncio.gather(*(worker() for _ in range(clients)))
     wall = time.perf_counter() - t0
     await client.close()
+    return _level(clients, rows, wall)
+
+
+def _level(clients: int, rows: list[dict], wall: float) -> dict:
+    """A closed-loop level's figures from its requests (in prompt order) and its wall time."""
     out_tokens = sum(r["completion_tokens"] or 0 for r in rows)
     ttft = [r["ttft_s"] for r in rows]
     tpot = [(r["latency_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1)
@@ -218,7 +229,99 @@ def serve_levels(serve_args, texts, levels, max_tokens, log: Path) -> dict:
     return {"serve_args": serve_args, "exit_code": rc, "levels": out}
 
 
-def alone(serve_args, texts, max_tokens) -> dict:
+# ---------------------------------------------------------------------- --in-process: no HTTP
+
+
+def _load(serve_args: list[str]):
+    """(flags, (target, head, max_context)) for serve's flags, the model loaded as serve loads it."""
+    from eagle3_jax.cli import decode, serve
+
+    args = serve.parse_args(serve_args)
+    serve.check(args)
+    return args, decode._load(args)
+
+
+def _request(scheduler, ids: list[int], max_tokens: int) -> dict:
+    """One greedy request through the scheduler, waited for on this thread: the row closed_loop
+    makes of a streamed response (token ids, TTFT, latency, completion tokens)."""
+    import queue
+    import uuid
+
+    from eagle3_jax.serving.scheduler import Job
+
+    events: queue.Queue = queue.Queue()
+    t0 = time.perf_counter()
+    scheduler.submit(Job(uuid.uuid4().hex, ids, max_tokens, 0, events.put))
+    first, out, reason = None, [], None
+    while reason is None:
+        ev = events.get()
+        if ev.new_ids:
+            first = first or time.perf_counter()
+        out += ev.new_ids
+        reason = ev.finish_reason
+    end = time.perf_counter()
+    if reason.startswith(("error", "cancelled")):
+        raise RuntimeError(f"request ended {reason}")
+    return {"token_ids": out, "ttft_s": (first or end) - t0, "latency_s": end - t0,
+            "prompt_tokens": len(ids), "completion_tokens": len(out), "finish_reason": reason}  # fmt: skip
+
+
+def engine_closed_loop(scheduler, prompts: list[list[int]], clients: int, max_tokens: int) -> dict:
+    """closed_loop without HTTP: `clients` threads share the prompts (chat-templated ids), each
+    submitting its next request to the scheduler when its last one ended; the same figures."""
+    import threading
+
+    todo, rows, lock = list(enumerate(prompts)), [None] * len(prompts), threading.Lock()
+
+    def worker():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, ids = todo.pop(0)
+            rows[i] = _request(scheduler, ids, max_tokens)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return _level(clients, rows, time.perf_counter() - t0)
+
+
+def engine_levels(serve_args, prompts, levels, max_tokens, loaded=None) -> dict:
+    """serve_levels in this process: the engine and scheduler `serve` would run for
+    `serve_args`, driven without HTTP (what a round and the scheduler cost, not the front end);
+    τ per level from the scheduler's counts (tokens per target pass of the ended requests)."""
+    from eagle3_jax.cli import serve
+    from eagle3_jax.serving.scheduler import Scheduler
+
+    args = serve.parse_args(serve_args)
+    serve.check(args)
+    engine = serve.build_engine(args, *(loaded or _load(serve_args)[1]))
+    serve.warm(engine)
+    scheduler = Scheduler(engine, max_queue=len(prompts) + max(levels)).start()
+    out = []
+    try:
+        engine_closed_loop(scheduler, prompts, 1, 2)  # the first rounds of every tree measured
+        for n in levels:
+            st = scheduler.stats
+            gen0, fw0 = st.generated, st.target_forwards
+            level = engine_closed_loop(scheduler, prompts, n, max_tokens)
+            passes = st.target_forwards - fw0
+            level["summary"]["tau"] = (st.generated - gen0) / passes if passes else None
+            level["summary"]["tree_rounds"] = dict(engine.tree_rounds)
+            s = level["summary"]
+            print(f"  {args.method} c={n}: {s['output_tokens_per_s']:.1f} tok/s, "
+                  f"tau {s['tau']:.2f}", file=sys.stderr)  # fmt: skip
+            out.append(level)
+    finally:
+        scheduler.stop()
+    return {"serve_args": serve_args, "exit_code": 0, "levels": out}
+
+
+def alone(serve_args, texts, max_tokens, loaded=None) -> dict:
     """Each prompt decoded alone in this process (batch 1, the server's model flags, the same
     chat-templated ids and max_tokens): EAGLE-3 and plain decoding, ids and timings."""
     from eagle3_jax.cli import decode, decode_flags, serve
@@ -227,18 +330,18 @@ def alone(serve_args, texts, max_tokens) -> dict:
 
     args = serve.parse_args(serve_args)
     serve.check(args)
-    target, head, max_context = decode._load(args)
+    target, head, max_context = loaded or decode._load(args)
     tree = decode_flags.tree_of(args)
     ids = [encode_chat(target.tokenizer, [{"role": "user", "content": t}]) for t in texts]
     out = {"prompt_ids": ids}
-    for method in ("eagle3", "vanilla"):
+    for name, method in (("eagle3", args.method), ("vanilla", "vanilla")):
         opts = DecodeOptions(method, max_tokens, tree, max_context=max_context)
         gens = [generate_ids(target, head if method == "eagle3" else None, [p], opts, warmup=True)
                 for p in ids]  # fmt: skip
         tokens = sum(len(g.output_ids[0]) for g in gens)
         wall = sum(g.wall_time_s for g in gens)
-        out[method] = {"output_ids": [g.output_ids[0] for g in gens], "tokens": tokens,
-                       "wall_s": wall, "output_tokens_per_s": tokens / wall}  # fmt: skip
+        out[name] = {"output_ids": [g.output_ids[0] for g in gens], "tokens": tokens,
+                     "wall_s": wall, "output_tokens_per_s": tokens / wall}  # fmt: skip
         print(f"  alone {method}: {tokens / wall:.1f} tok/s", file=sys.stderr)
     out["speedup"] = out["eagle3"]["output_tokens_per_s"] / out["vanilla"]["output_tokens_per_s"]
     return out
@@ -250,13 +353,23 @@ def sweep(args) -> dict:
     base_args = shlex.split(args.serve_args) + ["--max-new-tokens", str(args.max_tokens)]
     runs_dir = Path(args.out).parent if args.out else Path(".")
     runs_dir.mkdir(parents=True, exist_ok=True)
-    runs = {}
+    runs, loaded, prompts = {}, None, None
+    if args.in_process:  # one load for both engines and decoding alone
+        from eagle3_jax.prompts import encode_chat
+
+        loaded = _load(base_args)[1]
+        prompts = [encode_chat(loaded[0].tokenizer, [{"role": "user", "content": t}])
+                   for t in texts]  # fmt: skip
     for name, extra in (("eagle3", []), ("plain", ["--method", "vanilla"])):
         if name == "eagle3" and args.tree_by_occupancy:
             extra = ["--tree-by-occupancy", args.tree_by_occupancy]
-        runs[name] = serve_levels(base_args + extra, texts, args.concurrency, args.max_tokens,
-                                  runs_dir / f"server_{name}.log")  # fmt: skip
-    ref = alone(shlex.split(args.serve_args), texts, args.max_tokens)
+        if args.in_process:
+            runs[name] = engine_levels(base_args + extra, prompts, args.concurrency,
+                                       args.max_tokens, loaded)  # fmt: skip
+        else:
+            runs[name] = serve_levels(base_args + extra, texts, args.concurrency,
+                                      args.max_tokens, runs_dir / f"server_{name}.log")  # fmt: skip
+    ref = alone(shlex.split(args.serve_args), texts, args.max_tokens, loaded)
     for name, want in (("eagle3", ref["eagle3"]["output_ids"]),
                        ("plain", ref["vanilla"]["output_ids"])):  # fmt: skip
         for level in runs[name]["levels"]:
@@ -270,6 +383,7 @@ def sweep(args) -> dict:
     return {
         "bench": args.bench, "requests": args.requests, "max_tokens": args.max_tokens,
         "serve_args": args.serve_args, "tree_by_occupancy": args.tree_by_occupancy,
+        "in_process": args.in_process,
         "alone": {k: ref[k] if k == "speedup" else {x: y for x, y in ref[k].items()
                                                    if x != "output_ids"}
                   for k in ("eagle3", "vanilla", "speedup")},
@@ -316,6 +430,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--serve-args", default="--slots 4", help="serve's flags for --sweep")
     p.add_argument("--tree-by-occupancy", default=None, help="the EAGLE-3 server's schedule")
+    p.add_argument("--in-process", action="store_true",
+                   help="--sweep without HTTP: the same engine and scheduler driven in this "
+                   "process (no fastapi, uvicorn or openai needed: the device step)")  # fmt: skip
     args = p.parse_args(argv)
     if args.sweep:
         result = sweep(args)
@@ -324,7 +441,7 @@ def main(argv=None) -> int:
             for run in result["runs"].values():
                 for level in run["levels"]:
                     for r in level["requests"]:
-                        r.pop("text")
+                        r.pop("text", None)
             Path(args.out).write_text(json.dumps(result, separators=(",", ":")) + "\n")
         return 0
     questions = load_questions(args.bench)

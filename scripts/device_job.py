@@ -69,6 +69,12 @@ $OUT/turns/ in parts once they grow), then the cells trained on the device and r
 same way; $OUT/fusion_ablation_trained.tar.gz after every call:
   python3 scripts/device_job.py fusion-ablation --minutes 9 --out $OUT   (again to continue)
 
+`serving` (after the GGUF's parts, as `run`): continuous batching on the accelerator, EAGLE-3
+against plain rounds in one run (device_steps/serving.py: benchmarks/serving.py --sweep
+--in-process, 16 slots, 1-32 clients, every greedy output checked against decoding alone); into
+$OUT/serving/:
+  python3 scripts/device_job.py serving --minutes 9 --out $OUT
+
 This file parses the command line; the steps live in device_steps/: common.py (paths, the log,
 phases and their environment), transfer.py (pack, check, unpack), turns.py (run, bench),
 round_cost.py and round_timing.py, gpu_speed.py, peers.py, study.py.
@@ -84,7 +90,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # device_steps, however this is loaded
 
 from device_steps import common as c
-from device_steps import gpu_speed, peers, round_cost, study, transfer, turns
+from device_steps import gpu_speed, peers, round_cost, serving, study, transfer, turns
 
 
 def main(argv=None) -> int:
@@ -170,6 +176,8 @@ def main(argv=None) -> int:
     study.add_args(vs, study.STUDIES["vocab-study"])
     fa = sub.add_parser("fusion-ablation", help="device: the fusion ablation, resumable")
     study.add_args(fa, study.STUDIES["fusion-ablation"])
+    sv = sub.add_parser("serving", help="device: continuous batching, EAGLE-3 vs plain rounds")
+    serving.add_args(sv)
     args = p.parse_args(argv)
     cmds = {
         "pack": transfer.pack,
@@ -182,6 +190,7 @@ def main(argv=None) -> int:
         "peers": peers.step,
         "vocab-study": study.step,
         "fusion-ablation": study.step,
+        "serving": serving.step,
     }
     return cmds[args.cmd](args)
 

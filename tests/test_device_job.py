@@ -877,3 +877,47 @@ def test_the_trained_fusion_ablation_runs_every_phase_at_the_toy_shape(
     second = study_log.read_text()[before:]
     assert second.count("measured already") == 2 and "\n+ " not in second, second
     assert not (tmp_path / "o2/turns").exists()  # no answers added: none packed again
+
+
+def test_serving_step_runs_the_in_process_sweep(dj, c, tmp_path, monkeypatch):
+    """`serving` runs benchmarks/serving.py --sweep --in-process as one phase within the call's
+    budget: the accelerator's slots, levels and measured trees by default, the serve flags
+    passed through; more than the tool's 10-minute limit is refused."""
+    monkeypatch.setattr(c, "env", lambda args: {})
+    calls = []
+
+    def phase(log, name, cmd, env, timeout_s, log_dir=None):
+        calls.append((name, cmd, timeout_s, log_dir))
+        return 0
+
+    monkeypatch.setattr(c, "phase", phase)
+    assert dj.main(["serving", "--minutes", "2", "--out", str(tmp_path), "--target", "/t",
+                    "--serve-arg=--method", "--serve-arg=pld"]) == 0  # fmt: skip
+    ((name, argv, timeout_s, log_dir),) = calls
+    assert name == "serving" and 0 < timeout_s <= 120 - 20 and log_dir == tmp_path / "serving"
+    assert argv[1].endswith("benchmarks/serving.py") and argv[2:4] == ["--sweep", "--in-process"]
+    assert argv[argv.index("--concurrency") + 1 : argv.index("--requests")] == [
+        "1", "4", "8", "16", "32",
+    ]  # fmt: skip
+    assert argv[argv.index("--serve-args") + 1] == (
+        "--slots 16 --max-context 1024 --target /t --method pld"
+    )
+    assert argv[argv.index("--tree-by-occupancy") + 1] == "auto:10/8/60,4/4/16,1/3/4,plain"
+    assert argv[-1] == str(tmp_path / "serving" / "serving.json")
+    with pytest.raises(SystemExit):
+        dj.main(["serving", "--minutes", "12", "--out", str(tmp_path)])
+
+
+def test_serving_step_at_the_toy_shape(dj, c, tiny_target_dir, tmp_path, monkeypatch):
+    """The step's phase for real on the CPU: the tiny target with prompt lookup standing in for
+    EAGLE-3, two levels; every greedy output of both engines equals decoding alone."""
+    monkeypatch.setattr(c, "env", lambda args: dict(c.base_env(), JAX_PLATFORMS="cpu"))
+    argv = ["serving", "--minutes", "6", "--out", str(tmp_path), "--target", str(tiny_target_dir),
+            "--concurrency", "1,2", "--requests", "3", "--max-tokens", "6", "--slots", "2",
+            "--max-context", "256", "--serve-arg=--method", "--serve-arg=pld"]  # fmt: skip
+    assert dj.main(argv) == 0, (tmp_path / "serving" / "serving.log").read_text()[-3000:]
+    out = json.loads((tmp_path / "serving" / "serving.json").read_text())
+    assert out["in_process"] and [r["concurrency"] for r in out["table"]] == [1, 2]
+    for row in out["table"]:
+        for k in ("eagle3", "plain"):
+            assert row[k]["equal_to_alone"] == 3 and row[k]["requests"] == 3

@@ -96,13 +96,7 @@ def main(argv=None) -> int:
         check(args)
         compile_cache.enable()
         target, head, max_context = decode._load(args)
-        opts = DecodeOptions(
-            args.method, args.max_new_tokens, decode_flags.tree_of(args),
-            Sampling(args.temperature, args.sample_top_k, args.top_p),
-            max_context=max_context, same_engine=True,
-        )  # fmt: skip
-        schedule = schedule_of(args.tree_by_occupancy, opts.tree)
-        engine = SlotEngine(target, head, opts, args.slots, schedule)
+        engine = build_engine(args, target, head, max_context)
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -127,6 +121,17 @@ def main(argv=None) -> int:
         scheduler.drain(args.drain_timeout)
         scheduler.stop()
     return 0
+
+
+def build_engine(args, target, head, max_context) -> SlotEngine:
+    """The slot engine `serve` runs for these (checked) flags and the loaded models."""
+    opts = DecodeOptions(
+        args.method, args.max_new_tokens, decode_flags.tree_of(args),
+        Sampling(args.temperature, args.sample_top_k, args.top_p),
+        max_context=max_context, same_engine=True,
+    )  # fmt: skip
+    schedule = schedule_of(args.tree_by_occupancy, opts.tree)
+    return SlotEngine(target, head, opts, args.slots, schedule)
 
 
 def _log_to_stderr() -> None:
