@@ -312,3 +312,24 @@ def _admit_without_compiling(spec_setup, cfg):
     finally:
         listening[0] = False
     assert compiled == []
+
+
+def test_plain_rounds_encode_the_pairs_e_at_a_time(spec_setup):
+    """With a head, a plain round leaves the draft cache alone and appends its pair to the
+    waiting ones until a running row holds E of them; the next plain round encodes them all at
+    once (the buffer back to the new pair alone). A speculative round then drafts from the whole
+    context: greedy tokens equal decoding alone, however the plain and speculative rounds
+    interleave (test_tree_by_occupancy_greedy_equals_alone)."""
+    cfg = spec_setup[1]
+    eng = _engine(spec_setup, slots=2, schedule=TreeSchedule.parse("1-:plain", TREE))
+    e = eng.state.enc_tok.shape[1]  # TREE's depth + 1
+    (prompt,) = random_prompts(cfg.vocab_size, [9], seed=7)
+    eng.admit("a", prompt, 20)
+    seen = []
+    for _ in range(2 * e):
+        before = np.asarray(eng.state.dcache["k"])
+        eng.step()
+        changed = not np.array_equal(before, np.asarray(eng.state.dcache["k"]))
+        seen.append((int(eng.state.enc_n[0]), changed))
+    # admitted with one pair; rounds 1 .. E-1 append; round E finds E pairs and encodes them
+    assert seen[: e + 1] == [(n, False) for n in range(2, e + 1)] + [(1, True), (2, False)]

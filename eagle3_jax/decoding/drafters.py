@@ -210,12 +210,23 @@ def vanilla_drafter(dparams, embed, vocab, state: SpecState, dcfg, shape: Shape,
 
 
 def encode_drafter(dparams, embed, vocab, state: SpecState, dcfg, shape: Shape, tree: TreeConfig):
-    """No draft, but the head keeps up: last round's pairs are encoded into the draft cache as
-    EAGLE-3's round encodes them, and the root alone is verified. Serving's plain rounds with a
-    head (`slots.TreeSchedule`), so that a later speculative round drafts from the whole
-    context."""
-    _, dcache = _encode_pairs(dparams, embed, state, dcfg, shape, tree)
+    """No draft, but the head keeps up: the root alone is verified, and the pairs not yet in the
+    draft cache are encoded as EAGLE-3's round encodes them only once some running row's
+    buffer is full (`pairs_full`: E pairs); until then each round's new pair is appended to the
+    buffer instead (`speculative.append_pair`), so the head runs once every E - 1 plain rounds,
+    on E pairs at a time, and a later speculative round encodes what is left and drafts from the
+    whole context. Serving's plain rounds with a head (`slots.TreeSchedule`)."""
+    dcache = jax.lax.cond(
+        pairs_full(state),
+        lambda: _encode_pairs(dparams, embed, state, dcfg, shape, tree)[1],
+        lambda: state.dcache,
+    )
     return vanilla_drafter(dparams, embed, vocab, state, dcfg, shape, tree)[0], dcache
+
+
+def pairs_full(state: SpecState) -> jax.Array:
+    """[] whether a running row holds E pairs not yet encoded (no room for another)."""
+    return jnp.any((state.finish == 0) & (state.enc_n >= state.enc_tok.shape[1]))
 
 
 DRAFTERS = {"eagle3": eagle3_drafter, "pld": pld_drafter, "vanilla": vanilla_drafter}

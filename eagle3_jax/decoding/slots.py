@@ -31,8 +31,9 @@ The tree per round: `MeasuredSchedule` picks, per number of occupied slots, the 
 there, measured as the engine runs; `TreeSchedule` is a fixed table of the same. The state is sized once for the
 largest (`envelope`: E = its depth + 1, the draft's scratch slots, the room a round reserves),
 and each tree compiles its own round once; a smaller tree pads its accepted path to E. With a
-head, a plain round still encodes last round's pairs into the draft cache (`encode_drafter`), so
-a later speculative round drafts from the whole context.
+head, plain rounds keep feeding the draft cache (`encode_drafter`: the new pairs wait in the
+state's buffer and are encoded E at a time), so a later speculative round drafts from the whole
+context.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.config import TargetConfig
-from eagle3_jax.decoding.drafters import DRAFTERS
+from eagle3_jax.decoding.drafters import DRAFTERS, encode_drafter, pairs_full
 from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.sampling import RowSampling, Sampling, row_sample, sample
 from eagle3_jax.decoding.state import SpecState, eos_mask, write_pending
@@ -237,7 +237,29 @@ def _round(
     verdict = verify_tree(
         tparams, trees, state, sub, tcfg, dcfg, shape, tree, sampling, target_pass
     )
-    return _commit(state, verdict, dcache, key, shape, tree, eos_ids)
+    new = _commit(state, verdict, dcache, key, shape, tree, eos_ids)
+    if drafter is encode_drafter:  # the pairs were left in the buffer unless it was full
+        new = append_pair(state, new, verdict)
+    return new
+
+
+def append_pair(old: SpecState, new: SpecState, v: Verdict) -> SpecState:
+    """A plain round that did not encode (`drafters.encode_drafter`: no running row's buffer
+    full): its new pair (the root's feature, the bonus token) is appended to the pairs still
+    waiting, where `_commit` replaced them as if they had been encoded. Rows that had finished
+    keep their state."""
+    b = old.enc_tok.shape[0]
+    rows = jnp.arange(b)
+    keep = (old.finish == 0) & ~pairs_full(old)
+    at = jnp.minimum(old.enc_n, old.enc_tok.shape[1] - 1)  # < E wherever keep holds
+    tok = old.enc_tok.at[rows, at].set(v.bonus)
+    feat = old.enc_feat.at[rows, at].set(v.enc_feat[:, 0])
+    return dataclasses.replace(
+        new,
+        enc_tok=jnp.where(keep[:, None], tok, new.enc_tok),
+        enc_feat=jnp.where(keep[:, None, None], feat, new.enc_feat),
+        enc_n=jnp.where(keep, old.enc_n + 1, new.enc_n),
+    )
 
 
 _STATIC = ("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids", "method", "target_pass")
