@@ -268,7 +268,7 @@ def test_measured_schedule_parse():
     base = TREE
     assert MeasuredSchedule.parse("auto", base).trees() == [TREE, PLAIN]
     assert MeasuredSchedule.parse("auto:1/2/3,plain", base).trees() == [TreeConfig(1, 2, 3), PLAIN]
-    with pytest.raises(Eagle3Error, match="RANGE:TREE"):
+    with pytest.raises(Eagle3Error, match="'1/2' is not a tree"):
         MeasuredSchedule.parse("auto:1/2", base)
     with pytest.raises(Eagle3Error, match="min_rounds"):
         MeasuredSchedule([TREE], min_rounds=0)

@@ -28,10 +28,10 @@ tokens, then depend on the batch.
 
 The tree per round: `MeasuredSchedule` picks, per number of occupied slots, the candidate tree
 (or plain rounds: the root alone, `PLAIN`) that has given the most tokens per second of round
-there, measured as the engine runs; `TreeSchedule` is a fixed table of the same. The state is sized once for the
-largest (`envelope`: E = its depth + 1, the draft's scratch slots, the room a round reserves),
-and each tree compiles its own round once; a smaller tree pads its accepted path to E. With a
-head, plain rounds keep feeding the draft cache (`encode_drafter`: the new pairs wait in the
+there, measured as the engine runs; `TreeSchedule` is a fixed table of the same. The state is
+sized once for the largest (`envelope`: E = its depth + 1, the draft's scratch slots, the room a
+round reserves), and each tree compiles its own round once; a smaller tree pads its accepted
+path to E. With a head, plain rounds keep feeding the draft cache (`encode_drafter`: the new pairs wait in the
 state's buffer and are encoded E at a time), so a later speculative round drafts from the whole
 context.
 """
@@ -39,10 +39,12 @@ context.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import math
+import os
 import re
 import time
 from typing import NamedTuple
@@ -206,9 +208,10 @@ class MeasuredSchedule:
 
     Why measured: a round's cost depends on the backend, the slots, the context and, with
     adaptive verification, on how many rows are busy; its tokens on the head and the prompts.
-    On a 2-core CPU with 4 slots the CPU default tree gains ~1.2x over plain rounds at one busy
-    slot and loses ~5 % with all four busy (docs/serving.md), which no fixed table gets right
-    on another machine. Greedy output is the same whichever tree runs (`SlotEngine`)."""
+    On the project's 2-core CPU with 4 slots the CPU default tree and plain rounds come within a
+    few percent of each other (docs/serving.md); on a GPU the round is memory-bound and trees
+    pay: a table written for one machine is wrong on the next. Greedy output is the same
+    whichever tree runs (`SlotEngine`)."""
 
     def __init__(self, candidates: list[TreeConfig], min_rounds: int = 3,
                  explore_every: int = 16, smoothing: float = 0.05,
@@ -238,7 +241,11 @@ class MeasuredSchedule:
             return cls([default, PLAIN])
         trees = []
         for part in filter(None, (x.strip() for x in listed.split(","))):
-            trees.append(TreeSchedule.parse(f"1-:{part}", default).ranges[0][2])
+            try:
+                trees.append(TreeSchedule.parse(f"1-:{part}", default).ranges[0][2])
+            except Eagle3Error:
+                raise Eagle3Error(f"--tree-by-occupancy auto: {part!r} is not a tree: give "
+                                  "top_k/depth/total_tokens[/threshold] or plain") from None  # fmt: skip
         return cls(trees)
 
     def trees(self) -> list[TreeConfig]:
@@ -450,9 +457,6 @@ class SlotEngine:
         time, so no request waits for a compile between rounds (seconds each on a CPU, holding
         up every running request); `threads` compile at once (default: one per CPU). Nothing
         runs: the state is untouched. Returns how many programs it compiled or found."""
-        import concurrent.futures
-        import os
-
         buckets = self.prompt_buckets() if buckets is None else buckets
         calls = [self._admit_args(0, [self.pad] * n, 1) for n in buckets]
 
