@@ -333,3 +333,18 @@ def test_plain_rounds_encode_the_pairs_e_at_a_time(spec_setup):
         seen.append((int(eng.state.enc_n[0]), changed))
     # admitted with one pair; rounds 1 .. E-1 append; round E finds E pairs and encodes them
     assert seen[: e + 1] == [(n, False) for n in range(2, e + 1)] + [(1, True), (2, False)]
+
+
+def test_auto_adds_the_cost_models_tree_on_a_known_accelerator(spec_setup):
+    """`auto`'s candidates: the tree flags' tree and plain rounds on a CPU; on an H200 also the
+    cost model's best tree for the slots (a valid tree of the head's draft ids)."""
+    from eagle3_jax.accelerators import predict
+    from eagle3_jax.cli import serve
+
+    _, cfg, _, dcfg, _ = spec_setup
+    assert serve.auto_candidates(TREE, cfg, dcfg, 4, 256, "cpu") == [TREE, PLAIN]
+    got = serve.auto_candidates(TREE, cfg, dcfg, 4, 256, "NVIDIA H200", 4)
+    assert got[0] == TREE and got[-1] == PLAIN and 2 <= len(got) <= 3
+    best = predict.serving_tree(predict.DEVICES["H200"], cfg, dcfg, 4, 256, dtype_bytes=4)
+    assert best.tree in got and best.tree.validate(dcfg.draft_vocab_size) == best.tree
+    assert predict.device_spec("TPU v5 lite").name == "TPU v5e"

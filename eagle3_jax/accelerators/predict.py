@@ -20,7 +20,14 @@ from eagle3_jax.accelerators.roofline import (
     spec_round,
     target_forward,
 )
-from eagle3_jax.accelerators.specs import CPU_2CORE, DRAFT_VOCAB, TARGETS, Device, draft_for
+from eagle3_jax.accelerators.specs import (
+    CPU_2CORE,
+    DEVICES,
+    DRAFT_VOCAB,
+    TARGETS,
+    Device,
+    draft_for,
+)
 from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.decoding.tree import TreeConfig
 
@@ -102,6 +109,45 @@ def best_tree(
     preds = [
         predict(dev, target, t, acc.tau(t), batch, context, routing=routing)
         for t in (trees or tree_grid())
+    ]
+    return max(preds, key=lambda p: p.speedup)
+
+
+def device_spec(device_kind: str) -> Device | None:
+    """The `DEVICES` entry for a jax device's `device_kind` ("NVIDIA H200", "TPU v5 lite"), or
+    None where the cost model has no figures for it (a CPU, another GPU)."""
+    kind = device_kind.lower()
+    for name, dev in DEVICES.items():
+        if name.lower() in kind:
+            return dev
+    if "tpu v5 lite" in kind or "tpu v5e" in kind:
+        return DEVICES["TPU v5e"]
+    return None
+
+
+def serving_tree(
+    dev: Device,
+    tcfg: TargetConfig,
+    dcfg: DraftConfig | None,
+    slots: int,
+    context: int,
+    acc: Acceptance | None = None,
+    dtype_bytes: int = 2,
+) -> Prediction:
+    """The cost model's best tree for a serving engine of `slots` rows (every round runs them
+    all) and `context` cache slots, at the SmolLM2 head's acceptance profile unless `acc` is
+    given (a head's own curve is not known at load): one candidate of the measured choice
+    (`slots.MeasuredSchedule`), which then keeps it only if it is faster where it runs."""
+    from eagle3_jax.accelerators.acceptance import SMOLLM2_ACCEPTANCE
+
+    acc = acc or SMOLLM2_ACCEPTANCE
+    choices = None
+    if dcfg is not None:
+        choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
+    trees = [t for t in tree_grid() if choices is None or t.top_k <= choices]
+    preds = [
+        predict(dev, tcfg, t, acc.tau(t), slots, context, dtype_bytes, dcfg=dcfg, chips=1)
+        for t in trees
     ]
     return max(preds, key=lambda p: p.speedup)
 

@@ -56,8 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0, help="a request's default top_p")
     p.add_argument("--tree-by-occupancy", default="auto", metavar="SCHEDULE",
                    help="each round's tree by the number of busy slots. auto (the default): "
-                   "measured while serving, per occupancy the faster of the tree flags' tree and "
-                   "plain rounds in tokens/s (auto:TREE,TREE,... other candidates); a table such "
+                   "measured while serving, per occupancy the fastest in tokens/s of the tree "
+                   "flags' tree, plain rounds and, on a GPU or TPU the cost model knows, its best "
+                   "tree for --slots (auto:TREE,TREE,... other candidates); a table such "
                    "as '1-2:10/8/60,3-4:1/4/5,5-:plain' (top_k/depth/total_tokens[/verify "
                    "threshold], or plain: the root alone; occupancies not listed use the tree "
                    "flags' tree); or fixed: the tree flags' tree every round. Logged when it "
@@ -95,6 +96,7 @@ def main(argv=None) -> int:
     try:
         check(args)
         compile_cache.enable()
+        _log_to_stderr()
         target, head, max_context = decode._load(args)
         engine = build_engine(args, target, head, max_context)
     except Eagle3Error as e:
@@ -102,7 +104,6 @@ def main(argv=None) -> int:
         return 2
     import uvicorn  # the serve extra; imported here so other commands never need it
 
-    _log_to_stderr()
     print(f"compiling the round for {args.slots} slots ...", file=sys.stderr)
     warm(engine)
     scheduler = Scheduler(engine, args.max_queue).start()
@@ -131,7 +132,35 @@ def build_engine(args, target, head, max_context) -> SlotEngine:
         max_context=max_context, same_engine=True,
     )  # fmt: skip
     schedule = schedule_of(args.tree_by_occupancy, opts.tree)
+    if args.method == "eagle3" and (args.tree_by_occupancy or "").strip() == "auto":
+        import jax
+
+        dtype = jax.tree.leaves(target.params)[0].dtype
+        schedule = MeasuredSchedule(
+            auto_candidates(opts.tree, target.cfg, head[1], args.slots, max_context,
+                            jax.devices()[0].device_kind, dtype.itemsize),
+            **schedule.settings,
+        )  # fmt: skip
     return SlotEngine(target, head, opts, args.slots, schedule)
+
+
+def auto_candidates(tree, tcfg, dcfg, slots: int, context: int, device_kind: str,
+                    dtype_bytes: int = 2) -> list:  # fmt: skip
+    """`auto`'s candidates: the tree flags' tree and plain rounds, and on an accelerator the cost
+    model has figures for (`accelerators.predict.device_spec`) its best tree for this target at
+    `slots` rows and `context` cache slots (`predict.serving_tree`), logged."""
+    from eagle3_jax.accelerators import predict
+    from eagle3_jax.decoding.slots import PLAIN, tree_name
+
+    dev = predict.device_spec(device_kind)
+    if dev is None:
+        return [tree, PLAIN]
+    best = predict.serving_tree(dev, tcfg, dcfg, slots, context, dtype_bytes=dtype_bytes)
+    logging.getLogger(__name__).info(
+        "cost model (%s): %s at %d slots, predicted %.2fx over plain steps", dev.name,
+        tree_name(best.tree), slots, best.speedup,
+    )  # fmt: skip
+    return list(dict.fromkeys([tree, best.tree, PLAIN]))
 
 
 def _log_to_stderr() -> None:
