@@ -472,3 +472,53 @@ def test_memory_stays_flat_over_a_thousand_requests(served):
     assert scheduler.waiting() == 0 and scheduler.busy() == 0 and not scheduler._cancel
     assert scheduler.engine.busy() == 0
     assert len(scheduler.stats.ttft) == 0 and len(scheduler.stats.latency) == 0
+
+
+@pytest.mark.slow
+def test_the_shipped_model_served_equals_decoding_alone():
+    """`serve`'s engine as `serve` builds it (the embedded SmolLM2-135M-Instruct, its shipped head,
+    the measured tree choice, 3 slots) over real HTTP: three chat requests, streamed and whole,
+    arriving while others run, each answer's token ids equal to decoding that prompt alone
+    (`generate_ids`: decode.py's loop); /metrics counts the rounds by tree."""
+    from eagle3_jax.cli import decode, decode_flags, serve
+    from eagle3_jax.decoding.generate import DecodeOptions, generate_ids
+
+    args = serve.parse_args(["--slots", "3", "--max-context", "512", "--max-new-tokens", "32"])
+    serve.check(args)
+    target, head, max_context = decode._load(args)
+    engine = serve.build_engine(args, target, head, max_context)
+    serve.warm(engine)
+    scheduler = Scheduler(engine, max_queue=8).start()
+    srv = _Running(build_app(Server(scheduler, target.tokenizer, "smollm2")))
+    texts = ["What is the capital of France?", "Write a haiku about the sea.",
+             "Explain speculative decoding in two sentences."]  # fmt: skip
+    try:
+        results = [None] * len(texts)
+
+        def ask(i):
+            time.sleep(0.3 * i)  # the later ones join while the first decodes
+            body = {"messages": [{"role": "user", "content": texts[i]}], "max_tokens": 32,
+                    "return_token_ids": True, "stream": i == 1}  # fmt: skip
+            results[i] = _post(srv, "/v1/chat/completions", body)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(texts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        metrics = _get(srv, "/metrics")[1]
+    finally:
+        srv.stop()
+        scheduler.stop()
+    opts = DecodeOptions("eagle3", 32, decode_flags.tree_of(args), max_context=max_context)
+    for i, (status, _, out) in enumerate(results):
+        assert status == 200
+        if i == 1:  # streamed: the ids of every chunk
+            chunks = [json.loads(ln[6:]) for ln in out if ln.startswith("data: {")]
+            got = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+        else:
+            got = out["choices"][0]["token_ids"]
+        ids = encode_chat(target.tokenizer, [{"role": "user", "content": texts[i]}])
+        alone = generate_ids(target, head, [ids], opts).output_ids[0]
+        assert got == alone, i
+    assert "eagle3_tree_rounds_total{tree=" in metrics
