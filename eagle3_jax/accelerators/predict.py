@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from eagle3_jax.accelerators.acceptance import Acceptance
+from eagle3_jax.accelerators.acceptance import SMOLLM2_ACCEPTANCE, Acceptance
 from eagle3_jax.accelerators.experts import ROUTED, Routing
 from eagle3_jax.accelerators.hbm import chips_needed
 from eagle3_jax.accelerators.roofline import (
@@ -138,8 +138,6 @@ def serving_tree(
     all) and `context` cache slots, at the SmolLM2 head's acceptance profile unless `acc` is
     given (a head's own curve is not known at load): one candidate of the measured choice
     (`slots.MeasuredSchedule`), which then keeps it only if it is faster where it runs."""
-    from eagle3_jax.accelerators.acceptance import SMOLLM2_ACCEPTANCE
-
     acc = acc or SMOLLM2_ACCEPTANCE
     choices = None
     if dcfg is not None:

@@ -23,11 +23,14 @@ import signal
 import sys
 import time
 
+import jax
+
 from eagle3_jax import compile_cache
+from eagle3_jax.accelerators import predict
 from eagle3_jax.cli import decode, decode_flags
 from eagle3_jax.decoding.generate import DecodeOptions
 from eagle3_jax.decoding.sampling import Sampling
-from eagle3_jax.decoding.slots import MeasuredSchedule, SlotEngine, TreeSchedule
+from eagle3_jax.decoding.slots import PLAIN, MeasuredSchedule, SlotEngine, TreeSchedule, tree_name
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.serving.api import Server, build_app
 from eagle3_jax.serving.scheduler import Scheduler
@@ -133,8 +136,6 @@ def build_engine(args, target, head, max_context) -> SlotEngine:
     )  # fmt: skip
     schedule = schedule_of(args.tree_by_occupancy, opts.tree)
     if args.method == "eagle3" and (args.tree_by_occupancy or "").strip() == "auto":
-        import jax
-
         dtype = jax.tree.leaves(target.params)[0].dtype
         schedule = MeasuredSchedule(
             auto_candidates(opts.tree, target.cfg, head[1], args.slots, max_context,
@@ -149,9 +150,6 @@ def auto_candidates(tree, tcfg, dcfg, slots: int, context: int, device_kind: str
     """`auto`'s candidates: the tree flags' tree and plain rounds, and on an accelerator the cost
     model has figures for (`accelerators.predict.device_spec`) its best tree for this target at
     `slots` rows and `context` cache slots (`predict.serving_tree`), logged."""
-    from eagle3_jax.accelerators import predict
-    from eagle3_jax.decoding.slots import PLAIN, tree_name
-
     dev = predict.device_spec(device_kind)
     if dev is None:
         return [tree, PLAIN]
