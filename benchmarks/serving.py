@@ -295,10 +295,12 @@ def engine_levels(serve_args, prompts, levels, max_tokens, loaded=None) -> dict:
     `serve_args`, driven without HTTP (what a round and the scheduler cost, not the front end);
     τ per level from the scheduler's counts (tokens per target pass of the ended requests)."""
     from eagle3_jax.cli import serve
+    from eagle3_jax.decoding.slots import tree_name
     from eagle3_jax.serving.scheduler import Scheduler
 
     args = serve.parse_args(serve_args)
     serve.check(args)
+    serve.log_to_stderr()  # the tree choices, as serve logs them
     engine = serve.build_engine(args, *(loaded or _load(serve_args)[1]))
     serve.warm(engine)
     scheduler = Scheduler(engine, max_queue=len(prompts) + max(levels)).start()
@@ -312,6 +314,8 @@ def engine_levels(serve_args, prompts, levels, max_tokens, loaded=None) -> dict:
             passes = st.target_forwards - fw0
             level["summary"]["tau"] = (st.generated - gen0) / passes if passes else None
             level["summary"]["tree_rounds"] = dict(engine.tree_rounds)
+            chosen = getattr(engine.schedule, "best", {})  # a measured choice, by occupancy
+            level["summary"]["tree_choice"] = {str(n): tree_name(t) for n, t in chosen.items()}
             s = level["summary"]
             print(f"  {args.method} c={n}: {s['output_tokens_per_s']:.1f} tok/s, "
                   f"tau {s['tau']:.2f}", file=sys.stderr)  # fmt: skip

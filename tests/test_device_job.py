@@ -921,3 +921,6 @@ def test_serving_step_at_the_toy_shape(dj, c, tiny_target_dir, tmp_path, monkeyp
     for row in out["table"]:
         for k in ("eagle3", "plain"):
             assert row[k]["equal_to_alone"] == 3 and row[k]["requests"] == 3
+    level = out["runs"]["eagle3"]["levels"][-1]["summary"]
+    assert set(level["tree_choice"].values()) <= {"1/8/9", "1/4/5", "1/3/4", "plain"}
+    assert sum(level["tree_rounds"].values()) > 0

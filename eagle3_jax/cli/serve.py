@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     try:
         check(args)
         compile_cache.enable()
-        _log_to_stderr()
+        log_to_stderr()
         target, head, max_context = decode._load(args)
         engine = build_engine(args, target, head, max_context)
     except Eagle3Error as e:
@@ -161,7 +161,7 @@ def auto_candidates(tree, tcfg, dcfg, slots: int, context: int, device_kind: str
     return list(dict.fromkeys([tree, best.tree, PLAIN]))
 
 
-def _log_to_stderr() -> None:
+def log_to_stderr() -> None:
     """The package's INFO lines (the tree choices) on stderr: the root logger may already have a
     handler from a library imported earlier, which makes logging.basicConfig a no-op."""
     pkg = logging.getLogger("eagle3_jax")
