@@ -193,7 +193,7 @@ def main() -> None:
         head = load_head(path, target)
         params, dcfg, vocab = head.params, head.cfg, head.vocab
         emb = target.params["embed"] if head.embed is None else head.embed
-        k = min(args.top_k, dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size)
+        k = min(args.top_k, dcfg.draft_choices)
 
         @functools.partial(jax.jit, static_argnums=2)
         def step(params, lv, sizes, dcfg=dcfg, vocab=vocab, k=k, emb=emb):

@@ -233,12 +233,12 @@ def serve_levels(serve_args, texts, levels, max_tokens, log: Path) -> dict:
 
 
 def _load(serve_args: list[str]):
-    """(flags, (target, head, max_context)) for serve's flags, the model loaded as serve loads it."""
+    """(target, head, max_context) for serve's flags, the model loaded as serve loads it."""
     from eagle3_jax.cli import decode, serve
 
     args = serve.parse_args(serve_args)
     serve.check(args)
-    return args, decode._load(args)
+    return decode._load(args)
 
 
 def _request(scheduler, ids: list[int], max_tokens: int) -> dict:
@@ -301,7 +301,7 @@ def engine_levels(serve_args, prompts, levels, max_tokens, loaded=None) -> dict:
     args = serve.parse_args(serve_args)
     serve.check(args)
     serve.log_to_stderr()  # the tree choices, as serve logs them
-    engine = serve.build_engine(args, *(loaded or _load(serve_args)[1]))
+    engine = serve.build_engine(args, *(loaded or _load(serve_args)))
     serve.warm(engine)
     scheduler = Scheduler(engine, max_queue=len(prompts) + max(levels)).start()
     out = []
@@ -361,7 +361,7 @@ def sweep(args) -> dict:
     if args.in_process:  # one load for both engines and decoding alone
         from eagle3_jax.prompts import encode_chat
 
-        loaded = _load(base_args)[1]
+        loaded = _load(base_args)
         prompts = [encode_chat(loaded[0].tokenizer, [{"role": "user", "content": t}])
                    for t in texts]  # fmt: skip
     for name, extra in (("eagle3", []), ("plain", ["--method", "vanilla"])):

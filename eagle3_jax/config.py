@@ -755,6 +755,11 @@ class DraftConfig:
             )
 
     @property
+    def draft_choices(self) -> int:
+        """The ids a tree's top-k picks among: SpecVocab's candidates, else the draft vocabulary."""
+        return self.spec_candidates if self.speculator_rank else self.draft_vocab_size
+
+    @property
     def n_aux(self) -> int:
         return len(self.aux_layer_ids)
 

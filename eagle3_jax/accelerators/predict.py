@@ -104,10 +104,12 @@ def best_tree(
     context: int = 2048,
     trees: list[TreeConfig] | None = None,
     routing: Routing = ROUTED,
+    **predict_kw,
 ) -> Prediction:
-    """The tree of the grid with the highest predicted speedup at τ = acc.tau(tree)."""
+    """The tree of the grid with the highest predicted speedup at τ = acc.tau(tree); `predict_kw`
+    go to `predict` (dtype_bytes, dcfg, chips)."""
     preds = [
-        predict(dev, target, t, acc.tau(t), batch, context, routing=routing)
+        predict(dev, target, t, acc.tau(t), batch, context, routing=routing, **predict_kw)
         for t in (trees or tree_grid())
     ]
     return max(preds, key=lambda p: p.speedup)
@@ -138,16 +140,9 @@ def serving_tree(
     all) and `context` cache slots, at the SmolLM2 head's acceptance profile unless `acc` is
     given (a head's own curve is not known at load): one candidate of the measured choice
     (`slots.MeasuredSchedule`), which then keeps it only if it is faster where it runs."""
-    acc = acc or SMOLLM2_ACCEPTANCE
-    choices = None
-    if dcfg is not None:
-        choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
-    trees = [t for t in tree_grid() if choices is None or t.top_k <= choices]
-    preds = [
-        predict(dev, tcfg, t, acc.tau(t), slots, context, dtype_bytes, dcfg=dcfg, chips=1)
-        for t in trees
-    ]
-    return max(preds, key=lambda p: p.speedup)
+    trees = [t for t in tree_grid() if dcfg is None or t.top_k <= dcfg.draft_choices]
+    return best_tree(dev, tcfg, acc or SMOLLM2_ACCEPTANCE, slots, context, trees,
+                     dtype_bytes=dtype_bytes, dcfg=dcfg, chips=1)  # fmt: skip
 
 
 def implied_tau(pred: Prediction, speedup: float) -> float:

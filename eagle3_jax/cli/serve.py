@@ -90,8 +90,7 @@ def check(args) -> None:
         decode_flags.check_tree(args)
     if args.method == "eagle3":
         decode_flags.draft_vocab(args)
-    if args.tree_by_occupancy is not None:
-        schedule_of(args.tree_by_occupancy, decode_flags.tree_of(args))
+    schedule_of(args.tree_by_occupancy, decode_flags.tree_of(args))
 
 
 def main(argv=None) -> int:
@@ -134,14 +133,14 @@ def build_engine(args, target, head, max_context) -> SlotEngine:
         Sampling(args.temperature, args.sample_top_k, args.top_p),
         max_context=max_context, same_engine=True,
     )  # fmt: skip
-    schedule = schedule_of(args.tree_by_occupancy, opts.tree)
     if args.method == "eagle3" and (args.tree_by_occupancy or "").strip() == "auto":
         dtype = jax.tree.leaves(target.params)[0].dtype
         schedule = MeasuredSchedule(
             auto_candidates(opts.tree, target.cfg, head[1], args.slots, max_context,
-                            jax.devices()[0].device_kind, dtype.itemsize),
-            **schedule.settings,
+                            jax.devices()[0].device_kind, dtype.itemsize)
         )  # fmt: skip
+    else:
+        schedule = schedule_of(args.tree_by_occupancy, opts.tree)
     return SlotEngine(target, head, opts, args.slots, schedule)
 
 

@@ -244,7 +244,7 @@ def method_head_tree(method, head, tree: TreeConfig, where: str = ""):
     choices = None
     if head is not None and head[1] is not None:  # SpecVocab drafts among its candidates only
         dcfg = head[1]
-        choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
+        choices = dcfg.draft_choices
     return head, method_tree(method, tree, choices)
 
 

@@ -222,8 +222,6 @@ class MeasuredSchedule:
             raise Eagle3Error("a measured schedule needs min_rounds >= 1, explore_every >= 2, "
                               "0 < smoothing <= 1 and margin >= 0")  # fmt: skip
         self.candidates = list(dict.fromkeys(candidates))
-        self.settings = dict(min_rounds=min_rounds, explore_every=explore_every,
-                             smoothing=smoothing, margin=margin)  # fmt: skip
         self.min_rounds, self.explore_every, self.smoothing = min_rounds, explore_every, smoothing
         self.margin = margin
         # (occupancy, tree) -> [rounds seen, mean tokens per round, mean seconds per round]
@@ -250,6 +248,12 @@ class MeasuredSchedule:
 
     def trees(self) -> list[TreeConfig]:
         return list(self.candidates)
+
+    @property
+    def settings(self) -> dict:
+        """The constructor's arguments but the candidates."""
+        return dict(min_rounds=self.min_rounds, explore_every=self.explore_every,
+                    smoothing=self.smoothing, margin=self.margin)  # fmt: skip
 
     def rate(self, occupied: int, tree: TreeConfig) -> float | None:
         """The measured tokens per second of `tree`'s rounds at this occupancy (None: unseen)."""
@@ -336,7 +340,7 @@ class SlotEngine:
                 schedule, lambda t: t if t == PLAIN else method_tree(method, t, 1)
             )
         else:
-            choices = dcfg.spec_candidates if dcfg.speculator_rank else dcfg.draft_vocab_size
+            choices = dcfg.draft_choices
             schedule = _map_trees(schedule, lambda t: t if t == PLAIN else t.validate(choices))
         self.schedule = schedule
         self.tree = envelope(schedule.trees())  # the state's sizes: every tree runs on it
