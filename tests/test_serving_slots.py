@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from helpers import TREE, random_prompts, spec_generate
 
 from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
+from eagle3_jax.checkpoints.hf import load_hf
 from eagle3_jax.decoding.generate import DecodeOptions
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.decoding.slots import (
@@ -27,6 +29,7 @@ from eagle3_jax.decoding.slots import (
 )
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.sharding import make_mesh, replicated
 
 # (arrival round, prompt length, max_tokens): the fourth and fifth wait for slots the first ones free
 ARRIVALS = [(0, 5, 12), (0, 17, 30), (1, 9, 7), (2, 30, 20), (2, 3, 25), (6, 12, 16)]
@@ -96,6 +99,30 @@ def test_staggered_greedy_equals_alone(spec_setup, method, tree):
     assert eng.compiles()["admit"] >= 1 and eng.busy() == 0
     if method == "eagle3":  # some rounds accepted drafts: fewer rounds than tokens
         assert eng.rounds < sum(m for _, _, m in requests)
+
+
+@pytest.mark.parametrize("data, model", [(1, 2), (2, 2)])
+def test_slots_on_a_mesh_equal_one_device(spec_setup, hf_checkpoint, data, model):
+    """`serve --mesh`: the target tensor-parallel over `model` (the head replicated), 4 slots'
+    rows over `data`; the staggered requests give the tokens of one device, and the state keeps
+    its layout (`SlotEngine.state_shardings`: the target cache's kv heads over model, every
+    field's rows over data) through admissions and rounds, which propagation alone left
+    replicated over data."""
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    _, path = hf_checkpoint("llama")
+    mesh = make_mesh(data, model, devices=jax.devices()[: data * model])
+    sharded, _ = load_hf(path, mesh=mesh)
+    setup = (sharded, cfg, jax.device_put(dparams, replicated(mesh)), dcfg, vocab)
+    requests = _requests(cfg.vocab_size)
+    want = _serve(_engine(spec_setup, slots=4), requests)[:2]
+    eng = _engine(setup, slots=4)
+    layout = eng.state_shardings(eng.state)
+    assert _serve(eng, requests)[:2] == want
+    for (where, arr), sh in zip(jax.tree_util.tree_leaves_with_path(eng.state),
+                                jax.tree.leaves(layout)):  # fmt: skip
+        assert arr.sharding.is_equivalent_to(sh, arr.ndim), (jax.tree_util.keystr(where), sh)
+    k = eng.state.tcache["k"][0].sharding.spec
+    assert k[:2] == ("data" if data > 1 else None, "model"), k
 
 
 def test_one_round_program_one_admission_per_bucket(spec_setup):

@@ -63,6 +63,9 @@ from eagle3_jax.decoding.sampling import RowSampling, Sampling
 from eagle3_jax.decoding.state import SpecState
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.models import draft as drf
+from eagle3_jax.models import target as tgt
+from eagle3_jax.sharding import mesh_of, named
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +360,7 @@ class SlotEngine:
         self.models = (target.params, dparams, target.params["embed"] if embed is None else embed,
                        vocab)  # fmt: skip
         self.cfgs = (tcfg, dcfg)
+        self.mesh = mesh_of(target.params)  # None on one device
         self.state = self._empty()
         self.owner: list[object | None] = [None] * slots
         self.shown = [0] * slots
@@ -396,7 +400,8 @@ class SlotEngine:
         return (*self.cfgs, shape, tree or self.tree, ROWS_SAMPLE, self.eos)
 
     def _empty(self) -> SpecState:
-        """B free slots: zeros of the batched state's shapes, every row finished (frozen)."""
+        """B free slots: zeros of the batched state's shapes, every row finished (frozen), laid
+        out on the target's mesh where it has one (`state_shardings`)."""
         b = self.slots
         one = dataclasses.replace(self.shape, prompt_len=1)
         shapes = jax.eval_shape(
@@ -404,14 +409,38 @@ class SlotEngine:
             jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), jnp.ones((b,), jnp.int32),
             jax.random.PRNGKey(0),
         )  # fmt: skip
-        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        return dataclasses.replace(
-            state,
-            finish=jnp.full((b,), 2, jnp.int32),
-            length=jnp.ones((b,), jnp.int32),
-            enc_n=jnp.ones((b,), jnp.int32),
-            key=jnp.zeros((b,) + shapes.key.shape, shapes.key.dtype),
+        shapes = dataclasses.replace(
+            shapes, key=jax.ShapeDtypeStruct((b,) + shapes.key.shape, shapes.key.dtype)
         )
+        state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+        state = dataclasses.replace(
+            state,
+            finish=np.full((b,), 2, np.int32),
+            length=np.ones((b,), np.int32),
+            enc_n=np.ones((b,), np.int32),
+        )
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, state)
+        return jax.device_put(state, self.state_shardings(shapes))
+
+    def state_shardings(self, shapes: SpecState):
+        """The batched state's layout on the target's mesh: the target cache as decoding lays it
+        out (`target.cache_sharding`: kv heads over `model`, rows over `data`), the draft's as
+        its own (`draft.cache_sharding`), and every other field's rows over `data`, each where
+        the axis divides it (else replicated), so a round's work is split as decoding's is."""
+        mesh, b = self.mesh, self.slots
+        tcfg, dcfg = self.cfgs
+
+        out = jax.tree.map(lambda x: named(mesh, ("batch",) + (None,) * (x.ndim - 1), x.shape),
+                           shapes)  # fmt: skip
+        stacked = not isinstance(shapes.tcache["k"], list)
+        pending = {n: named(mesh, (None, "batch", None, "kv_heads", None), x.shape)
+                   for n, x in shapes.pending_kv.items()}  # fmt: skip
+        fields = dict(tcache=tgt.cache_sharding(tcfg, mesh, b, stacked=stacked),
+                      pending_kv=pending)  # fmt: skip
+        if dcfg is not None:
+            fields["dcache"] = drf.cache_sharding(dcfg, mesh, b)
+        return dataclasses.replace(out, **fields)
 
     def free_slots(self) -> list[int]:
         return [i for i, o in enumerate(self.owner) if o is None]
