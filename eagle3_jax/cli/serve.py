@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "threshold], or plain: the root alone; occupancies not listed use the tree "
                    "flags' tree); or fixed: the tree flags' tree every round. Logged when it "
                    "changes; /metrics has eagle3_tree_tokens and eagle3_tree_rounds_total{tree}")  # fmt: skip
+    p.add_argument("--round-rows", choices=("busy", "all"), default="busy",
+                   help="the rows a round runs: the busy slots, padded with free ones to a power "
+                   "of two (the default: a round's cost follows the occupancy), or all --slots")  # fmt: skip
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the target's folder name)")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -141,7 +144,7 @@ def build_engine(args, target, head, max_context) -> SlotEngine:
         )  # fmt: skip
     else:
         schedule = schedule_of(args.tree_by_occupancy, opts.tree)
-    return SlotEngine(target, head, opts, args.slots, schedule)
+    return SlotEngine(target, head, opts, args.slots, schedule, args.round_rows == "busy")
 
 
 def auto_candidates(tree, tcfg, dcfg, slots: int, context: int, device_kind: str,
@@ -185,14 +188,19 @@ def schedule_of(text: str | None, tree):
 
 
 def warm(engine: SlotEngine) -> None:
-    """Compiles every program before serving: the admission of each prompt bucket (ahead of
-    time, `SlotEngine.compile_admissions`; the compilation cache keeps them for the next start)
-    and the round (each tree's round under a schedule: occupancy 1 .. slots)."""
+    """Compiles every program before serving, ahead of time (the compilation cache keeps them
+    for the next start): the admission of each prompt bucket (`SlotEngine.compile_admissions`)
+    and the round of each tree at each row bucket (`SlotEngine.compile_rounds`); then one
+    request runs a round of each tree (the release's and the report's small programs)."""
     start = time.perf_counter()
     n = engine.compile_admissions()
     print(f"compiled {n} admission programs (prompts up to {engine.prompt_buckets()[-1]} "
           f"tokens) in {time.perf_counter() - start:.1f}s", file=sys.stderr)  # fmt: skip
-    for tree in engine.schedule.trees():  # a round's program depends on its tree alone
+    start = time.perf_counter()
+    n = engine.compile_rounds()
+    print(f"compiled {n} round programs ({len(engine.schedule.trees())} trees x rows "
+          f"{engine.row_buckets()}) in {time.perf_counter() - start:.1f}s", file=sys.stderr)  # fmt: skip
+    for tree in engine.schedule.trees():
         engine.admit("warmup", [engine.pad], 3)
         for _ in range(2):
             if any(u.finish_reason for u in engine.step(tree)):

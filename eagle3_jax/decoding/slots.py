@@ -1,18 +1,19 @@
 """Continuous batching over fixed slots: the speculative engine's state for B slots, requests
-admitted into free slots between rounds, every round one speculative round over all of them.
+admitted into free slots between rounds, every round one speculative round over the busy ones.
 
 JetStream's engine contract on our engine: `admit` prefills ONE request (batch 1, its prompt
 bucket) and writes its row into slot i of the batched `SpecState` (every field: both caches,
-pending K/V, buffers, counters and the row's own PRNG key); `step` runs one
-`speculative.round_step` over all B slots, free and finished slots riding along frozen as a
+pending K/V, buffers, counters and the row's own PRNG key); `step` runs one round over the busy
+slots, padded with free ones to a row bucket (`speculative.rows_round`, the target cache read in
+place; all B: `speculative.round_step`), free and finished slots riding along frozen as a
 finished row always does (`finish != 0`), and reports each occupied slot's new tokens and, when
 it ended, why; `release` frees a slot before its end (a disconnect, a stop string).
 
 Static shapes: the batched state is sized once (`Shape(B, 0, S, M)`: S cache slots for every
-request, M the largest max_tokens), so the round compiles once; `admit` compiles once per prompt
-bucket (`plain.PROMPT_BUCKET`). A request's prompt length + max_tokens + the tree's
-`round_slots` + 1 must fit in S (`check`), the room decoding alone would give it, so no row
-stops for the context where decoding it alone would not.
+request, M the largest max_tokens), so a round compiles once per tree and row bucket; `admit`
+compiles once per prompt bucket (`plain.PROMPT_BUCKET`). A request's prompt length +
+max_tokens + the tree's `round_slots` + 1 must fit in S (`check`), the room decoding alone
+would give it, so no row stops for the context where decoding it alone would not.
 
 Exactness: rows do not read each other, so a greedy request's tokens are those of decoding it
 alone (`generate.generate_ids`, same tree, float32), whatever shares the batch and whenever it
@@ -203,32 +204,44 @@ class MeasuredSchedule:
     occupancy have passed since its last, times its shortfall in tenths (with 16: a candidate
     up to 15 % slower every 16 rounds, 20 % every 32, 50 % every 80, 75 % or more every 128),
     so a change (longer contexts, a neighbour on the machine, other prompts) moves the choice
-    while a clearly worse candidate costs under ~1 % of the rounds. A candidate's rate is its
-    tokens per round over its seconds per round, each a mean of its rounds there, exponentially
-    weighted once it has 1 / `smoothing` of them (`smoothing` on the newest: a round's accepted
-    tokens vary a lot, so the window is long); the settled choice changes only for a lead of
-    more than `margin`.
+    while a clearly worse candidate costs under ~1 % of the rounds.
+
+    A candidate's rate at n busy slots is n x its tokens per busy row and round over its
+    seconds per round at n. The seconds are a mean over its rounds at that occupancy,
+    exponentially weighted once it has 1 / `smoothing` of them (`smoothing` on the newest); the
+    tokens per row are the candidate's over every occupancy, forgotten at `tau_smoothing` a row
+    and round: a round's accepted tokens vary far more than its time (0-4 of a 2/3/4 tree's),
+    and pooled over the occupancies they are known from many more rounds, where one occupancy's
+    own rounds left a 10 % lead within the estimate's noise. The settled choice changes only
+    for a lead of more than `margin`. A candidate's tries are spaced by its shortfall at its
+    tokens per row two standard errors up, and come every `explore_every` / 4 rounds while that
+    hopeful rate is not short at all, so a few unlucky first rounds neither keep a better tree
+    out for 128 rounds at a time nor leave it to a try every 16.
 
     Why measured: a round's cost depends on the backend, the slots, the context and, with
     adaptive verification, on how many rows are busy; its tokens on the head and the prompts.
-    On the project's 2-core CPU with 4 slots the CPU default tree and plain rounds come within a
-    few percent of each other (docs/serving.md); on a GPU the round is memory-bound and trees
-    pay: a table written for one machine is wrong on the next. Greedy output is the same
-    whichever tree runs (`SlotEngine`)."""
+    On the project's 2-core CPU with 4 slots the CPU default tree and plain rounds come within
+    ~10 % of each other (docs/serving.md); on a GPU the round is memory-bound and trees pay: a
+    table written for one machine is wrong on the next. Greedy output is the same whichever
+    tree runs (`SlotEngine`)."""
 
     def __init__(self, candidates: list[TreeConfig], min_rounds: int = 3,
                  explore_every: int = 16, smoothing: float = 0.05,
-                 margin: float = 0.02):  # fmt: skip
+                 margin: float = 0.02, tau_smoothing: float = 0.005):  # fmt: skip
         if not candidates:
             raise Eagle3Error("a measured schedule needs at least one candidate tree")
-        if min_rounds < 1 or explore_every < 2 or not 0 < smoothing <= 1 or margin < 0:
+        if (min_rounds < 1 or explore_every < 2 or not 0 < smoothing <= 1 or margin < 0
+                or not 0 < tau_smoothing <= 1):  # fmt: skip
             raise Eagle3Error("a measured schedule needs min_rounds >= 1, explore_every >= 2, "
-                              "0 < smoothing <= 1 and margin >= 0")  # fmt: skip
+                              "0 < smoothing <= 1, 0 < tau_smoothing <= 1 and margin >= 0")  # fmt: skip
         self.candidates = list(dict.fromkeys(candidates))
         self.min_rounds, self.explore_every, self.smoothing = min_rounds, explore_every, smoothing
-        self.margin = margin
-        # (occupancy, tree) -> [rounds seen, mean tokens per round, mean seconds per round]
+        self.margin, self.tau_smoothing = margin, tau_smoothing
+        # (occupancy, tree) -> [rounds seen, mean seconds per round]
         self.stats: dict[tuple[int, TreeConfig], list[float]] = {}
+        # tree -> [tokens, sum of squared tokens per row, busy rows x rounds], forgotten at
+        # tau_smoothing a row and round
+        self.emitted: dict[TreeConfig, list[float]] = {}
         self._rounds: collections.Counter = collections.Counter()  # rounds run per occupancy
         self._last: dict[tuple[int, TreeConfig], int] = {}  # the round a candidate last ran
         self.best: dict[int, TreeConfig] = {}  # the settled choice per occupancy (logged)
@@ -256,12 +269,28 @@ class MeasuredSchedule:
     def settings(self) -> dict:
         """The constructor's arguments but the candidates."""
         return dict(min_rounds=self.min_rounds, explore_every=self.explore_every,
-                    smoothing=self.smoothing, margin=self.margin)  # fmt: skip
+                    smoothing=self.smoothing, margin=self.margin,
+                    tau_smoothing=self.tau_smoothing)  # fmt: skip
 
-    def rate(self, occupied: int, tree: TreeConfig) -> float | None:
-        """The measured tokens per second of `tree`'s rounds at this occupancy (None: unseen)."""
-        st = self.stats.get((occupied, tree))
-        return None if not st or st[0] == 0 or st[2] <= 0 else st[1] / st[2]
+    def tokens_per_row(self, tree: TreeConfig, hopeful: bool = False) -> float | None:
+        """The tokens a busy row gets from a round of `tree`, over every occupancy (None:
+        unseen); `hopeful`: two standard errors above (a candidate seen in few rounds is not
+        written off on them)."""
+        got = self.emitted.get(tree)
+        if not got or got[2] <= 0:
+            return None
+        mean = got[0] / got[2]
+        if not hopeful:
+            return mean
+        return mean + 2 * math.sqrt(max(got[1] / got[2] - mean * mean, 0.0) / got[2])
+
+    def rate(self, occupied: int, tree: TreeConfig, hopeful: bool = False) -> float | None:
+        """The measured tokens per second of `tree`'s rounds at this occupancy (None: unseen);
+        `hopeful`: with `tokens_per_row(hopeful=True)`, which spaces a candidate's tries."""
+        st, per_row = self.stats.get((occupied, tree)), self.tokens_per_row(tree, hopeful)
+        if not st or st[0] == 0 or st[1] <= 0 or per_row is None:
+            return None
+        return occupied * per_row / st[1]
 
     def tree_for(self, occupied: int) -> TreeConfig:
         seen = {t: self.stats.get((occupied, t), [0])[0] for t in self.candidates}
@@ -284,20 +313,28 @@ class MeasuredSchedule:
         rest = sorted((t for t in self.candidates if t != best),
                       key=lambda t: self._last.get((occupied, t), -1))  # fmt: skip
         for t in rest:  # the stalest candidate due for another try, if any
-            rate = self.rate(occupied, t)
+            rate = self.rate(occupied, t, hopeful=True)
             gap = top / rate - 1 if rate and rate > 0 else math.inf
-            period = self.explore_every * min(8, max(1, round(10 * gap)))
+            if gap <= 0:  # it may yet be ahead: tried 4 times as often
+                period = max(2, self.explore_every // 4)
+            else:
+                period = self.explore_every * min(8, max(1, round(10 * gap)))
             if n - self._last.get((occupied, t), -1) >= period:
                 return t
         return best
 
     def observe(self, occupied: int, tree: TreeConfig, tokens: int, seconds: float) -> None:
         """One round's outcome: `tokens` emitted by `occupied` busy slots in `seconds`."""
-        st = self.stats.setdefault((occupied, tree), [0, 0.0, 0.0])
+        st = self.stats.setdefault((occupied, tree), [0, 0.0])
         w = 1.0 if st[0] == 0 else max(self.smoothing, 1.0 / (st[0] + 1))
         st[0] += 1
-        st[1] += w * (tokens - st[1])
-        st[2] += w * (seconds - st[2])
+        st[1] += w * (seconds - st[1])
+        got = self.emitted.setdefault(tree, [0.0, 0.0, 0.0])  # tokens, their squares, rows
+        keep = (1.0 - self.tau_smoothing) ** occupied
+        per_row = tokens / occupied
+        got[0] = got[0] * keep + tokens
+        got[1] = got[1] * keep + occupied * per_row * per_row
+        got[2] = got[2] * keep + occupied
         self._last[(occupied, tree)] = self._rounds[occupied]
         self._rounds[occupied] += 1
 
@@ -327,12 +364,18 @@ class SlotEngine:
       schedule: the tree of each round by occupancy (`TreeSchedule`, a table, or
         `MeasuredSchedule`, measured as it serves; None: `opts.tree` always). Its trees are
         checked against the head as `opts.tree` is; ignored by method vanilla.
+      busy_rows: a round runs over the busy slots only, padded with free ones to the next of
+        `row_buckets` (`speculative.rows_round`: the target cache read in place), so its cost
+        follows the occupancy; False: every round over all B slots.
     """
 
     def __init__(self, target: Target, head: Head | None, opts: DecodeOptions, slots: int,
-                 schedule: TreeSchedule | MeasuredSchedule | None = None):  # fmt: skip
+                 schedule: TreeSchedule | MeasuredSchedule | None = None,
+                 busy_rows: bool = True):  # fmt: skip
         if slots < 1:
             raise Eagle3Error(f"slots {slots} < 1")
+        # a round runs the busy slots (`row_buckets`) or all B
+        self.busy_rows = busy_rows
         method = opts.method
         head, tree = method_head_tree(method, head, opts.tree)
         dparams, dcfg, vocab, embed = head or (None, None, None, None)
@@ -442,6 +485,45 @@ class SlotEngine:
             fields["dcache"] = drf.cache_sharding(dcfg, mesh, b)
         return dataclasses.replace(out, **fields)
 
+    def row_buckets(self) -> list[int]:
+        """The row counts a round runs over, one compiled round each per tree: the powers of
+        two below B, and B (with busy_rows; else B alone)."""
+        if not self.busy_rows:
+            return [self.slots]
+        return sorted({min(2**i, self.slots) for i in range(self.slots.bit_length() + 1)})
+
+    def round_rows(self, running: list[int]) -> list[int] | None:
+        """The slots a round over `running` runs: those, and free ones up to the next row
+        bucket; None for all B (the plain round, no rows taken)."""
+        size = next(n for n in self.row_buckets() if n >= len(running))
+        if size == self.slots:
+            return None
+        pad = [i for i in range(self.slots) if i not in running][: size - len(running)]
+        return sorted(running + pad)
+
+    def _method_for(self, tree: TreeConfig):
+        """The drafter a round of `tree` runs: PLAIN is the root alone, a head still encoding."""
+        if tree == PLAIN and self.method != "vanilla":
+            return encode_drafter if self.method == "eagle3" else "vanilla"
+        return self.method
+
+    def _round_call(self, tree: TreeConfig, rows: list[int] | None):
+        """(the jitted round, its arguments) for `tree` over `rows` (None: all B)."""
+        static = (*self._static(self.shape, tree), self._method_for(tree))
+        if rows is None:
+            return spec.round_step, (*self.models, self.state, *static)
+        return spec.rows_round, (*self.models, self.state, jnp.asarray(rows, jnp.int32), *static)
+
+    def compile_rounds(self, threads: int = 0) -> int:
+        """Compiles the round of every tree of the schedule at every row bucket ahead of time
+        (as `compile_admissions` does the admissions); returns how many programs."""
+        calls = [self._round_call(t, None if n == self.slots else list(range(n)))
+                 for t in self.schedule.trees() for n in self.row_buckets()]  # fmt: skip
+        workers = threads or os.cpu_count() or 1
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda c: c[0].lower(*c[1]).compile(), calls))
+        return len(calls)
+
     def free_slots(self) -> list[int]:
         return [i for i, o in enumerate(self.owner) if o is None]
 
@@ -510,8 +592,8 @@ class SlotEngine:
         self.owner[slot] = None
 
     def step(self, tree: TreeConfig | None = None) -> list[Update]:
-        """One speculative round over every slot (none when no slot is running), then each
-        occupied slot's new tokens; a slot whose request ended is freed. The round's tree is
+        """One speculative round over the busy slots (`round_rows`; none when no slot is
+        running), then each occupied slot's new tokens; a slot whose request ended is freed. The round's tree is
         the schedule's for the busy slots (a `MeasuredSchedule` is told how the round went), or
         `tree` if given (one of the schedule's: compiling them before serving)."""
         running = [i for i, o in enumerate(self.owner) if o is not None]
@@ -527,12 +609,9 @@ class SlotEngine:
             log.info("occupancy %d: tree %s (%d tokens)", len(running), tree_name(tree),
                      tree.total_tokens)  # fmt: skip
         self.current_tree = tree
-        method = self.method
-        if tree == PLAIN and method != "vanilla":  # the root alone; a head keeps encoding
-            method = encode_drafter if method == "eagle3" else "vanilla"
         start = time.perf_counter()
-        self.state = spec.round_step(*self.models, self.state,
-                                     *self._static(self.shape, tree), method)  # fmt: skip
+        fn, args = self._round_call(tree, self.round_rows(running))
+        self.state = fn(*args)
         self.rounds += 1
         self.tree_rounds[tree_name(tree)] += 1
         updates = self.poll()  # waits for the round
@@ -563,5 +642,7 @@ class SlotEngine:
 
     def compiles(self) -> dict[str, int]:
         """Compiled programs so far in this process: the admission's (one per prompt bucket) and
-        the round's (`speculative.round_step`, shared with streaming decoding)."""
-        return {"admit": admit_row._cache_size(), "round": spec.round_step._cache_size()}
+        the round's (one per tree and row bucket: `speculative.round_step`, shared with
+        streaming decoding, for all B rows, `speculative.rows_round` for fewer)."""
+        return {"admit": admit_row._cache_size(),
+                "round": spec.round_step._cache_size() + spec.rows_round._cache_size()}  # fmt: skip

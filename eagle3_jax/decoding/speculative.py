@@ -220,15 +220,25 @@ def _round(
     (`drafters.DRAFTERS`); tests may pass a drafter function. `target_pass` is the target's
     pass over the tree (`verify.verify_tree`); replay.py passes its oracle there, as tparams,
     with a state that holds no target cache."""
+    state = _pending_written(state, tcfg)
+    return _draft_verify_commit(tparams, dparams, embed, vocab, state, tcfg, dcfg, shape, tree,
+                                sampling, eos_ids, method, target_pass)  # fmt: skip
+
+
+def _pending_written(state: SpecState, tcfg) -> SpecState:
+    """Last round's accepted K/V written into the target cache: from here on a round only reads
+    it."""
+    if not state.tcache:
+        return state
+    layout = slot_major_keys(tcfg.attention)
+    tcache = write_pending(state.tcache, state.pending_kv, state.pending_at, layout)
+    return dataclasses.replace(state, tcache=tcache)
+
+
+def _draft_verify_commit(tparams, dparams, embed, vocab, state: SpecState, tcfg, dcfg, shape,
+                         tree, sampling, eos_ids, method, target_pass) -> SpecState:  # fmt: skip
+    """Steps 1-5 of `_round` on a state whose cache holds last round's path."""
     drafter = DRAFTERS[method] if isinstance(method, str) else method
-    if state.tcache:
-        # last round's accepted K/V first: from here on this round only reads the target cache
-        state = dataclasses.replace(
-            state,
-            tcache=write_pending(
-                state.tcache, state.pending_kv, state.pending_at, slot_major_keys(tcfg.attention)
-            ),
-        )
     trees, dcache = drafter(dparams, embed, vocab, state, dcfg, shape, tree)
     if state.key.ndim == 2:  # a key per row [B, 2] (decoding/slots.py): each row's own stream
         key, sub = jnp.moveaxis(jax.vmap(jax.random.split)(state.key), 1, 0)
@@ -241,6 +251,39 @@ def _round(
     if drafter is encode_drafter:  # the pairs were left in the buffer unless it was full
         new = append_pair(state, new, verdict)
     return new
+
+
+def _row_axes(state: SpecState) -> SpecState:
+    """Each field's row axis, as a SpecState of ints: 1 for the pending K/V [L, B, E, G, K], 0
+    for the rest (the draft's one-layer cache [B, ...] included); not for the target cache."""
+    axes = jax.tree.map(lambda _: 0, dataclasses.replace(state, tcache={}))
+    return dataclasses.replace(axes, pending_kv={n: 1 for n in state.pending_kv})
+
+
+def _rows_round(
+    tparams, dparams, embed, vocab, state: SpecState, rows_b, tcfg, dcfg, shape: Shape,
+    tree: TreeConfig, sampling: Sampling, eos_ids, method="eagle3",
+) -> SpecState:  # fmt: skip
+    """`_round` over rows `rows_b` [b] (distinct) of the state's B, the others untouched: the
+    drafter, the target's projections and the bookkeeping run on b rows, and the target's
+    attention reads their cache rows in place (`target.forward`'s cache_rows), so a round's cost
+    follows the rows it runs, where a round over all B costs B rows however few are busy
+    (serving, decoding/slots.py). Every field but the target cache is taken at the rows and put
+    back. Each row's tokens, K/V and key are those a round over all B gives it."""
+    state = _pending_written(state, tcfg)  # all B rows: a row that ran no round rewrites its own
+    rest = dataclasses.replace(state, tcache={})
+    axes = _row_axes(rest)
+    sub = jax.tree.map(lambda x, ax: jnp.take(x, rows_b, axis=ax), rest, axes)
+    sub = dataclasses.replace(sub, tcache=state.tcache)
+    target_pass = functools.partial(forward_tree, cache_rows=rows_b)
+    new = _draft_verify_commit(tparams, dparams, embed, vocab, sub, tcfg, dcfg, shape, tree,
+                               sampling, eos_ids, method, target_pass)  # fmt: skip
+    new = dataclasses.replace(new, tcache={})
+
+    def put(x, y, ax):
+        return x.at[(slice(None),) * ax + (rows_b,)].set(y.astype(x.dtype))
+
+    return dataclasses.replace(jax.tree.map(put, rest, new, axes), tcache=state.tcache)
 
 
 def append_pair(old: SpecState, new: SpecState, v: Verdict) -> SpecState:
@@ -264,6 +307,7 @@ def append_pair(old: SpecState, new: SpecState, v: Verdict) -> SpecState:
 
 _STATIC = ("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids", "method", "target_pass")
 round_step = jax.jit(_round, static_argnames=_STATIC, donate_argnums=4)
+rows_round = jax.jit(_rows_round, static_argnames=_STATIC[:-1], donate_argnums=4)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=4)

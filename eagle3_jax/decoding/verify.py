@@ -162,12 +162,14 @@ def accept(
 
 
 def forward_tree(
-    tparams, trees: Tree, state: SpecState, tcfg: TargetConfig, dcfg: drf.DraftConfig, shape: Shape
-) -> tgt.Output:
+    tparams, trees: Tree, state: SpecState, tcfg: TargetConfig, dcfg: drf.DraftConfig,
+    shape: Shape, cache_rows: jax.Array | None = None,
+) -> tgt.Output:  # fmt: skip
     """Step 3: the target over the tree tokens at positions r + depth. It reads the cache (slots
     < r) and writes nothing: the nodes attend to their ancestors through the tree mask, and
     Output.cache holds their new K/V ([B, N+1, G, K] per layer) for the accepted path alone to be
-    written."""
+    written. `cache_rows` [B]: the state's cache has more rows and these are the state's
+    (`target.forward`; a round over some slots, `speculative.rows_round`)."""
     r = state.length
     n1 = trees.tokens.shape[1]
     slots = jnp.arange(shape.slots)[None, None, :]
@@ -184,6 +186,7 @@ def forward_tree(
         r,
         aux_ids=() if dcfg is None else dcfg.aux_layer_ids,
         mask_new=trees.mask,
+        cache_rows=cache_rows,
     )
 
 

@@ -366,16 +366,21 @@ def cached_attention(
     one_range: bool = True,
     scale: float | None = None,
     sinks: jax.Array | None = None,
+    cache_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Attention of a layer's new q/k/v [B, T, ...] with its K/V cache, -> (out, kv):
     no cache: over the T new tokens; kv is None;
     a cache, no mask_new: the new K/V written at write_B first, then attended; kv the new cache;
     a cache and mask_new: the cache only read, the new K/V joined in one softmax; kv the new
       entries (k, v) [B, T, G, K], for the caller to write where it wants (`write_kv`).
+    `cache_rows` [B] (with mask_new): the cache has C >= B rows and row b of this call is its
+    row cache_rows[b] (distinct), `rows_attention`.
     `kind`, `one_range`, `scale`, `sinks`: `attention`'s (a "pallas" cache is slot-major)."""
     at = functools.partial(attention, kind=kind, one_range=one_range, scale=scale, sinks=sinks)
     if kv is not None and mask_new is not None:
         with jax.named_scope("attention"):
+            if cache_rows is not None:
+                return rows_attention(at, q, kv, mask, k, v, mask_new, cache_rows), (k, v)
             return at(q, kv[0], kv[1], mask, k, v, mask_new), (k, v)
     slot_major = slot_major_keys(kind)
     if kv is not None:
@@ -385,6 +390,23 @@ def cached_attention(
         keys, values = to_cache_layout(k, v, slot_major)
     with jax.named_scope("attention"):
         return at(q, keys, values, mask), kv
+
+
+def rows_attention(at, q, kv, mask, k_new, v_new, mask_new, cache_rows):
+    """`at` (`attention` with its options) of B rows' queries over rows `cache_rows` [B] of a
+    cache of C rows, reading the cache in place: the queries, masks and new entries are put at
+    their rows of C (the other rows attend to nothing cached and to themselves alone) and the
+    B rows' outputs taken back. A gather of the cache's rows would copy them, in XLA:CPU slower
+    than attending over all C (docs/serving.md); only the projections and MLP, which scale with
+    the rows, run on B. Each row's products are those it gets over its own cache."""
+    c, t = kv[1].shape[0], q.shape[1]
+
+    def put(x, fill):
+        return jnp.full((c,) + x.shape[1:], fill, x.dtype).at[cache_rows].set(x)
+
+    self_only = jnp.broadcast_to(jnp.eye(t, dtype=bool), (c, t, t)).at[cache_rows].set(mask_new)
+    out = at(put(q, 0), kv[0], kv[1], put(mask, False), put(k_new, 0), put(v_new, 0), self_only)
+    return out[cache_rows]
 
 
 # XLA:CPU computes a product of a few rows with its GEMM, which handles them poorly on some CPUs: a

@@ -437,9 +437,11 @@ def _layer(
     site: _Site,
     cfg: TargetConfig,
     sliding: bool | None,
+    cache_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """One decoder layer; `site` its kind's RoPE and masks, `sliding` whether it is a
-    sliding-window layer (None: either, a scan over layers of both kinds)."""
+    sliding-window layer (None: either, a scan over layers of both kinds); `cache_rows`:
+    `forward`'s."""
     b, t, _ = h_BTD.shape
     norm = functools.partial(rms_norm, eps=cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
     pre = cfg.norm_placement in ("pre", "sandwich")
@@ -464,7 +466,7 @@ def _layer(
     one_range = sliding is False or t == 1
     att, kv = cached_attention(
         q, k, v, kv, write_B, site.mask, site.mask_new, cfg.attention, one_range,
-        cfg.attention_scale, p.get("sinks"),
+        cfg.attention_scale, p.get("sinks"), cache_rows,
     )  # fmt: skip
     o = dense(att.reshape(b, t, -1), p["wo"], policy=pol)
     if cfg.attention_out_bias:
@@ -589,6 +591,7 @@ def forward(
     logits_idx_BP: jax.Array | None = None,
     compute_logits: bool = True,
     mask_new: jax.Array | None = None,
+    cache_rows: jax.Array | None = None,
 ) -> Output:
     """Runs T new tokens through the decoder.
 
@@ -603,7 +606,12 @@ def forward(
         slots as they are) and the T new tokens attend to each other under mask_new; the returned
         cache holds just the new entries ([B, T, G, K] per layer), for the caller to write where
         it wants (a tree verification keeps only the accepted path's). write_B is unused.
+      cache_rows: int [B], with mask_new: the cache holds C >= B rows and the call's row b reads
+        its row cache_rows[b] (distinct), in place (`layers.rows_attention`): a round over the
+        busy slots of a serving state (decoding/slots.py).
     """
+    if cache_rows is not None and (cache is None or mask_new is None):
+        raise ValueError("cache_rows reads a cache: give the cache and mask_new")
     sites = _sites(positions_BT, mask, mask_new, cfg, cached=cache is not None)
     h = embed_tokens(params, tokens_BT, cfg)
     captured: dict[int, jax.Array] = {}
@@ -616,13 +624,15 @@ def forward(
             kv = None if cache is None else (cache["k"][i], cache["v"][i])
             sliding = cfg.is_sliding_layer(i)
             with jax.named_scope(f"layer_{i}"):
-                h, kv = _layer(lp, h, kv, write_B, sites[sliding], cfg, sliding)
+                h, kv = _layer(lp, h, kv, write_B, sites[sliding], cfg, sliding, cache_rows)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         new_cache = None if cache is None else {"k": new_k, "v": new_v}
     else:
-        h, new_cache, captured = _scan_layers(layers, h, cache, write_B, sites, cfg, aux_ids)
+        h, new_cache, captured = _scan_layers(
+            layers, h, cache, write_B, sites, cfg, aux_ids, cache_rows
+        )
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps, cfg.norm_unit_offset)
     if cfg.num_layers in aux_ids:
         captured[cfg.num_layers] = hidden
@@ -667,7 +677,8 @@ def lm_head(params: Params, hidden: jax.Array, cfg: TargetConfig) -> jax.Array:
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
-def _scan_layers(layers, h, cache, write_B, sites: dict[bool, _Site], cfg, aux_ids):
+def _scan_layers(layers, h, cache, write_B, sites: dict[bool, _Site], cfg, aux_ids,
+                 cache_rows=None):  # fmt: skip
     """Stacked layers: one lax.scan per segment between aux capture points. Where the target has
     layers of both kinds (Gemma 3), each step picks its kind's RoPE tables and masks by a
     scanned per-layer flag."""
@@ -700,7 +711,7 @@ def _scan_layers(layers, h, cache, write_B, sites: dict[bool, _Site], cfg, aux_i
             def body_c(h, xs):
                 lp, k, v, flag = xs
                 site, sliding = site_of(flag)
-                h, (k, v) = _layer(lp, h, (k, v), write_B, site, cfg, sliding)
+                h, (k, v) = _layer(lp, h, (k, v), write_B, site, cfg, sliding, cache_rows)
                 return h, (k, v)
 
             h, (k, v) = jax.lax.scan(
