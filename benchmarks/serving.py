@@ -24,7 +24,9 @@ decoding's own loop, timed after a warm-up) and checks each greedy output's toke
 
 `--sweep --in-process` runs the same levels without HTTP: the engine and scheduler `serve` would
 run, built in this process (`serve.build_engine`), one client thread per concurrent request;
-what a round and the scheduler cost, not the front end. It needs none of the serve extra's
+what a round and the scheduler cost, not the front end. Both engines are built side by side and
+each level runs on one and then the other, `--repeats` times in alternating order (A B, B A),
+so that the machine's drift falls on both; each pair's ratio is reported. It needs none of the serve extra's
 packages, so it is what the device job runs (`scripts/device_job.py serving`). With a
 `--method` in --serve-args (pld) that method stands in for EAGLE-3.
 """
@@ -290,39 +292,87 @@ def engine_closed_loop(scheduler, prompts: list[list[int]], clients: int, max_to
     return _level(clients, rows, time.perf_counter() - t0)
 
 
-def engine_levels(serve_args, prompts, levels, max_tokens, loaded=None) -> dict:
-    """serve_levels in this process: the engine and scheduler `serve` would run for
-    `serve_args`, driven without HTTP (what a round and the scheduler cost, not the front end);
-    τ per level from the scheduler's counts (tokens per target pass of the ended requests)."""
-    from eagle3_jax.cli import serve
-    from eagle3_jax.decoding.slots import tree_name
-    from eagle3_jax.serving.scheduler import Scheduler
+class EngineRun:
+    """The engine and scheduler `serve` would run for `serve_args`, in this process and driven
+    without HTTP (what a round and the scheduler cost, not the front end), level by level: two
+    of them side by side let a sweep interleave EAGLE-3's and plain rounds' levels."""
 
-    args = serve.parse_args(serve_args)
-    serve.check(args)
-    serve.log_to_stderr()  # the tree choices, as serve logs them
-    engine = serve.build_engine(args, *(loaded or _load(serve_args)))
-    serve.warm(engine)
-    scheduler = Scheduler(engine, max_queue=len(prompts) + max(levels)).start()
-    out = []
+    def __init__(self, serve_args, prompts, loaded=None):
+        from eagle3_jax.cli import serve
+        from eagle3_jax.serving.scheduler import Scheduler
+
+        self.serve_args, self.prompts = serve_args, prompts
+        self.args = serve.parse_args(serve_args)
+        serve.check(self.args)
+        serve.log_to_stderr()  # the tree choices, as serve logs them
+        self.engine = serve.build_engine(self.args, *(loaded or _load(serve_args)))
+        serve.warm(self.engine)
+        self.scheduler = Scheduler(self.engine, max_queue=len(prompts) + 64).start()
+        engine_closed_loop(self.scheduler, prompts, 1, 2)  # the first rounds of every tree
+
+    def level(self, clients: int, max_tokens: int) -> dict:
+        """One closed-loop level; τ from the scheduler's counts (tokens per target pass of the
+        ended requests), the rounds run by tree and the measured choice by occupancy so far."""
+        from eagle3_jax.decoding.slots import tree_name
+
+        st, engine = self.scheduler.stats, self.engine
+        gen0, fw0 = st.generated, st.target_forwards
+        level = engine_closed_loop(self.scheduler, self.prompts, clients, max_tokens)
+        passes = st.target_forwards - fw0
+        s = level["summary"]
+        s["tau"] = (st.generated - gen0) / passes if passes else None
+        s["tree_rounds"] = dict(engine.tree_rounds)
+        chosen = getattr(engine.schedule, "best", {})  # a measured choice, by occupancy
+        s["tree_choice"] = {str(n): tree_name(t) for n, t in chosen.items()}
+        print(f"  {self.args.method} c={clients}: {s['output_tokens_per_s']:.1f} tok/s, "
+              f"tau {s['tau']:.2f}", file=sys.stderr)  # fmt: skip
+        return level
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+
+def engine_levels(serve_args, prompts, levels, max_tokens, loaded=None) -> dict:
+    """serve_levels in this process (`EngineRun`), its levels one after another."""
+    run = EngineRun(serve_args, prompts, loaded)
     try:
-        engine_closed_loop(scheduler, prompts, 1, 2)  # the first rounds of every tree measured
-        for n in levels:
-            st = scheduler.stats
-            gen0, fw0 = st.generated, st.target_forwards
-            level = engine_closed_loop(scheduler, prompts, n, max_tokens)
-            passes = st.target_forwards - fw0
-            level["summary"]["tau"] = (st.generated - gen0) / passes if passes else None
-            level["summary"]["tree_rounds"] = dict(engine.tree_rounds)
-            chosen = getattr(engine.schedule, "best", {})  # a measured choice, by occupancy
-            level["summary"]["tree_choice"] = {str(n): tree_name(t) for n, t in chosen.items()}
-            s = level["summary"]
-            print(f"  {args.method} c={n}: {s['output_tokens_per_s']:.1f} tok/s, "
-                  f"tau {s['tau']:.2f}", file=sys.stderr)  # fmt: skip
-            out.append(level)
+        out = [run.level(n, max_tokens) for n in levels]
     finally:
-        scheduler.stop()
+        run.stop()
     return {"serve_args": serve_args, "exit_code": 0, "levels": out}
+
+
+def interleaved_levels(named_args: dict, prompts, levels, max_tokens, loaded, repeats: int):
+    """The engines of `named_args` ({name: serve_args}) side by side in this process, each
+    level run `repeats` times by each in turn, the order alternating (A B, then B A, ...), so
+    that a drift of the machine falls on both alike: {name: engine_levels' result}, each level
+    the repeats' requests together (tok/s: their tokens over their summed wall time) with each
+    repeat's summary under "repeats"."""
+    runs = {name: EngineRun(a, prompts, loaded) for name, a in named_args.items()}
+    names = list(runs)
+    out = {name: [] for name in names}
+    try:
+        for n in levels:
+            got = {name: [] for name in names}
+            for r in range(repeats):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    got[name].append(runs[name].level(n, max_tokens))
+            for name in names:
+                rows = [row for lv in got[name] for row in lv["requests"]]
+                merged = _level(n, rows, sum(lv["summary"]["wall_s"] for lv in got[name]))
+                last = got[name][-1]["summary"]
+                tau = [lv["summary"]["tau"] for lv in got[name] if lv["summary"]["tau"]]
+                merged["summary"].update(
+                    tau=statistics.fmean(tau) if tau else None,
+                    tree_rounds=last["tree_rounds"], tree_choice=last["tree_choice"],
+                    repeats=[lv["summary"] for lv in got[name]],
+                )  # fmt: skip
+                out[name].append(merged)
+    finally:
+        for run in runs.values():
+            run.stop()
+    return {name: {"serve_args": named_args[name], "exit_code": 0, "levels": out[name]}
+            for name in names}  # fmt: skip
 
 
 def alone(serve_args, texts, max_tokens, loaded=None) -> dict:
@@ -364,26 +414,32 @@ def sweep(args) -> dict:
         loaded = _load(base_args)
         prompts = [encode_chat(loaded[0].tokenizer, [{"role": "user", "content": t}])
                    for t in texts]  # fmt: skip
-    for name, extra in (("eagle3", []), ("plain", ["--method", "vanilla"])):
-        if name == "eagle3" and args.tree_by_occupancy:
-            extra = ["--tree-by-occupancy", args.tree_by_occupancy]
-        if args.in_process:
-            runs[name] = engine_levels(base_args + extra, prompts, args.concurrency,
-                                       args.max_tokens, loaded)  # fmt: skip
-        else:
-            runs[name] = serve_levels(base_args + extra, texts, args.concurrency,
-                                      args.max_tokens, runs_dir / f"server_{name}.log")  # fmt: skip
+    named = {"eagle3": base_args, "plain": base_args + ["--method", "vanilla"]}
+    if args.tree_by_occupancy:
+        named["eagle3"] = base_args + ["--tree-by-occupancy", args.tree_by_occupancy]
+    if args.in_process:
+        runs = interleaved_levels(named, prompts, args.concurrency, args.max_tokens, loaded,
+                                  args.repeats)  # fmt: skip
+    else:
+        for name, serve_args in named.items():
+            runs[name] = serve_levels(serve_args, texts, args.concurrency, args.max_tokens,
+                                      runs_dir / f"server_{name}.log")  # fmt: skip
     ref = alone(shlex.split(args.serve_args), texts, args.max_tokens, loaded)
     for name, want in (("eagle3", ref["eagle3"]["output_ids"]),
                        ("plain", ref["vanilla"]["output_ids"])):  # fmt: skip
-        for level in runs[name]["levels"]:
+        for level in runs[name]["levels"]:  # every repeat's requests, in prompt order
             got = [r["token_ids"] for r in level["requests"]]
-            level["summary"]["equal_to_alone"] = sum(g == w for g, w in zip(got, want))
+            level["summary"]["equal_to_alone"] = sum(g == want[i % len(want)]
+                                                     for i, g in enumerate(got))  # fmt: skip
     table = []
     for i, n in enumerate(args.concurrency):
         e, p = (runs[k]["levels"][i]["summary"] for k in ("eagle3", "plain"))
-        table.append({"concurrency": n, "eagle3": e, "plain": p,
-                      "speedup": e["output_tokens_per_s"] / p["output_tokens_per_s"]})  # fmt: skip
+        row = {"concurrency": n, "eagle3": e, "plain": p,
+               "speedup": e["output_tokens_per_s"] / p["output_tokens_per_s"]}  # fmt: skip
+        if "repeats" in e:  # each interleaved pair's own ratio
+            row["pair_speedups"] = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
+                                    for a, b in zip(e["repeats"], p["repeats"])]  # fmt: skip
+        table.append(row)
     return {
         "bench": args.bench, "requests": args.requests, "max_tokens": args.max_tokens,
         "serve_args": args.serve_args, "tree_by_occupancy": args.tree_by_occupancy,
@@ -410,6 +466,8 @@ def print_table(result: dict) -> None:
         for k in ("eagle3", "plain"):
             s = row[k]
             sp = f"**{row['speedup']:.2f}×**" if k == "eagle3" else ""
+            if k == "eagle3" and row.get("pair_speedups"):
+                sp += " (" + " / ".join(f"{x:.2f}" for x in row["pair_speedups"]) + ")"
             print(
                 f"| {row['concurrency']} | {'EAGLE-3' if k == 'eagle3' else 'plain'} "
                 f"| {s['output_tokens_per_s']:.1f} "
@@ -434,6 +492,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--serve-args", default="--slots 4", help="serve's flags for --sweep")
     p.add_argument("--tree-by-occupancy", default=None, help="the EAGLE-3 server's schedule")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="--in-process: each level run this many times by each engine, "
+                   "interleaved (A B, B A, ...)")  # fmt: skip
     p.add_argument("--in-process", action="store_true",
                    help="--sweep without HTTP: the same engine and scheduler driven in this "
                    "process (no fastapi, uvicorn or openai needed: the device step)")  # fmt: skip

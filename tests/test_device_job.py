@@ -910,7 +910,8 @@ def test_serving_step_runs_the_in_process_sweep(dj, c, tmp_path, monkeypatch):
 
 def test_serving_step_at_the_toy_shape(dj, c, tiny_target_dir, tmp_path, monkeypatch):
     """The step's phase for real on the CPU: the tiny target with prompt lookup standing in for
-    EAGLE-3, two levels; every greedy output of both engines equals decoding alone."""
+    EAGLE-3, two levels, each run twice by each engine (interleaved); every greedy output of
+    both engines equals decoding alone, and each pair's ratio is reported."""
     monkeypatch.setattr(c, "env", lambda args: dict(c.base_env(), JAX_PLATFORMS="cpu"))
     argv = ["serving", "--minutes", "6", "--out", str(tmp_path), "--target", str(tiny_target_dir),
             "--concurrency", "1,2", "--requests", "3", "--max-tokens", "6", "--slots", "2",
@@ -920,7 +921,9 @@ def test_serving_step_at_the_toy_shape(dj, c, tiny_target_dir, tmp_path, monkeyp
     assert out["in_process"] and [r["concurrency"] for r in out["table"]] == [1, 2]
     for row in out["table"]:
         for k in ("eagle3", "plain"):
-            assert row[k]["equal_to_alone"] == 3 and row[k]["requests"] == 3
+            assert row[k]["equal_to_alone"] == 6 and row[k]["requests"] == 6
+            assert len(row[k]["repeats"]) == 2
+        assert len(row["pair_speedups"]) == 2
     level = out["runs"]["eagle3"]["levels"][-1]["summary"]
     assert set(level["tree_choice"].values()) <= {"1/8/9", "1/4/5", "1/3/4", "plain"}
     assert sum(level["tree_rounds"].values()) > 0

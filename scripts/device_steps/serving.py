@@ -6,8 +6,9 @@ One phase, a subprocess with a deadline: `benchmarks/serving.py --sweep --in-pro
 engine and scheduler `serve` runs, driven without HTTP: the device image has no fastapi, uvicorn
 or openai, and the front end is not what a GPU changes) at each `--concurrency` over MT-bench's
 first turns, the EAGLE-3 engine (`--tree-by-occupancy`, default measured among EAGLE-3's
-reporting tree, two smaller trees and plain rounds) and then plain rounds, then every prompt
-decoded alone (batch 1) and each greedy output checked against it. Into OUT/serving/:
+reporting tree, two smaller trees and plain rounds) and the plain one side by side, each level
+run twice by each, interleaved (`--repeats`), then every prompt decoded alone (batch 1) and each
+greedy output checked against it. Into OUT/serving/:
 serving.json (the sweep), serving.log, device_log.txt.
 
   python3 scripts/device_job.py serving --minutes 9 --out $OUT     (after the GGUF's parts)
@@ -34,7 +35,9 @@ def add_args(p) -> None:
     p.add_argument("--minutes", type=float, required=True, help="this call's budget")
     p.add_argument("--out", default=None, help="default: runs/ (serving/)")
     p.add_argument("--concurrency", default="1,4,8,16,32")
-    p.add_argument("--requests", type=int, default=64, help="per level (MT-bench first turns)")
+    p.add_argument("--requests", type=int, default=32, help="per level (MT-bench first turns)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="each level run this many times by each engine, interleaved")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--max-context", type=int, default=1024)
@@ -52,6 +55,7 @@ def command(args, out: Path) -> list[str]:
     return [
         sys.executable, str(SCRIPT), "--sweep", "--in-process",
         "--concurrency", *args.concurrency.split(","), "--requests", str(args.requests),
+        "--repeats", str(args.repeats),
         "--max-tokens", str(args.max_tokens), "--serve-args", shlex.join(serve_args),
         "--tree-by-occupancy", args.tree_by_occupancy, "--out", str(out / "serving.json"),
     ]  # fmt: skip
