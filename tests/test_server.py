@@ -85,7 +85,8 @@ def served(spec_setup, tiny_target_dir):
     target = Target(params, cfg, target.tokenizer, target.path)  # the params spec_setup decodes
     head = Head(dparams, dcfg, vocab)
     opts = DecodeOptions("eagle3", NEW, TREE, eos_ids=(), max_context=256)
-    scheduler = Scheduler(SlotEngine(target, head, opts, 3), max_queue=8).start()
+    engine = SlotEngine(target, head, opts, 3, max_logprobs=2)
+    scheduler = Scheduler(engine, max_queue=8).start()
     srv = _Running(build_app(Server(scheduler, target.tokenizer, "tiny")))
     yield srv, target, head, scheduler
     srv.stop()
@@ -225,6 +226,15 @@ def test_stop_string_ends_the_request(served):
         ({"prompt": [5], "stream": "yes"}, "stream"),
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"prompt": [5], "logprobs": 3}, "logprobs"),  # the server keeps 2
+        ({"prompt": [5], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 1}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3},
+            "top_logprobs",
+        ),  # fmt: skip
+        ({"prompt": [5], "echo": True}, "echo"),
+        ({"prompt": [5], "best_of": 2}, "best_of"),
     ],
 )
 def test_bad_bodies_are_400_naming_the_field(served, body, param):
@@ -233,6 +243,52 @@ def test_bad_bodies_are_400_naming_the_field(served, body, param):
     status, _, out = _post(srv, path, body)
     assert status == 400, out
     assert out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error"
+
+
+def test_logprobs_whole_and_streamed(served):
+    """`logprobs` (the server keeps 2 alternatives): the completions' tokens, token_logprobs,
+    top_logprobs and text_offset, and chat's content entries, streamed and whole alike, one per
+    completion token; greedy, each token is its own most likely (the engine's values are checked
+    against the target in test_serving_slots). A server that keeps none refuses, naming the
+    flag."""
+    srv, target, _, scheduler = served
+    prompt = random_prompts(target.cfg.vocab_size, [9], seed=13)[0]
+    body = {"prompt": prompt, "max_tokens": 10, "logprobs": 2, "return_token_ids": True}
+    status, _, out = _post(srv, "/v1/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(choice["token_ids"]) == 10
+    for x, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert x <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(x)
+    ids = choice["token_ids"]
+    assert lp["text_offset"] == [len(target.tokenizer.decode(ids[:j], skip_special_tokens=True))
+                                 for j in range(len(ids))]  # fmt: skip
+    status, _, lines = _post(srv, "/v1/completions", body | {"stream": True})
+    chunks = [json.loads(ln[6:])["choices"][0] for ln in lines[:-1]]
+    streamed = [x for c in chunks for x in c["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
+    assert [o for c in chunks for o in c["logprobs"]["text_offset"]] == lp["text_offset"]
+    chat = {"messages": [{"role": "user", "content": "w5 w9 w33"}], "max_tokens": 8,
+            "logprobs": True, "top_logprobs": 1}  # fmt: skip
+    status, _, whole = _post(srv, "/v1/chat/completions", chat)
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == whole["usage"]["completion_tokens"] == 8
+    assert all(len(c["top_logprobs"]) == 1 and c["top_logprobs"][0]["token"] == c["token"]
+               and c["bytes"] == list(c["token"].encode()) for c in content)  # fmt: skip
+    _, _, lines = _post(srv, "/v1/chat/completions", chat | {"stream": True})
+    parts = [json.loads(ln[6:])["choices"][0] for ln in lines[1:-1]]
+    assert [c for p in parts for c in p["logprobs"]["content"]] == content
+    status, _, plain = _post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 3})
+    assert plain["choices"][0]["logprobs"] is None
+    opts = DecodeOptions("eagle3", NEW, TREE, eos_ids=(), max_context=256)
+    none_kept = SlotEngine(target, served[2], opts, 1)  # built, never run
+    other = _Running(build_app(Server(Scheduler(none_kept), target.tokenizer, "tiny")))
+    try:
+        status, _, out = _post(other, "/v1/completions", body)
+        assert status == 400 and "--max-logprobs" in out["error"]["message"]
+    finally:
+        other.stop()
 
 
 def test_not_json_and_unknown_model(served):

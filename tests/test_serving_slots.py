@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TREE, random_prompts, spec_generate
@@ -29,6 +30,7 @@ from eagle3_jax.decoding.slots import (
 )
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.models import target as tgt
 from eagle3_jax.sharding import make_mesh, replicated
 
 # (arrival round, prompt length, max_tokens): the fourth and fifth wait for slots the first ones free
@@ -36,14 +38,16 @@ ARRIVALS = [(0, 5, 12), (0, 17, 30), (1, 9, 7), (2, 30, 20), (2, 3, 25), (6, 12,
 NEW = 30  # the largest max_tokens: one token buffer (64) for the engine and decoding alone
 
 
-def _engine(spec_setup, method="eagle3", sampling=Sampling(), slots=3, tree=TREE, schedule=None):
+def _engine(spec_setup, method="eagle3", sampling=Sampling(), slots=3, tree=TREE, schedule=None,
+            max_logprobs=None):  # fmt: skip
     params, cfg, dparams, dcfg, vocab = spec_setup
     opts = DecodeOptions(method, NEW, tree, sampling, eos_ids=(), max_context=256)
     head = Head(dparams, dcfg, vocab)
-    return SlotEngine(Target(params, cfg, None, None), head, opts, slots, schedule)
+    return SlotEngine(Target(params, cfg, None, None), head, opts, slots, schedule,
+                      max_logprobs=max_logprobs)  # fmt: skip
 
 
-def _serve(engine, requests, seeds=None, max_iters=300, samplings=None):
+def _serve(engine, requests, seeds=None, max_iters=300, samplings=None, on_update=None):
     """Runs `requests` [(arrival round, prompt, max_tokens)] FIFO through the engine: each
     iteration admits what has arrived into free slots, then runs a round. Returns each request's
     tokens and finish reason, and the slots each went to."""
@@ -62,6 +66,8 @@ def _serve(engine, requests, seeds=None, max_iters=300, samplings=None):
                 sampling=None if samplings is None else samplings[i],
             )
         for u in engine.step():
+            if on_update is not None:
+                on_update(u)
             out[u.request] += u.new_ids
             assert u.num_tokens == len(out[u.request])
             if u.finish_reason is not None:
@@ -146,6 +152,32 @@ def test_rounds_over_the_busy_rows_equal_rounds_over_all(spec_setup):
     eng.slots = 6
     assert eng.row_buckets() == [1, 2, 4, 6]
     assert eng.round_rows([5, 2, 4]) == [0, 2, 4, 5]  # padded with the first free slot
+
+
+def test_logprobs_are_the_targets(spec_setup):
+    """With max_logprobs, each emitted token comes with its log-probability under the target and
+    the k most likely tokens there, equal to the log-softmax of a full forward over the prompt
+    and the tokens before it (prefill's root, accepted drafts and bonus tokens alike; rounds over
+    busy rows and over all); greedy: the token is its own top-1. Without, none."""
+    params, cfg, *_ = spec_setup
+    eng = _engine(spec_setup, slots=3, max_logprobs=3)
+    requests = _requests(cfg.vocab_size)
+    got = {i: [] for i in range(len(requests))}
+    out, _, _ = _serve(eng, requests, on_update=lambda u: got[u.request].extend(u.logprobs))
+    assert eng.rounds < sum(m for _, _, m in requests)  # drafts were accepted
+    for i, (_, prompt, _) in enumerate(requests):
+        ids = prompt + out[i]
+        logits = tgt.full_forward(params, jnp.asarray([ids]), cfg).logits[0]
+        ref = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+        assert len(got[i]) == len(out[i])
+        for j, (tok, (lp, top)) in enumerate(zip(out[i], got[i])):
+            want = ref[len(prompt) - 1 + j]
+            assert lp == pytest.approx(want[tok], abs=2e-4), (i, j)
+            assert [t for t, _ in top][0] == tok and len(top) == 3  # greedy: its own top-1
+            np.testing.assert_allclose([x for _, x in top], np.sort(want)[::-1][:3], atol=2e-4)
+    plain_eng = _engine(spec_setup)
+    _serve(plain_eng, requests[:1], on_update=lambda u: got.__setitem__("none", u.logprobs))
+    assert got["none"] is None
 
 
 def test_one_round_program_one_admission_per_bucket(spec_setup):

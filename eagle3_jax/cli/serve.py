@@ -66,6 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "threshold], or plain: the root alone; occupancies not listed use the tree "
                    "flags' tree); or fixed: the tree flags' tree every round. Logged when it "
                    "changes; /metrics has eagle3_tree_tokens and eagle3_tree_rounds_total{tree}")  # fmt: skip
+    p.add_argument("--max-logprobs", type=int, default=None, metavar="N",
+                   help="keep each generated token's log-probability and its N most likely "
+                   "alternatives, so requests may ask for logprobs (chat: logprobs, "
+                   "top_logprobs <= N; completions: logprobs <= N); costs a log-softmax and a "
+                   "top-N over the vocabulary per token every round (default: off)")  # fmt: skip
     p.add_argument("--round-rows", choices=("busy", "all"), default="busy",
                    help="the rows a round runs: the busy slots, padded with free ones to a power "
                    "of two (the default: a round's cost follows the occupancy), or all --slots")  # fmt: skip
@@ -84,6 +89,8 @@ def check(args) -> None:
             raise Eagle3Error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
     if args.max_queue < 0:
         raise Eagle3Error(f"--max-queue {args.max_queue}: give 0 or more")
+    if args.max_logprobs is not None and not 0 <= args.max_logprobs <= 20:
+        raise Eagle3Error(f"--max-logprobs {args.max_logprobs}: give 0..20")
     if not 0 < args.port < 65536:
         raise Eagle3Error(f"--port {args.port}: give 1..65535")
     args.json, args.timing_runs, args.batch_size = None, 1, 1  # what check_settings reads
@@ -144,7 +151,8 @@ def build_engine(args, target, head, max_context) -> SlotEngine:
         )  # fmt: skip
     else:
         schedule = schedule_of(args.tree_by_occupancy, opts.tree)
-    return SlotEngine(target, head, opts, args.slots, schedule, args.round_rows == "busy")
+    return SlotEngine(target, head, opts, args.slots, schedule, args.round_rows == "busy",
+                      args.max_logprobs)  # fmt: skip
 
 
 def auto_candidates(tree, tcfg, dcfg, slots: int, context: int, device_kind: str,
@@ -190,8 +198,11 @@ def schedule_of(text: str | None, tree):
 def warm(engine: SlotEngine) -> None:
     """Compiles every program before serving, ahead of time (the compilation cache keeps them
     for the next start): the admission of each prompt bucket (`SlotEngine.compile_admissions`)
-    and the round of each tree at each row bucket (`SlotEngine.compile_rounds`); then one
-    request runs a round of each tree (the release's and the report's small programs)."""
+    and the round of each tree at each row bucket (`SlotEngine.compile_rounds`); then runs each
+    round program once, with as many one-token requests as its rows: a program's first run
+    costs ~0.3 s more than the next on a CPU, which a request would wait for and the measured
+    tree choice would take for the tree's cost (the release's and the report's small programs
+    run too)."""
     start = time.perf_counter()
     n = engine.compile_admissions()
     print(f"compiled {n} admission programs (prompts up to {engine.prompt_buckets()[-1]} "
@@ -200,11 +211,14 @@ def warm(engine: SlotEngine) -> None:
     n = engine.compile_rounds()
     print(f"compiled {n} round programs ({len(engine.schedule.trees())} trees x rows "
           f"{engine.row_buckets()}) in {time.perf_counter() - start:.1f}s", file=sys.stderr)  # fmt: skip
-    for tree in engine.schedule.trees():
-        engine.admit("warmup", [engine.pad], 3)
-        for _ in range(2):
-            if any(u.finish_reason for u in engine.step(tree)):
-                break
-        engine.release(0)
+    room = min(engine.opts.max_new_tokens, engine.max_tokens_for(1))
+    for rows in engine.row_buckets():
+        for tree in engine.schedule.trees():
+            while engine.busy() < rows:  # a row that ended (EOS, its room) is replaced
+                engine.admit("warmup", [engine.pad], room)
+            engine.step(tree)
+        for slot in range(engine.slots):
+            engine.release(slot)
     engine.current_tree = None
     engine.tree_rounds.clear()
+    engine.rounds = 0

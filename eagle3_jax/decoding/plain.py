@@ -44,6 +44,9 @@ class Shape:
     prompt_len: int  # bucketed
     slots: int  # KV cache size (bucketed)
     max_new: int  # token buffer size
+    # the speculative state keeps each emitted token's log-probability and its `logprobs` most
+    # likely alternatives (`state.TokenLogProbs`); None: none
+    logprobs: int | None = None
 
 
 def plan_shape(

@@ -348,6 +348,9 @@ class Update(NamedTuple):
     finish_reason: str | None  # "eos", "max_tokens" or "context" once the request ended, else None
     num_tokens: int  # tokens emitted so far in all
     target_forwards: int  # target passes so far, its prefill's included
+    # with the engine's max_logprobs: each new token's (log-probability, [(id, log-probability)
+    # of the max_logprobs most likely]) under the target
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class SlotEngine:
@@ -367,11 +370,14 @@ class SlotEngine:
       busy_rows: a round runs over the busy slots only, padded with free ones to the next of
         `row_buckets` (`speculative.rows_round`: the target cache read in place), so its cost
         follows the occupancy; False: every round over all B slots.
+      max_logprobs: each emitted token's log-probability under the target and its
+        `max_logprobs` most likely alternatives kept and reported (`Update.logprobs`; a
+        log-softmax and a top-k over the vocabulary at each emitted token); None: none.
     """
 
     def __init__(self, target: Target, head: Head | None, opts: DecodeOptions, slots: int,
                  schedule: TreeSchedule | MeasuredSchedule | None = None,
-                 busy_rows: bool = True):  # fmt: skip
+                 busy_rows: bool = True, max_logprobs: int | None = None):  # fmt: skip
         if slots < 1:
             raise Eagle3Error(f"slots {slots} < 1")
         # a round runs the busy slots (`row_buckets`) or all B
@@ -399,7 +405,9 @@ class SlotEngine:
         self.pad = (tcfg.pad_token_id or 0) if opts.pad_id is None else opts.pad_id
         self.eos = tuple(tcfg.eos_token_ids if opts.eos_ids is None else opts.eos_ids)
         new_buffer = plain.round_up(opts.max_new_tokens, plain.NEW_BUCKET)
-        self.shape = plain.Shape(slots, 0, cache, new_buffer)
+        if max_logprobs is not None and max_logprobs < 0:
+            raise Eagle3Error(f"max_logprobs {max_logprobs} < 0")
+        self.shape = plain.Shape(slots, 0, cache, new_buffer, logprobs=max_logprobs)
         self.models = (target.params, dparams, target.params["embed"] if embed is None else embed,
                        vocab)  # fmt: skip
         self.cfgs = (tcfg, dcfg)
@@ -623,8 +631,8 @@ class SlotEngine:
     def poll(self) -> list[Update]:
         """Each occupied slot's tokens since the last report (admitted slots: the prefill's)."""
         st = self.state
-        tokens, n, finish, fw, temp = jax.device_get(
-            (st.tokens, st.num_new, st.finish, st.forwards, st.sampling.temperature)
+        tokens, n, finish, fw, temp, lp = jax.device_get(
+            (st.tokens, st.num_new, st.finish, st.forwards, st.sampling.temperature, st.logprobs)
         )
         out = []
         for i, req in enumerate(self.owner):
@@ -632,7 +640,13 @@ class SlotEngine:
                 continue
             new = [int(t) for t in tokens[i, self.shown[i] : n[i]]]
             reason = plain.FINISH_REASONS[finish[i]] if finish[i] else None
-            out.append(Update(i, req, new, reason, int(n[i]), int(fw[i])))
+            logprobs = None
+            if lp is not None:
+                at = range(self.shown[i], int(n[i]))
+                logprobs = [(float(lp.logprob[i, j]),
+                             [(int(t), float(x)) for t, x in zip(lp.top_ids[i, j], lp.top[i, j])])
+                            for j in at]  # fmt: skip
+            out.append(Update(i, req, new, reason, int(n[i]), int(fw[i]), logprobs))
             self.shown[i] = int(n[i])
             if reason is not None:
                 self.owner[i] = None

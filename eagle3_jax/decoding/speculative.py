@@ -30,9 +30,9 @@ from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.drafters import DRAFTERS, encode_drafter, pairs_full
 from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.sampling import RowSampling, Sampling, row_sample, sample
-from eagle3_jax.decoding.state import SpecState, eos_mask, write_pending
+from eagle3_jax.decoding.state import SpecState, TokenLogProbs, eos_mask, write_pending
 from eagle3_jax.decoding.tree import TreeConfig
-from eagle3_jax.decoding.verify import Verdict, forward_tree, verify_tree
+from eagle3_jax.decoding.verify import Verdict, forward_tree, token_logprobs, verify_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask, slot_major_keys
@@ -122,6 +122,13 @@ def prefill(
         feat = out.aux
     num_new = jnp.ones((b,), jnp.int32)
     finish = jnp.where(eos_mask(root, eos_ids), 1, jnp.where(num_new >= limit_B, 2, 0))
+    logprobs = None
+    if shape.logprobs is not None:  # the root's, at emitted position 0
+        first = token_logprobs(out.logits[:, :1], root[:, None], shape.logprobs)
+        n = shape.max_new + e
+        logprobs = TokenLogProbs(
+            *(jnp.zeros((b, n) + x.shape[2:], x.dtype).at[:, :1].set(x) for x in first)
+        )
     return SpecState(
         tcache=out.cache,
         pending_kv={
@@ -151,6 +158,7 @@ def prefill(
         limit=limit_B,
         key=key,
         sampling=row_sampling,
+        logprobs=logprobs,
     )
 
 
@@ -178,6 +186,12 @@ def _commit(state: SpecState, v: Verdict, dcache, key, shape: Shape, tree: TreeC
         emit
     )
     upd = lambda new, old: jnp.where(running.reshape((b,) + (1,) * (new.ndim - 1)), new, old)  # noqa
+    logprobs = state.logprobs
+    if logprobs is not None:  # at the emitted tokens' positions, as `tokens`
+        at = (rows[:, None], state.num_new[:, None] + j)
+        logprobs = TokenLogProbs(
+            *(upd(buf.at[at].set(new), buf) for buf, new in zip(logprobs, v.logprobs))
+        )
     return dataclasses.replace(
         state,
         # the path goes to slots r .. r + depth next round (slots past r + a get padding, beyond
@@ -198,6 +212,7 @@ def _commit(state: SpecState, v: Verdict, dcache, key, shape: Shape, tree: TreeC
         verified=state.verified + v.verified * running,
         accept_hist=state.accept_hist.at[rows, a].add(running.astype(jnp.int32)),
         key=key,
+        logprobs=logprobs,
     )
 
 

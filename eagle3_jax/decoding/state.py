@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from eagle3_jax.decoding.sampling import RowSampling
 from eagle3_jax.models.layers import write_kv
+
+
+class TokenLogProbs(NamedTuple):
+    """By emitted position (the token buffer's): each emitted token's log-probability under the
+    target's own distribution (its fp32 logits' log-softmax, before temperature, top-k or top-p,
+    as vLLM reports them by default) and the ids and log-probabilities of the K most likely
+    tokens there, most likely first (`plain.Shape.logprobs` = K)."""
+
+    logprob: jax.Array  # [B, M + E] (or [B, E] for one round's path)
+    top_ids: jax.Array  # [B, M + E, K] int32
+    top: jax.Array  # [B, M + E, K]
 
 
 @jax.tree_util.register_dataclass
@@ -58,6 +69,7 @@ class SpecState:
     limit: jax.Array  # [B] max new tokens (a runtime value: no recompile per limit)
     key: jax.Array  # the PRNG key (sampling): [2] for the batch, or [B, 2] a row each (slots.py)
     sampling: RowSampling  # [B] each row's temperature, top-k, top-p (runtime values)
+    logprobs: TokenLogProbs | None = None  # kept where the program's Shape.logprobs is set
 
 
 def map_cache(fn: Callable, *caches: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import numpy as np
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.sampling import RowSampling, Sampling, log_probs, row_log_probs
-from eagle3_jax.decoding.state import SpecState, gather_path
+from eagle3_jax.decoding.state import SpecState, TokenLogProbs, gather_path
 from eagle3_jax.decoding.tree import Tree, TreeConfig, prune_tree
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
@@ -199,6 +199,7 @@ class Verdict(NamedTuple):
     bonus: jax.Array  # [B] the target's token after the path
     path_kv: dict[str, Any]  # the path's K/V [L, B, E, G, K] (padding repeats its last node)
     enc_feat: jax.Array  # [B, E, F] the path nodes' target aux features (next round's pairs)
+    logprobs: TokenLogProbs | None  # [B, E]: the emitted tokens' (Shape.logprobs set), else None
     verified: jax.Array  # [] tree tokens the target ran, root included
 
 
@@ -227,7 +228,24 @@ def _check(
         if tout.aux is None
         else jnp.take_along_axis(tout.aux, acc.path[:, :, None], axis=1)
     )
-    return acc.length, path_tok, bonus, path_kv, enc_feat
+    logprobs = None
+    if shape.logprobs is not None:  # token j of the round comes from path node j's logits
+        emit = jnp.where(jnp.arange(e)[None] < acc.length[:, None], path_tok, bonus[:, None])
+        logits = jnp.take_along_axis(tout.logits, acc.path[:, :, None], axis=1)
+        logprobs = token_logprobs(logits, emit, shape.logprobs)
+    return acc.length, path_tok, bonus, path_kv, enc_feat, logprobs
+
+
+def token_logprobs(logits_BEV: jax.Array, tokens_BE: jax.Array, k: int) -> TokenLogProbs:
+    """`TokenLogProbs` of tokens [B, E] under logits [B, E, V] (fp32 log-softmax), with the k
+    most likely tokens at each."""
+    lp = jax.nn.log_softmax(logits_BEV.astype(jnp.float32), axis=-1)
+    own = jnp.take_along_axis(lp, tokens_BE[..., None], axis=-1)[..., 0]
+    if k == 0:
+        b, e = tokens_BE.shape
+        return TokenLogProbs(own, jnp.zeros((b, e, 0), jnp.int32), jnp.zeros((b, e, 0)))
+    top, ids = jax.lax.top_k(lp, k)
+    return TokenLogProbs(own, ids.astype(jnp.int32), top)
 
 
 def verify_tree(

@@ -152,6 +152,9 @@ class Server:
         n = _int(body, "n", 1, 1)
         if n != 1:
             raise BadRequest("n: this server returns one choice (n = 1)", "n")
+        for name, served in (("echo", False), ("best_of", 1), ("suffix", None)):
+            if body.get(name) not in (None, served) and not chat:
+                raise BadRequest(f"{name}: not served here", name)
         sampling = self._sampling(body)
         names = ["max_tokens"] + (["max_completion_tokens"] if chat else [])
         given = [m for m in names if body.get(m) is not None]
@@ -178,7 +181,55 @@ class Server:
             "stream": stream,
             "usage_chunk": bool(opts.get("include_usage")),
             "token_ids": bool(body.get("return_token_ids")),
+            "logprobs": self._logprobs(body, chat),
         }
+
+    def _logprobs(self, body: dict, chat: bool) -> int | None:
+        """How many alternatives each token's log-probability comes with (None: no
+        log-probabilities): chat's `logprobs` (true/false) and `top_logprobs` (0..20), the
+        completions' `logprobs` (0..20), at most the server's --max-logprobs."""
+        if chat:
+            wanted = body.get("logprobs")
+            if wanted not in (None, True, False):
+                raise BadRequest("logprobs must be true or false", "logprobs")
+            top = body.get("top_logprobs")
+            if top is not None and not wanted:
+                raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            k, name = (_int(body, "top_logprobs", 0, 0) if wanted else None), "top_logprobs"
+        else:
+            k, name = body.get("logprobs"), "logprobs"
+            if k is not None:
+                k = _int(body, "logprobs", 0, 0)
+        if k is None:
+            return None
+        kept = self.engine.shape.logprobs
+        if kept is None:
+            raise BadRequest("logprobs: this server keeps none; start it with --max-logprobs N",
+                             "logprobs")  # fmt: skip
+        if k > min(kept, 20):
+            raise BadRequest(f"{name} {k}: at most {min(kept, 20)} here (--max-logprobs)", name)
+        return k
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
+    def logprobs_body(self, chat: bool, ids, lps, k: int) -> dict:
+        """OpenAI's `logprobs` of a choice for these ids and their (log-probability, top
+        alternatives, text offset): chat's {"content": [{token, logprob, bytes, top_logprobs}]},
+        or the completions' {tokens, token_logprobs, top_logprobs, text_offset} (where each
+        token's text starts in the completion's, as decoding the ids before it gives)."""
+        texts = [self.token_text(i) for i in ids]
+        tops = [[(self.token_text(t), x) for t, x in alts[:k]] for _, alts, _ in lps]
+        if chat:
+            return {"content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()),
+                 "top_logprobs": [{"token": a, "logprob": x, "bytes": list(a.encode())}
+                                  for a, x in top]}
+                for t, (lp, _, _), top in zip(texts, lps, tops)
+            ]}  # fmt: skip
+        return {"tokens": texts, "token_logprobs": [lp for lp, _, _ in lps],
+                "top_logprobs": [dict(top) for top in tops],
+                "text_offset": [at for _, _, at in lps]}  # fmt: skip
 
     def _sampling(self, body: dict) -> Sampling:
         """The request's temperature (0: greedy; at most 2, OpenAI's range), top_p (0, 1] and
@@ -247,9 +298,10 @@ class Server:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    async def run(self, req: dict, request: Request) -> AsyncIterator[tuple[str, list, str | None]]:
-        """Queues the request and yields (new text, new ids, OpenAI finish reason or None) as
-        rounds produce them; cancels it when the consumer stops early (a disconnect)."""
+    async def run(self, req: dict, request: Request) -> AsyncIterator[tuple]:
+        """Queues the request and yields (new text, new ids, OpenAI finish reason or None, the
+        new ids' log-probabilities or None) as rounds produce them; cancels it when the consumer
+        stops early (a disconnect)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         job = Job(uuid.uuid4().hex, req["prompt"], req["max_tokens"], req["seed"],
@@ -257,6 +309,7 @@ class Server:
                   sampling=req["sampling"])  # fmt: skip
         self.scheduler.submit(job)
         ids: list[int] = []
+        lps: list = []  # the ids' (log-probability, top alternatives, text offset)
         sent, unsent = 0, 0  # characters sent; ids not yet sent with them
         hold = max((len(s) for s in req["stop"]), default=1) - 1
         done = False
@@ -272,6 +325,9 @@ class Server:
                     raise RuntimeError(ev.finish_reason)
                 if ev.finish_reason == "cancelled":
                     raise RuntimeError("cancelled by the server")
+                if req["logprobs"] is not None:  # each with its offset in the text
+                    lps += [(lp, top, len(self.text(ids + ev.new_ids[:j])))
+                            for j, (lp, top) in enumerate(ev.logprobs or [])]  # fmt: skip
                 ids += ev.new_ids
                 text = self.text(ids)
                 reason = FINISH.get(ev.finish_reason) if ev.finish_reason else None
@@ -288,7 +344,8 @@ class Server:
                 done = reason is not None
                 unsent += len(ev.new_ids)
                 if end > sent or done:
-                    yield text[sent : max(end, sent)], ids[len(ids) - unsent :], reason
+                    new_lps = lps[len(lps) - unsent :] if req["logprobs"] is not None else None
+                    yield text[sent : max(end, sent)], ids[len(ids) - unsent :], reason, new_lps
                     sent, unsent = max(end, sent), 0
         finally:
             if not done:
@@ -369,33 +426,34 @@ def _usage(req: dict, ids: list[int]) -> dict:
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
 
-def _choice(chat: bool, text: str, reason, ids, req, delta: bool) -> dict:
+def _choice(server, chat: bool, text: str, reason, ids, req, delta: bool, lps=None) -> dict:
     if chat and delta:
         body = {"delta": {"content": text}}
     elif chat:
         body = {"message": {"role": "assistant", "content": text}}
     else:
         body = {"text": text}
-    out = {"index": 0, **body, "finish_reason": reason}
-    if not chat:
-        out["logprobs"] = None
+    out = {"index": 0, **body, "logprobs": None, "finish_reason": reason}
+    if req["logprobs"] is not None:
+        out["logprobs"] = server.logprobs_body(chat, ids, lps, req["logprobs"])
     if req["token_ids"]:
         out["token_ids"] = ids
     return out
 
 
 async def _whole(server: Server, req, rid, chat, first, gen) -> JSONResponse:
-    parts, ids, reason = [first[0]], list(first[1]), first[2]
-    async for text, new, why in gen:
+    parts, ids, reason, lps = [first[0]], list(first[1]), first[2], list(first[3] or [])
+    async for text, new, why, new_lps in gen:
         parts.append(text)
         ids += new
+        lps += new_lps or []
         reason = why
     obj = "chat.completion" if chat else "text_completion"
     server.m_requests.labels(reason or "none").inc()
+    choice = _choice(server, chat, "".join(parts), reason, ids, req, False, lps)
     return JSONResponse({
         "id": rid, "object": obj, "created": int(time.time()), "model": server.model_name,
-        "choices": [_choice(chat, "".join(parts), reason, ids, req, delta=False)],
-        "usage": _usage(req, ids),
+        "choices": [choice], "usage": _usage(req, ids),
     })  # fmt: skip
 
 
@@ -418,9 +476,9 @@ async def _sse(server: Server, req, rid, chat, first, gen) -> AsyncIterator[str]
     try:
         item = first
         while item is not None:
-            text, new, reason = item
+            text, new, reason, lps = item
             ids += new
-            yield chunk([_choice(chat, text, reason, new, req, delta=True)])
+            yield chunk([_choice(server, chat, text, reason, new, req, True, lps)])
             item = await anext(gen, None)
     except RuntimeError as e:
         yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"

@@ -41,6 +41,7 @@ class Event(NamedTuple):
     new_ids: list[int]
     finish_reason: str | None
     target_forwards: int = 0
+    logprobs: list | None = None  # one (log-probability, top alternatives) a new id (slots.Update)
 
 
 @dataclasses.dataclass
@@ -213,4 +214,4 @@ class Scheduler:
                 self.stats.finished[u.finish_reason] += 1
                 self.stats.target_forwards += u.target_forwards
                 self.stats.latency.append(now - job.arrived)
-            job.deliver(Event(u.new_ids, u.finish_reason, u.target_forwards))
+            job.deliver(Event(u.new_ids, u.finish_reason, u.target_forwards, u.logprobs))
