@@ -308,7 +308,6 @@ class EngineRun:
         self.engine = serve.build_engine(self.args, *(loaded or _load(serve_args)))
         serve.warm(self.engine)
         self.scheduler = Scheduler(self.engine, max_queue=len(prompts) + 64).start()
-        engine_closed_loop(self.scheduler, prompts, 1, 2)  # the first rounds of every tree
 
     def level(self, clients: int, max_tokens: int) -> dict:
         """One closed-loop level; τ from the scheduler's counts (tokens per target pass of the

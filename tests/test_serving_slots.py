@@ -107,13 +107,13 @@ def test_staggered_greedy_equals_alone(spec_setup, method, tree):
         assert eng.rounds < sum(m for _, _, m in requests)
 
 
-@pytest.mark.parametrize("data, model", [(1, 2), (2, 2)])
-def test_slots_on_a_mesh_equal_one_device(spec_setup, hf_checkpoint, data, model):
-    """`serve --mesh`: the target tensor-parallel over `model` (the head replicated), 4 slots'
-    rows over `data`; the staggered requests give the tokens of one device, and the state keeps
-    its layout (`SlotEngine.state_shardings`: the target cache's kv heads over model, every
-    field's rows over data) through admissions and rounds, which propagation alone left
-    replicated over data."""
+def test_slots_on_a_mesh_equal_one_device(spec_setup, hf_checkpoint):
+    """`serve --mesh 2x2`: the target tensor-parallel over `model` (the head replicated), 4
+    slots' rows over `data`; the staggered requests give the tokens of one device, and the state
+    keeps its layout (`SlotEngine.state_shardings`: the target cache's kv heads over model,
+    every field's rows over data) through admissions and rounds (over the busy rows and over
+    all), which propagation alone left replicated over data."""
+    data, model = 2, 2
     params, cfg, dparams, dcfg, vocab = spec_setup
     _, path = hf_checkpoint("llama")
     mesh = make_mesh(data, model, devices=jax.devices()[: data * model])
@@ -128,7 +128,7 @@ def test_slots_on_a_mesh_equal_one_device(spec_setup, hf_checkpoint, data, model
                                 jax.tree.leaves(layout)):  # fmt: skip
         assert arr.sharding.is_equivalent_to(sh, arr.ndim), (jax.tree_util.keystr(where), sh)
     k = eng.state.tcache["k"][0].sharding.spec
-    assert k[:2] == ("data" if data > 1 else None, "model"), k
+    assert k[:2] == ("data", "model"), k
 
 
 def test_rounds_over_the_busy_rows_equal_rounds_over_all(spec_setup):
@@ -165,10 +165,13 @@ def test_logprobs_are_the_targets(spec_setup):
     got = {i: [] for i in range(len(requests))}
     out, _, _ = _serve(eng, requests, on_update=lambda u: got[u.request].extend(u.logprobs))
     assert eng.rounds < sum(m for _, _, m in requests)  # drafts were accepted
+    seqs = [p + out[i] for i, (_, p, _) in enumerate(requests)]
+    width = max(map(len, seqs))  # one batch, right-padded: a causal forward, one compile
+    batch = jnp.asarray([q + [0] * (width - len(q)) for q in seqs])
+    logits = tgt.full_forward(params, batch, cfg).logits
+    refs = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
     for i, (_, prompt, _) in enumerate(requests):
-        ids = prompt + out[i]
-        logits = tgt.full_forward(params, jnp.asarray([ids]), cfg).logits[0]
-        ref = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+        ref = refs[i]
         assert len(got[i]) == len(out[i])
         for j, (tok, (lp, top)) in enumerate(zip(out[i], got[i])):
             want = ref[len(prompt) - 1 + j]
@@ -381,6 +384,17 @@ def test_measured_schedule_holds_a_small_lead_through_noisy_acceptance(unlucky):
         assert took_over < 600 and tree_rounds > 0.75 * 3000, (took_over, tree_rounds)
     else:
         assert plain_settled < 150, plain_settled  # 5 %
+
+
+def test_capped_rounds_are_timed_but_say_nothing_of_the_tree():
+    """A round where a row stopped at its max_tokens (or the context) counts for the time, not
+    for the tokens per row; a candidate with only such rounds stays young (tried in turn)."""
+    s = MeasuredSchedule([TREE, PLAIN], min_rounds=1)
+    s.observe(1, TREE, 3, 0.1)
+    s.observe(1, TREE, 1, 0.1, capped=True)  # a request of one more token
+    assert s.tokens_per_row(TREE) == 3 and s.stats[(1, TREE)][0] == 2
+    s.observe(1, PLAIN, 1, 0.04, capped=True)
+    assert s.tokens_per_row(PLAIN) is None and s.tree_for(1) == PLAIN  # still to be measured
 
 
 def test_measured_schedule_parse():

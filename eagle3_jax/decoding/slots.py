@@ -294,7 +294,8 @@ class MeasuredSchedule:
 
     def tree_for(self, occupied: int) -> TreeConfig:
         seen = {t: self.stats.get((occupied, t), [0])[0] for t in self.candidates}
-        young = [t for t in self.candidates if seen[t] < self.min_rounds]
+        young = [t for t in self.candidates
+                 if seen[t] < self.min_rounds or self.tokens_per_row(t) is None]  # fmt: skip
         if young:  # every candidate measured first, the least seen next
             return min(young, key=lambda t: seen[t])
         best = max(self.candidates, key=lambda t: self.rate(occupied, t))
@@ -323,20 +324,26 @@ class MeasuredSchedule:
                 return t
         return best
 
-    def observe(self, occupied: int, tree: TreeConfig, tokens: int, seconds: float) -> None:
-        """One round's outcome: `tokens` emitted by `occupied` busy slots in `seconds`."""
+    def observe(self, occupied: int, tree: TreeConfig, tokens: int, seconds: float,
+                capped: bool = False) -> None:  # fmt: skip
+        """One round's outcome: `tokens` emitted by `occupied` busy slots in `seconds`;
+        `capped`: a row stopped at its max_tokens or the context, so the round's tokens say
+        less of the tree than of the request (timed, but not in the tokens per row: a sweep's
+        requests of 2 tokens made every tree look like plain rounds)."""
         st = self.stats.setdefault((occupied, tree), [0, 0.0])
         w = 1.0 if st[0] == 0 else max(self.smoothing, 1.0 / (st[0] + 1))
         st[0] += 1
         st[1] += w * (seconds - st[1])
+        self._last[(occupied, tree)] = self._rounds[occupied]
+        self._rounds[occupied] += 1
+        if capped:
+            return
         got = self.emitted.setdefault(tree, [0.0, 0.0, 0.0])  # tokens, their squares, rows
         keep = (1.0 - self.tau_smoothing) ** occupied
         per_row = tokens / occupied
         got[0] = got[0] * keep + tokens
         got[1] = got[1] * keep + occupied * per_row * per_row
         got[2] = got[2] * keep + occupied
-        self._last[(occupied, tree)] = self._rounds[occupied]
-        self._rounds[occupied] += 1
 
 
 class Update(NamedTuple):
@@ -607,7 +614,7 @@ class SlotEngine:
         running = [i for i, o in enumerate(self.owner) if o is not None]
         if not running:
             return []
-        finish = np.asarray(jax.device_get(self.state.finish))
+        finish, before = jax.device_get((self.state.finish, self.state.num_new))
         if not any(finish[i] == 0 for i in running):
             return self.poll()
         measured = tree is None and isinstance(self.schedule, MeasuredSchedule)
@@ -623,9 +630,11 @@ class SlotEngine:
         self.rounds += 1
         self.tree_rounds[tree_name(tree)] += 1
         updates = self.poll()  # waits for the round
-        if measured:
-            self.schedule.observe(len(running), tree, sum(len(u.new_ids) for u in updates),
-                                  time.perf_counter() - start)  # fmt: skip
+        if measured:  # the round's own tokens (not a new row's prefill token)
+            tokens = sum(u.num_tokens - int(before[u.slot]) for u in updates)
+            capped = any(u.finish_reason in ("max_tokens", "context") for u in updates)
+            self.schedule.observe(len(running), tree, tokens, time.perf_counter() - start,
+                                  capped)  # fmt: skip
         return updates
 
     def poll(self) -> list[Update]:
