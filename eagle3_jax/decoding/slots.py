@@ -47,6 +47,7 @@ import logging
 import math
 import os
 import re
+import statistics
 import time
 from typing import NamedTuple
 
@@ -207,8 +208,11 @@ class MeasuredSchedule:
     while a clearly worse candidate costs under ~1 % of the rounds.
 
     A candidate's rate at n busy slots is n x its tokens per busy row and round over its
-    seconds per round at n. The seconds are a mean over its rounds at that occupancy,
-    exponentially weighted once it has 1 / `smoothing` of them (`smoothing` on the newest); the
+    seconds per round at n. The seconds are the median of its first 1 / `smoothing` rounds at
+    that occupancy, then a mean exponentially weighted (`smoothing` on the newest) where a round
+    counts at most 3 times the mean: on the CPU the first run of each verified size (a branch of
+    adaptive verification's switch) took 150-300 ms more than the next, which a plain mean of 3
+    rounds took for the tree's cost; the
     tokens per row are the candidate's over every occupancy, forgotten at `tau_smoothing` a row
     and round: a round's accepted tokens vary far more than its time (0-4 of a 2/3/4 tree's),
     and pooled over the occupancies they are known from many more rounds, where one occupancy's
@@ -237,7 +241,7 @@ class MeasuredSchedule:
         self.candidates = list(dict.fromkeys(candidates))
         self.min_rounds, self.explore_every, self.smoothing = min_rounds, explore_every, smoothing
         self.margin, self.tau_smoothing = margin, tau_smoothing
-        # (occupancy, tree) -> [rounds seen, mean seconds per round]
+        # (occupancy, tree) -> [rounds seen, seconds per round, the first rounds' seconds]
         self.stats: dict[tuple[int, TreeConfig], list[float]] = {}
         # tree -> [tokens, sum of squared tokens per row, busy rows x rounds], forgotten at
         # tau_smoothing a row and round
@@ -330,10 +334,14 @@ class MeasuredSchedule:
         `capped`: a row stopped at its max_tokens or the context, so the round's tokens say
         less of the tree than of the request (timed, but not in the tokens per row: a sweep's
         requests of 2 tokens made every tree look like plain rounds)."""
-        st = self.stats.setdefault((occupied, tree), [0, 0.0])
-        w = 1.0 if st[0] == 0 else max(self.smoothing, 1.0 / (st[0] + 1))
+        st = self.stats.setdefault((occupied, tree), [0, 0.0, []])
         st[0] += 1
-        st[1] += w * (seconds - st[1])
+        if st[0] <= 1 / self.smoothing:  # the median of the first rounds
+            st[2].append(seconds)
+            st[1] = statistics.median(st[2])
+        else:  # then weighted, a round counted at most 3 times the mean
+            st[2] = []
+            st[1] += self.smoothing * (min(seconds, 3 * st[1]) - st[1])
         self._last[(occupied, tree)] = self._rounds[occupied]
         self._rounds[occupied] += 1
         if capped:
