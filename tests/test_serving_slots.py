@@ -185,10 +185,12 @@ def test_logprobs_are_the_targets(spec_setup):
 
 def test_one_round_program_one_admission_per_bucket(spec_setup):
     """A second engine of the same shape compiles nothing; a prompt in a new bucket compiles one
-    admission, never another round."""
+    admission, never another round. (The first engine serves the staggered requests, which
+    run 1, 2 and 3 busy rows: every row bucket's round; with two requests it ran none at 3, and
+    the test passed only after another test had compiled that round.)"""
     cfg = spec_setup[1]
     first = _engine(spec_setup)
-    _serve(first, _requests(cfg.vocab_size)[:2])
+    _serve(first, _requests(cfg.vocab_size))
     before = first.compiles()
     eng = _engine(spec_setup)
     _serve(eng, _requests(cfg.vocab_size, [(0, 4, 3), (1, 40, 5), (1, 20, 2)]))
