@@ -354,6 +354,14 @@ class MeasuredSchedule:
         got[2] = got[2] * keep + occupied
 
 
+def _compile_ahead(calls: list[tuple], threads: int = 0) -> int:
+    """Lowers and compiles each (jitted function, its arguments) of `calls` without running
+    it, `threads` at once (default: one per CPU); returns how many."""
+    with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+        list(pool.map(lambda call: call[0].lower(*call[1]).compile(), calls))
+    return len(calls)
+
+
 class Update(NamedTuple):
     """What one occupied slot produced since the last report."""
 
@@ -540,12 +548,9 @@ class SlotEngine:
     def compile_rounds(self, threads: int = 0) -> int:
         """Compiles the round of every tree of the schedule at every row bucket ahead of time
         (as `compile_admissions` does the admissions); returns how many programs."""
-        calls = [self._round_call(t, None if n == self.slots else list(range(n)))
-                 for t in self.schedule.trees() for n in self.row_buckets()]  # fmt: skip
-        workers = threads or os.cpu_count() or 1
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda c: c[0].lower(*c[1]).compile(), calls))
-        return len(calls)
+        return _compile_ahead([self._round_call(t, None if n == self.slots else list(range(n)))
+                               for t in self.schedule.trees() for n in self.row_buckets()],
+                              threads)  # fmt: skip
 
     def free_slots(self) -> list[int]:
         return [i for i, o in enumerate(self.owner) if o is None]
@@ -596,15 +601,8 @@ class SlotEngine:
         up every running request); `threads` compile at once (default: one per CPU). Nothing
         runs: the state is untouched. Returns how many programs it compiled or found."""
         buckets = self.prompt_buckets() if buckets is None else buckets
-        calls = [self._admit_args(0, [self.pad] * n, 1) for n in buckets]
-
-        def one(args):
-            admit_row.lower(*args).compile()
-
-        workers = threads or os.cpu_count() or 1
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(one, calls))
-        return len(calls)
+        return _compile_ahead([(admit_row, self._admit_args(0, [self.pad] * n, 1))
+                               for n in buckets], threads)  # fmt: skip
 
     def release(self, slot: int) -> None:
         """Frees `slot` now (its request is dropped: a disconnect, a stop string); its row rides

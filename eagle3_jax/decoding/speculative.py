@@ -32,7 +32,13 @@ from eagle3_jax.decoding.plain import Shape
 from eagle3_jax.decoding.sampling import RowSampling, Sampling, row_sample, sample
 from eagle3_jax.decoding.state import SpecState, TokenLogProbs, eos_mask, write_pending
 from eagle3_jax.decoding.tree import TreeConfig
-from eagle3_jax.decoding.verify import Verdict, forward_tree, token_logprobs, verify_tree
+from eagle3_jax.decoding.verify import (
+    Verdict,
+    emitted,
+    forward_tree,
+    token_logprobs,
+    verify_tree,
+)
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask, slot_major_keys
@@ -170,7 +176,7 @@ def _commit(state: SpecState, v: Verdict, dcache, key, shape: Shape, tree: TreeC
     rows, j = jnp.arange(b), jnp.arange(e)[None, :]
     running = state.finish == 0
     r, a = state.length, v.accepted
-    emit = jnp.where(j < a[:, None], v.path_tok, v.bonus[:, None])
+    emit = emitted(v.path_tok, v.bonus, a)
     is_eos = eos_mask(emit, eos_ids) & (j <= a[:, None])
     has_eos = jnp.any(is_eos, axis=1)
     count = jnp.where(has_eos, jnp.argmax(is_eos, axis=1) + 1, a + 1)
@@ -270,8 +276,9 @@ def _draft_verify_commit(tparams, dparams, embed, vocab, state: SpecState, tcfg,
 
 def _row_axes(state: SpecState) -> SpecState:
     """Each field's row axis, as a SpecState of ints: 1 for the pending K/V [L, B, E, G, K], 0
-    for the rest (the draft's one-layer cache [B, ...] included); not for the target cache."""
-    axes = jax.tree.map(lambda _: 0, dataclasses.replace(state, tcache={}))
+    for the rest (the draft's one-layer cache [B, ...] included); `state` holds no target
+    cache (`_rows_round` keeps it out)."""
+    axes = jax.tree.map(lambda _: 0, state)
     return dataclasses.replace(axes, pending_kv={n: 1 for n in state.pending_kv})
 
 

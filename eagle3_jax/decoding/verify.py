@@ -230,10 +230,17 @@ def _check(
     )
     logprobs = None
     if shape.logprobs is not None:  # token j of the round comes from path node j's logits
-        emit = jnp.where(jnp.arange(e)[None] < acc.length[:, None], path_tok, bonus[:, None])
+        emit = emitted(path_tok, bonus, acc.length)
         logits = jnp.take_along_axis(tout.logits, acc.path[:, :, None], axis=1)
         logprobs = token_logprobs(logits, emit, shape.logprobs)
     return acc.length, path_tok, bonus, path_kv, enc_feat, logprobs
+
+
+def emitted(path_tok_BE: jax.Array, bonus_B: jax.Array, accepted_B: jax.Array) -> jax.Array:
+    """The tokens a round emits [B, E]: the accepted drafted ones, then the bonus (repeated
+    past it, where `_commit` cuts)."""
+    j = jnp.arange(path_tok_BE.shape[1])[None, :]
+    return jnp.where(j < accepted_B[:, None], path_tok_BE, bonus_B[:, None])
 
 
 def token_logprobs(logits_BEV: jax.Array, tokens_BE: jax.Array, k: int) -> TokenLogProbs:
