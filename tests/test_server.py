@@ -188,6 +188,39 @@ def test_each_request_samples_as_it_asks(served):
     assert 'eagle3_tree_rounds_total{tree="3/3/9"}' in text
 
 
+def test_n_choices_whole_and_streamed(served):
+    """n = 3 greedy choices each equal decoding alone, with usage over all three; n = 2 sampled
+    with seed 7 streamed: choice i equals decoding alone with seed 7 + i, and the streamed
+    chunks, gathered by their index, equal the whole response. 4 choices for 3 slots: the last
+    waits for one of the others' slot."""
+    srv, target, head, scheduler = served
+    prompt = random_prompts(target.cfg.vocab_size, [7], seed=17)[0]
+    body = {"prompt": prompt, "max_tokens": 9, "n": 3, "return_token_ids": True}
+    status, _, out = _post(srv, "/v1/completions", body)
+    assert status == 200, out
+    alone = _alone(served, prompt, 9)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert all(c["token_ids"] == alone for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 27
+    sampled = {"prompt": prompt, "max_tokens": 9, "n": 4, "temperature": 0.9, "seed": 7,
+               "return_token_ids": True}  # fmt: skip
+    status, _, whole = _post(srv, "/v1/completions", sampled)
+    p, c, dp, dc, v = target.params, target.cfg, *head[:3]
+    for i, choice in enumerate(whole["choices"]):
+        want = spec_generate(p, c, dp, dc, v, [prompt], 9, TREE, eos_ids=(), seed=7 + i,
+                             sampling=Sampling(0.9, 0, 1.0)).output_ids[0]  # fmt: skip
+        assert choice["token_ids"] == want, i
+    status, _, lines = _post(srv, "/v1/completions", sampled | {"stream": True})
+    chunks = [json.loads(ln[6:])["choices"] for ln in lines[:-1]]
+    assert all(len(cs) == 1 for cs in chunks)
+    for i, choice in enumerate(whole["choices"]):
+        mine = [cs[0] for cs in chunks if cs[0]["index"] == i]
+        assert [t for m in mine for t in m["token_ids"]] == choice["token_ids"]
+        assert "".join(m["text"] for m in mine) == choice["text"]
+        assert mine[-1]["finish_reason"] == "length"
+    assert scheduler.busy() == 0 and scheduler.waiting() == 0
+
+
 def test_stop_string_ends_the_request(served):
     srv, target, _, _ = served
     prompt = random_prompts(target.cfg.vocab_size, [8], seed=11)[0]
@@ -222,7 +255,8 @@ def test_stop_string_ends_the_request(served):
         ({"prompt": [5, 500]}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [5], "stop": 3}, "stop"),
-        ({"prompt": [5], "n": 2}, "n"),
+        ({"prompt": [5], "n": 9}, "n"),  # more than the queue holds
+        ({"prompt": [5], "seed": 2**63}, "seed"),
         ({"prompt": [5], "stream": "yes"}, "stream"),
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
@@ -304,6 +338,9 @@ def test_full_queue_429_and_draining_503(spec_setup, served):
     _, target, head, _ = served
     engine = served[3].engine
     idle = Scheduler(engine, max_queue=1)  # not started: nothing leaves the queue
+    with pytest.raises(QueueFull):  # a request's choices queue together or not at all
+        idle.submit(*(Job(c, [5], 3, 0, lambda ev: None) for c in "xy"))
+    assert idle.waiting() == 0
     idle.submit(Job("a", [5], 3, 0, lambda ev: None))
     with pytest.raises(QueueFull):
         idle.submit(Job("b", [5], 3, 0, lambda ev: None))
@@ -320,6 +357,22 @@ def test_full_queue_429_and_draining_503(spec_setup, served):
         assert e.value.code == 503
     finally:
         srv.stop()
+
+
+def test_a_request_the_engine_cannot_admit_is_told_and_the_engine_goes_on(served):
+    """An admission that raises (a seed past what a PRNG key takes, which the API refuses
+    first) ends that request with an error event; the engine thread serves the next one."""
+    srv, target, _, scheduler = served
+    got = []
+    scheduler.submit(Job("bad", [5, 6], 3, 2**70, got.append))
+    for _ in range(100):
+        if got:
+            break
+        time.sleep(0.05)
+    assert got and got[0].finish_reason.startswith("error: OverflowError")
+    assert scheduler.alive
+    status, _, out = _post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 3})
+    assert status == 200 and out["usage"]["completion_tokens"] == 3
 
 
 def _slowed(monkeypatch, engine, seconds=0.15):
@@ -578,3 +631,33 @@ def test_the_shipped_model_served_equals_decoding_alone():
         alone = generate_ids(target, head, [ids], opts).output_ids[0]
         assert got == alone, i
     assert "eagle3_tree_rounds_total{tree=" in metrics
+
+
+@pytest.mark.slow
+def test_http_sweep_interleaves_two_servers(tiny_target_dir, tmp_path):
+    """benchmarks/serving.py --sweep over HTTP at a toy shape (the tiny target, prompt lookup
+    standing in for EAGLE-3, 2 slots): both servers up side by side, each level run twice by
+    each in alternating order, every greedy output equal to decoding alone, both servers exit 0
+    on SIGTERM."""
+    pytest.importorskip("openai")
+    import os
+
+    from helpers import load_script
+
+    bench = load_script("benchmarks/serving.py")
+    out = tmp_path / "sweep.json"
+    serve_args = (f"--target {tiny_target_dir} --method pld --slots 2 --max-context 256 "
+                  "--depth 3")  # fmt: skip
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    argv = ["--sweep", "--repeats", "2", "--concurrency", "1", "3", "--requests", "3",
+            "--max-tokens", "6", "--bench", "gsm8k", "--serve-args", serve_args, "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    for name in ("eagle3", "plain"):
+        run = result["runs"][name]
+        assert run["exit_code"] == 0
+        for level in run["levels"]:
+            s = level["summary"]
+            assert len(s["repeats"]) == 2 and s["requests"] == 6
+            assert s["equal_to_alone"] == 6 and s["tree_rounds"]
+    assert [len(r["pair_speedups"]) for r in result["table"]] == [2, 2]

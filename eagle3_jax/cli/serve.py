@@ -87,8 +87,8 @@ def check(args) -> None:
     for name in ("slots", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise Eagle3Error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
-    if args.max_queue < 0:
-        raise Eagle3Error(f"--max-queue {args.max_queue}: give 0 or more")
+    if args.max_queue < 1:  # every request waits in the queue, if only until the next round
+        raise Eagle3Error(f"--max-queue {args.max_queue}: give 1 or more")
     if args.max_logprobs is not None and not 0 <= args.max_logprobs <= 20:
         raise Eagle3Error(f"--max-logprobs {args.max_logprobs}: give 0..20")
     if not 0 < args.port < 65536:

@@ -5,11 +5,12 @@ Request bodies are checked field by field before anything is queued; a bad one i
 with OpenAI's error body naming the field (`error.param`). A full queue is 429 and a draining
 server 503, both with Retry-After. Each request's sampling settings (`temperature`, `top_p`,
 `top_k`, `seed`; default the server's flags) are its own: the engine keeps them per slot, with no
-compile per setting. Text comes from the
-target's tokenizer, decoded from all of a request's ids so far (a streamed delta is the new
-suffix; an incomplete UTF-8 character, or what could be the start of a stop string, is held back
-until it is complete). A client that goes away has its request cancelled: its slot is freed before
-the next round.
+compile per setting. Text comes from the target's tokenizer: the text of all of a request's ids
+so far, decoded incrementally (`detokenize.IncrementalText`). A streamed delta is the new suffix;
+an incomplete UTF-8 character, or what could be the start of a stop string, is held back until
+it is complete. A client that goes away has its request cancelled: its slot is freed before the
+next round. `n` choices are n requests to the engine, queued together (choice i samples from
+seed + i) and streamed as their tokens come, each chunk naming its choice's index.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.prompts import encode_chat
+from eagle3_jax.serving.detokenize import IncrementalText
 from eagle3_jax.serving.scheduler import Draining, Event, Job, QueueFull, Scheduler
 
 FINISH = {"eos": "stop", "max_tokens": "length", "context": "length"}
@@ -150,8 +152,8 @@ class Server:
         else:
             prompt = self._prompt(body.get("prompt"))
         n = _int(body, "n", 1, 1)
-        if n != 1:
-            raise BadRequest("n: this server returns one choice (n = 1)", "n")
+        if n > self.scheduler.max_queue:
+            raise BadRequest(f"n {n}: at most {self.scheduler.max_queue} here (--max-queue)", "n")
         for name, served in (("echo", False), ("best_of", 1), ("suffix", None)):
             if body.get(name) not in (None, served) and not chat:
                 raise BadRequest(f"{name}: not served here", name)
@@ -166,6 +168,8 @@ class Server:
             param = given[-1] if given else "messages" if chat else "prompt"
             raise BadRequest(str(e), param) from None
         seed = _int(body, "seed", 0, 0)
+        if seed >= 2**63:
+            raise BadRequest(f"seed {seed}: give 0 .. 2**63 - 1", "seed")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("stream must be true or false", "stream")
@@ -174,6 +178,7 @@ class Server:
             raise BadRequest("stream_options must be an object", "stream_options")
         return {
             "prompt": prompt,
+            "n": n,
             "max_tokens": max_tokens,
             "seed": seed,
             "sampling": sampling,
@@ -293,22 +298,29 @@ class Server:
 
     # ------------------------------------------------------------------ running one
 
-    def text(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    async def run(self, req: dict, request: Request) -> AsyncIterator[tuple]:
-        """Queues the request and yields (new text, new ids, OpenAI finish reason or None, the
-        new ids' log-probabilities or None) as rounds produce them; cancels it when the consumer
-        stops early (a disconnect)."""
+    def submit(self, req: dict) -> list[tuple[Job, asyncio.Queue]]:
+        """Queues the request's n choices, all or none (`QueueFull`, `Draining`): (job, its
+        events) each. Choice i samples from seed + i (the engine's key takes it modulo 2**32,
+        as `decode.py --seed` does)."""
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(uuid.uuid4().hex, req["prompt"], req["max_tokens"], req["seed"],
-                  lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                  sampling=req["sampling"])  # fmt: skip
-        self.scheduler.submit(job)
+        out = []
+        for i in range(req["n"]):
+            events: asyncio.Queue[Event] = asyncio.Queue()
+            job = Job(uuid.uuid4().hex, req["prompt"], req["max_tokens"],
+                      (req["seed"] + i) % 2**32,
+                      lambda ev, q=events: loop.call_soon_threadsafe(q.put_nowait, ev),
+                      sampling=req["sampling"])  # fmt: skip
+            out.append((job, events))
+        self.scheduler.submit(*(job for job, _ in out))
+        return out
+
+    async def run(self, req: dict, request: Request, job: Job, events: asyncio.Queue
+                  ) -> AsyncIterator[tuple]:  # fmt: skip
+        """Follows one submitted choice: yields (new text, new ids, OpenAI finish reason or None,
+        the new ids' log-probabilities or None) as rounds produce them; cancels it when the
+        consumer stops early (a disconnect)."""
         ids: list[int] = []
+        decoded = IncrementalText(self.tokenizer)  # the text of ids
         lps: list = []  # the ids' (log-probability, top alternatives, text offset)
         sent, unsent = 0, 0  # characters sent; ids not yet sent with them
         hold = max((len(s) for s in req["stop"]), default=1) - 1
@@ -326,10 +338,11 @@ class Server:
                 if ev.finish_reason == "cancelled":
                     raise RuntimeError("cancelled by the server")
                 if req["logprobs"] is not None:  # each with its offset in the text
-                    lps += [(lp, top, len(self.text(ids + ev.new_ids[:j])))
-                            for j, (lp, top) in enumerate(ev.logprobs or [])]  # fmt: skip
+                    for id_, (lp, top) in zip(ev.new_ids, ev.logprobs or []):
+                        lps.append((lp, top, len(decoded.text)))
+                        decoded.push([id_])
                 ids += ev.new_ids
-                text = self.text(ids)
+                text = decoded.push(ids[len(decoded.ids) :])
                 reason = FINISH.get(ev.finish_reason) if ev.finish_reason else None
                 found = [i for i in (text.find(s, sent) for s in req["stop"]) if i >= 0]
                 cut = min(found, default=-1)
@@ -381,17 +394,19 @@ def build_app(server: Server) -> FastAPI:
         if server.scheduler.draining:
             return refuse(Draining("the server is shutting down"))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        gen = server.run(req, request)
-        try:  # queue it now, so that 429/503 come back as a status, not inside a stream
-            first = await anext(gen)
+        try:  # queued now, so that 429/503 come back as a status, not inside a stream
+            submitted = server.submit(req)
         except (QueueFull, Draining) as e:
             return refuse(e)
+        choices = _merged([server.run(req, request, job, events) for job, events in submitted])
+        try:  # the first tokens, so that an engine error is a 500
+            first = await anext(choices)
         except RuntimeError as e:
             return error(500, str(e), "server_error")
         if req["stream"]:
-            return StreamingResponse(_sse(server, req, rid, chat, first, gen),
+            return StreamingResponse(_sse(server, req, rid, chat, first, choices),
                                      media_type="text/event-stream")  # fmt: skip
-        return await _whole(server, req, rid, chat, first, gen)
+        return await _whole(server, req, rid, chat, first, choices)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -421,19 +436,51 @@ def build_app(server: Server) -> FastAPI:
     return app
 
 
-def _usage(req: dict, ids: list[int]) -> dict:
-    n, p = len(ids), len(req["prompt"])
-    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+async def _merged(gens: list[AsyncIterator[tuple]]) -> AsyncIterator[tuple[int, tuple]]:
+    """The items of a request's choices (`Server.run` each) as they come, as (choice index,
+    item); the first error any raises is raised here. Closing this cancels every choice."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async for item in gen:
+                queue.put_nowait((i, item, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:  # handed to the consumer
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is None:
+                left -= 1
+                continue
+            yield i, item
+    finally:  # a disconnect, an error or the end: each choice's own finally cancels its job
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _choice(server, chat: bool, text: str, reason, ids, req, delta: bool, lps=None) -> dict:
+def _usage(req: dict, completion_tokens: int) -> dict:
+    p = len(req["prompt"])
+    return {"prompt_tokens": p, "completion_tokens": completion_tokens,
+            "total_tokens": p + completion_tokens}  # fmt: skip
+
+
+def _choice(server, chat: bool, index: int, text: str, reason, ids, req, delta: bool,
+            lps=None) -> dict:  # fmt: skip
     if chat and delta:
         body = {"delta": {"content": text}}
     elif chat:
         body = {"message": {"role": "assistant", "content": text}}
     else:
         body = {"text": text}
-    out = {"index": 0, **body, "logprobs": None, "finish_reason": reason}
+    out = {"index": index, **body, "logprobs": None, "finish_reason": reason}
     if req["logprobs"] is not None:
         out["logprobs"] = server.logprobs_body(chat, ids, lps, req["logprobs"])
     if req["token_ids"]:
@@ -441,50 +488,59 @@ def _choice(server, chat: bool, text: str, reason, ids, req, delta: bool, lps=No
     return out
 
 
-async def _whole(server: Server, req, rid, chat, first, gen) -> JSONResponse:
-    parts, ids, reason, lps = [first[0]], list(first[1]), first[2], list(first[3] or [])
-    async for text, new, why, new_lps in gen:
-        parts.append(text)
-        ids += new
-        lps += new_lps or []
-        reason = why
-    obj = "chat.completion" if chat else "text_completion"
-    server.m_requests.labels(reason or "none").inc()
-    choice = _choice(server, chat, "".join(parts), reason, ids, req, False, lps)
+async def _whole(server: Server, req, rid, chat, first, choices) -> JSONResponse:
+    n = req["n"]
+    parts, ids, reasons = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+    lps: list[list] = [[] for _ in range(n)]
+    item = first
+    while item is not None:
+        i, (text, new, why, new_lps) = item
+        parts[i].append(text)
+        ids[i] += new
+        lps[i] += new_lps or []
+        reasons[i] = why or reasons[i]
+        item = await anext(choices, None)
+    for reason in reasons:
+        server.m_requests.labels(reason or "none").inc()
+    out = [_choice(server, chat, i, "".join(parts[i]), reasons[i], ids[i], req, False, lps[i])
+           for i in range(n)]  # fmt: skip
     return JSONResponse({
-        "id": rid, "object": obj, "created": int(time.time()), "model": server.model_name,
-        "choices": [choice], "usage": _usage(req, ids),
+        "id": rid, "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": server.model_name, "choices": out,
+        "usage": _usage(req, sum(map(len, ids))),
     })  # fmt: skip
 
 
-async def _sse(server: Server, req, rid, chat, first, gen) -> AsyncIterator[str]:
+async def _sse(server: Server, req, rid, chat, first, choices) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
-    ids: list[int] = []
+    generated = 0
+    reasons: dict[int, str | None] = {}
 
-    def chunk(choices, usage=None) -> str:
+    def chunk(out, usage=None) -> str:
         body = {"id": rid, "object": obj, "created": created, "model": server.model_name,
-                "choices": choices}  # fmt: skip
+                "choices": out}  # fmt: skip
         if usage is not None or req["usage_chunk"]:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    if chat:
-        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        yield chunk([role])
-    reason = None
+    if chat:  # each choice's role first
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                      "finish_reason": None} for i in range(req["n"])])  # fmt: skip
     try:
         item = first
         while item is not None:
-            text, new, reason, lps = item
-            ids += new
-            yield chunk([_choice(server, chat, text, reason, new, req, True, lps)])
-            item = await anext(gen, None)
+            i, (text, new, reason, lps) = item
+            generated += len(new)
+            reasons[i] = reason
+            yield chunk([_choice(server, chat, i, text, reason, new, req, True, lps)])
+            item = await anext(choices, None)
     except RuntimeError as e:
         yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
     finally:
-        await gen.aclose()  # a disconnect lands here too: the request is cancelled
-    server.m_requests.labels(reason or "none").inc()
+        await choices.aclose()  # a disconnect lands here too: every choice is cancelled
+    for i in range(req["n"]):
+        server.m_requests.labels(reasons.get(i) or "none").inc()
     if req["usage_chunk"]:
-        yield chunk([], _usage(req, ids))
+        yield chunk([], _usage(req, generated))
     yield "data: [DONE]\n\n"

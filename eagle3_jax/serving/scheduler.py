@@ -106,14 +106,16 @@ class Scheduler:
     def busy(self) -> int:
         return len(self._running)
 
-    def submit(self, job: Job) -> None:
-        """Queues `job` (its prompt and max_tokens already checked: `engine.check`)."""
+    def submit(self, *jobs: Job) -> None:
+        """Queues `jobs` (their prompts and max_tokens already checked: `engine.check`), all or
+        none: a request's n choices wait together."""
         with self._cv:
             if self.draining or self._stop:
                 raise Draining("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (the queue's limit)")
-            self._waiting.append(job)
+            if len(self._waiting) + len(jobs) > self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (the queue holds "
+                                f"{self.max_queue})")  # fmt: skip
+            self._waiting.extend(jobs)
             self._cv.notify()
 
     def cancel(self, job_id: str) -> None:
@@ -180,8 +182,10 @@ class Scheduler:
         try:
             self.engine.admit(job.id, job.prompt, job.max_tokens, job.seed, slot=slot,
                               sampling=job.sampling)  # fmt: skip
-        except Eagle3Error as e:  # checked at submit; a refusal here is a bug, told to the client
-            job.deliver(Event([], f"error: {e}"))
+        except Exception as e:  # checked at submit; a refusal here is a bug, told to the client
+            if not isinstance(e, Eagle3Error):
+                log.exception("admitting request %s failed", job.id)
+            job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
             return
         job.slot = slot
         self._running[slot] = job
