@@ -10,23 +10,24 @@ output tokens per second over the run.
 Prompts are the first turns of a benchmark's questions (`--bench`, as eval takes it), cycled.
 `--rate inf` sends every request at once. Needs the openai package (`pip install openai`).
 
-`--sweep` starts the server itself (`python -m eagle3_jax serve` with `--serve-args`), once with
-EAGLE-3 rounds and once with `--method vanilla` (plain rounds through the same engine), and runs
-closed-loop levels on the same prompts at each `--concurrency` (N clients, each sending its next
-request when its last one ended): output tokens/s, time to first token and time per output token
-(p50, p99), τ from /metrics. Then, with the server stopped, it decodes every prompt alone
-in-process (`generate_ids`, batch 1, the same chat-templated ids and max_tokens: EAGLE-3 and plain
-decoding's own loop, timed after a warm-up) and checks each greedy output's token ids against it:
+`--sweep` starts two servers itself (`python -m eagle3_jax serve` with `--serve-args`), one with
+EAGLE-3 rounds and one with `--method vanilla` (plain rounds through the same engine), both up
+side by side, and runs closed-loop levels on the same prompts at each `--concurrency` (N
+clients, each sending its next request when its last one ended), each level on one server and
+then the other, `--repeats` times in alternating order (A B, B A), so that the machine's drift
+falls on both; each pair's ratio is reported. Per level: output tokens/s, time to first token
+and time per output token (p50, p99), τ and the rounds by tree from /metrics. Then, with the
+servers stopped, it decodes every prompt alone in-process (`generate_ids`, batch 1, the same
+chat-templated ids and max_tokens: EAGLE-3 and plain decoding's own loop, timed after a
+warm-up) and checks each greedy output's token ids against it:
 
-  .venv/bin/python benchmarks/serving.py --sweep --concurrency 1 4 8 --requests 8 \
+  .venv/bin/python benchmarks/serving.py --sweep --repeats 2 --concurrency 1 4 8 16 --requests 32 \
       --max-tokens 64 --serve-args "--slots 4 --max-context 1024" \
       --out benchmarks/results/serving_cpu/serving.json
 
 `--sweep --in-process` runs the same levels without HTTP: the engine and scheduler `serve` would
 run, built in this process (`serve.build_engine`), one client thread per concurrent request;
-what a round and the scheduler cost, not the front end. Both engines are built side by side and
-each level runs on one and then the other, `--repeats` times in alternating order (A B, B A),
-so that the machine's drift falls on both; each pair's ratio is reported. It needs none of the serve extra's
+what a round and the scheduler cost, not the front end. It needs none of the serve extra's
 packages, so it is what the device job runs (`scripts/device_job.py serving`). With a
 `--method` in --serve-args (pld) that method stands in for EAGLE-3.
 """
@@ -203,32 +204,42 @@ def stop_server(proc, timeout_s: float = 60) -> int:
         return proc.wait()
 
 
-def serve_levels(serve_args, texts, levels, max_tokens, log: Path) -> dict:
-    """One server started with `serve_args`; a closed-loop run per level; each level's τ from
-    the change of /metrics' generated tokens and tokens per target pass."""
-    proc, base = start_server(serve_args, log)
-    out = []
-    try:
-        asyncio.run(closed_loop(base + "/v1", texts, 1, 2))  # every prompt bucket's compile
-        for n in levels:
-            gen0, tau0 = (
-                _metric(base, "eagle3_generation_tokens_total"),
-                _metric(base, "eagle3_tau"),
-            )
-            level = asyncio.run(closed_loop(base + "/v1", texts, n, max_tokens))
-            gen1, tau1 = (
-                _metric(base, "eagle3_generation_tokens_total"),
-                _metric(base, "eagle3_tau"),
-            )
-            passes = gen1 / tau1 - (gen0 / tau0 if tau0 else 0.0)
-            level["summary"]["tau"] = (gen1 - gen0) / passes if passes else None
-            s = level["summary"]
-            print(f"  {serve_args[-1] if '--method' in serve_args else 'eagle3'} c={n}: "
-                  f"{s['output_tokens_per_s']:.1f} tok/s, tau {s['tau']:.2f}", file=sys.stderr)  # fmt: skip
-            out.append(level)
-    finally:
-        rc = stop_server(proc)
-    return {"serve_args": serve_args, "exit_code": rc, "levels": out}
+def _tree_rounds(base: str) -> dict[str, int]:
+    """/metrics' rounds run by tree, so far."""
+    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+    pattern = r'^eagle3_tree_rounds_total\{tree="([^"]+)"\} (\S+)$'
+    return {m.group(1): int(float(m.group(2))) for m in re.finditer(pattern, text, re.M)}
+
+
+class HttpRun:
+    """A `python -m eagle3_jax serve` process for `serve_args`, driven over HTTP by the openai
+    client level by level (`EngineRun`'s interface): two of them up side by side let a sweep
+    interleave EAGLE-3's and plain rounds' levels. serve compiles and runs every program before
+    it answers /health (`serve.warm`), so no level pays a compile."""
+
+    def __init__(self, name: str, serve_args, texts, log: Path):
+        self.name, self.serve_args, self.texts = name, serve_args, texts
+        self.proc, self.base = start_server(serve_args, log)
+        self.exit_code = None
+
+    def level(self, clients: int, max_tokens: int) -> dict:
+        """One closed-loop level; τ from the change of /metrics' generated tokens and tokens
+        per target pass, and the rounds run by tree so far."""
+        gen0, tau0 = (_metric(self.base, "eagle3_generation_tokens_total"),
+                      _metric(self.base, "eagle3_tau"))  # fmt: skip
+        level = asyncio.run(closed_loop(self.base + "/v1", self.texts, clients, max_tokens))
+        gen1, tau1 = (_metric(self.base, "eagle3_generation_tokens_total"),
+                      _metric(self.base, "eagle3_tau"))  # fmt: skip
+        passes = gen1 / tau1 - (gen0 / tau0 if tau0 else 0.0)
+        s = level["summary"]
+        s["tau"] = (gen1 - gen0) / passes if passes else None
+        s["tree_rounds"] = _tree_rounds(self.base)
+        print(f"  {self.name} c={clients}: {s['output_tokens_per_s']:.1f} tok/s, "
+              f"tau {s['tau']:.2f}", file=sys.stderr)  # fmt: skip
+        return level
+
+    def stop(self) -> None:
+        self.exit_code = stop_server(self.proc)
 
 
 # ---------------------------------------------------------------------- --in-process: no HTTP
@@ -329,28 +340,21 @@ class EngineRun:
 
     def stop(self) -> None:
         self.scheduler.stop()
+        self.exit_code = 0
 
 
-def engine_levels(serve_args, prompts, levels, max_tokens, loaded=None) -> dict:
-    """serve_levels in this process (`EngineRun`), its levels one after another."""
-    run = EngineRun(serve_args, prompts, loaded)
+def interleaved_levels(named_args: dict, make, levels, max_tokens, repeats: int) -> dict:
+    """The runs of `named_args` ({name: serve_args}; `make(serve_args)` an `EngineRun` or an
+    `HttpRun`) up side by side, each level run `repeats` times by each in turn, the order
+    alternating (A B, then B A, ...), so that a drift of the machine falls on both alike:
+    {name: {serve_args, exit_code, levels}}, each level the repeats' requests together (tok/s:
+    their tokens over their summed wall time) with each repeat's summary under "repeats"."""
+    runs = {}
     try:
-        out = [run.level(n, max_tokens) for n in levels]
-    finally:
-        run.stop()
-    return {"serve_args": serve_args, "exit_code": 0, "levels": out}
-
-
-def interleaved_levels(named_args: dict, prompts, levels, max_tokens, loaded, repeats: int):
-    """The engines of `named_args` ({name: serve_args}) side by side in this process, each
-    level run `repeats` times by each in turn, the order alternating (A B, then B A, ...), so
-    that a drift of the machine falls on both alike: {name: engine_levels' result}, each level
-    the repeats' requests together (tok/s: their tokens over their summed wall time) with each
-    repeat's summary under "repeats"."""
-    runs = {name: EngineRun(a, prompts, loaded) for name, a in named_args.items()}
-    names = list(runs)
-    out = {name: [] for name in names}
-    try:
+        for name, serve_args in named_args.items():
+            runs[name] = make(name, serve_args)
+        names = list(runs)
+        out = {name: [] for name in names}
         for n in levels:
             got = {name: [] for name in names}
             for r in range(repeats):
@@ -362,16 +366,16 @@ def interleaved_levels(named_args: dict, prompts, levels, max_tokens, loaded, re
                 last = got[name][-1]["summary"]
                 tau = [lv["summary"]["tau"] for lv in got[name] if lv["summary"]["tau"]]
                 merged["summary"].update(
-                    tau=statistics.fmean(tau) if tau else None,
-                    tree_rounds=last["tree_rounds"], tree_choice=last["tree_choice"],
+                    tau=statistics.fmean(tau) if tau else None, tree_rounds=last["tree_rounds"],
+                    tree_choice=last.get("tree_choice"),
                     repeats=[lv["summary"] for lv in got[name]],
                 )  # fmt: skip
                 out[name].append(merged)
     finally:
         for run in runs.values():
             run.stop()
-    return {name: {"serve_args": named_args[name], "exit_code": 0, "levels": out[name]}
-            for name in names}  # fmt: skip
+    return {name: {"serve_args": named_args[name], "exit_code": runs[name].exit_code,
+                   "levels": out[name]} for name in names}  # fmt: skip
 
 
 def alone(serve_args, texts, max_tokens, loaded=None) -> dict:
@@ -406,7 +410,7 @@ def sweep(args) -> dict:
     base_args = shlex.split(args.serve_args) + ["--max-new-tokens", str(args.max_tokens)]
     runs_dir = Path(args.out).parent if args.out else Path(".")
     runs_dir.mkdir(parents=True, exist_ok=True)
-    runs, loaded, prompts = {}, None, None
+    loaded, prompts = None, None
     if args.in_process:  # one load for both engines and decoding alone
         from eagle3_jax.prompts import encode_chat
 
@@ -416,13 +420,13 @@ def sweep(args) -> dict:
     named = {"eagle3": base_args, "plain": base_args + ["--method", "vanilla"]}
     if args.tree_by_occupancy:
         named["eagle3"] = base_args + ["--tree-by-occupancy", args.tree_by_occupancy]
-    if args.in_process:
-        runs = interleaved_levels(named, prompts, args.concurrency, args.max_tokens, loaded,
-                                  args.repeats)  # fmt: skip
-    else:
-        for name, serve_args in named.items():
-            runs[name] = serve_levels(serve_args, texts, args.concurrency, args.max_tokens,
-                                      runs_dir / f"server_{name}.log")  # fmt: skip
+
+    def make(name, serve_args):
+        if args.in_process:
+            return EngineRun(serve_args, prompts, loaded)
+        return HttpRun(name, serve_args, texts, runs_dir / f"server_{name}.log")
+
+    runs = interleaved_levels(named, make, args.concurrency, args.max_tokens, args.repeats)
     ref = alone(shlex.split(args.serve_args), texts, args.max_tokens, loaded)
     for name, want in (("eagle3", ref["eagle3"]["output_ids"]),
                        ("plain", ref["vanilla"]["output_ids"])):  # fmt: skip
@@ -487,12 +491,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the summary and every request here")
     p.add_argument("--sweep", action="store_true",
-                   help="start the server itself: EAGLE-3 then plain rounds, closed loop")  # fmt: skip
+                   help="start the servers itself (EAGLE-3 and plain rounds side by side), "
+                   "closed loop")  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--serve-args", default="--slots 4", help="serve's flags for --sweep")
     p.add_argument("--tree-by-occupancy", default=None, help="the EAGLE-3 server's schedule")
     p.add_argument("--repeats", type=int, default=1,
-                   help="--in-process: each level run this many times by each engine, "
+                   help="--sweep: each level run this many times by each server or engine, "
                    "interleaved (A B, B A, ...)")  # fmt: skip
     p.add_argument("--in-process", action="store_true",
                    help="--sweep without HTTP: the same engine and scheduler driven in this "
