@@ -218,6 +218,12 @@ def test_n_choices_whole_and_streamed(served):
         assert [t for m in mine for t in m["token_ids"]] == choice["token_ids"]
         assert "".join(m["text"] for m in mine) == choice["text"]
         assert mine[-1]["finish_reason"] == "length"
+    batch = {"prompt": [prompt, "w5 w9 w33"], "max_tokens": 9, "n": 2, "return_token_ids": True}
+    status, _, out = _post(srv, "/v1/completions", batch)
+    second = target.tokenizer("w5 w9 w33")["input_ids"]
+    want = [alone, alone, *[_alone(served, second, 9)] * 2]  # prompt p's choice i: p * n + i
+    assert [c["token_ids"] for c in out["choices"]] == want
+    assert out["usage"]["prompt_tokens"] == len(prompt) + len(second)
     assert scheduler.busy() == 0 and scheduler.waiting() == 0
 
 
@@ -256,6 +262,9 @@ def test_stop_string_ends_the_request(served):
         ({"prompt": []}, "prompt"),
         ({"prompt": [5], "stop": 3}, "stop"),
         ({"prompt": [5], "n": 9}, "n"),  # more than the queue holds
+        ({"prompt": [[5, 6], [7]] * 3, "n": 2}, "n"),  # 12 choices
+        ({"prompt": [[5, 6], []]}, "prompt[1]"),
+        ({"prompt": ["w5", [5] * 240], "max_tokens": 20}, "max_tokens"),
         ({"prompt": [5], "seed": 2**63}, "seed"),
         ({"prompt": [5], "stream": "yes"}, "stream"),
         ({"messages": "hi"}, "messages"),
@@ -267,7 +276,7 @@ def test_stop_string_ends_the_request(served):
             {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3},
             "top_logprobs",
         ),  # fmt: skip
-        ({"prompt": [5], "echo": True}, "echo"),
+        ({"prompt": [5], "echo": "yes"}, "echo"),
         ({"prompt": [5], "best_of": 2}, "best_of"),
     ],
 )
@@ -325,6 +334,56 @@ def test_logprobs_whole_and_streamed(served):
         other.stop()
 
 
+def test_echo_scores_the_prompt(served):
+    """`echo` with logprobs (lm-eval's loglikelihood requests): the prompt's tokens first, the
+    first with null, each other's log-probability that of the target's full forward over the
+    prompt (70 tokens: two of the scoring's 64-position chunks), then the completion's; with
+    max_tokens 0 the prompt alone, no slot taken. Without logprobs, the prompt's text first."""
+    import jax
+    import numpy as np
+
+    from eagle3_jax.models import target as tgt
+
+    srv, target, _, scheduler = served
+    prompt = random_prompts(target.cfg.vocab_size, [70], seed=23)[0]
+    logits = tgt.full_forward(target.params, np.array([prompt], np.int32), target.cfg).logits[0]
+    want = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    text = target.tokenizer.decode(prompt, skip_special_tokens=True)
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}
+    status, _, out = _post(srv, "/v1/completions", body)
+    assert status == 200, out
+    choice, lp = out["choices"][0], out["choices"][0]["logprobs"]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 0 and len(lp["tokens"]) == 70
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    got = np.array(lp["token_logprobs"][1:])
+    np.testing.assert_allclose(got, want[np.arange(69), prompt[1:]], rtol=1e-4, atol=1e-4)
+    best = [target.tokenizer.decode([int(i)]) for i in np.argmax(want[:69], axis=-1)]
+    assert [max(top, key=top.get) for top in lp["top_logprobs"][1:]] == best
+    assert lp["text_offset"] == [len(target.tokenizer.decode(prompt[:j], skip_special_tokens=True))
+                                 for j in range(70)]  # fmt: skip
+    body = {"prompt": prompt[:9], "max_tokens": 4, "echo": True, "logprobs": 1,
+            "return_token_ids": True}  # fmt: skip
+    status, _, whole = _post(srv, "/v1/completions", body)
+    choice, lp = whole["choices"][0], whole["choices"][0]["logprobs"]
+    new = _alone(served, prompt[:9], 4)
+    assert choice["token_ids"] == new and whole["usage"]["completion_tokens"] == 4
+    head = target.tokenizer.decode(prompt[:9], skip_special_tokens=True)
+    assert choice["text"] == head + target.tokenizer.decode(new, skip_special_tokens=True)
+    assert len(lp["token_logprobs"]) == 13
+    assert lp["tokens"][9:] == [target.tokenizer.decode([i]) for i in new]
+    assert lp["text_offset"][9] == len(head)
+    _, _, lines = _post(srv, "/v1/completions", body | {"stream": True})
+    chunks = [json.loads(ln[6:])["choices"][0] for ln in lines[:-1]]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    assert [x for c in chunks for x in c["logprobs"]["token_logprobs"]] == lp["token_logprobs"]
+    assert [x for c in chunks for x in c["logprobs"]["text_offset"]] == lp["text_offset"]
+    status, _, out = _post(srv, "/v1/completions", {"prompt": prompt[:9], "max_tokens": 4,
+                                                    "echo": True})  # fmt: skip
+    assert out["choices"][0]["text"] == choice["text"] and out["choices"][0]["logprobs"] is None
+    assert scheduler.busy() == 0
+
+
 def test_not_json_and_unknown_model(served):
     srv = served[0]
     status, _, out = _post(srv, "/v1/completions", None, raw=b"{not json")
@@ -373,6 +432,32 @@ def test_a_request_the_engine_cannot_admit_is_told_and_the_engine_goes_on(served
     assert scheduler.alive
     status, _, out = _post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 3})
     assert status == 200 and out["usage"]["completion_tokens"] == 3
+
+
+def test_a_round_that_loses_the_state_fails_its_requests_and_the_next_are_served(served,
+                                                                                  monkeypatch):  # fmt: skip
+    """A round that fails after its donated state is gone (a device fault): the running request
+    is answered 500, the engine starts from an empty state, and the next request equals
+    decoding its prompt alone."""
+    import jax
+
+    srv, target, _, scheduler = served
+    engine = scheduler.engine
+    step = engine.step
+
+    def broken(*a, **k):
+        monkeypatch.setattr(engine, "step", step)  # once
+        jax.tree.map(lambda x: x.delete(), engine.state)
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(engine, "step", broken)
+    status, _, out = _post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 5})
+    assert status == 500 and "device fault" in out["error"]["message"]
+    assert scheduler.alive and not engine.state_lost() and engine.free_slots() == [0, 1, 2]
+    prompt = [9, 8, 7]
+    status, _, out = _post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 6,
+                                                    "return_token_ids": True})  # fmt: skip
+    assert status == 200 and out["choices"][0]["token_ids"] == _alone(served, prompt, 6)
 
 
 def _slowed(monkeypatch, engine, seconds=0.15):

@@ -197,16 +197,19 @@ def schedule_of(text: str | None, tree):
 
 def warm(engine: SlotEngine) -> None:
     """Compiles every program before serving, ahead of time (the compilation cache keeps them
-    for the next start): the admission of each prompt bucket (`SlotEngine.compile_admissions`)
-    and the round of each tree at each row bucket (`SlotEngine.compile_rounds`); then runs each
-    round program once, with as many one-token requests as its rows: a program's first run
-    costs ~0.3 s more than the next on a CPU, which a request would wait for and the measured
-    tree choice would take for the tree's cost (the release's and the report's small programs
-    run too)."""
+    for the next start): the admission of each prompt bucket (`SlotEngine.compile_admissions`),
+    its scoring with --max-logprobs (`compile_scoring`: echo) and the round of each tree at
+    each row bucket (`SlotEngine.compile_rounds`); then runs each round program once, with as
+    many one-token requests as its rows: a program's first run costs ~0.3 s more than the next
+    on a CPU, which a request would wait for and the measured tree choice would take for the
+    tree's cost (the release's and the report's small programs run too)."""
     start = time.perf_counter()
     n = engine.compile_admissions()
     print(f"compiled {n} admission programs (prompts up to {engine.prompt_buckets()[-1]} "
           f"tokens) in {time.perf_counter() - start:.1f}s", file=sys.stderr)  # fmt: skip
+    n = engine.compile_scoring()
+    if n:
+        print(f"compiled {n} prompt-scoring programs (echo with logprobs)", file=sys.stderr)
     start = time.perf_counter()
     n = engine.compile_rounds()
     print(f"compiled {n} round programs ({len(engine.schedule.trees())} trees x rows "

@@ -62,8 +62,9 @@ from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.drafters import encode_drafter, method_head_tree, method_tree
 from eagle3_jax.decoding.generate import DecodeOptions
 from eagle3_jax.decoding.sampling import RowSampling, Sampling
-from eagle3_jax.decoding.state import SpecState
+from eagle3_jax.decoding.state import SpecState, TokenLogProbs
 from eagle3_jax.decoding.tree import TreeConfig
+from eagle3_jax.decoding.verify import token_logprobs
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
 from eagle3_jax.models import target as tgt
@@ -173,6 +174,32 @@ def admit_row(
     row = spec.prefill(tparams, dparams, embed, vocab, prompt_1T, length_1, limit_1, key,
                        tcfg, dcfg, shape, tree, sampling, eos_ids, row_sampling=rows)  # fmt: skip
     return insert_row(state, row, slot)
+
+
+SCORE_CHUNK = 64  # prompt positions whose logits `score_prompt` computes at once
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "k"))
+def score_prompt(tparams, prompt_1T, tcfg, k: int) -> TokenLogProbs:
+    """Each prompt token's log-probability under the target given the tokens before it, and
+    the k most likely tokens there (`TokenLogProbs` [T]): position t scores token t + 1 (the
+    last position scores padding). The prompt's one causal pass keeps no cache; its logits are
+    computed SCORE_CHUNK positions at a time (T a multiple of it), so that [T, V] fp32 logits
+    (4 GB for 8,192 positions of a 128k vocabulary) never exist at once."""
+    t = prompt_1T.shape[1]
+    q = jnp.arange(t, dtype=jnp.int32)
+    out = tgt.forward(tparams, prompt_1T, q[None], (q[None, :] <= q[:, None])[None], tcfg,
+                      compute_logits=False)  # fmt: skip
+    following = jnp.concatenate([prompt_1T[0, 1:], jnp.zeros((1,), jnp.int32)])
+
+    def chunk(args):
+        hidden_CD, tokens_C = args
+        return token_logprobs(tgt.lm_head(tparams, hidden_CD, tcfg)[None], tokens_C[None], k)
+
+    n = t // SCORE_CHUNK
+    got = jax.lax.map(chunk, (out.hidden[0].reshape(n, SCORE_CHUNK, -1),
+                              following.reshape(n, SCORE_CHUNK)))  # fmt: skip
+    return TokenLogProbs(*(x.reshape((t,) + x.shape[3:]) for x in got))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -604,6 +631,33 @@ class SlotEngine:
         return _compile_ahead([(admit_row, self._admit_args(0, [self.pad] * n, 1))
                                for n in buckets], threads)  # fmt: skip
 
+    def _score_args(self, prompt: list[int]) -> tuple:
+        bucket = min(plain.round_up(len(prompt), plain.PROMPT_BUCKET), self.shape.slots)
+        one = dataclasses.replace(self.shape, batch=1, prompt_len=bucket)
+        return (self.models[0], plain.pad_prompts([prompt], one, self.pad)[0], self.cfgs[0],
+                self.shape.logprobs)  # fmt: skip
+
+    def score(self, prompt: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+        """The prompt's tokens after the first, each (its log-probability under the target
+        given those before it, the `max_logprobs` most likely tokens there as (id,
+        log-probability)): what `echo` with logprobs reports. Needs max_logprobs; one compile
+        per prompt bucket (`compile_scoring`)."""
+        if self.shape.logprobs is None:
+            raise Eagle3Error("scoring a prompt needs max_logprobs (serve --max-logprobs N)")
+        self.check(prompt, 1)
+        lp = jax.device_get(score_prompt(*self._score_args(prompt)))
+        return [(float(lp.logprob[t]), [(int(i), float(x)) for i, x in zip(lp.top_ids[t], lp.top[t])])
+                for t in range(len(prompt) - 1)]  # fmt: skip
+
+    def compile_scoring(self, buckets: list[int] | None = None, threads: int = 0) -> int:
+        """Compiles `score` for every prompt bucket ahead of time, as `compile_admissions` does
+        the admissions (none without max_logprobs); returns how many programs."""
+        if self.shape.logprobs is None:
+            return 0
+        buckets = self.prompt_buckets() if buckets is None else buckets
+        return _compile_ahead([(score_prompt, self._score_args([self.pad] * n)) for n in buckets],
+                              threads)  # fmt: skip
+
     def release(self, slot: int) -> None:
         """Frees `slot` now (its request is dropped: a disconnect, a stop string); its row rides
         along frozen until another request is admitted there."""
@@ -611,6 +665,19 @@ class SlotEngine:
             return
         self.state = _free_row(self.state, jnp.int32(slot))
         self.owner[slot] = None
+
+    def state_lost(self) -> bool:
+        """Whether a failed call consumed the state (an admission and a round donate it)."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self.state))
+
+    def reset(self) -> None:
+        """Every slot freed and the state rebuilt empty, its shapes and layout as before (so
+        every compiled program still serves): after a round or an admission failed, when the
+        state it was given may be gone."""
+        self.state = self._empty()
+        self.owner = [None] * self.slots
+        self.shown = [0] * self.slots
+        self.current_tree = None
 
     def step(self, tree: TreeConfig | None = None) -> list[Update]:
         """One speculative round over the busy slots (`round_rows`; none when no slot is

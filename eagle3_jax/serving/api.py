@@ -9,8 +9,10 @@ compile per setting. Text comes from the target's tokenizer: the text of all of 
 so far, decoded incrementally (`detokenize.IncrementalText`). A streamed delta is the new suffix;
 an incomplete UTF-8 character, or what could be the start of a stop string, is held back until
 it is complete. A client that goes away has its request cancelled: its slot is freed before the
-next round. `n` choices are n requests to the engine, queued together (choice i samples from
-seed + i) and streamed as their tokens come, each chunk naming its choice's index.
+next round. A completions request may give a list of prompts; each prompt's `n` choices are n
+requests to the engine, all of a request's queued together (choice i samples from seed + i)
+and streamed as their tokens come, each chunk naming its choice's index (prompt p's choice i
+is p * n + i, as OpenAI numbers them).
 """
 
 from __future__ import annotations
@@ -148,25 +150,34 @@ class Server:
             raise BadRequest(f"model {model!r}: this server serves {self.model_name!r}", "model",
                              status=404)  # fmt: skip
         if chat:
-            prompt = self._messages(body.get("messages"))
+            prompts = [self._messages(body.get("messages"))]
         else:
-            prompt = self._prompt(body.get("prompt"))
+            prompts = self._prompts(body.get("prompt"))
         n = _int(body, "n", 1, 1)
-        if n > self.scheduler.max_queue:
-            raise BadRequest(f"n {n}: at most {self.scheduler.max_queue} here (--max-queue)", "n")
-        for name, served in (("echo", False), ("best_of", 1), ("suffix", None)):
+        if n * len(prompts) > self.scheduler.max_queue:
+            raise BadRequest(f"n {n} x {len(prompts)} prompts: at most {self.scheduler.max_queue} "
+                             "choices here (--max-queue)", "n")  # fmt: skip
+        for name, served in (("best_of", 1), ("suffix", None)):
             if body.get(name) not in (None, served) and not chat:
                 raise BadRequest(f"{name}: not served here", name)
+        echo = False if chat else body.get("echo", False)
+        if echo not in (True, False, None):
+            raise BadRequest("echo must be true or false", "echo")
         sampling = self._sampling(body)
         names = ["max_tokens"] + (["max_completion_tokens"] if chat else [])
         given = [m for m in names if body.get(m) is not None]
-        limit = self.engine.max_tokens_for(len(prompt))
-        max_tokens = _int(body, given[-1], None, 1) if given else max(1, limit)
-        try:
-            self.engine.check(prompt, max_tokens)
-        except Eagle3Error as e:
-            param = given[-1] if given else "messages" if chat else "prompt"
-            raise BadRequest(str(e), param) from None
+        # 0 new tokens: the echoed prompt alone (its log-probabilities: scoring, as lm-eval does)
+        wanted = _int(body, given[-1], None, 0 if echo else 1) if given else None
+        max_tokens = []  # each prompt's: the given one, or all the room it has
+        for i, prompt in enumerate(prompts):
+            room = max(1, self.engine.max_tokens_for(len(prompt)))
+            max_tokens.append(room if wanted is None else wanted)
+            try:
+                self.engine.check(prompt, max(1, max_tokens[-1]))
+            except Eagle3Error as e:
+                param = (given[-1] if given else "messages" if chat else
+                         "prompt" if len(prompts) == 1 else f"prompt[{i}]")  # fmt: skip
+                raise BadRequest(str(e), param) from None
         seed = _int(body, "seed", 0, 0)
         if seed >= 2**63:
             raise BadRequest(f"seed {seed}: give 0 .. 2**63 - 1", "seed")
@@ -177,9 +188,11 @@ class Server:
         if not isinstance(opts, dict):
             raise BadRequest("stream_options must be an object", "stream_options")
         return {
-            "prompt": prompt,
-            "n": n,
-            "max_tokens": max_tokens,
+            "prompts": prompts,
+            "echo": bool(echo),
+            "n": n,  # choices a prompt: choice p * n + i is prompt p's i-th
+            "choices": n * len(prompts),
+            "max_tokens": max_tokens,  # a prompt's
             "seed": seed,
             "sampling": sampling,
             "stop": _stop(body),
@@ -218,23 +231,25 @@ class Server:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
-    def logprobs_body(self, chat: bool, ids, lps, k: int) -> dict:
-        """OpenAI's `logprobs` of a choice for these ids and their (log-probability, top
+    def logprobs_body(self, chat: bool, lps, k: int) -> dict:
+        """OpenAI's `logprobs` of a choice for its tokens' (id, log-probability, top
         alternatives, text offset): chat's {"content": [{token, logprob, bytes, top_logprobs}]},
         or the completions' {tokens, token_logprobs, top_logprobs, text_offset} (where each
-        token's text starts in the completion's, as decoding the ids before it gives)."""
-        texts = [self.token_text(i) for i in ids]
-        tops = [[(self.token_text(t), x) for t, x in alts[:k]] for _, alts, _ in lps]
+        token's text starts in the choice's, as decoding the ids before it gives; an echoed
+        prompt's first token has no log-probability: null)."""
+        texts = [self.token_text(i) for i, _, _, _ in lps]
+        tops = [None if alts is None else [(self.token_text(t), x) for t, x in alts[:k]]
+                for _, _, alts, _ in lps]  # fmt: skip
         if chat:
             return {"content": [
                 {"token": t, "logprob": lp, "bytes": list(t.encode()),
                  "top_logprobs": [{"token": a, "logprob": x, "bytes": list(a.encode())}
                                   for a, x in top]}
-                for t, (lp, _, _), top in zip(texts, lps, tops)
+                for t, (_, lp, _, _), top in zip(texts, lps, tops)
             ]}  # fmt: skip
-        return {"tokens": texts, "token_logprobs": [lp for lp, _, _ in lps],
-                "top_logprobs": [dict(top) for top in tops],
-                "text_offset": [at for _, _, at in lps]}  # fmt: skip
+        return {"tokens": texts, "token_logprobs": [lp for _, lp, _, _ in lps],
+                "top_logprobs": [None if top is None else dict(top) for top in tops],
+                "text_offset": [at for _, _, _, at in lps]}  # fmt: skip
 
     def _sampling(self, body: dict) -> Sampling:
         """The request's temperature (0: greedy; at most 2, OpenAI's range), top_p (0, 1] and
@@ -279,37 +294,46 @@ class Server:
                              "messages")  # fmt: skip
         return encode_chat(self.tokenizer, clean)
 
-    def _prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+    def _prompts(self, prompt) -> list[list[int]]:
+        """A completions request's prompts: a string or token ids, or a list of them (a
+        batch, one or more choices each)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) == 1:
+                return [self._prompt(prompt[0], "prompt")]
+            return [self._prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [self._prompt(prompt, "prompt")]
+
+    def _prompt(self, prompt, param: str) -> list[int]:
         if isinstance(prompt, str) and prompt:
             if self.tokenizer is None:
                 raise BadRequest("this server has no tokenizer: give the prompt as token ids",
-                                 "prompt")  # fmt: skip
+                                 param)  # fmt: skip
             return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
         vocab = self.engine.cfgs[0].vocab_size
         if (isinstance(prompt, list) and prompt
                 and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)):  # fmt: skip
             if not all(0 <= i < vocab for i in prompt):
-                raise BadRequest(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+                raise BadRequest(f"{param}: token ids must be in 0..{vocab - 1}", param)
             return [int(i) for i in prompt]
-        raise BadRequest("prompt must be a non-empty string or a list of token ids (one prompt)",
-                         "prompt")  # fmt: skip
+        raise BadRequest(f"{param} must be a non-empty string or a list of token ids, or a list of "
+                         "those", param)  # fmt: skip
 
     # ------------------------------------------------------------------ running one
 
     def submit(self, req: dict) -> list[tuple[Job, asyncio.Queue]]:
-        """Queues the request's n choices, all or none (`QueueFull`, `Draining`): (job, its
-        events) each. Choice i samples from seed + i (the engine's key takes it modulo 2**32,
-        as `decode.py --seed` does)."""
+        """Queues the request's choices (n a prompt), all or none (`QueueFull`, `Draining`):
+        (job, its events) each. A prompt's choice i samples from seed + i (the engine's key
+        takes it modulo 2**32, as `decode.py --seed` does)."""
         loop = asyncio.get_running_loop()
         out = []
-        for i in range(req["n"]):
+        for c in range(req["choices"]):
+            p, i = divmod(c, req["n"])
             events: asyncio.Queue[Event] = asyncio.Queue()
-            job = Job(uuid.uuid4().hex, req["prompt"], req["max_tokens"],
+            job = Job(uuid.uuid4().hex, req["prompts"][p], req["max_tokens"][p],
                       (req["seed"] + i) % 2**32,
                       lambda ev, q=events: loop.call_soon_threadsafe(q.put_nowait, ev),
-                      sampling=req["sampling"])  # fmt: skip
+                      sampling=req["sampling"],
+                      score=req["echo"] and req["logprobs"] is not None)  # fmt: skip
             out.append((job, events))
         self.scheduler.submit(*(job for job, _ in out))
         return out
@@ -317,15 +341,25 @@ class Server:
     async def run(self, req: dict, request: Request, job: Job, events: asyncio.Queue
                   ) -> AsyncIterator[tuple]:  # fmt: skip
         """Follows one submitted choice: yields (new text, new ids, OpenAI finish reason or None,
-        the new ids' log-probabilities or None) as rounds produce them; cancels it when the
-        consumer stops early (a disconnect)."""
+        the new ids' (id, log-probability, top alternatives, text offset) or None) as rounds
+        produce them, an echoed prompt first (its text and log-probabilities, no new ids);
+        cancels it when the consumer stops early (a disconnect)."""
         ids: list[int] = []
         decoded = IncrementalText(self.tokenizer)  # the text of ids
-        lps: list = []  # the ids' (log-probability, top alternatives, text offset)
+        lps: list = []  # the ids' (id, log-probability, top alternatives, text offset)
         sent, unsent = 0, 0  # characters sent; ids not yet sent with them
         hold = max((len(s) for s in req["stop"]), default=1) - 1
         done = False
+        base = 0  # where the completion's text starts in the choice's (after an echoed prompt)
+        echoed, offsets = IncrementalText(self.tokenizer), []
         try:
+            if req["echo"]:
+                for i in job.prompt:
+                    offsets.append(len(echoed.text))
+                    echoed.push([i])
+                base = len(echoed.text)
+                if not job.score:  # the prompt's text now; with logprobs, once it is scored
+                    yield echoed.text, [], None, None
             while not done:
                 try:
                     ev = await asyncio.wait_for(events.get(), 1.0)
@@ -333,13 +367,20 @@ class Server:
                     if await request.is_disconnected():
                         return
                     continue
+                if ev.prompt_logprobs is not None:  # the first token has none (OpenAI: null)
+                    scored = [(job.prompt[0], None, None, 0)] + [
+                        (i, lp, top, at) for i, (lp, top), at
+                        in zip(job.prompt[1:], ev.prompt_logprobs, offsets[1:])
+                    ]  # fmt: skip
+                    yield echoed.text, [], None, scored
+                    continue
                 if ev.finish_reason and ev.finish_reason.startswith("error"):
                     raise RuntimeError(ev.finish_reason)
                 if ev.finish_reason == "cancelled":
                     raise RuntimeError("cancelled by the server")
                 if req["logprobs"] is not None:  # each with its offset in the text
                     for id_, (lp, top) in zip(ev.new_ids, ev.logprobs or []):
-                        lps.append((lp, top, len(decoded.text)))
+                        lps.append((id_, lp, top, base + len(decoded.text)))
                         decoded.push([id_])
                 ids += ev.new_ids
                 text = decoded.push(ids[len(decoded.ids) :])
@@ -467,7 +508,7 @@ async def _merged(gens: list[AsyncIterator[tuple]]) -> AsyncIterator[tuple[int, 
 
 
 def _usage(req: dict, completion_tokens: int) -> dict:
-    p = len(req["prompt"])
+    p = sum(map(len, req["prompts"]))
     return {"prompt_tokens": p, "completion_tokens": completion_tokens,
             "total_tokens": p + completion_tokens}  # fmt: skip
 
@@ -482,14 +523,14 @@ def _choice(server, chat: bool, index: int, text: str, reason, ids, req, delta: 
         body = {"text": text}
     out = {"index": index, **body, "logprobs": None, "finish_reason": reason}
     if req["logprobs"] is not None:
-        out["logprobs"] = server.logprobs_body(chat, ids, lps, req["logprobs"])
+        out["logprobs"] = server.logprobs_body(chat, lps or [], req["logprobs"])
     if req["token_ids"]:
         out["token_ids"] = ids
     return out
 
 
 async def _whole(server: Server, req, rid, chat, first, choices) -> JSONResponse:
-    n = req["n"]
+    n = req["choices"]
     parts, ids, reasons = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
     lps: list[list] = [[] for _ in range(n)]
     item = first
@@ -526,7 +567,7 @@ async def _sse(server: Server, req, rid, chat, first, choices) -> AsyncIterator[
 
     if chat:  # each choice's role first
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                      "finish_reason": None} for i in range(req["n"])])  # fmt: skip
+                      "finish_reason": None} for i in range(req["choices"])])  # fmt: skip
     try:
         item = first
         while item is not None:
@@ -539,7 +580,7 @@ async def _sse(server: Server, req, rid, chat, first, choices) -> AsyncIterator[
         yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
     finally:
         await choices.aclose()  # a disconnect lands here too: every choice is cancelled
-    for i in range(req["n"]):
+    for i in range(req["choices"]):
         server.m_requests.labels(reasons.get(i) or "none").inc()
     if req["usage_chunk"]:
         yield chunk([], _usage(req, generated))

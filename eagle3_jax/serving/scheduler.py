@@ -42,6 +42,7 @@ class Event(NamedTuple):
     finish_reason: str | None
     target_forwards: int = 0
     logprobs: list | None = None  # one (log-probability, top alternatives) a new id (slots.Update)
+    prompt_logprobs: list | None = None  # the same for the prompt's ids after its first (echo)
 
 
 @dataclasses.dataclass
@@ -54,6 +55,7 @@ class Job:
     seed: int
     deliver: Callable[[Event], None]
     sampling: Sampling | None = None  # temperature, top-k, top-p (None: the engine's default)
+    score: bool = False  # the prompt's log-probabilities first (`SlotEngine.score`: echo)
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     first_token: float | None = None
     slot: int | None = None
@@ -179,18 +181,37 @@ class Scheduler:
         self._cancel.clear()
 
     def _admit(self, job: Job, slot: int) -> None:
+        """Scores the prompt if asked (an event of its own), then prefills it into `slot`;
+        a request for no new tokens (max_tokens 0: echo alone) ends there, its slot unused."""
         try:
+            if job.score:
+                job.deliver(Event([], None, prompt_logprobs=self.engine.score(job.prompt)))
+            if job.max_tokens == 0:
+                job.deliver(Event([], "max_tokens"))
+                self.stats.finished["max_tokens"] += 1
+                return
             self.engine.admit(job.id, job.prompt, job.max_tokens, job.seed, slot=slot,
                               sampling=job.sampling)  # fmt: skip
         except Exception as e:  # checked at submit; a refusal here is a bug, told to the client
             if not isinstance(e, Eagle3Error):
                 log.exception("admitting request %s failed", job.id)
             job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
+            if self.engine.state_lost():  # the running requests' rows went with it
+                self._fail_running(e)
             return
         job.slot = slot
         self._running[slot] = job
         self.stats.admitted += 1
         self.stats.prompt_tokens += len(job.prompt)
+
+    def _fail_running(self, e: Exception) -> None:
+        """Ends every running request with the error and starts the engine's state afresh, so
+        that the requests after them are served (a failed call may have consumed the state)."""
+        for job in self._running.values():
+            job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
+            self.stats.finished["error"] += 1
+        self._running.clear()
+        self.engine.reset()
 
     def _round(self) -> None:
         try:
@@ -199,10 +220,7 @@ class Scheduler:
             self.stats.rounds += self.engine.rounds - before
         except Exception as e:  # the state is unknown now: end every running request
             log.exception("round failed")
-            for slot, job in list(self._running.items()):
-                self.engine.release(slot)
-                job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
-            self._running.clear()
+            self._fail_running(e)
             return
         now = time.monotonic()
         for u in updates:
