@@ -2,7 +2,7 @@
 #   make demo   EAGLE-3 speculative decoding on the embedded default with its shipped head, compared
 #               with plain decoding in the same run (answer, tau, tokens/s, speedup)
 #   make test   the default test suite on 2 pytest-xdist workers, printing its wall time: 9 min
-#               (532 s, 637 tests) on a 2-core VM (.ci/run calls it, then make test-slow, then make demo
+#               (482 s, 649 tests) on a 2-core VM (.ci/run calls it, then make test-slow, then make demo
 #               with the base install alone and an empty cache)
 PYTHON ?= python3
 VENV ?= .venv
@@ -34,9 +34,9 @@ test: $(VENV)/.test
 	echo "make test: the default suite took $$(( $$(date +%s) - start )) s (wall)"; exit $$rc
 
 # the real SmolLM2 checks and the longest runs (kill-and-resume, training on a mesh, the device
-# steps at a toy shape, the served SmolLM2): 30 tests, ~1,140 s on a 2-core VM (2026-12-07: 29 in
-# 1,069 s, then the served-SmolLM2 test, 70 s), compiled at XLA's
-# default optimisation level
+# steps at a toy shape, the served SmolLM2, the HTTP serving sweep at a toy shape): 31 tests,
+# ~1,170 s on a 2-core VM (2026-12-07: 29 in 1,069 s, then the served-SmolLM2 test, 70 s, and
+# the sweep, 32 s), compiled at XLA's default optimisation level
 test-slow: $(VENV)/.test
 	EAGLE3_JAX_TEST_XLA_OPT=default $(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
