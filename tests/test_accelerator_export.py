@@ -74,6 +74,29 @@ def test_program_lowers_for_tpu_and_cuda(program):
         assert prog.kwargs["tree"].total_tokens == 60 and prog.kwargs["tree"].top_k == 10
 
 
+@pytest.mark.parametrize("program", ["serve_admit", "serve_round", "serve_score"])
+def test_serving_programs_lower_for_tpu_and_cuda(program):
+    """`serve`'s programs for 8 slots of Llama 3.1 8B (each with 20 log-probabilities kept): an
+    admission into a slot, a round over 4 of the 8 slots' rows (the target cache read in place)
+    and an echoed prompt's scoring, with the engine's state layout (the target cache's kv
+    heads over the 8 devices) and nothing only a CPU accepts; each fits every device."""
+    setup = programs.Setup(target="llama31_8b", batch=8)
+    prog = programs.build(program, setup)
+    exported, report = lowering.export_program(prog)
+    assert exported.platforms == ("tpu", "cuda") and exported.nr_devices == 8
+    assert report.problems == [], report.problems
+    tcfg = specs.target_config(setup.target)
+    if program != "serve_score":
+        slots = prog.kwargs["shape"].slots  # an admission's batch of one has the same S
+        per_layer = 2 * 8 * slots * tcfg.num_kv_heads * tcfg.head_dim * 2  # k and v, bf16
+        cache = jax.tree.leaves(prog.args[4].tcache)
+        assert sum(lowering.shard_bytes(a, a.sharding) for a in cache) == (
+            tcfg.num_layers * per_layer / 8
+        )  # fmt: skip
+    mem = lowering.memory(prog, report, setup)
+    assert all(mem.fits().values()), mem
+
+
 # mixture-of-experts targets: name -> (experts, bf16 bytes of the whole target)
 MOE = {"qwen3_30b_a3b": (128, 61.1e9), "gpt_oss_20b": (32, 41.8e9)}
 

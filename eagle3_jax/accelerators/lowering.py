@@ -136,7 +136,7 @@ def _off_dtype(prog: Program, exported) -> list[str]:
     for g, n in prog.groups.items():
         names += [g] * n
     for (path, leaf), g in zip(flat, names):
-        if g in skip or _settings(path):
+        if g in skip or _kept_fp32(path):
             continue
         if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != want:
             bad.append(f"in{_path_str(path)}: {leaf.dtype}")
@@ -146,17 +146,19 @@ def _off_dtype(prog: Program, exported) -> list[str]:
             out[0] if prog.name == "train_step" else out
         )
         for i, (path, a) in enumerate(state_out):
-            if _settings(path):
+            if _kept_fp32(path):
                 continue
             if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != want:
                 bad.append(f"out state leaf {i} {a.shape}: {a.dtype}")
     return bad
 
 
-def _settings(path) -> bool:
-    """A row's sampling settings (SpecState.sampling: temperature, top-p, [B] float32 each):
-    per-request numbers, neither a cache nor a weight, kept in float32 whatever the dtype."""
-    return any(getattr(k, "name", None) == "sampling" for k in path)
+def _kept_fp32(path) -> bool:
+    """A row's sampling settings (SpecState.sampling: temperature, top-p, [B] float32 each) and
+    the emitted tokens' log-probabilities (SpecState.logprobs: the fp32 log-softmax, as vLLM
+    reports them): per-request numbers, neither a cache nor a weight, kept in float32 whatever
+    the dtype."""
+    return any(getattr(k, "name", None) in ("sampling", "logprobs") for k in path)
 
 
 def export_program(prog: Program, platforms=PLATFORMS):
@@ -168,7 +170,10 @@ def export_program(prog: Program, platforms=PLATFORMS):
     seconds = time.perf_counter() - t0
     # laid out as the caller holds them: an argument the program does not read (the head's
     # lm_head in a prefill) keeps no sharding in the export, but the caller's copy stays sharded
-    given = jax.tree.leaves(prog.args)
+    # the arrays among the keyword arguments (an admission's rows' sampling) come after the
+    # positional ones, as the export flattens (args, kwargs)
+    given = [x for x in jax.tree.leaves((prog.args, prog.kwargs))
+             if isinstance(x, jax.ShapeDtypeStruct)]  # fmt: skip
     if len(given) != len(exported.in_avals):
         raise Eagle3Error(f"{prog.name}: {len(exported.in_avals)} inputs, {len(given)} given")
     per_leaf = [shard_bytes(a, g.sharding) for a, g in zip(exported.in_avals, given)]
@@ -237,6 +242,9 @@ def memory(prog: Program, report: Report, s: Setup) -> Memory:
         st = report.inputs["state"]
         grads = sum(shard_bytes(a, a.sharding) for a in jax.tree.leaves(prog.args[0].params))
         return Memory(params, 0, st + grads + report.inputs["batch"], acts)
+    if prog.name == "serve_score":  # one prompt's pass, no cache kept
+        t = prog.args[1].shape[1]
+        return Memory(params, 0, 0, prefill_activations(tcfg, 1, t, t, s.mesh))
     shape = prog.kwargs["shape"]
     if prog.name in ("prefill", "spec_prefill"):
         state = report.outputs_bytes
@@ -249,6 +257,8 @@ def memory(prog: Program, report: Report, s: Setup) -> Memory:
     rest = report.inputs["state"] - kv
     if prog.name == "decode_step":
         acts = verify_activations(tcfg, dcfg, s.batch, 1, shape.slots, s.mesh)
+    elif prog.name == "serve_admit":  # a batch of one's prefill, beside the slots' state
+        acts = prefill_activations(tcfg, 1, shape.prompt_len, shape.slots, s.mesh)
     else:
         tree = prog.kwargs["tree"]
         acts = verify_activations(tcfg, dcfg, s.batch, tree.total_tokens, shape.slots, s.mesh)

@@ -1,6 +1,7 @@
 """Every jitted program, as a TPU or GPU would be handed it at real sizes, without one: the plain
-and speculative prefills, the plain decode step, the speculative round (a tree and a chain) and the
-TTT training step, each a `Program` whose arguments are `jax.ShapeDtypeStruct`s laid out with the
+and speculative prefills, the plain decode step, the speculative round (a tree and a chain), the
+TTT training step and the server's programs (an admission into a slot, a round over the busy
+slots' rows, an echoed prompt's scoring), each a `Program` whose arguments are `jax.ShapeDtypeStruct`s laid out with the
 project's own shardings on a (data, model) mesh. No weights are allocated and nothing is compiled,
 so this runs on a CPU-only machine (with simulated CPU devices for the mesh:
 XLA_FLAGS=--xla_force_host_platform_device_count=8). `lowering` exports and inspects them.
@@ -23,9 +24,9 @@ from jax.sharding import PartitionSpec as P
 from eagle3_jax.accelerators.specs import DRAFT_VOCAB, draft_for, target_config
 from eagle3_jax.backends import attention_wanted, fuse_projections_wanted
 from eagle3_jax.config import DraftConfig, TargetConfig
-from eagle3_jax.decoding import plain
+from eagle3_jax.decoding import plain, slots
 from eagle3_jax.decoding import speculative as spec
-from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.sampling import RowSampling, Sampling
 from eagle3_jax.decoding.tree import ACCELERATOR_TREE, TreeConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
@@ -44,7 +45,9 @@ CHAIN_TREE = TreeConfig(
     top_k=1, depth=ACCELERATOR_TREE.depth, total_tokens=ACCELERATOR_TREE.depth + 1
 )
 ACCELERATOR = "tpu"  # the backend whose engine choices the programs take (GPUs' are the same)
-PROGRAMS = ("prefill", "spec_prefill", "decode_step", "round_tree", "round_chain", "train_step")
+PROGRAMS = ("prefill", "spec_prefill", "decode_step", "round_tree", "round_chain", "train_step",
+            "serve_admit", "serve_round", "serve_score")  # fmt: skip
+SERVE_LOGPROBS = 20  # what `serve --max-logprobs` allows at most
 
 # ----------------------------------------------------------------------------- abstract inputs
 
@@ -227,6 +230,8 @@ def build(name: str, s: Setup, sampling: Sampling = Sampling()) -> Program:
     head = (tparams, dparams, embed, vocab)
     # the embedding is the target's own buffer, passed again: "shared" is not counted twice
     groups = {"params": _count(tparams), "head": _count(dparams), "shared": 1, "vocab": 2}
+    if name.startswith("serve_"):
+        return _serve_program(name, s, tcfg, dcfg, head, mesh)
     if name == "spec_prefill":
         return Program(
             name, spec.prefill, (*head, *prompt), {**kw, "mesh": mesh}, mesh,
@@ -240,6 +245,54 @@ def build(name: str, s: Setup, sampling: Sampling = Sampling()) -> Program:
         name, spec.round_step, (*head, state), {**kw, "method": "eagle3"}, mesh,
         {**groups, "state": _count(state)}, state_arg=4,
     )  # fmt: skip
+
+
+def _serve_program(name: str, s: Setup, tcfg, dcfg, head: tuple, mesh: Mesh) -> Program:
+    """A server's programs (`decoding.slots.SlotEngine`) over `s.batch` slots of `s.prompt` +
+    `s.new` tokens, its state laid out as the engine lays it out (`slots.state_shardings`), with
+    the engine's static arguments (`slots.ROWS_SAMPLE`: each row's own sampling in the state),
+    the largest `--max-logprobs` kept: `serve_admit` one request's prefill into a slot,
+    `serve_round` a round over half the slots' rows (`speculative.rows_round`, the target cache
+    read in place; all of them with one slot), `serve_score` an echoed prompt's
+    log-probabilities (`slots.score_prompt`)."""
+    b, tree = s.batch, s.tree.validate(dcfg.draft_vocab_size)
+    cache = plain.round_up(s.prompt + s.new + tree.round_slots + 1, plain.PROMPT_BUCKET)
+    shape = plain.Shape(b, 0, cache, plain.round_up(s.new, plain.NEW_BUCKET),
+                        logprobs=SERVE_LOGPROBS)  # fmt: skip
+    bucket = plain.round_up(s.prompt, plain.PROMPT_BUCKET)
+    rep = NamedSharding(mesh, P())
+
+    def replicated(shape_, dtype):
+        return jax.ShapeDtypeStruct(shape_, dtype, sharding=rep)
+
+    prompt = replicated((1, bucket), jnp.int32)
+    groups = {"params": _count(head[0]), "head": _count(head[1]), "shared": 1, "vocab": 2}
+    if name == "serve_score":
+        return Program(name, slots.score_prompt, (head[0], prompt),
+                       {"tcfg": tcfg, "k": SERVE_LOGPROBS}, mesh,
+                       {"params": groups["params"], "inputs": 1})  # fmt: skip
+    eos = tcfg.eos_token_ids
+    state = slots.state_shapes(head, tcfg, dcfg, shape, tree, eos)
+    state = _with_shardings(state, slots.state_shardings(state, tcfg, dcfg, mesh, b))
+    kw = dict(tcfg=tcfg, dcfg=dcfg, shape=shape, tree=tree, sampling=slots.ROWS_SAMPLE,
+              eos_ids=eos)  # fmt: skip
+    groups["state"] = _count(state)
+    if name == "serve_admit":
+        one = dataclasses.replace(shape, batch=1, prompt_len=bucket)
+        rows = RowSampling(replicated((1,), jnp.float32), replicated((1,), jnp.int32),
+                           replicated((1,), jnp.float32))  # fmt: skip
+        args = (*head, state, replicated((), jnp.int32), prompt, replicated((1,), jnp.int32),
+                replicated((1,), jnp.int32), replicated((2,), jnp.uint32))  # fmt: skip
+        return Program(name, slots.admit_row, args, {**kw, "shape": one, "rows": rows}, mesh,
+                       {**groups, "inputs": 5 + 3}, state_arg=4)  # fmt: skip
+    if name != "serve_round":
+        raise Eagle3Error(f"unknown program {name!r}: choose one of {', '.join(PROGRAMS)}")
+    if b == 1:
+        return Program(name, spec.round_step, (*head, state), {**kw, "method": "eagle3"}, mesh,
+                       groups, state_arg=4)  # fmt: skip
+    rows_b = replicated((b // 2,), jnp.int32)
+    return Program(name, spec.rows_round, (*head, state, rows_b), {**kw, "method": "eagle3"},
+                   mesh, {**groups, "inputs": 1}, state_arg=4)  # fmt: skip
 
 
 def train_config(s: Setup) -> TrainConfig:

@@ -216,6 +216,41 @@ def _greedy_row(state: SpecState, slot) -> SpecState:
     return dataclasses.replace(state, sampling=cold)
 
 
+def state_shapes(models: tuple, tcfg, dcfg, shape: plain.Shape, tree: TreeConfig,
+                 eos_ids: tuple[int, ...]) -> SpecState:  # fmt: skip
+    """The arrays' shapes and dtypes of a serving state of `shape.batch` slots: a prefill's
+    state, with a PRNG key per row. `models`: (target params, head params, embedding, draft
+    vocabulary), concrete or abstract."""
+    b = shape.batch
+    one = dataclasses.replace(shape, prompt_len=1)
+    shapes = jax.eval_shape(
+        lambda *arrays: spec.prefill(*arrays, tcfg, dcfg, one, tree, ROWS_SAMPLE, eos_ids),
+        *models, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32),
+        jnp.ones((b,), jnp.int32), jax.random.PRNGKey(0),
+    )  # fmt: skip
+    return dataclasses.replace(
+        shapes, key=jax.ShapeDtypeStruct((b,) + shapes.key.shape, shapes.key.dtype)
+    )
+
+
+def state_shardings(shapes: SpecState, tcfg, dcfg, mesh, slots: int):
+    """A serving state's layout on `mesh` (shapes: its `SpecState` of B = `slots` rows): the
+    target cache as decoding lays it out (`target.cache_sharding`: kv heads over `model`, rows
+    over `data`), the draft's as its own (`draft.cache_sharding`), and every other field's rows
+    over `data`, each where the axis divides it (else replicated), so a round's work is split as
+    decoding's is."""
+    out = jax.tree.map(lambda x: named(mesh, ("batch",) + (None,) * (x.ndim - 1), x.shape),
+                       shapes)  # fmt: skip
+    stacked = not isinstance(shapes.tcache["k"], list)
+    pending = {n: named(mesh, (None, "batch", None, "kv_heads", None), x.shape)
+               for n, x in shapes.pending_kv.items()}  # fmt: skip
+    fields = dict(tcache=tgt.cache_sharding(tcfg, mesh, slots, stacked=stacked),
+                  pending_kv=pending)  # fmt: skip
+    if dcfg is not None:
+        fields["dcache"] = drf.cache_sharding(dcfg, mesh, slots)
+    return dataclasses.replace(out, **fields)
+
+
 def _map_trees(schedule, fn):
     if isinstance(schedule, MeasuredSchedule):
         return MeasuredSchedule(list(dict.fromkeys(fn(t) for t in schedule.candidates)),
@@ -504,15 +539,7 @@ class SlotEngine:
         """B free slots: zeros of the batched state's shapes, every row finished (frozen), laid
         out on the target's mesh where it has one (`state_shardings`)."""
         b = self.slots
-        one = dataclasses.replace(self.shape, prompt_len=1)
-        shapes = jax.eval_shape(
-            lambda *arrays: spec.prefill(*arrays, *self._static(one)), *self.models,
-            jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), jnp.ones((b,), jnp.int32),
-            jax.random.PRNGKey(0),
-        )  # fmt: skip
-        shapes = dataclasses.replace(
-            shapes, key=jax.ShapeDtypeStruct((b,) + shapes.key.shape, shapes.key.dtype)
-        )
+        shapes = state_shapes(self.models, *self.cfgs, self.shape, self.tree, self.eos)
         state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
         state = dataclasses.replace(
             state,
@@ -525,23 +552,8 @@ class SlotEngine:
         return jax.device_put(state, self.state_shardings(shapes))
 
     def state_shardings(self, shapes: SpecState):
-        """The batched state's layout on the target's mesh: the target cache as decoding lays it
-        out (`target.cache_sharding`: kv heads over `model`, rows over `data`), the draft's as
-        its own (`draft.cache_sharding`), and every other field's rows over `data`, each where
-        the axis divides it (else replicated), so a round's work is split as decoding's is."""
-        mesh, b = self.mesh, self.slots
-        tcfg, dcfg = self.cfgs
-
-        out = jax.tree.map(lambda x: named(mesh, ("batch",) + (None,) * (x.ndim - 1), x.shape),
-                           shapes)  # fmt: skip
-        stacked = not isinstance(shapes.tcache["k"], list)
-        pending = {n: named(mesh, (None, "batch", None, "kv_heads", None), x.shape)
-                   for n, x in shapes.pending_kv.items()}  # fmt: skip
-        fields = dict(tcache=tgt.cache_sharding(tcfg, mesh, b, stacked=stacked),
-                      pending_kv=pending)  # fmt: skip
-        if dcfg is not None:
-            fields["dcache"] = drf.cache_sharding(dcfg, mesh, b)
-        return dataclasses.replace(out, **fields)
+        """The batched state's layout on the target's mesh (`state_shardings`)."""
+        return state_shardings(shapes, *self.cfgs, self.mesh, self.slots)
 
     def row_buckets(self) -> list[int]:
         """The row counts a round runs over, one compiled round each per tree: the powers of
