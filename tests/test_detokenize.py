@@ -89,6 +89,36 @@ class _Counting(IncrementalText):
         return super()._decode(ids)
 
 
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece", "word_level"])
+def test_a_completion_decoded_after_its_prompt_is_what_it_adds(kind, tmp_path):
+    """With the prompt as context, a completion's text is what it adds to the prompt's text
+    (decoding prompt + completion, less the prompt's): the space a SentencePiece or WordPiece
+    decoder strips from a text's first word stays on the completion's."""
+    tok = {"byte_level": _byte_level, "sentencepiece": _sentencepiece,
+           "word_level": lambda: _word_level(tmp_path)}[kind]()  # fmt: skip
+    text = "the quick brown fox jumps over the lazy dog" if kind != "word_level" else (
+        "w5 w9 w33 w41 w7 w12 w60 w3 w77 w20")  # fmt: skip
+    ids = tok(text)["input_ids"]
+    checked = 0
+    for cut in range(1, len(ids)):
+        prompt, head = ids[:cut], tok.decode(ids[:cut], skip_special_tokens=True)
+        whole = tok.decode(ids, skip_special_tokens=True)
+        completion = IncrementalText(tok, context=prompt)
+        for i in ids[cut:]:
+            completion.push([i])
+        assert completion.ids == ids[cut:]
+        if whole.startswith(head) and not head.endswith("\ufffd"):
+            assert completion.text == whole[len(head) :], (kind, cut)
+            checked += 1
+    assert checked >= len(ids) // 2
+    if kind != "byte_level":  # alone, the first word loses its space
+        alone = IncrementalText(tok)
+        alone.push(ids[3:])
+        assert not alone.text.startswith(" ")
+        completion = IncrementalText(tok, context=ids[:3])
+        assert completion.push(ids[3:]).startswith(" ")
+
+
 def test_without_a_tokenizer_the_text_is_empty():
     text = IncrementalText(None)
     assert text.push([5, 6]) == "" and text.ids == [5, 6]

@@ -93,6 +93,15 @@ def served(spec_setup, tiny_target_dir):
     scheduler.stop()
 
 
+def _added(tokenizer, prompt, new) -> str:
+    """What a completion's ids add to its prompt's text: its text as a completion (a word's
+    space kept where decoding it alone would strip it)."""
+    head = tokenizer.decode(prompt, skip_special_tokens=True)
+    whole = tokenizer.decode(prompt + new, skip_special_tokens=True)
+    assert whole.startswith(head)
+    return whole[len(head) :]
+
+
 def _alone(served, prompt, n):
     _, target, head, _ = served
     p, c, dp, dc, v = target.params, target.cfg, *head[:3]
@@ -125,7 +134,7 @@ def test_health_models_and_staggered_requests_equal_decoding_alone(served):
         choice = body["choices"][0]
         alone = _alone(served, prompts[i], limits[i])
         assert choice["token_ids"] == alone, i
-        assert choice["text"] == target.tokenizer.decode(alone, skip_special_tokens=True)
+        assert choice["text"] == _added(target.tokenizer, prompts[i], alone)
         assert choice["finish_reason"] == "length"
         assert body["usage"] == {"prompt_tokens": len(prompts[i]), "completion_tokens": limits[i],
                                  "total_tokens": len(prompts[i]) + limits[i]}  # fmt: skip
@@ -218,6 +227,9 @@ def test_n_choices_whole_and_streamed(served):
         assert [t for m in mine for t in m["token_ids"]] == choice["token_ids"]
         assert "".join(m["text"] for m in mine) == choice["text"]
         assert mine[-1]["finish_reason"] == "length"
+    status, _, out = _post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 2,
+                                                    "n": None, "seed": None})  # fmt: skip
+    assert status == 200 and len(out["choices"]) == 1  # null: the default, as absent
     batch = {"prompt": [prompt, "w5 w9 w33"], "max_tokens": 9, "n": 2, "return_token_ids": True}
     status, _, out = _post(srv, "/v1/completions", batch)
     second = target.tokenizer("w5 w9 w33")["input_ids"]
@@ -231,9 +243,9 @@ def test_stop_string_ends_the_request(served):
     srv, target, _, _ = served
     prompt = random_prompts(target.cfg.vocab_size, [8], seed=11)[0]
     alone = _alone(served, prompt, 20)
-    words = target.tokenizer.decode(alone, skip_special_tokens=True).split(" ")
-    stop = words[5]
-    want = " ".join(words[: words.index(stop)])  # up to its first occurrence
+    text = _added(target.tokenizer, prompt, alone)
+    stop = text.split()[5]
+    want = text[: text.index(" " + stop)]  # up to its first occurrence
     for stream in (False, True):
         body = {"prompt": prompt, "max_tokens": 20, "stop": [" " + stop], "stream": stream}
         status, _, out = _post(srv, "/v1/completions", body)
@@ -305,7 +317,7 @@ def test_logprobs_whole_and_streamed(served):
     for x, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
         assert x <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(x)
     ids = choice["token_ids"]
-    assert lp["text_offset"] == [len(target.tokenizer.decode(ids[:j], skip_special_tokens=True))
+    assert lp["text_offset"] == [len(_added(target.tokenizer, prompt, ids[:j]))
                                  for j in range(len(ids))]  # fmt: skip
     status, _, lines = _post(srv, "/v1/completions", body | {"stream": True})
     chunks = [json.loads(ln[6:])["choices"][0] for ln in lines[:-1]]
@@ -369,7 +381,7 @@ def test_echo_scores_the_prompt(served):
     new = _alone(served, prompt[:9], 4)
     assert choice["token_ids"] == new and whole["usage"]["completion_tokens"] == 4
     head = target.tokenizer.decode(prompt[:9], skip_special_tokens=True)
-    assert choice["text"] == head + target.tokenizer.decode(new, skip_special_tokens=True)
+    assert choice["text"] == target.tokenizer.decode(prompt[:9] + new, skip_special_tokens=True)
     assert len(lp["token_logprobs"]) == 13
     assert lp["tokens"][9:] == [target.tokenizer.decode([i]) for i in new]
     assert lp["text_offset"][9] == len(head)
@@ -381,6 +393,29 @@ def test_echo_scores_the_prompt(served):
     status, _, out = _post(srv, "/v1/completions", {"prompt": prompt[:9], "max_tokens": 4,
                                                     "echo": True})  # fmt: skip
     assert out["choices"][0]["text"] == choice["text"] and out["choices"][0]["logprobs"] is None
+    assert scheduler.busy() == 0
+
+
+def test_scoring_alone_takes_no_slot(served, monkeypatch):
+    """An echoed prompt with max_tokens 0 is answered while every slot is busy: it waits for
+    no slot."""
+    srv, target, _, scheduler = served
+    _slowed(monkeypatch, scheduler.engine)
+    streams = [_stream_lines(srv, {"prompt": [5 + i, 6, 7], "max_tokens": 30}) for i in range(3)]
+    for _, resp in streams:
+        assert resp.readline().startswith(b"data: ")
+    assert scheduler.busy() == 3
+    body = {"prompt": [9, 8, 7, 6], "max_tokens": 0, "echo": True, "logprobs": 1}
+    status, _, out = _post(srv, "/v1/completions", body)
+    assert status == 200 and len(out["choices"][0]["logprobs"]["token_logprobs"]) == 4
+    assert scheduler.busy() == 3  # the three still run
+    for conn, _ in streams:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+    for _ in range(100):
+        if scheduler.busy() == 0:
+            break
+        time.sleep(0.1)
     assert scheduler.busy() == 0
 
 

@@ -259,9 +259,12 @@ def memory(prog: Program, report: Report, s: Setup) -> Memory:
         acts = verify_activations(tcfg, dcfg, s.batch, 1, shape.slots, s.mesh)
     elif prog.name == "serve_admit":  # a batch of one's prefill, beside the slots' state
         acts = prefill_activations(tcfg, 1, shape.prompt_len, shape.slots, s.mesh)
-    else:
+    else:  # a round over the busy slots' rows (serve_round) verifies those rows alone
+        rows = (
+            prog.args[5].shape[0] if prog.name == "serve_round" and len(prog.args) > 5 else s.batch
+        )
         tree = prog.kwargs["tree"]
-        acts = verify_activations(tcfg, dcfg, s.batch, tree.total_tokens, shape.slots, s.mesh)
+        acts = verify_activations(tcfg, dcfg, rows, tree.total_tokens, shape.slots, s.mesh)
     return Memory(params, kv, rest, acts)
 
 

@@ -1,10 +1,11 @@
 """Every jitted program, as a TPU or GPU would be handed it at real sizes, without one: the plain
 and speculative prefills, the plain decode step, the speculative round (a tree and a chain), the
 TTT training step and the server's programs (an admission into a slot, a round over the busy
-slots' rows, an echoed prompt's scoring), each a `Program` whose arguments are `jax.ShapeDtypeStruct`s laid out with the
-project's own shardings on a (data, model) mesh. No weights are allocated and nothing is compiled,
-so this runs on a CPU-only machine (with simulated CPU devices for the mesh:
-XLA_FLAGS=--xla_force_host_platform_device_count=8). `lowering` exports and inspects them.
+slots' rows, an echoed prompt's scoring), each a `Program` whose arguments are
+`jax.ShapeDtypeStruct`s laid out with the project's own shardings on a (data, model) mesh. No
+weights are allocated and nothing is compiled, so this runs on a CPU-only machine (with
+simulated CPU devices for the mesh: XLA_FLAGS=--xla_force_host_platform_device_count=8).
+`lowering` exports and inspects them.
 
 The targets are the published checkpoints' config.json fields (`specs.REAL_TARGETS`); heads are
 sized like the target with EAGLE-3's 32k draft vocabulary (`specs.draft_for`).

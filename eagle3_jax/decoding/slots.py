@@ -686,6 +686,9 @@ class SlotEngine:
         """Every slot freed and the state rebuilt empty, its shapes and layout as before (so
         every compiled program still serves): after a round or an admission failed, when the
         state it was given may be gone."""
+        for x in jax.tree.leaves(self.state):  # the old state's memory first
+            if not x.is_deleted():
+                x.delete()
         self.state = self._empty()
         self.owner = [None] * self.slots
         self.shown = [0] * self.slots

@@ -46,6 +46,15 @@ class BadRequest(Exception):
         self.param, self.status = param, status
 
 
+def _first_of_each(pairs) -> dict:
+    """{text: log-probability}, most likely first: two alternatives with one text (byte tokens
+    that decode to U+FFFD) keep the likelier."""
+    out: dict = {}
+    for text, x in pairs:
+        out.setdefault(text, x)
+    return out
+
+
 def error(status: int, message: str, kind: str, param: str | None = None, headers=None):
     """OpenAI's error body."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
@@ -56,7 +65,9 @@ def error(status: int, message: str, kind: str, param: str | None = None, header
 
 
 def _int(body: dict, name: str, default: int | None, low: int) -> int | None:
-    v = body.get(name, default)
+    v = body.get(name)
+    if v is None:  # absent or null: the default
+        v = default
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
@@ -189,6 +200,7 @@ class Server:
             raise BadRequest("stream_options must be an object", "stream_options")
         return {
             "prompts": prompts,
+            "chat": chat,
             "echo": bool(echo),
             "n": n,  # choices a prompt: choice p * n + i is prompt p's i-th
             "choices": n * len(prompts),
@@ -248,7 +260,7 @@ class Server:
                 for t, (_, lp, _, _), top in zip(texts, lps, tops)
             ]}  # fmt: skip
         return {"tokens": texts, "token_logprobs": [lp for _, lp, _, _ in lps],
-                "top_logprobs": [None if top is None else dict(top) for top in tops],
+                "top_logprobs": [None if top is None else _first_of_each(top) for top in tops],
                 "text_offset": [at for _, _, _, at in lps]}  # fmt: skip
 
     def _sampling(self, body: dict) -> Sampling:
@@ -345,7 +357,8 @@ class Server:
         produce them, an echoed prompt first (its text and log-probabilities, no new ids);
         cancels it when the consumer stops early (a disconnect)."""
         ids: list[int] = []
-        decoded = IncrementalText(self.tokenizer)  # the text of ids
+        # the text of ids; a completion's what it adds to its prompt's (its first space kept)
+        decoded = IncrementalText(self.tokenizer, () if req["chat"] else job.prompt)
         lps: list = []  # the ids' (id, log-probability, top alternatives, text offset)
         sent, unsent = 0, 0  # characters sent; ids not yet sent with them
         hold = max((len(s) for s in req["stop"]), default=1) - 1
@@ -360,12 +373,17 @@ class Server:
                 base = len(echoed.text)
                 if not job.score:  # the prompt's text now; with logprobs, once it is scored
                     yield echoed.text, [], None, None
+            checked = time.monotonic()
             while not done:
                 try:
                     ev = await asyncio.wait_for(events.get(), 1.0)
                 except TimeoutError:
+                    ev = None
+                if time.monotonic() - checked > 1.0:  # a client gone, tokens flowing or not
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return
+                if ev is None:
                     continue
                 if ev.prompt_logprobs is not None:  # the first token has none (OpenAI: null)
                     scored = [(job.prompt[0], None, None, 0)] + [
@@ -439,15 +457,19 @@ def build_app(server: Server) -> FastAPI:
             submitted = server.submit(req)
         except (QueueFull, Draining) as e:
             return refuse(e)
-        choices = _merged([server.run(req, request, job, events) for job, events in submitted])
+        choices = _merged([server.run(req, request, job, events) for job, events in submitted],
+                          lambda: [server.scheduler.cancel(job.id) for job, _ in submitted])  # fmt: skip
         try:  # the first tokens, so that an engine error is a 500
             first = await anext(choices)
+            if req["stream"]:
+                return StreamingResponse(_sse(server, req, rid, chat, first, choices),
+                                         media_type="text/event-stream")  # fmt: skip
+            return await _whole(server, req, rid, chat, first, choices)
         except RuntimeError as e:
+            server.m_requests.labels("error").inc(req["choices"])
             return error(500, str(e), "server_error")
-        if req["stream"]:
-            return StreamingResponse(_sse(server, req, rid, chat, first, choices),
-                                     media_type="text/event-stream")  # fmt: skip
-        return await _whole(server, req, rid, chat, first, choices)
+        except StopAsyncIteration:  # every choice ended early: the client went away
+            return error(500, "the client disconnected", "server_error")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -477,9 +499,10 @@ def build_app(server: Server) -> FastAPI:
     return app
 
 
-async def _merged(gens: list[AsyncIterator[tuple]]) -> AsyncIterator[tuple[int, tuple]]:
+async def _merged(gens: list[AsyncIterator[tuple]], cancel) -> AsyncIterator[tuple[int, tuple]]:
     """The items of a request's choices (`Server.run` each) as they come, as (choice index,
-    item); the first error any raises is raised here. Closing this cancels every choice."""
+    item); the first error any raises is raised here. Closing this cancels every choice
+    (`cancel()`: their jobs, whether or not their generators ever ran)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, gen) -> None:
@@ -501,7 +524,8 @@ async def _merged(gens: list[AsyncIterator[tuple]]) -> AsyncIterator[tuple[int, 
                 left -= 1
                 continue
             yield i, item
-    finally:  # a disconnect, an error or the end: each choice's own finally cancels its job
+    finally:  # a disconnect, an error or the end (a job that ended ignores its cancel)
+        cancel()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -577,6 +601,7 @@ async def _sse(server: Server, req, rid, chat, first, choices) -> AsyncIterator[
             yield chunk([_choice(server, chat, i, text, reason, new, req, True, lps)])
             item = await anext(choices, None)
     except RuntimeError as e:
+        reasons = {i: reasons.get(i) or "error" for i in range(req["choices"])}
         yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
     finally:
         await choices.aclose()  # a disconnect lands here too: every choice is cancelled

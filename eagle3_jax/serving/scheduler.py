@@ -150,24 +150,42 @@ class Scheduler:
     # ------------------------------------------------------------------ the engine thread
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # the engine cannot go on (its state could not be rebuilt)
+            log.exception("the engine thread stopped")
+            with self._cv:
+                self.draining = True
+            for job in list(self._waiting) + list(self._running.values()):
+                job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
+            self._waiting.clear()
+            self._running.clear()
+            return
+        for job in list(self._waiting) + list(self._running.values()):
+            job.deliver(Event([], "cancelled"))
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 if self._stop:
-                    break
+                    return
                 self._apply_cancels()
-                admit = []
-                free = self.engine.free_slots()
-                while self._waiting and len(admit) < len(free):
-                    admit.append(self._waiting.popleft())
-                if not admit and not self._running:
+                admit, free = [], self.engine.free_slots()
+                # in arrival order; a prompt to score alone (echo, max_tokens 0) takes no slot
+                scores = [j for j in self._waiting if j.max_tokens == 0]
+                rest = collections.deque(j for j in self._waiting if j.max_tokens != 0)
+                while rest and len(admit) < len(free):
+                    admit.append(rest.popleft())
+                self._waiting = rest
+                if not admit and not scores and not self._running:
                     self._cv.wait(self.idle_wait_s)
                     continue
+            for job in scores:
+                self._admit(job, None)
             for job, slot in zip(admit, free):
                 self._admit(job, slot)
             if self._running:
                 self._round()
-        for job in list(self._waiting) + list(self._running.values()):
-            job.deliver(Event([], "cancelled"))
 
     def _apply_cancels(self) -> None:
         if not self._cancel:
@@ -180,15 +198,16 @@ class Scheduler:
                 self.stats.finished["cancelled"] += 1
         self._cancel.clear()
 
-    def _admit(self, job: Job, slot: int) -> None:
-        """Scores the prompt if asked (an event of its own), then prefills it into `slot`;
-        a request for no new tokens (max_tokens 0: echo alone) ends there, its slot unused."""
+    def _admit(self, job: Job, slot: int | None) -> None:
+        """Scores the prompt if asked (an event of its own), then prefills it into `slot`; a
+        request for no new tokens (max_tokens 0: echo alone; slot None) ends there."""
         try:
             if job.score:
                 job.deliver(Event([], None, prompt_logprobs=self.engine.score(job.prompt)))
             if job.max_tokens == 0:
                 job.deliver(Event([], "max_tokens"))
                 self.stats.finished["max_tokens"] += 1
+                self.stats.prompt_tokens += len(job.prompt)
                 return
             self.engine.admit(job.id, job.prompt, job.max_tokens, job.seed, slot=slot,
                               sampling=job.sampling)  # fmt: skip
@@ -196,6 +215,7 @@ class Scheduler:
             if not isinstance(e, Eagle3Error):
                 log.exception("admitting request %s failed", job.id)
             job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
+            self.stats.finished["error"] += 1
             if self.engine.state_lost():  # the running requests' rows went with it
                 self._fail_running(e)
             return
@@ -206,7 +226,8 @@ class Scheduler:
 
     def _fail_running(self, e: Exception) -> None:
         """Ends every running request with the error and starts the engine's state afresh, so
-        that the requests after them are served (a failed call may have consumed the state)."""
+        that the requests after them are served (a failed call may have consumed the state; if
+        the new one cannot be built either, `_loop` ends every request and the thread)."""
         for job in self._running.values():
             job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
             self.stats.finished["error"] += 1
