@@ -214,10 +214,12 @@ class Scheduler:
         except Exception as e:  # checked at submit; a refusal here is a bug, told to the client
             if not isinstance(e, Eagle3Error):
                 log.exception("admitting request %s failed", job.id)
-            job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
-            self.stats.finished["error"] += 1
-            if self.engine.state_lost():  # the running requests' rows went with it
-                self._fail_running(e)
+            try:
+                if self.engine.state_lost():  # the running requests' rows went with it
+                    self._fail_running(e)
+            finally:
+                job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
+                self.stats.finished["error"] += 1
             return
         job.slot = slot
         self._running[slot] = job
@@ -228,11 +230,14 @@ class Scheduler:
         """Ends every running request with the error and starts the engine's state afresh, so
         that the requests after them are served (a failed call may have consumed the state; if
         the new one cannot be built either, `_loop` ends every request and the thread)."""
-        for job in self._running.values():
-            job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
-            self.stats.finished["error"] += 1
+        jobs = list(self._running.values())
         self._running.clear()
-        self.engine.reset()
+        try:  # the state first, so that whoever is told finds the engine serving again
+            self.engine.reset()
+        finally:
+            for job in jobs:
+                job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
+                self.stats.finished["error"] += 1
 
     def _round(self) -> None:
         try:
