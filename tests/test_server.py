@@ -289,6 +289,9 @@ def test_stop_string_ends_the_request(served):
             "top_logprobs",
         ),  # fmt: skip
         ({"prompt": [5], "echo": "yes"}, "echo"),
+        ({"prompt": [5], "ignore_eos": 1}, "ignore_eos"),
+        ({"prompt": [5], "echo": 1}, "echo"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
         ({"prompt": [5], "best_of": 2}, "best_of"),
     ],
 )

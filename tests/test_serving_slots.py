@@ -502,3 +502,28 @@ def test_auto_adds_the_cost_models_tree_on_a_known_accelerator(spec_setup):
     best = predict.serving_tree(predict.DEVICES["H200"], cfg, dcfg, 4, 256, dtype_bytes=4)
     assert best.tree in got and best.tree.validate(dcfg.draft_vocab_size) == best.tree
     assert predict.device_spec("TPU v5 lite").name == "TPU v5e"
+
+
+def test_ignore_eos_goes_on_past_eos(spec_setup):
+    """Two requests for one prompt in an engine whose EOS is a token the greedy output reaches:
+    the one without ignore_eos stops there (EOS emitted, reason eos); the one with it goes on to
+    its max_tokens with exactly the tokens of decoding with no EOS at all."""
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    prompt = random_prompts(cfg.vocab_size, [7], seed=29)[0]
+    free = spec_generate(params, cfg, dparams, dcfg, vocab, [prompt], 12, TREE, eos_ids=())
+    out = free.output_ids[0]
+    k = next(i for i in range(2, 12) if out[i] not in out[:i])  # its first occurrence
+    opts = DecodeOptions("eagle3", NEW, TREE, eos_ids=(out[k],), max_context=256)
+    eng = SlotEngine(Target(params, cfg, None, None), Head(dparams, dcfg, vocab), opts, 2)
+    eng.admit("stops", prompt, 12)
+    eng.admit("goes on", prompt, 12, ignore_eos=True)
+    got, why = {"stops": [], "goes on": []}, {}
+    for _ in range(40):
+        for u in eng.step():
+            got[u.request] += u.new_ids
+            if u.finish_reason:
+                why[u.request] = u.finish_reason
+        if len(why) == 2:
+            break
+    assert (got["stops"], why["stops"]) == (out[: k + 1], "eos")
+    assert (got["goes on"], why["goes on"]) == (out, "max_tokens")

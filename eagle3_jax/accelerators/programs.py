@@ -281,11 +281,11 @@ def _serve_program(name: str, s: Setup, tcfg, dcfg, head: tuple, mesh: Mesh) -> 
     if name == "serve_admit":
         one = dataclasses.replace(shape, batch=1, prompt_len=bucket)
         rows = RowSampling(replicated((1,), jnp.float32), replicated((1,), jnp.int32),
-                           replicated((1,), jnp.float32))  # fmt: skip
+                           replicated((1,), jnp.float32), replicated((1,), jnp.bool_))  # fmt: skip
         args = (*head, state, replicated((), jnp.int32), prompt, replicated((1,), jnp.int32),
                 replicated((1,), jnp.int32), replicated((2,), jnp.uint32))  # fmt: skip
         return Program(name, slots.admit_row, args, {**kw, "shape": one, "rows": rows}, mesh,
-                       {**groups, "inputs": 5 + 3}, state_arg=4)  # fmt: skip
+                       {**groups, "inputs": 5 + 4}, state_arg=4)  # fmt: skip
     if name != "serve_round":
         raise Eagle3Error(f"unknown program {name!r}: choose one of {', '.join(PROGRAMS)}")
     if b == 1:

@@ -49,11 +49,13 @@ class Sampling:
 @dataclasses.dataclass(frozen=True)
 class RowSampling:
     """Each row's settings as arrays: temperature [B] float32 (0: greedy), top_k [B] int32
-    (0: off), top_p [B] float32 (1: off)."""
+    (0: off), top_p [B] float32 (1: off), and ignore_eos [B] bool (vLLM's request setting: an
+    EOS token is emitted and decoding goes on, to the row's limit)."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    ignore_eos: jax.Array
 
     @classmethod
     def fill(cls, sampling: Sampling, batch: int) -> RowSampling:
@@ -61,12 +63,14 @@ class RowSampling:
         return cls.of([sampling] * batch)
 
     @classmethod
-    def of(cls, rows: list[Sampling]) -> RowSampling:
-        """One row per `Sampling` (each validated on construction)."""
+    def of(cls, rows: list[Sampling], ignore_eos: list[bool] | None = None) -> RowSampling:
+        """One row per `Sampling` (each validated on construction); `ignore_eos` a row's flag
+        (default False for every row)."""
         return cls(
             jnp.asarray([s.temperature for s in rows], jnp.float32),
             jnp.asarray([s.top_k for s in rows], jnp.int32),
             jnp.asarray([s.top_p for s in rows], jnp.float32),
+            jnp.asarray(ignore_eos or [False] * len(rows), jnp.bool_),
         )
 
 

@@ -598,11 +598,12 @@ class SlotEngine:
         return self.slots - len(self.free_slots())
 
     def admit(self, request: object, prompt: list[int], max_tokens: int, seed: int = 0,
-              slot: int | None = None, sampling: Sampling | None = None) -> int:  # fmt: skip
+              slot: int | None = None, sampling: Sampling | None = None,
+              ignore_eos: bool = False) -> int:  # fmt: skip
         """Prefills `prompt` into a free slot (the first, or `slot`) for `max_tokens` new tokens
         at most, sampled as `sampling` says (default `opts.sampling`; temperature 0: greedy)
-        from `seed`; returns the slot. `request` is the caller's id for it in `step`'s
-        updates."""
+        from `seed`, going on past EOS with `ignore_eos`; returns the slot. `request` is the
+        caller's id for it in `step`'s updates."""
         self.check(prompt, max_tokens)
         free = self.free_slots()
         if not free:
@@ -610,12 +611,13 @@ class SlotEngine:
         slot = free[0] if slot is None else slot
         if self.owner[slot] is not None:
             raise Eagle3Error(f"slot {slot} is busy")
-        self.state = admit_row(*self._admit_args(slot, prompt, max_tokens, seed, sampling))
+        self.state = admit_row(*self._admit_args(slot, prompt, max_tokens, seed, sampling,
+                                                 ignore_eos))  # fmt: skip
         self.owner[slot], self.shown[slot] = request, 0
         return slot
 
     def _admit_args(self, slot: int, prompt: list[int], max_tokens: int, seed: int = 0,
-                    sampling: Sampling | None = None) -> tuple:  # fmt: skip
+                    sampling: Sampling | None = None, ignore_eos: bool = False) -> tuple:  # fmt: skip
         """`admit_row`'s arguments: the prompt padded to its bucket (`plain.PROMPT_BUCKET`)."""
         bucket = min(plain.round_up(len(prompt), plain.PROMPT_BUCKET), self.shape.slots)
         one = dataclasses.replace(self.shape, batch=1, prompt_len=bucket)
@@ -623,7 +625,7 @@ class SlotEngine:
         return (
             *self.models, self.state, jnp.int32(slot), toks, lengths,
             np.array([max_tokens], np.int32), jax.random.PRNGKey(seed), *self._static(one),
-            RowSampling.of([self.opts.sampling if sampling is None else sampling]),
+            RowSampling.of([self.opts.sampling if sampling is None else sampling], [ignore_eos]),
         )  # fmt: skip
 
     def prompt_buckets(self) -> list[int]:

@@ -127,7 +127,8 @@ def prefill(
         dcache = _encode_prompt(dparams, embed, prompt_BT, out.aux, dtype, dcfg, shape, tree)
         feat = out.aux
     num_new = jnp.ones((b,), jnp.int32)
-    finish = jnp.where(eos_mask(root, eos_ids), 1, jnp.where(num_new >= limit_B, 2, 0))
+    stops = eos_mask(root, eos_ids) & ~row_sampling.ignore_eos
+    finish = jnp.where(stops, 1, jnp.where(num_new >= limit_B, 2, 0))
     logprobs = None
     if shape.logprobs is not None:  # the root's, at emitted position 0
         first = token_logprobs(out.logits[:, :1], root[:, None], shape.logprobs)
@@ -177,7 +178,7 @@ def _commit(state: SpecState, v: Verdict, dcache, key, shape: Shape, tree: TreeC
     running = state.finish == 0
     r, a = state.length, v.accepted
     emit = emitted(v.path_tok, v.bonus, a)
-    is_eos = eos_mask(emit, eos_ids) & (j <= a[:, None])
+    is_eos = eos_mask(emit, eos_ids) & (j <= a[:, None]) & ~state.sampling.ignore_eos[:, None]
     has_eos = jnp.any(is_eos, axis=1)
     count = jnp.where(has_eos, jnp.argmax(is_eos, axis=1) + 1, a + 1)
     room = state.limit - state.num_new

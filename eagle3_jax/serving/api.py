@@ -171,8 +171,8 @@ class Server:
         for name, served in (("best_of", 1), ("suffix", None)):
             if body.get(name) not in (None, served) and not chat:
                 raise BadRequest(f"{name}: not served here", name)
-        echo = False if chat else body.get("echo", False)
-        if echo not in (True, False, None):
+        echo = False if chat else body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
             raise BadRequest("echo must be true or false", "echo")
         sampling = self._sampling(body)
         names = ["max_tokens"] + (["max_completion_tokens"] if chat else [])
@@ -192,6 +192,9 @@ class Server:
         seed = _int(body, "seed", 0, 0)
         if seed >= 2**63:
             raise BadRequest(f"seed {seed}: give 0 .. 2**63 - 1", "seed")
+        ignore_eos = body.get("ignore_eos")  # vLLM's extension
+        if ignore_eos is not None and not isinstance(ignore_eos, bool):
+            raise BadRequest("ignore_eos must be true or false", "ignore_eos")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("stream must be true or false", "stream")
@@ -202,6 +205,7 @@ class Server:
             "prompts": prompts,
             "chat": chat,
             "echo": bool(echo),
+            "ignore_eos": bool(ignore_eos),
             "n": n,  # choices a prompt: choice p * n + i is prompt p's i-th
             "choices": n * len(prompts),
             "max_tokens": max_tokens,  # a prompt's
@@ -220,7 +224,7 @@ class Server:
         completions' `logprobs` (0..20), at most the server's --max-logprobs."""
         if chat:
             wanted = body.get("logprobs")
-            if wanted not in (None, True, False):
+            if wanted is not None and not isinstance(wanted, bool):
                 raise BadRequest("logprobs must be true or false", "logprobs")
             top = body.get("top_logprobs")
             if top is not None and not wanted:
@@ -345,7 +349,8 @@ class Server:
                       (req["seed"] + i) % 2**32,
                       lambda ev, q=events: loop.call_soon_threadsafe(q.put_nowait, ev),
                       sampling=req["sampling"],
-                      score=req["echo"] and req["logprobs"] is not None)  # fmt: skip
+                      score=req["echo"] and req["logprobs"] is not None,
+                      ignore_eos=req["ignore_eos"])  # fmt: skip
             out.append((job, events))
         self.scheduler.submit(*(job for job, _ in out))
         return out

@@ -56,6 +56,7 @@ class Job:
     deliver: Callable[[Event], None]
     sampling: Sampling | None = None  # temperature, top-k, top-p (None: the engine's default)
     score: bool = False  # the prompt's log-probabilities first (`SlotEngine.score`: echo)
+    ignore_eos: bool = False  # EOS emitted and decoding goes on (vLLM's request setting)
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     first_token: float | None = None
     slot: int | None = None
@@ -210,7 +211,7 @@ class Scheduler:
                 self.stats.prompt_tokens += len(job.prompt)
                 return
             self.engine.admit(job.id, job.prompt, job.max_tokens, job.seed, slot=slot,
-                              sampling=job.sampling)  # fmt: skip
+                              sampling=job.sampling, ignore_eos=job.ignore_eos)  # fmt: skip
         except Exception as e:  # checked at submit; a refusal here is a bug, told to the client
             if not isinstance(e, Eagle3Error):
                 log.exception("admitting request %s failed", job.id)
