@@ -257,6 +257,15 @@ def test_stop_string_ends_the_request(served):
         else:
             text, reason = out["choices"][0]["text"], out["choices"][0]["finish_reason"]
         assert (text, reason) == (want, "stop")
+    k = next(i for i in range(3, 20) if alone[i] not in alone[:i])  # vLLM's stop_token_ids
+    for stream in (False, True):
+        body = {"prompt": prompt, "max_tokens": 20, "stop_token_ids": [alone[k]],
+                "return_token_ids": True, "stream": stream}  # fmt: skip
+        status, _, out = _post(srv, "/v1/completions", body)
+        choices = [json.loads(ln[6:])["choices"][0] for ln in out[:-1]] if stream else [
+            out["choices"][0]]  # fmt: skip
+        assert [t for c in choices for t in c["token_ids"]] == alone[: k + 1]
+        assert choices[-1]["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize(
@@ -290,6 +299,7 @@ def test_stop_string_ends_the_request(served):
         ),  # fmt: skip
         ({"prompt": [5], "echo": "yes"}, "echo"),
         ({"prompt": [5], "ignore_eos": 1}, "ignore_eos"),
+        ({"prompt": [5], "stop_token_ids": [5, 500]}, "stop_token_ids"),
         ({"prompt": [5], "echo": 1}, "echo"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
         ({"prompt": [5], "best_of": 2}, "best_of"),

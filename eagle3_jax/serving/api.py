@@ -212,11 +212,26 @@ class Server:
             "seed": seed,
             "sampling": sampling,
             "stop": _stop(body),
+            "stop_ids": self._stop_ids(body),
             "stream": stream,
             "usage_chunk": bool(opts.get("include_usage")),
             "token_ids": bool(body.get("return_token_ids")),
             "logprobs": self._logprobs(body, chat),
         }
+
+    def _stop_ids(self, body: dict) -> frozenset[int]:
+        """vLLM's `stop_token_ids`: token ids that end a request once emitted (the id stays in
+        the output; its text is decoding's, nothing for a special token)."""
+        ids = body.get("stop_token_ids")
+        if ids is None:
+            return frozenset()
+        vocab = self.engine.cfgs[0].vocab_size
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids
+        ):
+            raise BadRequest(f"stop_token_ids must be a list of token ids in 0..{vocab - 1}",
+                             "stop_token_ids")  # fmt: skip
+        return frozenset(ids)
 
     def _logprobs(self, body: dict, chat: bool) -> int | None:
         """How many alternatives each token's log-probability comes with (None: no
@@ -401,13 +416,17 @@ class Server:
                     raise RuntimeError(ev.finish_reason)
                 if ev.finish_reason == "cancelled":
                     raise RuntimeError("cancelled by the server")
+                new, reason = ev.new_ids, FINISH.get(ev.finish_reason)
+                at = next((j for j, t in enumerate(new) if t in req["stop_ids"]), None)
+                if at is not None:  # a stop token: emitted, and the request ends with it
+                    new, reason = new[: at + 1], "stop"
+                    self.scheduler.cancel(job.id)
                 if req["logprobs"] is not None:  # each with its offset in the text
-                    for id_, (lp, top) in zip(ev.new_ids, ev.logprobs or []):
+                    for id_, (lp, top) in zip(new, ev.logprobs or []):
                         lps.append((id_, lp, top, base + len(decoded.text)))
                         decoded.push([id_])
-                ids += ev.new_ids
+                ids += new
                 text = decoded.push(ids[len(decoded.ids) :])
-                reason = FINISH.get(ev.finish_reason) if ev.finish_reason else None
                 found = [i for i in (text.find(s, sent) for s in req["stop"]) if i >= 0]
                 cut = min(found, default=-1)
                 if cut >= 0:
@@ -419,7 +438,7 @@ class Server:
                     while end > sent and text[end - 1] == "\ufffd":
                         end -= 1
                 done = reason is not None
-                unsent += len(ev.new_ids)
+                unsent += len(new)
                 if end > sent or done:
                     new_lps = lps[len(lps) - unsent :] if req["logprobs"] is not None else None
                     yield text[sent : max(end, sent)], ids[len(ids) - unsent :], reason, new_lps
