@@ -908,6 +908,7 @@ def test_serving_step_runs_the_in_process_sweep(dj, c, tmp_path, monkeypatch):
         dj.main(["serving", "--minutes", "12", "--out", str(tmp_path)])
 
 
+@pytest.mark.slow  # 36 s on a busy 2-core VM (two engines compiled in a subprocess)
 def test_serving_step_at_the_toy_shape(dj, c, tiny_target_dir, tmp_path, monkeypatch):
     """The step's phase for real on the CPU: the tiny target with prompt lookup standing in for
     EAGLE-3, two levels, each run twice by each engine (interleaved); every greedy output of
