@@ -527,3 +527,41 @@ def test_ignore_eos_goes_on_past_eos(spec_setup):
             break
     assert (got["stops"], why["stops"]) == (out[: k + 1], "eos")
     assert (got["goes on"], why["goes on"]) == (out, "max_tokens")
+
+
+def test_warm_runs_every_verified_size_and_the_floor_keeps_greedy_output(spec_setup,
+                                                                         monkeypatch):  # fmt: skip
+    """serve.warm runs each round once per size adaptive verification may pick (its rows'
+    `verify_floor` forced to it; on a CPU each switch branch's first run costs 0.15-0.3 s), and
+    leaves the floor at 0; a request decoded with the floor at the whole tree (every round
+    verifying all its nodes) gives the tokens of decoding it alone."""
+    from eagle3_jax.cli import serve
+
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    eng = _engine(spec_setup, tree=ADAPTIVE)  # the staggered test's: its programs compiled
+    floors, step = [], eng.step
+
+    def recording(tree=None):
+        floors.append((tree_name(tree), int(jax.device_get(eng.state.verify_floor).max())))
+        return step(tree)
+
+    monkeypatch.setattr(eng, "step", recording)
+    monkeypatch.setattr(eng, "compile_admissions", lambda: 0)  # compiled on use here
+    monkeypatch.setattr(eng, "compile_rounds", lambda: 0)
+    serve.warm(eng)
+    assert {f for _, f in floors} == set(ADAPTIVE.verify_sizes) and len(ADAPTIVE.verify_sizes) > 1
+    assert int(jax.device_get(eng.state.verify_floor).max()) == 0
+    monkeypatch.setattr(eng, "step", step)
+    prompt = random_prompts(cfg.vocab_size, [9], seed=31)[0]
+    eng.admit("r", prompt, 14)
+    eng.force_verify(ADAPTIVE.total_tokens)
+    got = []
+    for _ in range(30):
+        ups = eng.step()
+        got += [t for u in ups for t in u.new_ids]
+        if any(u.finish_reason for u in ups):
+            break
+    verified = int(jax.device_get(eng.state.verified)[0])
+    assert verified == ADAPTIVE.total_tokens * (int(jax.device_get(eng.state.forwards)[0]) - 1)
+    alone = spec_generate(params, cfg, dparams, dcfg, vocab, [prompt], 14, ADAPTIVE, eos_ids=())
+    assert got == alone.output_ids[0]

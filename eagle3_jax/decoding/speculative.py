@@ -165,6 +165,7 @@ def prefill(
         limit=limit_B,
         key=key,
         sampling=row_sampling,
+        verify_floor=jnp.zeros((b,), jnp.int32),
         logprobs=logprobs,
     )
 
