@@ -34,10 +34,10 @@ test: $(VENV)/.test
 	echo "make test: the default suite took $$(( $$(date +%s) - start )) s (wall)"; exit $$rc
 
 # the real SmolLM2 checks and the longest runs (kill-and-resume, training on a mesh, the device
-# steps at a toy shape, the served SmolLM2, the serving sweeps at a toy shape): 32 tests,
-# ~1,210 s on a 2-core VM (2026-12-07: 29 in 1,069 s, then the served-SmolLM2 test, 70 s, the
-# HTTP sweep, 32 s, and the device job's serving step, 36 s), compiled at XLA's default
-# optimisation level
+# steps at a toy shape, the served SmolLM2, the serving sweeps at a toy shape, unfiltered
+# sampling against plain sampling): 33 tests, ~1,240 s on a 2-core VM (2026-12-07: 29 in
+# 1,069 s, then the served-SmolLM2 test, 70 s, the HTTP sweep, 32 s, the device job's serving
+# step, 36 s, and the sampling check, 29 s), compiled at XLA's default optimisation level
 test-slow: $(VENV)/.test
 	EAGLE3_JAX_TEST_XLA_OPT=default $(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
