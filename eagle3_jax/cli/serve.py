@@ -199,11 +199,10 @@ def warm(engine: SlotEngine) -> None:
     """Compiles every program before serving, ahead of time (the compilation cache keeps them
     for the next start): the admission of each prompt bucket (`SlotEngine.compile_admissions`),
     its scoring with --max-logprobs (`compile_scoring`: echo) and the round of each tree at
-    each row bucket (`SlotEngine.compile_rounds`); then runs each round program once per
-    verified size (`SlotEngine.force_verify`: each branch of adaptive verification), with as
-    many one-token requests as its rows: a program's or a branch's first run costs 0.15-0.3 s
-    more than the next on a CPU, which a request would wait for and the measured tree choice
-    would take for the tree's cost (the release's and the report's small programs run too)."""
+    each row bucket (`SlotEngine.compile_rounds`); then runs each round program once, with as
+    many one-token requests as its rows: a program's first run costs ~0.3 s more than the next
+    on a CPU, which a request would wait for and the measured tree choice would take for the
+    tree's cost (the release's and the report's small programs run too)."""
     start = time.perf_counter()
     n = engine.compile_admissions()
     print(f"compiled {n} admission programs (prompts up to {engine.prompt_buckets()[-1]} "
@@ -218,14 +217,11 @@ def warm(engine: SlotEngine) -> None:
     room = min(engine.opts.max_new_tokens, engine.max_tokens_for(1))
     for rows in engine.row_buckets():
         for tree in engine.schedule.trees():
-            for size in tree.verify_sizes:  # each branch of adaptive verification's switch
-                while engine.busy() < rows:  # a row that ended (EOS, its room) is replaced
-                    engine.admit("warmup", [engine.pad], room)
-                engine.force_verify(size)
-                engine.step(tree)
+            while engine.busy() < rows:  # a row that ended (EOS, its room) is replaced
+                engine.admit("warmup", [engine.pad], room)
+            engine.step(tree)
         for slot in range(engine.slots):
             engine.release(slot)
-    engine.force_verify(0)
     engine.current_tree = None
     engine.tree_rounds.clear()
     engine.rounds = 0

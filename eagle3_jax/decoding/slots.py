@@ -203,12 +203,6 @@ def score_prompt(tparams, prompt_1T, tcfg, k: int) -> TokenLogProbs:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _floor_rows(state: SpecState, n) -> SpecState:
-    """Every row's `verify_floor` set to n."""
-    return dataclasses.replace(state, verify_floor=jnp.full_like(state.verify_floor, n))
-
-
-@functools.partial(jax.jit, donate_argnums=0)
 def _free_row(state: SpecState, slot) -> SpecState:
     """Row `slot` marked finished (frozen from the next round on), and greedy (`_greedy_row`)."""
     return _greedy_row(dataclasses.replace(state, finish=state.finish.at[slot].set(2)), slot)
@@ -685,13 +679,6 @@ class SlotEngine:
             return
         self.state = _free_row(self.state, jnp.int32(slot))
         self.owner[slot] = None
-
-    def force_verify(self, nodes: int) -> None:
-        """The next rounds verify at least `nodes` tree nodes in every row admitted so far (0:
-        as adaptive verification needs; an admission starts its row at 0): the warm-up runs
-        each compiled verified size once, since on a CPU the first run of each `lax.switch`
-        branch costs 150-300 ms more than the next. Greedy output is unchanged."""
-        self.state = _floor_rows(self.state, jnp.int32(nodes))
 
     def state_lost(self) -> bool:
         """Whether a failed call consumed the state (an admission and a round donate it)."""

@@ -165,7 +165,6 @@ def prefill(
         limit=limit_B,
         key=key,
         sampling=row_sampling,
-        verify_floor=jnp.zeros((b,), jnp.int32),
         logprobs=logprobs,
     )
 

@@ -69,9 +69,6 @@ class SpecState:
     limit: jax.Array  # [B] max new tokens (a runtime value: no recompile per limit)
     key: jax.Array  # the PRNG key (sampling): [2] for the batch, or [B, 2] a row each (slots.py)
     sampling: RowSampling  # [B] each row's temperature, top-k, top-p (runtime values)
-    # [B] the fewest tree nodes a round verifies (0: as adaptive verification needs; a serving
-    # warm-up sets it to run each compiled size once: `slots.SlotEngine.warm_verify_sizes`)
-    verify_floor: jax.Array
     logprobs: TokenLogProbs | None = None  # kept where the program's Shape.logprobs is set
 
 

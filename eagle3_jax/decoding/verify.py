@@ -270,10 +270,8 @@ def verify_tree(
     """Steps 3-4 of a round on the B trees (N + 1 nodes each): the target's pass, acceptance and
     the accepted path. With adaptive verification on the full tree, one `lax.switch` branch per
     compiled size runs the smallest that holds every node at or above the threshold, over the
-    running rows, and at least each row's `verify_floor` nodes (more nodes verified never
-    change the greedy output, and sampling stays lossless). `target_pass` is `forward_tree`, or
-    a function of its arguments giving what acceptance reads from it (replay.py's oracle: the
-    target's greedy tokens and features)."""
+    running rows. `target_pass` is `forward_tree`, or a function of its arguments giving what
+    acceptance reads from it (replay.py's oracle: the target's greedy tokens and features)."""
     n1 = trees.tokens.shape[1]
     check = functools.partial(
         _check, tparams, trees, state, key, tcfg=tcfg, dcfg=dcfg, shape=shape, tree=tree,
@@ -283,8 +281,7 @@ def verify_tree(
     if len(sizes) == 1:
         return Verdict(*check(size=n1), verified=jnp.int32(n1))
     passing = trees.score[:, 1:] >= float(np.log(tree.verify_threshold))
-    need_B = jnp.maximum(1 + jnp.sum(passing, axis=1), state.verify_floor)
-    need = jnp.max(jnp.where(state.finish == 0, need_B, 1))
+    need = jnp.max(jnp.where(state.finish == 0, 1 + jnp.sum(passing, axis=1), 1))
     which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need).astype(jnp.int32)
     branches = [functools.partial(lambda _, size: check(size=size), size=z) for z in sizes]
     return Verdict(
