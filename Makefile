@@ -2,7 +2,7 @@
 #   make demo   EAGLE-3 speculative decoding on the embedded default with its shipped head, compared
 #               with plain decoding in the same run (answer, tau, tokens/s, speedup)
 #   make test   the default test suite on 2 pytest-xdist workers, printing its wall time: 9 min
-#               (482 s, 649 tests) on a 2-core VM (.ci/run calls it, then make test-slow, then make demo
+#               (546 s, 659 tests) on a 2-core VM (.ci/run calls it, then make test-slow, then make demo
 #               with the base install alone and an empty cache)
 PYTHON ?= python3
 VENV ?= .venv
