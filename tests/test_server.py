@@ -545,6 +545,11 @@ def test_disconnect_frees_the_slot(served, monkeypatch):
         time.sleep(0.1)
     assert scheduler.busy() == 0 and scheduler.stats.finished["cancelled"] == before + 1
     assert scheduler.engine.free_slots() == [0, 1, 2]
+    for _ in range(50):  # the stream's end is counted as cancelled in /metrics too
+        if 'eagle3_requests_total{finish_reason="cancelled"}' in _get(srv, "/metrics")[1]:
+            break
+        time.sleep(0.1)
+    assert 'eagle3_requests_total{finish_reason="cancelled"}' in _get(srv, "/metrics")[1]
 
 
 def test_shutdown_lets_a_running_stream_finish(served, monkeypatch):

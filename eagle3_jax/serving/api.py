@@ -627,10 +627,10 @@ async def _sse(server: Server, req, rid, chat, first, choices) -> AsyncIterator[
     except RuntimeError as e:
         reasons = {i: reasons.get(i) or "error" for i in range(req["choices"])}
         yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
-    finally:
-        await choices.aclose()  # a disconnect lands here too: every choice is cancelled
-    for i in range(req["choices"]):
-        server.m_requests.labels(reasons.get(i) or "none").inc()
+    finally:  # a disconnect lands here too: every choice is cancelled, and counted so
+        await choices.aclose()
+        for i in range(req["choices"]):
+            server.m_requests.labels(reasons.get(i) or "cancelled").inc()
     if req["usage_chunk"]:
         yield chunk([], _usage(req, generated))
     yield "data: [DONE]\n\n"
