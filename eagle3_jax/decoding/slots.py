@@ -618,15 +618,20 @@ class SlotEngine:
 
     def _admit_args(self, slot: int, prompt: list[int], max_tokens: int, seed: int = 0,
                     sampling: Sampling | None = None, ignore_eos: bool = False) -> tuple:  # fmt: skip
-        """`admit_row`'s arguments: the prompt padded to its bucket (`plain.PROMPT_BUCKET`)."""
-        bucket = min(plain.round_up(len(prompt), plain.PROMPT_BUCKET), self.shape.slots)
-        one = dataclasses.replace(self.shape, batch=1, prompt_len=bucket)
-        toks, lengths = plain.pad_prompts([prompt], one, self.pad)
+        """`admit_row`'s arguments: the prompt padded to its bucket (`_one_prompt`)."""
+        one, toks, lengths = self._one_prompt(prompt)
         return (
             *self.models, self.state, jnp.int32(slot), toks, lengths,
             np.array([max_tokens], np.int32), jax.random.PRNGKey(seed), *self._static(one),
             RowSampling.of([self.opts.sampling if sampling is None else sampling], [ignore_eos]),
         )  # fmt: skip
+
+    def _one_prompt(self, prompt: list[int]) -> tuple[plain.Shape, np.ndarray, np.ndarray]:
+        """A batch of one `prompt`: its shape (the prompt padded to its bucket of
+        `plain.PROMPT_BUCKET`, the slots' S and buffers), its tokens [1, T] and length [1]."""
+        bucket = min(plain.round_up(len(prompt), plain.PROMPT_BUCKET), self.shape.slots)
+        one = dataclasses.replace(self.shape, batch=1, prompt_len=bucket)
+        return (one, *plain.pad_prompts([prompt], one, self.pad))
 
     def prompt_buckets(self) -> list[int]:
         """The padded prompt lengths an admission can have, one compiled program each: every
@@ -646,10 +651,8 @@ class SlotEngine:
                                for n in buckets], threads)  # fmt: skip
 
     def _score_args(self, prompt: list[int]) -> tuple:
-        bucket = min(plain.round_up(len(prompt), plain.PROMPT_BUCKET), self.shape.slots)
-        one = dataclasses.replace(self.shape, batch=1, prompt_len=bucket)
-        return (self.models[0], plain.pad_prompts([prompt], one, self.pad)[0], self.cfgs[0],
-                self.shape.logprobs)  # fmt: skip
+        """`score_prompt`'s arguments: the prompt padded as an admission pads it."""
+        return (self.models[0], self._one_prompt(prompt)[1], self.cfgs[0], self.shape.logprobs)
 
     def score(self, prompt: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
         """The prompt's tokens after the first, each (its log-probability under the target
