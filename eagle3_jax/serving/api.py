@@ -55,6 +55,13 @@ def _first_of_each(pairs) -> dict:
     return out
 
 
+def _token_ids(value, vocab: int) -> bool:
+    """Whether `value` is a list of token ids of a vocabulary of `vocab` (ints, not bools)."""
+    return isinstance(value, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in value
+    )
+
+
 def error(status: int, message: str, kind: str, param: str | None = None, headers=None):
     """OpenAI's error body."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
@@ -226,9 +233,7 @@ class Server:
         if ids is None:
             return frozenset()
         vocab = self.engine.cfgs[0].vocab_size
-        if not isinstance(ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids
-        ):
+        if not _token_ids(ids, vocab):
             raise BadRequest(f"stop_token_ids must be a list of token ids in 0..{vocab - 1}",
                              "stop_token_ids")  # fmt: skip
         return frozenset(ids)
@@ -343,7 +348,7 @@ class Server:
         vocab = self.engine.cfgs[0].vocab_size
         if (isinstance(prompt, list) and prompt
                 and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)):  # fmt: skip
-            if not all(0 <= i < vocab for i in prompt):
+            if not _token_ids(prompt, vocab):
                 raise BadRequest(f"{param}: token ids must be in 0..{vocab - 1}", param)
             return [int(i) for i in prompt]
         raise BadRequest(f"{param} must be a non-empty string or a list of token ids, or a list of "

@@ -45,6 +45,11 @@ class Event(NamedTuple):
     prompt_logprobs: list | None = None  # the same for the prompt's ids after its first (echo)
 
 
+def _failed(e: Exception) -> Event:
+    """The event that ends a request the engine failed: the server answers it 500."""
+    return Event([], f"error: {type(e).__name__}: {e}")
+
+
 @dataclasses.dataclass
 class Job:
     """One request as the engine thread sees it."""
@@ -158,7 +163,7 @@ class Scheduler:
             with self._cv:
                 self.draining = True
             for job in list(self._waiting) + list(self._running.values()):
-                job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
+                job.deliver(_failed(e))
             self._waiting.clear()
             self._running.clear()
             return
@@ -219,7 +224,7 @@ class Scheduler:
                 if self.engine.state_lost():  # the running requests' rows went with it
                     self._fail_running(e)
             finally:
-                job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
+                job.deliver(_failed(e))
                 self.stats.finished["error"] += 1
             return
         job.slot = slot
@@ -237,7 +242,7 @@ class Scheduler:
             self.engine.reset()
         finally:
             for job in jobs:
-                job.deliver(Event([], f"error: {type(e).__name__}: {e}"))
+                job.deliver(_failed(e))
                 self.stats.finished["error"] += 1
 
     def _round(self) -> None:
