@@ -232,7 +232,7 @@ def build(name: str, s: Setup, sampling: Sampling = Sampling()) -> Program:
     # the embedding is the target's own buffer, passed again: "shared" is not counted twice
     groups = {"params": _count(tparams), "head": _count(dparams), "shared": 1, "vocab": 2}
     if name.startswith("serve_"):
-        return _serve_program(name, s, tcfg, dcfg, head, mesh)
+        return _serve_program(name, s, tcfg, dcfg, head, mesh, groups)
     if name == "spec_prefill":
         return Program(
             name, spec.prefill, (*head, *prompt), {**kw, "mesh": mesh}, mesh,
@@ -248,14 +248,15 @@ def build(name: str, s: Setup, sampling: Sampling = Sampling()) -> Program:
     )  # fmt: skip
 
 
-def _serve_program(name: str, s: Setup, tcfg, dcfg, head: tuple, mesh: Mesh) -> Program:
+def _serve_program(name: str, s: Setup, tcfg, dcfg, head: tuple, mesh: Mesh,
+                   groups: dict[str, int]) -> Program:  # fmt: skip
     """A server's programs (`decoding.slots.SlotEngine`) over `s.batch` slots of `s.prompt` +
     `s.new` tokens, its state laid out as the engine lays it out (`slots.state_shardings`), with
     the engine's static arguments (`slots.ROWS_SAMPLE`: each row's own sampling in the state),
     the largest `--max-logprobs` kept: `serve_admit` one request's prefill into a slot,
     `serve_round` a round over half the slots' rows (`speculative.rows_round`, the target cache
     read in place; all of them with one slot), `serve_score` an echoed prompt's
-    log-probabilities (`slots.score_prompt`)."""
+    log-probabilities (`slots.score_prompt`). `groups`: the head's, as `build` counts them."""
     b, tree = s.batch, s.tree.validate(dcfg.draft_vocab_size)
     cache = plain.round_up(s.prompt + s.new + tree.round_slots + 1, plain.PROMPT_BUCKET)
     shape = plain.Shape(b, 0, cache, plain.round_up(s.new, plain.NEW_BUCKET),
@@ -267,7 +268,7 @@ def _serve_program(name: str, s: Setup, tcfg, dcfg, head: tuple, mesh: Mesh) -> 
         return jax.ShapeDtypeStruct(shape_, dtype, sharding=rep)
 
     prompt = replicated((1, bucket), jnp.int32)
-    groups = {"params": _count(head[0]), "head": _count(head[1]), "shared": 1, "vocab": 2}
+    groups = dict(groups)
     if name == "serve_score":
         return Program(name, slots.score_prompt, (head[0], prompt),
                        {"tcfg": tcfg, "k": SERVE_LOGPROBS}, mesh,
