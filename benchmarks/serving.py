@@ -164,8 +164,12 @@ def _level(clients: int, rows: list[dict], wall: float) -> dict:
     return {"summary": summary, "requests": rows}
 
 
-def _metric(base: str, name: str) -> float:
-    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+def _scrape(base: str) -> str:
+    """The server's /metrics, as text."""
+    return urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+
+
+def _metric(text: str, name: str) -> float:
     m = re.search(rf"^{name} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -208,9 +212,8 @@ def stop_server(proc, timeout_s: float = 60) -> int:
         return proc.wait()
 
 
-def _tree_rounds(base: str) -> dict[str, int]:
+def _tree_rounds(text: str) -> dict[str, int]:
     """/metrics' rounds run by tree, so far."""
-    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
     pattern = r'^eagle3_tree_rounds_total\{tree="([^"]+)"\} (\S+)$'
     return {m.group(1): int(float(m.group(2))) for m in re.finditer(pattern, text, re.M)}
 
@@ -229,15 +232,17 @@ class HttpRun:
     def level(self, clients: int, max_tokens: int) -> dict:
         """One closed-loop level; τ from the change of /metrics' generated tokens and tokens
         per target pass, and the rounds run by tree so far."""
-        gen0, tau0 = (_metric(self.base, "eagle3_generation_tokens_total"),
-                      _metric(self.base, "eagle3_tau"))  # fmt: skip
+        before = _scrape(self.base)
         level = asyncio.run(closed_loop(self.base + "/v1", self.texts, clients, max_tokens))
-        gen1, tau1 = (_metric(self.base, "eagle3_generation_tokens_total"),
-                      _metric(self.base, "eagle3_tau"))  # fmt: skip
+        after = _scrape(self.base)
+        (gen0, tau0), (gen1, tau1) = (
+            (_metric(t, "eagle3_generation_tokens_total"), _metric(t, "eagle3_tau"))
+            for t in (before, after)
+        )  # fmt: skip
         passes = gen1 / tau1 - (gen0 / tau0 if tau0 else 0.0)
         s = level["summary"]
         s["tau"] = (gen1 - gen0) / passes if passes else None
-        s["tree_rounds"] = _tree_rounds(self.base)
+        s["tree_rounds"] = _tree_rounds(after)
         print(f"  {self.name} c={clients}: {s['output_tokens_per_s']:.1f} tok/s, "
               f"tau {s['tau']:.2f}", file=sys.stderr)  # fmt: skip
         return level
@@ -348,8 +353,8 @@ class EngineRun:
 
 
 def interleaved_levels(named_args: dict, make, levels, max_tokens, repeats: int) -> dict:
-    """The runs of `named_args` ({name: serve_args}; `make(serve_args)` an `EngineRun` or an
-    `HttpRun`) up side by side, each level run `repeats` times by each in turn, the order
+    """The runs of `named_args` ({name: serve_args}; `make(name, serve_args)` an `EngineRun` or
+    an `HttpRun`) up side by side, each level run `repeats` times by each in turn, the order
     alternating (A B, then B A, ...), so that a drift of the machine falls on both alike:
     {name: {serve_args, exit_code, levels}}, each level the repeats' requests together (tok/s:
     their tokens over their summed wall time) with each repeat's summary under "repeats"."""
