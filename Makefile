@@ -35,9 +35,10 @@ test: $(VENV)/.test
 
 # the real SmolLM2 checks and the longest runs (kill-and-resume, training on a mesh, the device
 # steps at a toy shape, the served SmolLM2, the serving sweeps at a toy shape, unfiltered
-# sampling against plain sampling): 33 tests, ~1,240 s on a 2-core VM (2026-12-07: 29 in
-# 1,069 s, then the served-SmolLM2 test, 70 s, the HTTP sweep, 32 s, the device job's serving
-# step, 36 s, and the sampling check, 29 s), compiled at XLA's default optimisation level
+# sampling against plain sampling, staggered serving with adaptive verification): 34 tests,
+# ~1,275 s on a 2-core VM (2026-12-07: 29 in 1,069 s, then the served-SmolLM2 test, 70 s, the
+# HTTP sweep, 32 s, the device job's serving step, 36 s, the sampling check, 29 s, and the
+# adaptive staggered check, 30-37 s), compiled at XLA's default optimisation level
 test-slow: $(VENV)/.test
 	EAGLE3_JAX_TEST_XLA_OPT=default $(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
