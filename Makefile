@@ -1,9 +1,9 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11):
 #   make demo   EAGLE-3 speculative decoding on the embedded default with its shipped head, compared
 #               with plain decoding in the same run (answer, tau, tokens/s, speedup)
-#   make test   the default test suite on 2 pytest-xdist workers, printing its wall time: 9 min
-#               (546 s, 659 tests) on a 2-core VM (.ci/run calls it, then make test-slow, then make demo
-#               with the base install alone and an empty cache)
+#   make test   the default test suite on 2 pytest-xdist workers, printing its wall time: 9-10
+#               min (523-607 s, 658 tests) on a 2-core VM (.ci/run calls it, then make test-slow,
+#               then make demo with the base install alone and an empty cache)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
