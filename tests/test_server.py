@@ -268,6 +268,49 @@ def test_stop_string_ends_the_request(served):
         assert choices[-1]["finish_reason"] == "stop"
 
 
+def test_min_tokens_and_logit_bias_are_transformers_processing(served, hf_checkpoint):
+    """min_tokens bars the stop token ids (and EOS) until then and holds stop strings back until
+    their text ends past the first min_tokens tokens' (vLLM's rules); logit_bias (JSON's text
+    keys) is what transformers' `sequence_bias` does: each greedy response equals transformers'
+    `generate` with that processing."""
+    import torch
+
+    srv, target, _, _ = served
+    model, _ = hf_checkpoint("llama")
+    prompt = random_prompts(target.cfg.vocab_size, [8], seed=11)[0]
+    alone = _alone(served, prompt, 20)
+    k = next(i for i in range(3, 20) if alone[i] not in alone[:i])
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        held = model.generate(
+            ids,
+            max_new_tokens=20,
+            min_new_tokens=k + 2,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=alone[k],
+        )[0, len(prompt) :].tolist()
+        biased = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                pad_token_id=0, eos_token_id=None,
+                                sequence_bias={(alone[1],): -100.0, (7,): 0.5})  # fmt: skip
+    body = {"prompt": prompt, "max_tokens": 20, "stop_token_ids": [alone[k]], "min_tokens": k + 2,
+            "return_token_ids": True}  # fmt: skip
+    out = _post(srv, "/v1/completions", body)[2]["choices"][0]
+    assert out["token_ids"] == held and alone[k] not in held[: k + 2] and len(held) > k + 1
+    body = {"prompt": prompt, "max_tokens": 12, "logit_bias": {str(alone[1]): -100, "7": 0.5},
+            "return_token_ids": True}  # fmt: skip
+    assert _post(srv, "/v1/completions", body)[2]["choices"][0]["token_ids"] == biased[
+        0, len(prompt) :].tolist()  # fmt: skip
+    text = _added(target.tokenizer, prompt, alone)
+    stop = " " + text.split()[5]  # its first match ends with token 5's text
+    floor = len(_added(target.tokenizer, prompt, alone[:6]))
+    at = text.find(stop, floor - len(stop) + 1)
+    body = {"prompt": prompt, "max_tokens": 20, "stop": [stop], "min_tokens": 6}
+    got = _post(srv, "/v1/completions", body)[2]["choices"][0]
+    assert (got["text"], got["finish_reason"]) == ((text[:at], "stop") if at >= 0 else
+                                                   (text, "length"))  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -303,6 +346,13 @@ def test_stop_string_ends_the_request(served):
         ({"prompt": [5], "echo": 1}, "echo"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
         ({"prompt": [5], "best_of": 2}, "best_of"),
+        ({"prompt": [5], "logit_bias": [5]}, "logit_bias"),
+        ({"prompt": [5], "logit_bias": {"w5": 1}}, "logit_bias"),
+        ({"prompt": [5], "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": [5], "logit_bias": {"500": 1}}, "logit_bias"),
+        ({"prompt": [5], "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"prompt": [5], "min_tokens": -1}, "min_tokens"),
+        ({"prompt": [5], "frequency_penalty": 0.5}, "frequency_penalty"),
     ],
 )
 def test_bad_bodies_are_400_naming_the_field(served, body, param):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TREE, random_prompts, spec_generate
+from helpers import TREE, hf_greedy, random_prompts, spec_generate
 
 from eagle3_jax.checkpoints import Target
 from eagle3_jax.checkpoints.heads import Head
@@ -530,3 +530,50 @@ def test_ignore_eos_goes_on_past_eos(spec_setup):
             break
     assert (got["stops"], why["stops"]) == (out[: k + 1], "eos")
     assert (got["goes on"], why["goes on"]) == (out, "max_tokens")
+
+
+def test_logit_bias_and_min_tokens_are_transformers_processing(spec_setup, hf_checkpoint):
+    """Side by side in one engine, greedy: a request with logit_bias (its second token barred at
+    -100, another token raised) gives transformers' greedy `generate` with that `sequence_bias`,
+    and one with min_tokens past the EOS its output reaches gives `generate` with
+    `min_new_tokens` (EOS barred until then, then stopping at it): the draft proposes from the
+    unbiased head and verification applies the request's processing, token for token. A sampled
+    request with +100 on one token (OpenAI's exclusive selection) draws nothing else."""
+    import torch
+
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    model, _ = hf_checkpoint("llama")
+    prompt = random_prompts(cfg.vocab_size, [7], seed=29)[0]
+    with torch.no_grad():
+        out = hf_greedy(model, prompt, 12)
+    k = next(i for i in range(2, 8) if out[i] not in out[:i])  # EOS: a token it reaches
+    eos, raised = out[k], next(t for t in range(3, cfg.vocab_size) if t not in out)
+    bias = {out[1]: -100.0, raised: 0.05}
+    opts = DecodeOptions("eagle3", NEW, TREE, eos_ids=(eos,), max_context=256)
+    eng = SlotEngine(Target(params, cfg, None, None), Head(dparams, dcfg, vocab), opts, 3)
+    eng.admit("bias", prompt, 12, logit_bias=bias, ignore_eos=True)
+    eng.admit("min", prompt, 12, min_tokens=k + 3)
+    eng.admit("only", prompt, 10, seed=3, sampling=Sampling(temperature=1.0),
+              logit_bias={raised: 100.0})  # fmt: skip
+    got, why = {"bias": [], "min": [], "only": []}, {}
+    for _ in range(60):
+        for u in eng.step():
+            got[u.request] += u.new_ids
+            why[u.request] = u.finish_reason
+        if all(why.get(r) for r in got):
+            break
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        biased = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                pad_token_id=0, eos_token_id=None,
+                                sequence_bias={(t,): b for t, b in bias.items()})  # fmt: skip
+        held = model.generate(ids, max_new_tokens=12, min_new_tokens=k + 3, do_sample=False,
+                              pad_token_id=0, eos_token_id=eos)  # fmt: skip
+    assert got["bias"] == biased[0, len(prompt) :].tolist() and out[1] not in got["bias"]
+    assert got["min"] == held[0, len(prompt) :].tolist() and eos not in got["min"][: k + 2]
+    assert got["bias"][:2] != out[:2] and len(got["min"]) > k + 1  # both changed the output
+    assert got["only"] == [raised] * 10 and why["only"] == "max_tokens"
+    with pytest.raises(Eagle3Error, match="min_tokens 13"):
+        eng.admit("x", prompt, 12, min_tokens=13)
+    with pytest.raises(Eagle3Error, match="token id 97"):
+        eng.admit("x", prompt, 12, logit_bias={97: 1.0})

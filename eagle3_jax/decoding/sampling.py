@@ -14,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eagle3_jax.errors import Eagle3Error
 
@@ -50,28 +51,83 @@ class Sampling:
 class RowSampling:
     """Each row's settings as arrays: temperature [B] float32 (0: greedy), top_k [B] int32
     (0: off), top_p [B] float32 (1: off), and ignore_eos [B] bool (vLLM's request setting: an
-    EOS token is emitted and decoding goes on, to the row's limit)."""
+    EOS token is emitted and decoding goes on, to the row's limit).
+
+    The target's logits are processed first (`process_logits`), as OpenAI's and vLLM's requests
+    ask: `bias` [B, K] float32 added at token ids `bias_ids` [B, K] (`logit_bias`), and the ids
+    `ban_ids` [B, K2] (EOS and a request's stop token ids) barred while fewer than `min_tokens`
+    [B] tokens have been emitted. K and K2 are static (0 outside serving: nothing runs);
+    unused entries hold `NO_ID`."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     ignore_eos: jax.Array
+    bias_ids: jax.Array
+    bias: jax.Array
+    min_tokens: jax.Array
+    ban_ids: jax.Array
 
     @classmethod
-    def fill(cls, sampling: Sampling, batch: int) -> RowSampling:
-        """`sampling` for every one of `batch` rows."""
-        return cls.of([sampling] * batch)
+    def fill(cls, sampling: Sampling, batch: int, widths: tuple[int, int] = (0, 0)) -> RowSampling:
+        """`sampling` for every one of `batch` rows, no logit processing, room for `widths` =
+        (K, K2) entries of bias and barred ids."""
+        return cls.of([sampling] * batch, widths=widths)
 
     @classmethod
-    def of(cls, rows: list[Sampling], ignore_eos: list[bool] | None = None) -> RowSampling:
-        """One row per `Sampling` (each validated on construction); `ignore_eos` a row's flag
-        (default False for every row)."""
+    def of(cls, rows: list[Sampling], ignore_eos: list[bool] | None = None,
+           logit_bias: list[dict[int, float]] | None = None,
+           min_tokens: list[int] | None = None, ban: list[tuple[int, ...]] | None = None,
+           widths: tuple[int, int] = (0, 0)) -> RowSampling:  # fmt: skip
+        """One row per `Sampling` (each validated on construction); per row, `ignore_eos` its
+        flag (default False), `logit_bias` {token id: bias} (at most K = widths[0] entries),
+        `min_tokens` and `ban` the ids barred until then (at most K2 = widths[1])."""
+        b = len(rows)
+        bias_ids, bias = np.full((b, widths[0]), NO_ID, np.int32), np.zeros((b, widths[0]))
+        ban_ids = np.full((b, widths[1]), NO_ID, np.int32)
+        for i, (biased, barred) in enumerate(zip(logit_bias or [{}] * b, ban or [()] * b)):
+            if len(biased) > widths[0] or len(barred) > widths[1]:
+                raise Eagle3Error(f"{len(biased)} logit biases and {len(barred)} barred ids: "
+                                  f"room for {widths[0]} and {widths[1]}")  # fmt: skip
+            bias_ids[i, : len(biased)] = list(biased)
+            bias[i, : len(biased)] = list(biased.values())
+            ban_ids[i, : len(barred)] = barred
         return cls(
             jnp.asarray([s.temperature for s in rows], jnp.float32),
             jnp.asarray([s.top_k for s in rows], jnp.int32),
             jnp.asarray([s.top_p for s in rows], jnp.float32),
-            jnp.asarray(ignore_eos or [False] * len(rows), jnp.bool_),
+            jnp.asarray(ignore_eos or [False] * b, jnp.bool_),
+            jnp.asarray(bias_ids),
+            jnp.asarray(bias, jnp.float32),
+            jnp.asarray(min_tokens or [0] * b, jnp.int32),
+            jnp.asarray(ban_ids),
         )
+
+
+NO_ID = np.iinfo(np.int32).max  # an unused bias or barred entry: out of range, dropped
+
+
+def process_logits(logits_BXV: jax.Array, rows: RowSampling, emitted_BX: jax.Array) -> jax.Array:
+    """The target's logits [B, ..., V] as a request's settings change them before sampling:
+    each row's `bias` added at `bias_ids`, then its `ban_ids` at -inf where the token these
+    logits choose would be emitted before `min_tokens` (`emitted_BX` [B, ...]: how many tokens
+    the row has emitted before it). Two scatters of K and K2 entries a position (no pass over
+    the vocabulary, no branch: a conditional would cost a GPU a host round trip); returned as
+    given when K and K2 are 0 (static)."""
+    b, k, k2 = logits_BXV.shape[0], rows.bias_ids.shape[1], rows.ban_ids.shape[1]
+    if k:
+        logits_BXV = jax.vmap(lambda x, ids, v: x.at[..., ids].add(v.astype(x.dtype), mode="drop"))(
+            logits_BXV, rows.bias_ids, rows.bias
+        )
+    if k2:  # scatter-min: -inf where the row is short of min_tokens, else +inf (no change)
+        short = emitted_BX < rows.min_tokens.reshape((b,) + (1,) * (emitted_BX.ndim - 1))
+        floor = jnp.where(short, -jnp.inf, jnp.inf).astype(logits_BXV.dtype)[..., None]
+        logits_BXV = jax.vmap(
+            lambda x, ids, f: x.at[..., ids].min(
+                jnp.broadcast_to(f, f.shape[:-1] + ids.shape), mode="drop"
+            )  # fmt: skip
+        )(logits_BXV, rows.ban_ids, floor)
+    return logits_BXV
 
 
 def row_log_probs(logits_BXV: jax.Array, rows: RowSampling) -> jax.Array:

@@ -49,6 +49,7 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import jax
@@ -77,6 +78,9 @@ _STATIC = ("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids")
 # state); a batch of greedy rows skips the sampling code at run time (`verify.accept`)
 ROWS_SAMPLE = Sampling(temperature=1.0)
 PLAIN = TreeConfig(top_k=1, depth=1, total_tokens=1)  # the root alone: a plain decoding step
+# a request's logit_bias entries and the ids min_tokens bars (EOS and its stop token ids) each
+# row keeps room for (`RowSampling`; static)
+ROW_WIDTHS = (300, 16)
 
 
 def tree_name(tree: TreeConfig) -> str:
@@ -457,12 +461,16 @@ class SlotEngine:
         follows the occupancy; False: every round over all B slots.
       max_logprobs: each emitted token's log-probability under the target and its
         `max_logprobs` most likely alternatives kept and reported (`Update.logprobs`; a
-        log-softmax and a top-k over the vocabulary at each emitted token); None: none.
+        log-softmax and a top-k over the vocabulary at each emitted token); None: none. They
+        are the target's own, before a request's logit_bias and min_tokens (vLLM's default).
+      row_widths: (K, K2), the logit_bias entries and the ids barred until min_tokens a
+        request may bring (`RowSampling`).
     """
 
     def __init__(self, target: Target, head: Head | None, opts: DecodeOptions, slots: int,
                  schedule: TreeSchedule | MeasuredSchedule | None = None,
-                 busy_rows: bool = True, max_logprobs: int | None = None):  # fmt: skip
+                 busy_rows: bool = True, max_logprobs: int | None = None,
+                 row_widths: tuple[int, int] = ROW_WIDTHS):  # fmt: skip
         if slots < 1:
             raise Eagle3Error(f"slots {slots} < 1")
         # a round runs the busy slots (`row_buckets`) or all B
@@ -492,7 +500,8 @@ class SlotEngine:
         new_buffer = plain.round_up(opts.max_new_tokens, plain.NEW_BUCKET)
         if max_logprobs is not None and max_logprobs < 0:
             raise Eagle3Error(f"max_logprobs {max_logprobs} < 0")
-        self.shape = plain.Shape(slots, 0, cache, new_buffer, logprobs=max_logprobs)
+        self.shape = plain.Shape(slots, 0, cache, new_buffer, logprobs=max_logprobs,
+                                 row_widths=tuple(row_widths))  # fmt: skip
         self.models = (target.params, dparams, target.params["embed"] if embed is None else embed,
                        vocab)  # fmt: skip
         self.cfgs = (tcfg, dcfg)
@@ -599,11 +608,14 @@ class SlotEngine:
 
     def admit(self, request: object, prompt: list[int], max_tokens: int, seed: int = 0,
               slot: int | None = None, sampling: Sampling | None = None,
-              ignore_eos: bool = False) -> int:  # fmt: skip
+              ignore_eos: bool = False, logit_bias: dict[int, float] | None = None,
+              min_tokens: int = 0, stop_ids: Iterable[int] = ()) -> int:  # fmt: skip
         """Prefills `prompt` into a free slot (the first, or `slot`) for `max_tokens` new tokens
         at most, sampled as `sampling` says (default `opts.sampling`; temperature 0: greedy)
         from `seed`, going on past EOS with `ignore_eos`; returns the slot. `request` is the
-        caller's id for it in `step`'s updates."""
+        caller's id for it in `step`'s updates. The target's logits get `logit_bias` ({token
+        id: bias}) added, and EOS (unless ignored) and `stop_ids` barred until `min_tokens`
+        tokens are out (vLLM's settings; `check_processing`)."""
         self.check(prompt, max_tokens)
         free = self.free_slots()
         if not free:
@@ -611,19 +623,51 @@ class SlotEngine:
         slot = free[0] if slot is None else slot
         if self.owner[slot] is not None:
             raise Eagle3Error(f"slot {slot} is busy")
-        self.state = admit_row(*self._admit_args(slot, prompt, max_tokens, seed, sampling,
-                                                 ignore_eos))  # fmt: skip
+        self.state = admit_row(*self._admit_args(
+            slot, prompt, max_tokens, seed, sampling, ignore_eos,
+            self.check_processing(max_tokens, logit_bias, min_tokens, stop_ids, ignore_eos),
+        ))  # fmt: skip
         self.owner[slot], self.shown[slot] = request, 0
         return slot
 
+    def check_processing(self, max_tokens: int, logit_bias: dict[int, float] | None = None,
+                         min_tokens: int = 0, stop_ids: Iterable[int] = (),
+                         ignore_eos: bool = False) -> tuple[dict[int, float], int, tuple]:  # fmt: skip
+        """A request's logit processing as `RowSampling` keeps it: (bias, min_tokens, the ids
+        barred until then: `stop_ids` and EOS unless ignored, none without min_tokens).
+        Raises Eagle3Error naming the problem."""
+        vocab = self.cfgs[0].vocab_size
+        bias = dict(logit_bias or {})
+        room, ban_room = self.shape.row_widths
+        if len(bias) > room:
+            raise Eagle3Error(f"logit_bias has {len(bias)} entries: at most {room} here")
+        for i, v in bias.items():
+            if not 0 <= i < vocab:
+                raise Eagle3Error(f"logit_bias: token id {i} outside 0..{vocab - 1}")
+            if not math.isfinite(v):
+                raise Eagle3Error(f"logit_bias: {v} for token {i} is not a finite number")
+        if not 0 <= min_tokens <= max_tokens:
+            raise Eagle3Error(f"min_tokens {min_tokens}: give 0 .. max_tokens ({max_tokens})")
+        ban = ()
+        if min_tokens:
+            ban = tuple(sorted(set(stop_ids) | (set() if ignore_eos else set(self.eos))))
+            if len(ban) > ban_room:
+                raise Eagle3Error(f"min_tokens bars {len(ban)} stop token ids (EOS included): "
+                                  f"at most {ban_room} here")  # fmt: skip
+        return bias, min_tokens, ban
+
     def _admit_args(self, slot: int, prompt: list[int], max_tokens: int, seed: int = 0,
-                    sampling: Sampling | None = None, ignore_eos: bool = False) -> tuple:  # fmt: skip
-        """`admit_row`'s arguments: the prompt padded to its bucket (`_one_prompt`)."""
+                    sampling: Sampling | None = None, ignore_eos: bool = False,
+                    processing: tuple = ({}, 0, ())) -> tuple:  # fmt: skip
+        """`admit_row`'s arguments: the prompt padded to its bucket (`_one_prompt`);
+        `processing` as `check_processing` gives it."""
         one, toks, lengths = self._one_prompt(prompt)
+        bias, min_tokens, ban = processing
+        rows = RowSampling.of([self.opts.sampling if sampling is None else sampling], [ignore_eos],
+                              [bias], [min_tokens], [ban], self.shape.row_widths)  # fmt: skip
         return (
             *self.models, self.state, jnp.int32(slot), toks, lengths,
-            np.array([max_tokens], np.int32), jax.random.PRNGKey(seed), *self._static(one),
-            RowSampling.of([self.opts.sampling if sampling is None else sampling], [ignore_eos]),
+            np.array([max_tokens], np.int32), jax.random.PRNGKey(seed), *self._static(one), rows,
         )  # fmt: skip
 
     def _one_prompt(self, prompt: list[int]) -> tuple[plain.Shape, np.ndarray, np.ndarray]:

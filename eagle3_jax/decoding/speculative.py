@@ -29,7 +29,13 @@ import jax.numpy as jnp
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.drafters import DRAFTERS, encode_drafter, pairs_full
 from eagle3_jax.decoding.plain import Shape
-from eagle3_jax.decoding.sampling import RowSampling, Sampling, row_sample, sample
+from eagle3_jax.decoding.sampling import (
+    RowSampling,
+    Sampling,
+    process_logits,
+    row_sample,
+    sample,
+)
 from eagle3_jax.decoding.state import SpecState, TokenLogProbs, eos_mask, write_pending
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.decoding.verify import (
@@ -114,11 +120,12 @@ def prefill(
     )
     key, sub = jax.random.split(key)
     if row_sampling is None:
-        row_sampling = RowSampling.fill(sampling, b)
+        row_sampling = RowSampling.fill(sampling, b, shape.row_widths)
+    logits = process_logits(out.logits[:, 0], row_sampling, zeros)  # the first new token's
     if sampling.greedy:
-        root = sample(out.logits[:, 0], sub, sampling)
+        root = sample(logits, sub, sampling)
     else:
-        root = row_sample(out.logits[:, 0], sub, row_sampling)
+        root = row_sample(logits, sub, row_sampling)
     e = tree.depth + 1
     rows = jnp.arange(b)
     dcache: dict[str, Any] = {}

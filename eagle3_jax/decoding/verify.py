@@ -26,7 +26,13 @@ import numpy as np
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.plain import Shape
-from eagle3_jax.decoding.sampling import RowSampling, Sampling, log_probs, row_log_probs
+from eagle3_jax.decoding.sampling import (
+    RowSampling,
+    Sampling,
+    log_probs,
+    process_logits,
+    row_log_probs,
+)
 from eagle3_jax.decoding.state import SpecState, TokenLogProbs, gather_path
 from eagle3_jax.decoding.tree import Tree, TreeConfig, prune_tree
 from eagle3_jax.models import draft as drf
@@ -212,7 +218,10 @@ def _check(
     if size < trees.tokens.shape[1]:
         trees = jax.vmap(prune_tree, in_axes=(0, None))(trees, size)
     tout = target_pass(tparams, trees, state, tcfg, dcfg, shape)
-    acc, bonus = accept(trees, tout.logits, key, sampling, tree.depth, tree.top_k, state.sampling)
+    logits = tout.logits  # a node's logits choose the token emitted after num_new + its depth
+    if not jnp.issubdtype(logits.dtype, jnp.integer):  # replay's oracle gives tokens
+        logits = process_logits(logits, state.sampling, state.num_new[:, None] + trees.depth)
+    acc, bonus = accept(trees, logits, key, sampling, tree.depth, tree.top_k, state.sampling)
     # the state's E may exceed this tree's depth + 1 (serving sizes it for its largest tree):
     # the path is padded as it is past the accepted length, by repeating its last node
     e = state.enc_tok.shape[1]

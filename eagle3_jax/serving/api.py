@@ -178,6 +178,11 @@ class Server:
         for name, served in (("best_of", 1), ("suffix", None)):
             if body.get(name) not in (None, served) and not chat:
                 raise BadRequest(f"{name}: not served here", name)
+        # a penalty depends on the tokens before each tree node: verification applies none yet
+        for name, off in (("presence_penalty", 0), ("frequency_penalty", 0),
+                          ("repetition_penalty", 1)):  # fmt: skip
+            if body.get(name) not in (None, off):
+                raise BadRequest(f"{name}: not served here (give {off} or leave it out)", name)
         echo = False if chat else body.get("echo")
         if echo is not None and not isinstance(echo, bool):
             raise BadRequest("echo must be true or false", "echo")
@@ -202,6 +207,15 @@ class Server:
         ignore_eos = body.get("ignore_eos")  # vLLM's extension
         if ignore_eos is not None and not isinstance(ignore_eos, bool):
             raise BadRequest("ignore_eos must be true or false", "ignore_eos")
+        stop_ids = self._stop_ids(body)
+        logit_bias = self._logit_bias(body)
+        min_tokens = _int(body, "min_tokens", 0, 0)  # vLLM's extension
+        for m in max_tokens:
+            try:
+                self.engine.check_processing(m, logit_bias, min_tokens, stop_ids, bool(ignore_eos))
+            except Eagle3Error as e:
+                raise BadRequest(str(e), "logit_bias" if "logit_bias" in str(e) else "min_tokens"
+                                 ) from None  # fmt: skip
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("stream must be true or false", "stream")
@@ -219,7 +233,9 @@ class Server:
             "seed": seed,
             "sampling": sampling,
             "stop": _stop(body),
-            "stop_ids": self._stop_ids(body),
+            "stop_ids": stop_ids,
+            "logit_bias": logit_bias,
+            "min_tokens": min_tokens,
             "stream": stream,
             "usage_chunk": bool(opts.get("include_usage")),
             "token_ids": bool(body.get("return_token_ids")),
@@ -237,6 +253,27 @@ class Server:
             raise BadRequest(f"stop_token_ids must be a list of token ids in 0..{vocab - 1}",
                              "stop_token_ids")  # fmt: skip
         return frozenset(ids)
+
+    def _logit_bias(self, body: dict) -> dict[int, float]:
+        """OpenAI's `logit_bias`: {token id (JSON keys are text): bias in [-100, 100]}, added to
+        the target's logits before sampling (-100 bars a token, 100 all but forces it)."""
+        given = body.get("logit_bias")
+        if given is None:
+            return {}
+        if not isinstance(given, dict):
+            raise BadRequest("logit_bias must be an object of token id: bias", "logit_bias")
+        out = {}
+        for key, v in given.items():
+            try:
+                i = int(key)
+            except ValueError:
+                raise BadRequest(f"logit_bias: key {key!r} is not a token id", "logit_bias"
+                                 ) from None  # fmt: skip
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise BadRequest(f"logit_bias: {v!r} for token {key}: give a number in "
+                                 "[-100, 100]", "logit_bias")  # fmt: skip
+            out[i] = float(v)
+        return out
 
     def _logprobs(self, body: dict, chat: bool) -> int | None:
         """How many alternatives each token's log-probability comes with (None: no
@@ -370,7 +407,8 @@ class Server:
                       lambda ev, q=events: loop.call_soon_threadsafe(q.put_nowait, ev),
                       sampling=req["sampling"],
                       score=req["echo"] and req["logprobs"] is not None,
-                      ignore_eos=req["ignore_eos"])  # fmt: skip
+                      ignore_eos=req["ignore_eos"], logit_bias=req["logit_bias"],
+                      min_tokens=req["min_tokens"], stop_ids=req["stop_ids"])  # fmt: skip
             out.append((job, events))
         self.scheduler.submit(*(job for job, _ in out))
         return out
@@ -390,6 +428,16 @@ class Server:
         done = False
         base = 0  # where the completion's text starts in the choice's (after an echoed prompt)
         echoed, offsets = IncrementalText(self.tokenizer), []
+        floor = 0 if not req["min_tokens"] else None  # the text of the first min_tokens ids
+
+        def push(new_ids: list[int]) -> str:  # `decoded.push`, noting `floor` on the way
+            nonlocal floor
+            need = req["min_tokens"] - len(decoded.ids)
+            if floor is None and len(new_ids) >= need:
+                floor = len(decoded.push(new_ids[:need]))
+                new_ids = new_ids[need:]
+            return decoded.push(new_ids)
+
         try:
             if req["echo"]:
                 for i in job.prompt:
@@ -429,10 +477,14 @@ class Server:
                 if req["logprobs"] is not None:  # each with its offset in the text
                     for id_, (lp, top) in zip(new, ev.logprobs or []):
                         lps.append((id_, lp, top, base + len(decoded.text)))
-                        decoded.push([id_])
+                        push([id_])
                 ids += new
-                text = decoded.push(ids[len(decoded.ids) :])
-                found = [i for i in (text.find(s, sent) for s in req["stop"]) if i >= 0]
+                text = push(ids[len(decoded.ids) :])
+                # a stop string counts once it ends past the first min_tokens tokens' text
+                found = [] if floor is None else [
+                    i for i in (text.find(s, max(sent, floor - len(s) + 1)) for s in req["stop"])
+                    if i >= 0
+                ]  # fmt: skip
                 cut = min(found, default=-1)
                 if cut >= 0:
                     text, reason = text[:cut], "stop"
@@ -595,7 +647,7 @@ async def _whole(server: Server, req, rid, chat, first, choices) -> JSONResponse
         reasons[i] = why or reasons[i]
         item = await anext(choices, None)
     for reason in reasons:
-        server.m_requests.labels(reason or "none").inc()
+        server.m_requests.labels(reason or "cancelled").inc()  # no reason: its client left
     out = [_choice(server, chat, i, "".join(parts[i]), reasons[i], ids[i], req, False, lps[i])
            for i in range(n)]  # fmt: skip
     return JSONResponse({

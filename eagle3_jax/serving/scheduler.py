@@ -62,6 +62,11 @@ class Job:
     sampling: Sampling | None = None  # temperature, top-k, top-p (None: the engine's default)
     score: bool = False  # the prompt's log-probabilities first (`SlotEngine.score`: echo)
     ignore_eos: bool = False  # EOS emitted and decoding goes on (vLLM's request setting)
+    # the target's logits processed before sampling (`SlotEngine.admit`): {token id: bias}, and
+    # EOS and `stop_ids` barred until min_tokens tokens are out
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    stop_ids: frozenset[int] = frozenset()
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     first_token: float | None = None
     slot: int | None = None
@@ -216,7 +221,9 @@ class Scheduler:
                 self.stats.prompt_tokens += len(job.prompt)
                 return
             self.engine.admit(job.id, job.prompt, job.max_tokens, job.seed, slot=slot,
-                              sampling=job.sampling, ignore_eos=job.ignore_eos)  # fmt: skip
+                              sampling=job.sampling, ignore_eos=job.ignore_eos,
+                              logit_bias=job.logit_bias, min_tokens=job.min_tokens,
+                              stop_ids=job.stop_ids)  # fmt: skip
         except Exception as e:  # checked at submit; a refusal here is a bug, told to the client
             if not isinstance(e, Eagle3Error):
                 log.exception("admitting request %s failed", job.id)
