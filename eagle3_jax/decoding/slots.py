@@ -276,10 +276,10 @@ class MeasuredSchedule:
     A candidate's rate at n busy slots is n x its tokens per busy row and round over its
     seconds per round at n. The seconds are the median of its first 1 / `smoothing` rounds at
     that occupancy, then a mean exponentially weighted (`smoothing` on the newest) where a round
-    counts at most 3 times the mean: on the CPU the first run of each verified size (a branch of
-    adaptive verification's switch) took 150-300 ms more than the next, which a plain mean of 3
-    rounds took for the tree's cost; the
-    tokens per row are the candidate's over every occupancy, forgotten at `tau_smoothing` a row
+    counts at most 3 times the mean, so that a few slow first rounds (a first run of adaptive
+    verification's branches was once measured 150-300 ms slower on the CPU; after serve's
+    warm-up it was not reproduced: docs/experiments/2026-12-07-serving-measured-choice.md) are
+    not taken for the tree's cost; the tokens per row are the candidate's over every occupancy, forgotten at `tau_smoothing` a row
     and round: a round's accepted tokens vary far more than its time (0-4 of a 2/3/4 tree's),
     and pooled over the occupancies they are known from many more rounds, where one occupancy's
     own rounds left a 10 % lead within the estimate's noise. The settled choice changes only
