@@ -4,6 +4,8 @@ refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,3 +92,43 @@ def test_greedy_is_argmax_whatever_the_filters():
 def test_bad_settings_are_refused_by_name(kwargs, named):
     with pytest.raises(Eagle3Error, match=named.replace("(", r"\(").replace(")", r"\)")):
         Sampling(**kwargs)
+
+
+def test_penalties_count_each_tree_nodes_own_path():
+    """`process_logits` on a tree's nodes: node n's logits get vLLM's penalties over the row's
+    output counts plus the drafted tokens on its own path (ancestors and itself below the root),
+    repeated tokens counted twice, as a per-node loop computes them."""
+    from eagle3_jax.decoding.sampling import Penalties, RowSampling, process_logits
+    from eagle3_jax.decoding.tree import Tree
+
+    v = 11
+    parent = np.array([0, 0, 0, 1, 3, 2])  # 0 -> 1 -> 3 -> 4, 0 -> 2 -> 5
+    depth = np.array([0, 1, 1, 2, 3, 2])
+    n1 = len(parent)
+    mask = np.zeros((n1, n1), bool)
+    for i in range(n1):
+        j = i
+        while True:
+            mask[i, j] = True
+            if j == 0:
+                break
+            j = parent[j]
+    tokens = np.array([[4, 7, 2, 7, 4, 2], [1, 3, 3, 5, 3, 9]])
+    both = [jnp.asarray(np.broadcast_to(x, (2,) + x.shape)) for x in (parent, depth, mask)]
+    trees = Tree(jnp.asarray(tokens), *both, score=jnp.zeros((2, n1)))
+    pens = [Penalties(1.4, 0.5, 0.25), Penalties(0.8, -0.3, 0.6)]
+    rows = RowSampling.of([Sampling()] * 2, penalties=pens, widths=(0, 0, v))
+    counts = np.array([[0, 2, 0, 0, 1, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0, 0, 3, 0, 0, 0]])
+    seen = np.zeros((2, v), bool)
+    seen[0, [2, 9]] = seen[1, [6]] = True
+    rows = dataclasses.replace(rows, out_counts=jnp.asarray(counts), prompt_seen=jnp.asarray(seen))
+    raw = np.random.default_rng(0).normal(size=(2, n1, v)).astype(np.float32) * 3
+    got = np.asarray(process_logits(jnp.asarray(raw), rows, jnp.zeros((2, n1), jnp.int32), trees))
+    for b, p in enumerate(pens):
+        for n in range(n1):
+            c = counts[b] + np.bincount(tokens[b][mask[n] & (depth >= 1)], minlength=v)
+            s = seen[b] | (c > 0)
+            x = raw[b, n].astype(np.float64)
+            x = np.where(s, np.where(x > 0, x / p.repetition, x * p.repetition), x)
+            want = x - p.frequency * c - p.presence * (c > 0)
+            np.testing.assert_allclose(got[b, n], want, rtol=1e-6, atol=1e-6, err_msg=(b, n))

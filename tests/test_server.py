@@ -268,11 +268,12 @@ def test_stop_string_ends_the_request(served):
         assert choices[-1]["finish_reason"] == "stop"
 
 
-def test_min_tokens_and_logit_bias_are_transformers_processing(served, hf_checkpoint):
+def test_min_tokens_logit_bias_and_penalties_are_transformers_processing(served, hf_checkpoint):
     """min_tokens bars the stop token ids (and EOS) until then and holds stop strings back until
     their text ends past the first min_tokens tokens' (vLLM's rules); logit_bias (JSON's text
-    keys) is what transformers' `sequence_bias` does: each greedy response equals transformers'
-    `generate` with that processing."""
+    keys) is what transformers' `sequence_bias` does, repetition_penalty its
+    `repetition_penalty`: each greedy response equals transformers' `generate` with that
+    processing."""
     import torch
 
     srv, target, _, _ = served
@@ -300,6 +301,13 @@ def test_min_tokens_and_logit_bias_are_transformers_processing(served, hf_checkp
     body = {"prompt": prompt, "max_tokens": 12, "logit_bias": {str(alone[1]): -100, "7": 0.5},
             "return_token_ids": True}  # fmt: skip
     assert _post(srv, "/v1/completions", body)[2]["choices"][0]["token_ids"] == biased[
+        0, len(prompt) :].tolist()  # fmt: skip
+    with torch.no_grad():
+        rep = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                             pad_token_id=0, eos_token_id=None, repetition_penalty=1.3)  # fmt: skip
+    body = {"prompt": prompt, "max_tokens": 12, "repetition_penalty": 1.3,
+            "return_token_ids": True}  # fmt: skip
+    assert _post(srv, "/v1/completions", body)[2]["choices"][0]["token_ids"] == rep[
         0, len(prompt) :].tolist()  # fmt: skip
     text = _added(target.tokenizer, prompt, alone)
     stop = " " + text.split()[5]  # its first match ends with token 5's text
@@ -352,7 +360,9 @@ def test_min_tokens_and_logit_bias_are_transformers_processing(served, hf_checkp
         ({"prompt": [5], "logit_bias": {"500": 1}}, "logit_bias"),
         ({"prompt": [5], "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         ({"prompt": [5], "min_tokens": -1}, "min_tokens"),
-        ({"prompt": [5], "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"prompt": [5], "frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"prompt": [5], "presence_penalty": "a"}, "presence_penalty"),
+        ({"prompt": [5], "repetition_penalty": 0}, "repetition_penalty"),
     ],
 )
 def test_bad_bodies_are_400_naming_the_field(served, body, param):

@@ -577,3 +577,67 @@ def test_logit_bias_and_min_tokens_are_transformers_processing(spec_setup, hf_ch
         eng.admit("x", prompt, 12, min_tokens=13)
     with pytest.raises(Eagle3Error, match="token id 97"):
         eng.admit("x", prompt, 12, logit_bias={97: 1.0})
+
+
+def _penalized_greedy(params, cfg, prompt, n, rep=1.0, freq=0.0, pres=0.0):
+    """Greedy decoding by full forwards with vLLM's penalties applied in numpy: the reference."""
+    out, t = [], len(prompt) + n  # every pass padded to t: one compile
+    q = jnp.arange(t)
+    forward = jax.jit(lambda seq: tgt.forward(params, seq[None], q[None],
+                                              (q[None, :] <= q[:, None])[None], cfg).logits[0])  # fmt: skip
+    for _ in range(n):
+        seq = prompt + out
+        logits = forward(jnp.asarray(seq + [0] * (t - len(seq))))[len(seq) - 1]
+        x = np.asarray(logits, np.float64)
+        counts = np.bincount(out, minlength=cfg.vocab_size)
+        seen = counts > 0
+        seen[prompt] = True
+        x = (
+            np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+            - freq * counts
+            - pres * (counts > 0)
+        )
+        out.append(int(x.argmax()))
+    return out
+
+
+def test_penalties_are_vllms_on_every_tree_node(spec_setup, hf_checkpoint):
+    """Repetition, frequency and presence penalties, greedy, side by side with an unpenalised
+    request, with prompt-lookup drafts (the tiny target repeats itself, so drafted tokens are
+    accepted): each penalised request gives greedy decoding by full forwards with vLLM's
+    formulas (the repetition one also transformers' `generate(repetition_penalty=...)`), which
+    needs every tree node's logits penalised for the drafted tokens above it as output (without
+    that, the frequency request's tokens differ); the unpenalised one gives decoding alone."""
+    import torch
+
+    from eagle3_jax.decoding.sampling import Penalties
+
+    params, cfg, *_ = spec_setup
+    model, _ = hf_checkpoint("llama")
+    prompt, n = random_prompts(cfg.vocab_size, [7], seed=29)[0], 30
+    opts = DecodeOptions("pld", NEW, TREE, eos_ids=(), max_context=256)
+    eng = SlotEngine(Target(params, cfg, None, None), None, opts, 3)
+    asks = {"rep": Penalties(repetition=1.05), "freq": Penalties(frequency=0.02, presence=0.01),
+            "none": None}  # fmt: skip
+    for name, pen in asks.items():
+        eng.admit(name, prompt, n, penalties=pen)
+    got, why = {r: [] for r in asks}, {}
+    for _ in range(60):
+        for u in eng.step():
+            got[u.request] += u.new_ids
+            why[u.request] = u.finish_reason
+        if all(why.get(r) for r in got):
+            break
+    assert (jax.device_get(eng.state.accept_hist)[:2, 1:].sum(1) > 2).all()  # drafts accepted
+    alone = spec_generate(params, cfg, None, None, None, [prompt], n, TREE, "pld", eos_ids=())
+    assert got["none"] == alone.output_ids[0]
+    assert got["rep"] == _penalized_greedy(params, cfg, prompt, n, rep=1.05) != got["none"]
+    assert got["freq"] == _penalized_greedy(params, cfg, prompt, n, freq=0.02, pres=0.01)
+    assert got["freq"] != got["none"]
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, pad_token_id=0, eos_token_id=None,
+                            repetition_penalty=1.05)  # fmt: skip
+    assert got["rep"] == hf[0, len(prompt) :].tolist()
+    with pytest.raises(Eagle3Error, match="repetition_penalty 0"):
+        Penalties(repetition=0.0)

@@ -260,7 +260,7 @@ def _serve_program(name: str, s: Setup, tcfg, dcfg, head: tuple, mesh: Mesh,
     b, tree = s.batch, s.tree.validate(dcfg.draft_vocab_size)
     cache = plain.round_up(s.prompt + s.new + tree.round_slots + 1, plain.PROMPT_BUCKET)
     shape = plain.Shape(b, 0, cache, plain.round_up(s.new, plain.NEW_BUCKET),
-                        logprobs=SERVE_LOGPROBS, row_widths=slots.ROW_WIDTHS)  # fmt: skip
+                        logprobs=SERVE_LOGPROBS, row_widths=slots.row_widths(tcfg.vocab_size))  # fmt: skip
     bucket = plain.round_up(s.prompt, plain.PROMPT_BUCKET)
     rep = NamedSharding(mesh, P())
 
@@ -281,15 +281,12 @@ def _serve_program(name: str, s: Setup, tcfg, dcfg, head: tuple, mesh: Mesh,
     groups["state"] = _count(state)
     if name == "serve_admit":
         one = dataclasses.replace(shape, batch=1, prompt_len=bucket)
-        k, k2 = shape.row_widths
-        rows = RowSampling(replicated((1,), jnp.float32), replicated((1,), jnp.int32),
-                           replicated((1,), jnp.float32), replicated((1,), jnp.bool_),
-                           replicated((1, k), jnp.int32), replicated((1, k), jnp.float32),
-                           replicated((1,), jnp.int32), replicated((1, k2), jnp.int32))  # fmt: skip
+        rows = jax.tree.map(lambda x: replicated(x.shape, x.dtype),
+                            RowSampling.fill(slots.ROWS_SAMPLE, 1, shape.row_widths))  # fmt: skip
         args = (*head, state, replicated((), jnp.int32), prompt, replicated((1,), jnp.int32),
                 replicated((1,), jnp.int32), replicated((2,), jnp.uint32))  # fmt: skip
         return Program(name, slots.admit_row, args, {**kw, "shape": one, "rows": rows}, mesh,
-                       {**groups, "inputs": 5 + 8}, state_arg=4)  # fmt: skip
+                       {**groups, "inputs": 5 + len(jax.tree.leaves(rows))}, state_arg=4)  # fmt: skip
     if name != "serve_round":
         raise Eagle3Error(f"unknown program {name!r}: choose one of {', '.join(PROGRAMS)}")
     if b == 1:

@@ -47,9 +47,10 @@ class Shape:
     # the speculative state keeps each emitted token's log-probability and its `logprobs` most
     # likely alternatives (`state.TokenLogProbs`); None: none
     logprobs: int | None = None
-    # (K, K2): the logit_bias entries and the ids barred until min_tokens that each row of the
-    # speculative state keeps (`sampling.RowSampling`; serving); 0: none, nothing runs
-    row_widths: tuple[int, int] = (0, 0)
+    # (K, K2, V'): the logit_bias entries, the ids barred until min_tokens and the token counts
+    # of the penalties (0 or the vocabulary) that each row of the speculative state keeps
+    # (`sampling.RowSampling`; serving); 0: none, nothing runs
+    row_widths: tuple[int, int, int] = (0, 0, 0)
 
 
 def plan_shape(

@@ -54,10 +54,15 @@ class RowSampling:
     EOS token is emitted and decoding goes on, to the row's limit).
 
     The target's logits are processed first (`process_logits`), as OpenAI's and vLLM's requests
-    ask: `bias` [B, K] float32 added at token ids `bias_ids` [B, K] (`logit_bias`), and the ids
-    `ban_ids` [B, K2] (EOS and a request's stop token ids) barred while fewer than `min_tokens`
-    [B] tokens have been emitted. K and K2 are static (0 outside serving: nothing runs);
-    unused entries hold `NO_ID`."""
+    ask, in vLLM's order: `bias` [B, K] float32 added at token ids `bias_ids` [B, K]
+    (`logit_bias`); the ids `ban_ids` [B, K2] (EOS and a request's stop token ids) barred while
+    fewer than `min_tokens` [B] tokens have been emitted; then the penalties: `repetition` [B]
+    (a logit of a token in the prompt or the output divided by it where positive, multiplied
+    where negative; 1: off), `frequency` and `presence` [B] (subtracted times the token's count
+    in the output, and once if it is there at all; 0: off), from `out_counts` [B, V'] int32 (each
+    token's count among the emitted ones, kept up to date by the rounds) and `prompt_seen`
+    [B, V'] bool. K, K2 and V' (0 or the vocabulary) are static, 0 outside serving: nothing
+    runs. Unused bias and barred entries hold `NO_ID`."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -67,31 +72,44 @@ class RowSampling:
     bias: jax.Array
     min_tokens: jax.Array
     ban_ids: jax.Array
+    repetition: jax.Array
+    frequency: jax.Array
+    presence: jax.Array
+    out_counts: jax.Array
+    prompt_seen: jax.Array
 
     @classmethod
-    def fill(cls, sampling: Sampling, batch: int, widths: tuple[int, int] = (0, 0)) -> RowSampling:
+    def fill(cls, sampling: Sampling, batch: int, widths: tuple[int, ...] = (0, 0, 0)
+             ) -> RowSampling:  # fmt: skip
         """`sampling` for every one of `batch` rows, no logit processing, room for `widths` =
-        (K, K2) entries of bias and barred ids."""
+        (K, K2, V') entries of bias, barred ids and token counts."""
         return cls.of([sampling] * batch, widths=widths)
 
     @classmethod
     def of(cls, rows: list[Sampling], ignore_eos: list[bool] | None = None,
            logit_bias: list[dict[int, float]] | None = None,
            min_tokens: list[int] | None = None, ban: list[tuple[int, ...]] | None = None,
-           widths: tuple[int, int] = (0, 0)) -> RowSampling:  # fmt: skip
+           penalties: list[Penalties] | None = None,
+           widths: tuple[int, ...] = (0, 0, 0)) -> RowSampling:  # fmt: skip
         """One row per `Sampling` (each validated on construction); per row, `ignore_eos` its
         flag (default False), `logit_bias` {token id: bias} (at most K = widths[0] entries),
-        `min_tokens` and `ban` the ids barred until then (at most K2 = widths[1])."""
+        `min_tokens` and `ban` the ids barred until then (at most K2 = widths[1]), `penalties`
+        (V' = widths[2] must be the vocabulary for any to be on; the counts start empty: the
+        prefill fills them)."""
         b = len(rows)
-        bias_ids, bias = np.full((b, widths[0]), NO_ID, np.int32), np.zeros((b, widths[0]))
-        ban_ids = np.full((b, widths[1]), NO_ID, np.int32)
+        k, k2, v = (tuple(widths) + (0, 0, 0))[:3]
+        bias_ids, bias = np.full((b, k), NO_ID, np.int32), np.zeros((b, k))
+        ban_ids = np.full((b, k2), NO_ID, np.int32)
         for i, (biased, barred) in enumerate(zip(logit_bias or [{}] * b, ban or [()] * b)):
-            if len(biased) > widths[0] or len(barred) > widths[1]:
+            if len(biased) > k or len(barred) > k2:
                 raise Eagle3Error(f"{len(biased)} logit biases and {len(barred)} barred ids: "
-                                  f"room for {widths[0]} and {widths[1]}")  # fmt: skip
+                                  f"room for {k} and {k2}")  # fmt: skip
             bias_ids[i, : len(biased)] = list(biased)
             bias[i, : len(biased)] = list(biased.values())
             ban_ids[i, : len(barred)] = barred
+        pens = penalties or [Penalties()] * b
+        if not v and any(p.on for p in pens):
+            raise Eagle3Error("penalties need the token counts' room (widths[2]: the vocabulary)")
         return cls(
             jnp.asarray([s.temperature for s in rows], jnp.float32),
             jnp.asarray([s.top_k for s in rows], jnp.int32),
@@ -101,19 +119,63 @@ class RowSampling:
             jnp.asarray(bias, jnp.float32),
             jnp.asarray(min_tokens or [0] * b, jnp.int32),
             jnp.asarray(ban_ids),
+            jnp.asarray([p.repetition for p in pens], jnp.float32),
+            jnp.asarray([p.frequency for p in pens], jnp.float32),
+            jnp.asarray([p.presence for p in pens], jnp.float32),
+            jnp.zeros((b, v), jnp.int32),
+            jnp.zeros((b, v), jnp.bool_),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """A request's penalties (OpenAI's presence and frequency, in [-2, 2]; vLLM's repetition,
+    > 0); the defaults are off."""
+
+    repetition: float = 1.0
+    frequency: float = 0.0
+    presence: float = 0.0
+
+    def __post_init__(self):
+        if not all(math.isfinite(x) for x in (self.repetition, self.frequency, self.presence)):
+            raise Eagle3Error("penalties must be finite numbers")
+        if self.repetition <= 0:
+            raise Eagle3Error(f"repetition_penalty {self.repetition}: give a number > 0")
+        for name, x in (("frequency_penalty", self.frequency), ("presence_penalty", self.presence)):
+            if not -2 <= x <= 2:
+                raise Eagle3Error(f"{name} {x} outside [-2, 2]")
+
+    @property
+    def on(self) -> bool:
+        return self != Penalties()
 
 
 NO_ID = np.iinfo(np.int32).max  # an unused bias or barred entry: out of range, dropped
 
 
-def process_logits(logits_BXV: jax.Array, rows: RowSampling, emitted_BX: jax.Array) -> jax.Array:
+def _penalized(x, count, seen, rows: RowSampling, b: int):
+    """vLLM's penalties on logits x given each token's output count and whether it was seen
+    (prompt or output); rows' settings broadcast over x's [B, ...] leading axes."""
+
+    def per_row(a):
+        return a.reshape((b,) + (1,) * (x.ndim - 1))
+
+    rep, freq, pres = per_row(rows.repetition), per_row(rows.frequency), per_row(rows.presence)
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    return x - freq * count - pres * (count > 0)
+
+
+def process_logits(logits_BXV: jax.Array, rows: RowSampling, emitted_BX: jax.Array,
+                   trees=None) -> jax.Array:  # fmt: skip
     """The target's logits [B, ..., V] as a request's settings change them before sampling:
-    each row's `bias` added at `bias_ids`, then its `ban_ids` at -inf where the token these
-    logits choose would be emitted before `min_tokens` (`emitted_BX` [B, ...]: how many tokens
-    the row has emitted before it). Two scatters of K and K2 entries a position (no pass over
-    the vocabulary, no branch: a conditional would cost a GPU a host round trip); returned as
-    given when K and K2 are 0 (static)."""
+    each row's `bias` added at `bias_ids`, its `ban_ids` at -inf where the token these logits
+    choose would be emitted before `min_tokens` (`emitted_BX` [B, ...]: how many tokens the row
+    has emitted before it), then the penalties (`_penalized`). `trees` (`tree.Tree`, [B]-leading;
+    logits [B, N+1, V] at its nodes): a node's own path counts as output too, so its logits get
+    the penalties of the row's output followed by the drafted tokens down to it. Bias and bars
+    are scatters of K and K2 entries a position (no branch: a conditional costs a GPU a host
+    round trip); the penalties one elementwise pass and a scatter of the path tokens, run only
+    when some row asks for one. Returned as given when K, K2 and V' are 0 (static)."""
     b, k, k2 = logits_BXV.shape[0], rows.bias_ids.shape[1], rows.ban_ids.shape[1]
     if k:
         logits_BXV = jax.vmap(lambda x, ids, v: x.at[..., ids].add(v.astype(x.dtype), mode="drop"))(
@@ -127,7 +189,38 @@ def process_logits(logits_BXV: jax.Array, rows: RowSampling, emitted_BX: jax.Arr
                 jnp.broadcast_to(f, f.shape[:-1] + ids.shape), mode="drop"
             )  # fmt: skip
         )(logits_BXV, rows.ban_ids, floor)
-    return logits_BXV
+    if not rows.out_counts.shape[1]:
+        return logits_BXV
+    # a pass over the vocabulary at every node: skipped at run time when no row asks (it cost
+    # 5 % of a CPU round; a GPU pays a host round trip for the branch, less than the pass)
+    on = (rows.repetition != 1) | (rows.frequency != 0) | (rows.presence != 0)
+    return jax.lax.cond(jnp.any(on), lambda x: _penalize_all(x, rows, trees), lambda x: x,
+                        logits_BXV)  # fmt: skip
+
+
+def _penalize_all(raw, rows: RowSampling, trees):
+    """`process_logits`' penalties ([B, ..., V] logits; `trees` as it takes them)."""
+    b = raw.shape[0]
+    mid = (1,) * (raw.ndim - 2)
+    count = rows.out_counts.reshape((b,) + mid + (-1,))
+    seen = rows.prompt_seen.reshape((b,) + mid + (-1,)) | (count > 0)
+    out = _penalized(raw, count, seen, rows, b).astype(raw.dtype)
+    if trees is None:
+        return out
+    # node n's path: its ancestors and itself below the root (drafted, not yet emitted)
+    on_path = trees.mask & (trees.depth >= 1)[:, None, :]  # [B, N+1, N+1]
+    tok = trees.tokens  # [B, N+1]
+    same = tok[:, :, None] == tok[:, None, :]  # [B, j, k]
+    extra = jnp.einsum("bnk,bjk->bnj", on_path.astype(jnp.int32), same.astype(jnp.int32))
+    n1 = tok.shape[1]
+    ids = jnp.where(on_path, tok[:, None, :], NO_ID)  # [B, n, j]: token of path node j
+    base = jnp.take_along_axis(rows.out_counts, jnp.minimum(tok, rows.out_counts.shape[1] - 1),
+                               axis=1)  # fmt: skip
+    at = jnp.take_along_axis(raw, jnp.minimum(ids, raw.shape[-1] - 1), axis=2)  # [B, n, j]
+    fixed = _penalized(at, base[:, None, :] + extra, True, rows, b)
+    rows_i = jnp.arange(b)[:, None, None]
+    nodes = jnp.arange(n1)[None, :, None]
+    return out.at[rows_i, nodes, ids].set(fixed.astype(out.dtype), mode="drop")
 
 
 def row_log_probs(logits_BXV: jax.Array, rows: RowSampling) -> jax.Array:

@@ -62,7 +62,7 @@ from eagle3_jax.decoding import plain
 from eagle3_jax.decoding import speculative as spec
 from eagle3_jax.decoding.drafters import encode_drafter, method_head_tree, method_tree
 from eagle3_jax.decoding.generate import DecodeOptions
-from eagle3_jax.decoding.sampling import RowSampling, Sampling
+from eagle3_jax.decoding.sampling import Penalties, RowSampling, Sampling
 from eagle3_jax.decoding.state import SpecState, TokenLogProbs
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.decoding.verify import token_logprobs
@@ -81,6 +81,11 @@ PLAIN = TreeConfig(top_k=1, depth=1, total_tokens=1)  # the root alone: a plain 
 # a request's logit_bias entries and the ids min_tokens bars (EOS and its stop token ids) each
 # row keeps room for (`RowSampling`; static)
 ROW_WIDTHS = (300, 16)
+
+
+def row_widths(vocab_size: int) -> tuple[int, int, int]:
+    """A serving state's `Shape.row_widths`: `ROW_WIDTHS` and the penalties' token counts."""
+    return (*ROW_WIDTHS, vocab_size)
 
 
 def tree_name(tree: TreeConfig) -> str:
@@ -273,20 +278,21 @@ class MeasuredSchedule:
     so a change (longer contexts, a neighbour on the machine, other prompts) moves the choice
     while a clearly worse candidate costs under ~1 % of the rounds.
 
-    A candidate's rate at n busy slots is n x its tokens per busy row and round over its
-    seconds per round at n. The seconds are the median of its first 1 / `smoothing` rounds at
-    that occupancy, then a mean exponentially weighted (`smoothing` on the newest) where a round
+    A candidate's rate at n busy slots is n x its tokens per busy row and round over its seconds
+    per round at n. The seconds are the median of its first 1 / `smoothing` rounds at that
+    occupancy, then a mean exponentially weighted (`smoothing` on the newest) where a round
     counts at most 3 times the mean, so that a few slow first rounds (a first run of adaptive
     verification's branches was once measured 150-300 ms slower on the CPU; after serve's
     warm-up it was not reproduced: docs/experiments/2026-12-07-serving-measured-choice.md) are
-    not taken for the tree's cost; the tokens per row are the candidate's over every occupancy, forgotten at `tau_smoothing` a row
-    and round: a round's accepted tokens vary far more than its time (0-4 of a 2/3/4 tree's),
-    and pooled over the occupancies they are known from many more rounds, where one occupancy's
-    own rounds left a 10 % lead within the estimate's noise. The settled choice changes only
-    for a lead of more than `margin`. A candidate's tries are spaced by its shortfall at its
-    tokens per row two standard errors up, and come every `explore_every` / 4 rounds while that
-    hopeful rate is not short at all, so a few unlucky first rounds neither keep a better tree
-    out for 128 rounds at a time nor leave it to a try every 16.
+    not taken for the tree's cost; the tokens per row are the candidate's over every occupancy,
+    forgotten at `tau_smoothing` a row and round: a round's accepted tokens vary far more than
+    its time (0-4 of a 2/3/4 tree's), and pooled over the occupancies they are known from many
+    more rounds, where one occupancy's own rounds left a 10 % lead within the estimate's noise.
+    The settled choice changes only for a lead of more than `margin`. A candidate's tries are
+    spaced by its shortfall at its tokens per row two standard errors up, and come every
+    `explore_every` / 4 rounds while that hopeful rate is not short at all, so a few unlucky
+    first rounds neither keep a better tree out for 128 rounds at a time nor leave it to a try
+    every 16.
 
     Why measured: a round's cost depends on the backend, the slots, the context and, with
     adaptive verification, on how many rows are busy; its tokens on the head and the prompts.
@@ -463,14 +469,15 @@ class SlotEngine:
         `max_logprobs` most likely alternatives kept and reported (`Update.logprobs`; a
         log-softmax and a top-k over the vocabulary at each emitted token); None: none. They
         are the target's own, before a request's logit_bias and min_tokens (vLLM's default).
-      row_widths: (K, K2), the logit_bias entries and the ids barred until min_tokens a
-        request may bring (`RowSampling`).
+      processing: room in the state for a request's logit processing (`RowSampling`): 300
+        logit_bias entries, 16 ids barred until min_tokens, and each token's count for the
+        penalties ([B, V] int32 and bool); False: none (every request refused that asks).
     """
 
     def __init__(self, target: Target, head: Head | None, opts: DecodeOptions, slots: int,
                  schedule: TreeSchedule | MeasuredSchedule | None = None,
                  busy_rows: bool = True, max_logprobs: int | None = None,
-                 row_widths: tuple[int, int] = ROW_WIDTHS):  # fmt: skip
+                 processing: bool = True):  # fmt: skip
         if slots < 1:
             raise Eagle3Error(f"slots {slots} < 1")
         # a round runs the busy slots (`row_buckets`) or all B
@@ -501,7 +508,8 @@ class SlotEngine:
         if max_logprobs is not None and max_logprobs < 0:
             raise Eagle3Error(f"max_logprobs {max_logprobs} < 0")
         self.shape = plain.Shape(slots, 0, cache, new_buffer, logprobs=max_logprobs,
-                                 row_widths=tuple(row_widths))  # fmt: skip
+                                 row_widths=row_widths(tcfg.vocab_size) if processing
+                                 else (0, 0, 0))  # fmt: skip
         self.models = (target.params, dparams, target.params["embed"] if embed is None else embed,
                        vocab)  # fmt: skip
         self.cfgs = (tcfg, dcfg)
@@ -609,13 +617,14 @@ class SlotEngine:
     def admit(self, request: object, prompt: list[int], max_tokens: int, seed: int = 0,
               slot: int | None = None, sampling: Sampling | None = None,
               ignore_eos: bool = False, logit_bias: dict[int, float] | None = None,
-              min_tokens: int = 0, stop_ids: Iterable[int] = ()) -> int:  # fmt: skip
+              min_tokens: int = 0, stop_ids: Iterable[int] = (),
+              penalties: Penalties | None = None) -> int:  # fmt: skip
         """Prefills `prompt` into a free slot (the first, or `slot`) for `max_tokens` new tokens
         at most, sampled as `sampling` says (default `opts.sampling`; temperature 0: greedy)
         from `seed`, going on past EOS with `ignore_eos`; returns the slot. `request` is the
         caller's id for it in `step`'s updates. The target's logits get `logit_bias` ({token
-        id: bias}) added, and EOS (unless ignored) and `stop_ids` barred until `min_tokens`
-        tokens are out (vLLM's settings; `check_processing`)."""
+        id: bias}) added, EOS (unless ignored) and `stop_ids` barred until `min_tokens` tokens
+        are out, and `penalties` (vLLM's settings; `check_processing`)."""
         self.check(prompt, max_tokens)
         free = self.free_slots()
         if not free:
@@ -625,20 +634,25 @@ class SlotEngine:
             raise Eagle3Error(f"slot {slot} is busy")
         self.state = admit_row(*self._admit_args(
             slot, prompt, max_tokens, seed, sampling, ignore_eos,
-            self.check_processing(max_tokens, logit_bias, min_tokens, stop_ids, ignore_eos),
+            self.check_processing(max_tokens, logit_bias, min_tokens, stop_ids, ignore_eos,
+                                  penalties),
         ))  # fmt: skip
         self.owner[slot], self.shown[slot] = request, 0
         return slot
 
     def check_processing(self, max_tokens: int, logit_bias: dict[int, float] | None = None,
                          min_tokens: int = 0, stop_ids: Iterable[int] = (),
-                         ignore_eos: bool = False) -> tuple[dict[int, float], int, tuple]:  # fmt: skip
+                         ignore_eos: bool = False, penalties: Penalties | None = None
+                         ) -> tuple[dict[int, float], int, tuple, Penalties]:  # fmt: skip
         """A request's logit processing as `RowSampling` keeps it: (bias, min_tokens, the ids
-        barred until then: `stop_ids` and EOS unless ignored, none without min_tokens).
-        Raises Eagle3Error naming the problem."""
+        barred until then: `stop_ids` and EOS unless ignored, none without min_tokens,
+        penalties). Raises Eagle3Error naming the problem."""
         vocab = self.cfgs[0].vocab_size
         bias = dict(logit_bias or {})
-        room, ban_room = self.shape.row_widths
+        room, ban_room, counts = self.shape.row_widths
+        penalties = penalties or Penalties()
+        if (bias or min_tokens or penalties.on) and not counts:
+            raise Eagle3Error("this engine keeps no room for logit processing (processing=False)")
         if len(bias) > room:
             raise Eagle3Error(f"logit_bias has {len(bias)} entries: at most {room} here")
         for i, v in bias.items():
@@ -654,17 +668,18 @@ class SlotEngine:
             if len(ban) > ban_room:
                 raise Eagle3Error(f"min_tokens bars {len(ban)} stop token ids (EOS included): "
                                   f"at most {ban_room} here")  # fmt: skip
-        return bias, min_tokens, ban
+        return bias, min_tokens, ban, penalties
 
     def _admit_args(self, slot: int, prompt: list[int], max_tokens: int, seed: int = 0,
                     sampling: Sampling | None = None, ignore_eos: bool = False,
-                    processing: tuple = ({}, 0, ())) -> tuple:  # fmt: skip
+                    processing: tuple = ({}, 0, (), None)) -> tuple:  # fmt: skip
         """`admit_row`'s arguments: the prompt padded to its bucket (`_one_prompt`);
         `processing` as `check_processing` gives it."""
         one, toks, lengths = self._one_prompt(prompt)
-        bias, min_tokens, ban = processing
+        bias, min_tokens, ban, penalties = processing
         rows = RowSampling.of([self.opts.sampling if sampling is None else sampling], [ignore_eos],
-                              [bias], [min_tokens], [ban], self.shape.row_widths)  # fmt: skip
+                              [bias], [min_tokens], [ban], [penalties or Penalties()],
+                              self.shape.row_widths)  # fmt: skip
         return (
             *self.models, self.state, jnp.int32(slot), toks, lengths,
             np.array([max_tokens], np.int32), jax.random.PRNGKey(seed), *self._static(one), rows,

@@ -121,13 +121,21 @@ def prefill(
     key, sub = jax.random.split(key)
     if row_sampling is None:
         row_sampling = RowSampling.fill(sampling, b, shape.row_widths)
+    rows = jnp.arange(b)
+    if row_sampling.prompt_seen.shape[1]:  # the penalties' prompt tokens
+        in_prompt = jnp.arange(t)[None, :] < lengths_B[:, None]
+        seen = row_sampling.prompt_seen.at[rows[:, None], prompt_BT].max(in_prompt)
+        row_sampling = dataclasses.replace(row_sampling, prompt_seen=seen)
     logits = process_logits(out.logits[:, 0], row_sampling, zeros)  # the first new token's
     if sampling.greedy:
         root = sample(logits, sub, sampling)
     else:
         root = row_sample(logits, sub, row_sampling)
+    if row_sampling.out_counts.shape[1]:
+        row_sampling = dataclasses.replace(
+            row_sampling, out_counts=row_sampling.out_counts.at[rows, root].add(1)
+        )
     e = tree.depth + 1
-    rows = jnp.arange(b)
     dcache: dict[str, Any] = {}
     feat = jnp.zeros((b, t, 0), dtype)
     if dcfg is not None:
@@ -200,6 +208,11 @@ def _commit(state: SpecState, v: Verdict, dcache, key, shape: Shape, tree: TreeC
         emit
     )
     upd = lambda new, old: jnp.where(running.reshape((b,) + (1,) * (new.ndim - 1)), new, old)  # noqa
+    rows_sampling = state.sampling
+    if rows_sampling.out_counts.shape[1]:  # the penalties' counts: the tokens emitted
+        out = (j < count[:, None]) & running[:, None]
+        counts = rows_sampling.out_counts.at[rows[:, None], emit].add(out.astype(jnp.int32))
+        rows_sampling = dataclasses.replace(rows_sampling, out_counts=counts)
     logprobs = state.logprobs
     if logprobs is not None:  # at the emitted tokens' positions, as `tokens`
         at = (rows[:, None], state.num_new[:, None] + j)
@@ -226,6 +239,7 @@ def _commit(state: SpecState, v: Verdict, dcache, key, shape: Shape, tree: TreeC
         verified=state.verified + v.verified * running,
         accept_hist=state.accept_hist.at[rows, a].add(running.astype(jnp.int32)),
         key=key,
+        sampling=rows_sampling,
         logprobs=logprobs,
     )
 

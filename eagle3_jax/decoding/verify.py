@@ -220,7 +220,8 @@ def _check(
     tout = target_pass(tparams, trees, state, tcfg, dcfg, shape)
     logits = tout.logits  # a node's logits choose the token emitted after num_new + its depth
     if not jnp.issubdtype(logits.dtype, jnp.integer):  # replay's oracle gives tokens
-        logits = process_logits(logits, state.sampling, state.num_new[:, None] + trees.depth)
+        logits = process_logits(logits, state.sampling, state.num_new[:, None] + trees.depth,
+                                trees)  # fmt: skip
     acc, bonus = accept(trees, logits, key, sampling, tree.depth, tree.top_k, state.sampling)
     # the state's E may exceed this tree's depth + 1 (serving sizes it for its largest tree):
     # the path is padded as it is past the accepted length, by repeating its last node

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.sampling import Penalties, Sampling
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.prompts import encode_chat
 from eagle3_jax.serving.detokenize import IncrementalText
@@ -178,11 +178,6 @@ class Server:
         for name, served in (("best_of", 1), ("suffix", None)):
             if body.get(name) not in (None, served) and not chat:
                 raise BadRequest(f"{name}: not served here", name)
-        # a penalty depends on the tokens before each tree node: verification applies none yet
-        for name, off in (("presence_penalty", 0), ("frequency_penalty", 0),
-                          ("repetition_penalty", 1)):  # fmt: skip
-            if body.get(name) not in (None, off):
-                raise BadRequest(f"{name}: not served here (give {off} or leave it out)", name)
         echo = False if chat else body.get("echo")
         if echo is not None and not isinstance(echo, bool):
             raise BadRequest("echo must be true or false", "echo")
@@ -210,12 +205,14 @@ class Server:
         stop_ids = self._stop_ids(body)
         logit_bias = self._logit_bias(body)
         min_tokens = _int(body, "min_tokens", 0, 0)  # vLLM's extension
+        penalties = self._penalties(body)
         for m in max_tokens:
             try:
-                self.engine.check_processing(m, logit_bias, min_tokens, stop_ids, bool(ignore_eos))
+                self.engine.check_processing(m, logit_bias, min_tokens, stop_ids, bool(ignore_eos),
+                                             penalties)  # fmt: skip
             except Eagle3Error as e:
-                raise BadRequest(str(e), "logit_bias" if "logit_bias" in str(e) else "min_tokens"
-                                 ) from None  # fmt: skip
+                param = next((p for p in ("logit_bias", "min_tokens") if p in str(e)), "logit_bias")
+                raise BadRequest(str(e), param) from None
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("stream must be true or false", "stream")
@@ -236,6 +233,7 @@ class Server:
             "stop_ids": stop_ids,
             "logit_bias": logit_bias,
             "min_tokens": min_tokens,
+            "penalties": penalties,
             "stream": stream,
             "usage_chunk": bool(opts.get("include_usage")),
             "token_ids": bool(body.get("return_token_ids")),
@@ -253,6 +251,25 @@ class Server:
             raise BadRequest(f"stop_token_ids must be a list of token ids in 0..{vocab - 1}",
                              "stop_token_ids")  # fmt: skip
         return frozenset(ids)
+
+    def _penalties(self, body: dict) -> Penalties:
+        """OpenAI's `presence_penalty` and `frequency_penalty` ([-2, 2], default 0) and vLLM's
+        `repetition_penalty` (> 0, default 1)."""
+        values = {}
+        for name, field, default in (("repetition_penalty", "repetition", 1.0),
+                                     ("frequency_penalty", "frequency", 0.0),
+                                     ("presence_penalty", "presence", 0.0)):  # fmt: skip
+            v = body.get(name)
+            if v is None:
+                v = default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise BadRequest(f"{name} must be a number", name)
+            values[field] = float(v)
+            try:
+                Penalties(**values)
+            except Eagle3Error as e:
+                raise BadRequest(str(e), name) from None
+        return Penalties(**values)
 
     def _logit_bias(self, body: dict) -> dict[int, float]:
         """OpenAI's `logit_bias`: {token id (JSON keys are text): bias in [-100, 100]}, added to
@@ -408,7 +425,8 @@ class Server:
                       sampling=req["sampling"],
                       score=req["echo"] and req["logprobs"] is not None,
                       ignore_eos=req["ignore_eos"], logit_bias=req["logit_bias"],
-                      min_tokens=req["min_tokens"], stop_ids=req["stop_ids"])  # fmt: skip
+                      min_tokens=req["min_tokens"], stop_ids=req["stop_ids"],
+                      penalties=req["penalties"])  # fmt: skip
             out.append((job, events))
         self.scheduler.submit(*(job for job, _ in out))
         return out
