@@ -40,6 +40,7 @@ def _data(tmp_path):
     return data, qs
 
 
+@pytest.mark.slow  # 16-21 s: the grid's pieces (skip-train, results as cells finish, refusals) stay
 def test_two_cell_grid_end_to_end_and_resume(tiny_target_dir, tmp_path, capsys):
     data, qs = _data(tmp_path)
     out = tmp_path / "grid"

@@ -249,6 +249,7 @@ def test_the_embedded_target_is_evaluated_with_its_shipped_head():
     assert drafts_of(parse_args(["--target", "t"])) == ()  # another target: no default head
 
 
+@pytest.mark.slow  # 9-13 s: decode's --draft-vocab auto test stays
 def test_draft_vocab_cuts_a_head_with_an_order_and_is_part_of_the_configuration(
     setup, tmp_path, capsys, monkeypatch
 ):

@@ -208,6 +208,7 @@ QUESTIONS = [
 ]
 
 
+@pytest.mark.slow  # 22-26 s: the engine-level replay tests above stay in the default suite
 def test_eval_replay_records_decodings_tau(tiny_target_dir, tmp_path, capsys):
     """`eval --replay`: pld and eagle3 replayed over vanilla's answers (a two-turn question turn
     by turn) record what decoding them records, but the time; marked replayed. Replayed in
