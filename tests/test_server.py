@@ -363,6 +363,7 @@ def test_min_tokens_logit_bias_and_penalties_are_transformers_processing(served,
         ({"prompt": [5], "frequency_penalty": 2.5}, "frequency_penalty"),
         ({"prompt": [5], "presence_penalty": "a"}, "presence_penalty"),
         ({"prompt": [5], "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": [5], "temperature": 10**400}, "temperature"),  # too large for a float
     ],
 )
 def test_bad_bodies_are_400_naming_the_field(served, body, param):

@@ -641,3 +641,22 @@ def test_penalties_are_vllms_on_every_tree_node(spec_setup, hf_checkpoint):
     assert got["rep"] == hf[0, len(prompt) :].tolist()
     with pytest.raises(Eagle3Error, match="repetition_penalty 0"):
         Penalties(repetition=0.0)
+
+
+def test_free_and_finished_rows_leave_the_penalties_pass_off(spec_setup):
+    """An empty engine's free rows are greedy and unpenalised (zeros would read as a repetition
+    penalty of 0, keeping `process_logits`' pass on in every round), and a request's penalties
+    and temperature are reset when it ends."""
+    from eagle3_jax.decoding.sampling import Penalties
+
+    eng = _engine(spec_setup, slots=2)
+    rows = jax.device_get(eng.state.sampling)
+    assert (rows.repetition == 1).all() and (rows.frequency == 0).all()
+    assert (rows.temperature == 0).all() and (rows.top_p == 1).all()
+    prompt = random_prompts(spec_setup[1].vocab_size, [5], seed=3)[0]
+    eng.admit("a", prompt, 3, penalties=Penalties(1.2, 0.1, 0.1), sampling=Sampling(0.7))
+    while eng.busy():
+        eng.step()
+    rows = jax.device_get(eng.state.sampling)
+    assert rows.repetition[0] == 1 and rows.frequency[0] == rows.presence[0] == 0
+    assert rows.temperature[0] == 0

@@ -218,11 +218,25 @@ def _free_row(state: SpecState, slot) -> SpecState:
 
 
 def _greedy_row(state: SpecState, slot) -> SpecState:
-    """Row `slot` at temperature 0: a finished or free row's settings must not keep a batch of
-    greedy requests on the sampling branch (`verify.accept` skips it only when no row samples)."""
+    """Row `slot` at temperature 0 and without penalties: a finished or free row's settings must
+    not keep a batch of greedy requests on the sampling branch (`verify.accept` skips it only
+    when no row samples) or the penalties' pass on (`sampling.process_logits`)."""
     rows = state.sampling
-    cold = dataclasses.replace(rows, temperature=rows.temperature.at[slot].set(0.0))
+    cold = dataclasses.replace(
+        rows,
+        temperature=rows.temperature.at[slot].set(0.0),
+        repetition=rows.repetition.at[slot].set(1.0),
+        frequency=rows.frequency.at[slot].set(0.0),
+        presence=rows.presence.at[slot].set(0.0),
+    )
     return dataclasses.replace(state, sampling=cold)
+
+
+def _quiet(rows: RowSampling, i: int) -> bool:
+    """Whether row i's settings (host copies) leave both the sampling branch and the
+    penalties' pass off (`_greedy_row`'s state)."""
+    return (rows.temperature[i] == 0 and rows.repetition[i] == 1 and rows.frequency[i] == 0
+            and rows.presence[i] == 0)  # fmt: skip
 
 
 def state_shapes(models: tuple, tcfg, dcfg, shape: plain.Shape, tree: TreeConfig,
@@ -563,6 +577,9 @@ class SlotEngine:
             finish=np.full((b,), 2, np.int32),
             length=np.ones((b,), np.int32),
             enc_n=np.ones((b,), np.int32),
+            # greedy, no processing: a free row turns on neither the sampling branch nor the
+            # penalties' pass (zeros would be a repetition penalty of 0)
+            sampling=jax.device_get(RowSampling.fill(Sampling(), b, self.shape.row_widths)),
         )
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, state)
@@ -792,9 +809,10 @@ class SlotEngine:
     def poll(self) -> list[Update]:
         """Each occupied slot's tokens since the last report (admitted slots: the prefill's)."""
         st = self.state
-        tokens, n, finish, fw, temp, lp = jax.device_get(
-            (st.tokens, st.num_new, st.finish, st.forwards, st.sampling.temperature, st.logprobs)
+        tokens, n, finish, fw, lp = jax.device_get(
+            (st.tokens, st.num_new, st.finish, st.forwards, st.logprobs)
         )
+        rows = None  # the rows' settings, fetched once a request has ended
         out = []
         for i, req in enumerate(self.owner):
             if req is None:
@@ -811,7 +829,9 @@ class SlotEngine:
             self.shown[i] = int(n[i])
             if reason is not None:
                 self.owner[i] = None
-                if temp[i] > 0:
+                if rows is None:
+                    rows = jax.device_get(self.state.sampling)
+                if not _quiet(rows, i):
                     self.state = _greedy_row(self.state, jnp.int32(i))
         return out
 

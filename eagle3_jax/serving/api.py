@@ -84,6 +84,17 @@ def _int(body: dict, name: str, default: int | None, low: int) -> int | None:
     return v
 
 
+def _finite(v) -> bool:
+    """Whether a JSON value is a finite number (not a boolean; an integer too large for a
+    float is not)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -262,7 +273,7 @@ class Server:
             v = body.get(name)
             if v is None:
                 v = default
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not _finite(v):
                 raise BadRequest(f"{name} must be a number", name)
             values[field] = float(v)
             try:
@@ -351,7 +362,7 @@ class Server:
             if v is None:
                 values[name] = getattr(default, name)
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not _finite(v):
                 raise BadRequest(f"{name} must be a number", name)
             if not low <= v <= high or (name == "top_p" and v == 0):
                 span = "(0, 1]" if name == "top_p" else "[0, 2]"
@@ -452,7 +463,8 @@ class Server:
             nonlocal floor
             need = req["min_tokens"] - len(decoded.ids)
             if floor is None and len(new_ids) >= need:
-                floor = len(decoded.push(new_ids[:need]))
+                # (a character still incomplete there is not yet text)
+                floor = len(decoded.push(new_ids[:need]).rstrip("\ufffd"))
                 new_ids = new_ids[need:]
             return decoded.push(new_ids)
 
