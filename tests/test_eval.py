@@ -65,6 +65,25 @@ def test_shipped_benchmarks():
     assert len(gsm) == 3 and gsm[0].task == "gsm8k"
 
 
+def test_a_gzipped_question_file_reads_as_the_plain_one(tmp_path):
+    """A user's question.jsonl.gz (as the two larger shipped files travel) gives the plain
+    file's questions; a file that is not gzip is refused naming it."""
+    import gzip
+
+    from eagle3_jax.errors import Eagle3Error
+
+    plain = tmp_path / "question.jsonl"
+    plain.write_text("\n".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"q{i}"]})
+                               for i in range(3)) + "\n")  # fmt: skip
+    packed = tmp_path / "question.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert load_questions(str(packed)) == load_questions(str(plain))
+    fake = tmp_path / "fake.jsonl.gz"
+    fake.write_text("not gzip")
+    with pytest.raises(Eagle3Error, match="cannot read question file .*fake.jsonl.gz"):
+        load_questions(str(fake))
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_target_dir, tmp_path_factory):
     _, cfg = load_hf(tiny_target_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -11,9 +12,9 @@ from eagle3_jax.errors import Eagle3Error
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BENCHES = {
-    "spec_bench": DATA_DIR / "spec_bench" / "question.jsonl",
+    "spec_bench": DATA_DIR / "spec_bench" / "question.jsonl.gz",
     "mt_bench": DATA_DIR / "mt_bench" / "question.jsonl",
-    "gsm8k": DATA_DIR / "gsm8k" / "test.jsonl",
+    "gsm8k": DATA_DIR / "gsm8k" / "test.jsonl.gz",
 }
 MT_BENCH_CATEGORIES = frozenset(
     ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
@@ -92,11 +93,15 @@ def parse_record(rec: dict, n: int, where: str, default_task: str | None = None)
 
 
 def read_questions(path: str | Path, default_task: str | None = None) -> list[Question]:
-    """All records of a JSON Lines question file, in file order."""
+    """All records of a JSON Lines question file (or the same gzipped, `.gz`: how the larger
+    shipped ones travel), in file order."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 in text
-    except OSError as e:
+        raw = path.read_bytes()
+        if path.name.endswith(".gz"):
+            raw = gzip.decompress(raw)
+        lines = raw.decode("utf-8").split("\n")  # not splitlines: U+2028 in text
+    except (OSError, EOFError, UnicodeDecodeError) as e:
         raise Eagle3Error(f"cannot read question file {path}: {e}") from e
     out = []
     for n, line in enumerate(lines, 1):
