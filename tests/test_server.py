@@ -612,6 +612,27 @@ def test_disconnect_frees_the_slot(served, monkeypatch):
         time.sleep(0.1)
     assert 'eagle3_requests_total{finish_reason="cancelled"}' in _get(srv, "/metrics")[1]
 
+    def cancelled() -> float:
+        line = next(ln for ln in _get(srv, "/metrics")[1].splitlines()
+                    if ln.startswith('eagle3_requests_total{finish_reason="cancelled"}'))  # fmt: skip
+        return float(line.split()[-1])
+
+    counted = cancelled()  # a whole (not streamed) request whose client leaves: counted so too
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 30}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        for _ in range(50):
+            if scheduler.busy():
+                break
+            time.sleep(0.1)
+    for _ in range(100):
+        if cancelled() > counted and scheduler.busy() == 0:
+            break
+        time.sleep(0.1)
+    assert cancelled() == counted + 1 and scheduler.busy() == 0
+    assert 'finish_reason="none"' not in _get(srv, "/metrics")[1]
+
 
 def test_shutdown_lets_a_running_stream_finish(served, monkeypatch):
     """What SIGTERM does (uvicorn's handler sets should_exit): no new connections, the running
