@@ -270,8 +270,16 @@ def test_a_difference_names_its_token_and_the_dtype():
         (["--max-context", "100000"], "is more than"),
         (["--json", "/nonexistent_dir/x.json"], "does not exist"),
         (["--batch-size", "0"], "--batch-size 0"),
+        (["--frequency-penalty", "3"], "frequency_penalty 3.0 outside [-2, 2]"),
     ],
-    ids=["nan-temperature", "inf-threshold", "context-too-long", "json-unwritable", "batch-0"],
+    ids=[
+        "nan-temperature",
+        "inf-threshold",
+        "context-too-long",
+        "json-unwritable",
+        "batch-0",
+        "frequency-penalty-3",
+    ],  # fmt: skip
 )
 def test_bad_settings_are_one_line_before_any_work(tiny_target_dir, capsys, extra, msg):
     argv = ["--target", str(tiny_target_dir), "--method", "vanilla", "--prompt", "w5 w6",

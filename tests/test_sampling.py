@@ -117,7 +117,7 @@ def test_penalties_count_each_tree_nodes_own_path():
     both = [jnp.asarray(np.broadcast_to(x, (2,) + x.shape)) for x in (parent, depth, mask)]
     trees = Tree(jnp.asarray(tokens), *both, score=jnp.zeros((2, n1)))
     pens = [Penalties(1.4, 0.5, 0.25), Penalties(0.8, -0.3, 0.6)]
-    rows = RowSampling.of([Sampling()] * 2, penalties=pens, widths=(0, 0, v))
+    rows = RowSampling.of([Sampling(penalties=p) for p in pens], widths=(0, 0, v))
     counts = np.array([[0, 2, 0, 0, 1, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0, 0, 3, 0, 0, 0]])
     seen = np.zeros((2, v), bool)
     seen[0, [2, 9]] = seen[1, [6]] = True

@@ -620,7 +620,7 @@ def test_penalties_are_vllms_on_every_tree_node(spec_setup, hf_checkpoint):
     asks = {"rep": Penalties(repetition=1.05), "freq": Penalties(frequency=0.02, presence=0.01),
             "none": None}  # fmt: skip
     for name, pen in asks.items():
-        eng.admit(name, prompt, n, penalties=pen)
+        eng.admit(name, prompt, n, sampling=Sampling(penalties=pen or Penalties()))
     got, why = {r: [] for r in asks}, {}
     for _ in range(60):
         for u in eng.step():
@@ -654,7 +654,7 @@ def test_free_and_finished_rows_leave_the_penalties_pass_off(spec_setup):
     assert (rows.repetition == 1).all() and (rows.frequency == 0).all()
     assert (rows.temperature == 0).all() and (rows.top_p == 1).all()
     prompt = random_prompts(spec_setup[1].vocab_size, [5], seed=3)[0]
-    eng.admit("a", prompt, 3, penalties=Penalties(1.2, 0.1, 0.1), sampling=Sampling(0.7))
+    eng.admit("a", prompt, 3, sampling=Sampling(0.7, penalties=Penalties(1.2, 0.1, 0.1)))
     while eng.busy():
         eng.step()
     rows = jax.device_get(eng.state.sampling)

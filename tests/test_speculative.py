@@ -290,3 +290,36 @@ def test_heads_reading_the_target_output_embedding_are_exact(spec_setup, rank):
             params, cfg, dparams, dcfg, identity(cfg.vocab_size), prompts, 30, tree, eos_ids=()
         )
         assert out.output_ids == ref.output_ids
+
+
+def test_penalties_decode_as_plain_decoding_and_transformers(spec_setup, hf_checkpoint):
+    """decode's --repetition/--frequency/--presence-penalty (a `Sampling`'s penalties): greedy
+    speculative decoding with prompt-lookup drafts (accepted: the tiny target repeats itself)
+    and with the head's tree equal plain decoding with the same penalties, a batch of two
+    prompts, and plain decoding's repetition penalty equals transformers' `generate`."""
+    import torch
+
+    from eagle3_jax.decoding.sampling import Penalties
+
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    model, _ = hf_checkpoint("llama")
+    prompts = [random_prompts(cfg.vocab_size, [7], seed=29)[0],
+               random_prompts(cfg.vocab_size, [11], seed=5)[0]]  # fmt: skip
+    for pen in (Penalties(repetition=1.05), Penalties(frequency=0.02, presence=0.01)):
+        sampling = Sampling(penalties=pen)
+        ref = plain.generate(params, cfg, prompts, 30, sampling, eos_ids=())
+        assert ref.output_ids != plain.generate(params, cfg, prompts, 30, eos_ids=()).output_ids
+        pld = spec_generate(params, cfg, None, None, None, prompts, 30, TREE, "pld",
+                            sampling=sampling, eos_ids=())  # fmt: skip
+        assert pld.output_ids == ref.output_ids
+        assert sum(int(h[1:].sum()) for h in pld.accept_hist) > 2  # drafts were accepted
+        tree = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 30, TREE,
+                             sampling=sampling, eos_ids=())  # fmt: skip
+        assert tree.output_ids == ref.output_ids
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompts[0]]), max_new_tokens=30, min_new_tokens=30,
+                            do_sample=False, pad_token_id=0, eos_token_id=None,
+                            repetition_penalty=1.05)  # fmt: skip
+    rep = plain.generate(params, cfg, prompts[:1], 30, Sampling(penalties=Penalties(1.05)),
+                         eos_ids=())  # fmt: skip
+    assert rep.output_ids[0] == hf[0, len(prompts[0]) :].tolist()

@@ -17,7 +17,7 @@ from eagle3_jax import distributed
 from eagle3_jax.checkpoints.heads import parse_draft_vocab
 from eagle3_jax.config import DTYPES
 from eagle3_jax.decoding.generate import DecodeOptions
-from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.sampling import Penalties, Sampling
 from eagle3_jax.decoding.tree import default_tree
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.heads import default_head
@@ -129,6 +129,7 @@ def _prompt_flags(p: argparse.ArgumentParser) -> None:
         "--sample-top-k", type=int, default=0, help="sampling: keep the k most likely (0 = off)"
     )
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass (1.0 = off)")
+    add_penalty_flags(p, "")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1)
 
@@ -250,11 +251,36 @@ def decode_options(args, max_context: int) -> DecodeOptions:
         method=args.method,
         max_new_tokens=args.max_new_tokens,
         tree=tree_of(args),
-        sampling=Sampling(args.temperature, args.sample_top_k, args.top_p),
+        sampling=sampling_of(args),
         seed=args.seed,
         max_context=max_context,
         same_engine=args.same_engine,
     )
+
+
+def add_penalty_flags(p, who: str) -> None:
+    """The penalty flags (`sampling.Penalties`; `who`: whose default they are, for serve)."""
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help=f"{who}vLLM's repetition penalty over the prompt's and the output's "
+                   "tokens (1 = off)")  # fmt: skip
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help=f"{who}OpenAI's frequency penalty, [-2, 2] (0 = off)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help=f"{who}OpenAI's presence penalty, [-2, 2] (0 = off)",
+    )
+
+
+def sampling_of(args) -> Sampling:
+    """The sampling flags as a `Sampling` (its errors name the setting)."""
+    penalties = Penalties(args.repetition_penalty, args.frequency_penalty, args.presence_penalty)
+    return Sampling(args.temperature, args.sample_top_k, args.top_p, penalties)
 
 
 def read_prompts(args) -> list[Prompt]:
@@ -271,7 +297,7 @@ def read_prompts(args) -> list[Prompt]:
             f"--chat reads this terminal: run it as one process ({jax.process_count()} joined)"
         )
     check_settings(args)
-    Sampling(args.temperature, args.sample_top_k, args.top_p)  # its errors before the load too
+    sampling_of(args)  # its errors before the load too
     if args.method != "vanilla":
         check_tree(args)  # shape errors before the (slow) load; Vd is checked later
     if args.method == "eagle3":

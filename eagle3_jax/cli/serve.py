@@ -29,7 +29,6 @@ from eagle3_jax import compile_cache
 from eagle3_jax.accelerators import predict
 from eagle3_jax.cli import decode, decode_flags
 from eagle3_jax.decoding.generate import DecodeOptions
-from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.decoding.slots import PLAIN, MeasuredSchedule, SlotEngine, TreeSchedule, tree_name
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.serving.api import Server, build_app
@@ -57,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--sample-top-k", type=int, default=0, help="a request's default top_k (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="a request's default top_p")
+    decode_flags.add_penalty_flags(p, "a request's default: ")
     p.add_argument("--tree-by-occupancy", default="auto", metavar="SCHEDULE",
                    help="each round's tree by the number of busy slots. auto (the default): "
                    "measured while serving, per occupancy the fastest in tokens/s of the tree "
@@ -95,7 +95,7 @@ def check(args) -> None:
         raise Eagle3Error(f"--port {args.port}: give 1..65535")
     args.json, args.timing_runs, args.batch_size = None, 1, 1  # what check_settings reads
     decode_flags.check_settings(args)
-    Sampling(args.temperature, args.sample_top_k, args.top_p)
+    decode_flags.sampling_of(args)
     if args.method != "vanilla":
         decode_flags.check_tree(args)
     if args.method == "eagle3":
@@ -140,7 +140,7 @@ def build_engine(args, target, head, max_context) -> SlotEngine:
     """The slot engine `serve` runs for these (checked) flags and the loaded models."""
     opts = DecodeOptions(
         args.method, args.max_new_tokens, decode_flags.tree_of(args),
-        Sampling(args.temperature, args.sample_top_k, args.top_p),
+        decode_flags.sampling_of(args),
         max_context=max_context, same_engine=True,
     )  # fmt: skip
     if args.method == "eagle3" and (args.tree_by_occupancy or "").strip() == "auto":

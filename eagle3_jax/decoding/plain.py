@@ -20,7 +20,7 @@ import numpy as np
 
 from eagle3_jax import distributed
 from eagle3_jax.config import TargetConfig
-from eagle3_jax.decoding.sampling import Sampling, sample
+from eagle3_jax.decoding.sampling import RowSampling, Sampling, process_logits, sample, widths_for
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
@@ -123,6 +123,9 @@ class DecodeState(NamedTuple):
     forwards: jax.Array  # [] target forward passes, prefill included
     limit: jax.Array  # [B] max new tokens per row (<= Shape.max_new; a runtime value, no recompile)
     key: jax.Array
+    # the penalties' logit processing (their token counts; without penalties its arrays have no
+    # room and nothing runs), as the speculative state keeps it (`SpecState.sampling`)
+    sampling: RowSampling
 
 
 def pad_prompts(
@@ -176,13 +179,16 @@ def prefill(
         logits_idx_BP=(lengths_B - 1)[:, None],
     )
     key, sub = jax.random.split(key)
-    first = sample(out.logits[:, 0], sub, sampling)
+    rows = RowSampling.fill(sampling, b, widths_for((0, 0, 0), sampling, cfg.vocab_size))
+    rows = rows.counting(prompt_BT, lengths_B)
+    first = sample(process_logits(out.logits[:, 0], rows, zeros), sub, sampling)
     tokens = jnp.zeros((b, shape.max_new), jnp.int32).at[:, 0].set(first)
     num_new = jnp.ones((b,), jnp.int32)
     finish = _finish_code(first, num_new, limit_B, lengths_B, eos_ids, shape)
     return DecodeState(
-        out.cache, tokens, num_new, lengths_B, first, finish, jnp.int32(1), limit_B, key
-    )
+        out.cache, tokens, num_new, lengths_B, first, finish, jnp.int32(1), limit_B, key,
+        rows.count(first[:, None], jnp.ones((b, 1), bool)),
+    )  # fmt: skip
 
 
 def _step(
@@ -204,7 +210,7 @@ def _step(
         state.cursor,
     )
     key, sub = jax.random.split(state.key)
-    tok = sample(out.logits[:, 0], sub, sampling)
+    tok = sample(process_logits(out.logits[:, 0], state.sampling, state.num_new), sub, sampling)
     idx = jnp.minimum(state.num_new, shape.max_new - 1)
     rows = jnp.arange(tok.shape[0])
     tokens = state.tokens.at[rows, idx].set(jnp.where(running, tok, state.tokens[rows, idx]))
@@ -215,8 +221,9 @@ def _step(
     )
     last = jnp.where(running, tok, state.last)
     return DecodeState(
-        out.cache, tokens, num_new, cursor, last, finish, state.forwards + 1, state.limit, key
-    )
+        out.cache, tokens, num_new, cursor, last, finish, state.forwards + 1, state.limit, key,
+        state.sampling.count(tok[:, None], running[:, None]),
+    )  # fmt: skip
 
 
 decode_step = jax.jit(

@@ -20,12 +20,37 @@ from eagle3_jax.errors import Eagle3Error
 
 
 @dataclasses.dataclass(frozen=True)
+class Penalties:
+    """A request's penalties (OpenAI's presence and frequency, in [-2, 2]; vLLM's repetition,
+    > 0); the defaults are off."""
+
+    repetition: float = 1.0
+    frequency: float = 0.0
+    presence: float = 0.0
+
+    def __post_init__(self):
+        if not all(math.isfinite(x) for x in (self.repetition, self.frequency, self.presence)):
+            raise Eagle3Error("penalties must be finite numbers")
+        if self.repetition <= 0:
+            raise Eagle3Error(f"repetition_penalty {self.repetition}: give a number > 0")
+        for name, x in (("frequency_penalty", self.frequency), ("presence_penalty", self.presence)):
+            if not -2 <= x <= 2:
+                raise Eagle3Error(f"{name} {x} outside [-2, 2]")
+
+    @property
+    def on(self) -> bool:
+        return self != Penalties()
+
+
+@dataclasses.dataclass(frozen=True)
 class Sampling:
-    """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters; `penalties` are
+    applied to the logits first (`process_logits`; off by default)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    penalties: Penalties = Penalties()
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
@@ -81,21 +106,40 @@ class RowSampling:
     @classmethod
     def fill(cls, sampling: Sampling, batch: int, widths: tuple[int, ...] = (0, 0, 0)
              ) -> RowSampling:  # fmt: skip
-        """`sampling` for every one of `batch` rows, no logit processing, room for `widths` =
-        (K, K2, V') entries of bias, barred ids and token counts."""
+        """`sampling` for every one of `batch` rows, no bias or bars, room for `widths` = (K,
+        K2, V') entries of bias, barred ids and token counts."""
         return cls.of([sampling] * batch, widths=widths)
+
+    def counting(self, prompt_BT: jax.Array, lengths_B: jax.Array) -> RowSampling:
+        """Ready to count for the penalties: each row's prompt tokens (the first lengths_B of
+        prompt_BT) marked seen; itself without the counts' room."""
+        if not self.prompt_seen.shape[1]:
+            return self
+        rows = jnp.arange(prompt_BT.shape[0])[:, None]
+        in_prompt = jnp.arange(prompt_BT.shape[1])[None, :] < lengths_B[:, None]
+        return dataclasses.replace(
+            self, prompt_seen=self.prompt_seen.at[rows, prompt_BT].max(in_prompt)
+        )
+
+    def count(self, tokens_BE: jax.Array, emitted_BE: jax.Array) -> RowSampling:
+        """The penalties' counts with `tokens_BE` [B, E] added where `emitted_BE` (the tokens a
+        step or round emitted); itself without the counts' room."""
+        if not self.out_counts.shape[1]:
+            return self
+        rows = jnp.arange(tokens_BE.shape[0])[:, None]
+        counts = self.out_counts.at[rows, tokens_BE].add(emitted_BE.astype(jnp.int32))
+        return dataclasses.replace(self, out_counts=counts)
 
     @classmethod
     def of(cls, rows: list[Sampling], ignore_eos: list[bool] | None = None,
            logit_bias: list[dict[int, float]] | None = None,
            min_tokens: list[int] | None = None, ban: list[tuple[int, ...]] | None = None,
-           penalties: list[Penalties] | None = None,
            widths: tuple[int, ...] = (0, 0, 0)) -> RowSampling:  # fmt: skip
-        """One row per `Sampling` (each validated on construction); per row, `ignore_eos` its
-        flag (default False), `logit_bias` {token id: bias} (at most K = widths[0] entries),
-        `min_tokens` and `ban` the ids barred until then (at most K2 = widths[1]), `penalties`
-        (V' = widths[2] must be the vocabulary for any to be on; the counts start empty: the
-        prefill fills them)."""
+        """One row per `Sampling` (each validated on construction; its penalties need V' =
+        widths[2], the vocabulary: the counts start empty, the prefill fills them); per row,
+        `ignore_eos` its flag (default False), `logit_bias` {token id: bias} (at most K =
+        widths[0] entries), `min_tokens` and `ban` the ids barred until then (at most K2 =
+        widths[1])."""
         b = len(rows)
         k, k2, v = (tuple(widths) + (0, 0, 0))[:3]
         bias_ids, bias = np.full((b, k), NO_ID, np.int32), np.zeros((b, k))
@@ -107,7 +151,7 @@ class RowSampling:
             bias_ids[i, : len(biased)] = list(biased)
             bias[i, : len(biased)] = list(biased.values())
             ban_ids[i, : len(barred)] = barred
-        pens = penalties or [Penalties()] * b
+        pens = [r.penalties for r in rows]
         if not v and any(p.on for p in pens):
             raise Eagle3Error("penalties need the token counts' room (widths[2]: the vocabulary)")
         return cls(
@@ -127,27 +171,13 @@ class RowSampling:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Penalties:
-    """A request's penalties (OpenAI's presence and frequency, in [-2, 2]; vLLM's repetition,
-    > 0); the defaults are off."""
-
-    repetition: float = 1.0
-    frequency: float = 0.0
-    presence: float = 0.0
-
-    def __post_init__(self):
-        if not all(math.isfinite(x) for x in (self.repetition, self.frequency, self.presence)):
-            raise Eagle3Error("penalties must be finite numbers")
-        if self.repetition <= 0:
-            raise Eagle3Error(f"repetition_penalty {self.repetition}: give a number > 0")
-        for name, x in (("frequency_penalty", self.frequency), ("presence_penalty", self.presence)):
-            if not -2 <= x <= 2:
-                raise Eagle3Error(f"{name} {x} outside [-2, 2]")
-
-    @property
-    def on(self) -> bool:
-        return self != Penalties()
+def widths_for(
+    widths: tuple[int, ...], sampling: Sampling, vocab_size: int
+) -> tuple[int, int, int]:
+    """`widths` (K, K2, V'), with the counts' room (V' the vocabulary) when `sampling` has
+    penalties: a decode's static sampling asking for them gets the room it needs."""
+    k, k2, v = (tuple(widths) + (0, 0, 0))[:3]
+    return (k, k2, vocab_size if sampling.penalties.on else v)
 
 
 NO_ID = np.iinfo(np.int32).max  # an unused bias or barred entry: out of range, dropped

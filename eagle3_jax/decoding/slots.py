@@ -634,14 +634,13 @@ class SlotEngine:
     def admit(self, request: object, prompt: list[int], max_tokens: int, seed: int = 0,
               slot: int | None = None, sampling: Sampling | None = None,
               ignore_eos: bool = False, logit_bias: dict[int, float] | None = None,
-              min_tokens: int = 0, stop_ids: Iterable[int] = (),
-              penalties: Penalties | None = None) -> int:  # fmt: skip
+              min_tokens: int = 0, stop_ids: Iterable[int] = ()) -> int:  # fmt: skip
         """Prefills `prompt` into a free slot (the first, or `slot`) for `max_tokens` new tokens
         at most, sampled as `sampling` says (default `opts.sampling`; temperature 0: greedy)
         from `seed`, going on past EOS with `ignore_eos`; returns the slot. `request` is the
         caller's id for it in `step`'s updates. The target's logits get `logit_bias` ({token
         id: bias}) added, EOS (unless ignored) and `stop_ids` barred until `min_tokens` tokens
-        are out, and `penalties` (vLLM's settings; `check_processing`)."""
+        are out, and the sampling's penalties (vLLM's settings; `check_processing`)."""
         self.check(prompt, max_tokens)
         free = self.free_slots()
         if not free:
@@ -649,10 +648,11 @@ class SlotEngine:
         slot = free[0] if slot is None else slot
         if self.owner[slot] is not None:
             raise Eagle3Error(f"slot {slot} is busy")
+        sampling = self.opts.sampling if sampling is None else sampling
         self.state = admit_row(*self._admit_args(
             slot, prompt, max_tokens, seed, sampling, ignore_eos,
             self.check_processing(max_tokens, logit_bias, min_tokens, stop_ids, ignore_eos,
-                                  penalties),
+                                  sampling.penalties),
         ))  # fmt: skip
         self.owner[slot], self.shown[slot] = request, 0
         return slot
@@ -660,10 +660,11 @@ class SlotEngine:
     def check_processing(self, max_tokens: int, logit_bias: dict[int, float] | None = None,
                          min_tokens: int = 0, stop_ids: Iterable[int] = (),
                          ignore_eos: bool = False, penalties: Penalties | None = None
-                         ) -> tuple[dict[int, float], int, tuple, Penalties]:  # fmt: skip
+                         ) -> tuple[dict[int, float], int, tuple]:  # fmt: skip
         """A request's logit processing as `RowSampling` keeps it: (bias, min_tokens, the ids
-        barred until then: `stop_ids` and EOS unless ignored, none without min_tokens,
-        penalties). Raises Eagle3Error naming the problem."""
+        barred until then: `stop_ids` and EOS unless ignored, none without min_tokens); its
+        `penalties` (its sampling's) need the engine's room. Raises Eagle3Error naming the
+        problem."""
         vocab = self.cfgs[0].vocab_size
         bias = dict(logit_bias or {})
         room, ban_room, counts = self.shape.row_widths
@@ -685,18 +686,17 @@ class SlotEngine:
             if len(ban) > ban_room:
                 raise Eagle3Error(f"min_tokens bars {len(ban)} stop token ids (EOS included): "
                                   f"at most {ban_room} here")  # fmt: skip
-        return bias, min_tokens, ban, penalties
+        return bias, min_tokens, ban
 
     def _admit_args(self, slot: int, prompt: list[int], max_tokens: int, seed: int = 0,
                     sampling: Sampling | None = None, ignore_eos: bool = False,
-                    processing: tuple = ({}, 0, (), None)) -> tuple:  # fmt: skip
+                    processing: tuple = ({}, 0, ())) -> tuple:  # fmt: skip
         """`admit_row`'s arguments: the prompt padded to its bucket (`_one_prompt`);
         `processing` as `check_processing` gives it."""
         one, toks, lengths = self._one_prompt(prompt)
-        bias, min_tokens, ban, penalties = processing
+        bias, min_tokens, ban = processing
         rows = RowSampling.of([self.opts.sampling if sampling is None else sampling], [ignore_eos],
-                              [bias], [min_tokens], [ban], [penalties or Penalties()],
-                              self.shape.row_widths)  # fmt: skip
+                              [bias], [min_tokens], [ban], self.shape.row_widths)  # fmt: skip
         return (
             *self.models, self.state, jnp.int32(slot), toks, lengths,
             np.array([max_tokens], np.int32), jax.random.PRNGKey(seed), *self._static(one), rows,

@@ -35,6 +35,7 @@ from eagle3_jax.decoding.sampling import (
     process_logits,
     row_sample,
     sample,
+    widths_for,
 )
 from eagle3_jax.decoding.state import SpecState, TokenLogProbs, eos_mask, write_pending
 from eagle3_jax.decoding.tree import TreeConfig
@@ -119,22 +120,17 @@ def prefill(
         logits_idx_BP=(lengths_B - 1)[:, None],
     )
     key, sub = jax.random.split(key)
-    if row_sampling is None:
-        row_sampling = RowSampling.fill(sampling, b, shape.row_widths)
+    if row_sampling is None:  # a decode's: its static sampling's, penalties included
+        widths = widths_for(shape.row_widths, sampling, tcfg.vocab_size)
+        row_sampling = RowSampling.fill(sampling, b, widths)
     rows = jnp.arange(b)
-    if row_sampling.prompt_seen.shape[1]:  # the penalties' prompt tokens
-        in_prompt = jnp.arange(t)[None, :] < lengths_B[:, None]
-        seen = row_sampling.prompt_seen.at[rows[:, None], prompt_BT].max(in_prompt)
-        row_sampling = dataclasses.replace(row_sampling, prompt_seen=seen)
+    row_sampling = row_sampling.counting(prompt_BT, lengths_B)
     logits = process_logits(out.logits[:, 0], row_sampling, zeros)  # the first new token's
     if sampling.greedy:
         root = sample(logits, sub, sampling)
     else:
         root = row_sample(logits, sub, row_sampling)
-    if row_sampling.out_counts.shape[1]:
-        row_sampling = dataclasses.replace(
-            row_sampling, out_counts=row_sampling.out_counts.at[rows, root].add(1)
-        )
+    row_sampling = row_sampling.count(root[:, None], jnp.ones((b, 1), bool))
     e = tree.depth + 1
     dcache: dict[str, Any] = {}
     feat = jnp.zeros((b, t, 0), dtype)
@@ -208,11 +204,8 @@ def _commit(state: SpecState, v: Verdict, dcache, key, shape: Shape, tree: TreeC
         emit
     )
     upd = lambda new, old: jnp.where(running.reshape((b,) + (1,) * (new.ndim - 1)), new, old)  # noqa
-    rows_sampling = state.sampling
-    if rows_sampling.out_counts.shape[1]:  # the penalties' counts: the tokens emitted
-        out = (j < count[:, None]) & running[:, None]
-        counts = rows_sampling.out_counts.at[rows[:, None], emit].add(out.astype(jnp.int32))
-        rows_sampling = dataclasses.replace(rows_sampling, out_counts=counts)
+    # the penalties' counts: the tokens emitted
+    rows_sampling = state.sampling.count(emit, (j < count[:, None]) & running[:, None])
     logprobs = state.logprobs
     if logprobs is not None:  # at the emitted tokens' positions, as `tokens`
         at = (rows[:, None], state.num_new[:, None] + j)

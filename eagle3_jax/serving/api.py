@@ -216,11 +216,10 @@ class Server:
         stop_ids = self._stop_ids(body)
         logit_bias = self._logit_bias(body)
         min_tokens = _int(body, "min_tokens", 0, 0)  # vLLM's extension
-        penalties = self._penalties(body)
         for m in max_tokens:
             try:
                 self.engine.check_processing(m, logit_bias, min_tokens, stop_ids, bool(ignore_eos),
-                                             penalties)  # fmt: skip
+                                             sampling.penalties)  # fmt: skip
             except Eagle3Error as e:
                 param = next((p for p in ("logit_bias", "min_tokens") if p in str(e)), "logit_bias")
                 raise BadRequest(str(e), param) from None
@@ -244,7 +243,6 @@ class Server:
             "stop_ids": stop_ids,
             "logit_bias": logit_bias,
             "min_tokens": min_tokens,
-            "penalties": penalties,
             "stream": stream,
             "usage_chunk": bool(opts.get("include_usage")),
             "token_ids": bool(body.get("return_token_ids")),
@@ -263,16 +261,16 @@ class Server:
                              "stop_token_ids")  # fmt: skip
         return frozenset(ids)
 
-    def _penalties(self, body: dict) -> Penalties:
-        """OpenAI's `presence_penalty` and `frequency_penalty` ([-2, 2], default 0) and vLLM's
-        `repetition_penalty` (> 0, default 1)."""
+    def _penalties(self, body: dict, default: Penalties) -> Penalties:
+        """OpenAI's `presence_penalty` and `frequency_penalty` ([-2, 2]) and vLLM's
+        `repetition_penalty` (> 0), each defaulting to the server's (`default`)."""
         values = {}
-        for name, field, default in (("repetition_penalty", "repetition", 1.0),
-                                     ("frequency_penalty", "frequency", 0.0),
-                                     ("presence_penalty", "presence", 0.0)):  # fmt: skip
+        for name, field in (("repetition_penalty", "repetition"),
+                            ("frequency_penalty", "frequency"),
+                            ("presence_penalty", "presence")):  # fmt: skip
             v = body.get(name)
             if v is None:
-                v = default
+                v = getattr(default, field)
             if not _finite(v):
                 raise BadRequest(f"{name} must be a number", name)
             values[field] = float(v)
@@ -353,8 +351,9 @@ class Server:
                 "text_offset": [at for _, _, _, at in lps]}  # fmt: skip
 
     def _sampling(self, body: dict) -> Sampling:
-        """The request's temperature (0: greedy; at most 2, OpenAI's range), top_p (0, 1] and
-        top_k (vLLM's extension; 0 or -1: off), each defaulting to the server's."""
+        """The request's temperature (0: greedy; at most 2, OpenAI's range), top_p (0, 1], top_k
+        (vLLM's extension; 0 or -1: off) and penalties (`_penalties`), each defaulting to the
+        server's."""
         default = self.engine.opts.sampling
         values = {}
         for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
@@ -373,7 +372,8 @@ class Server:
             top_k = default.top_k
         elif isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
             raise BadRequest("top_k must be an integer >= -1 (0 or -1: no top-k)", "top_k")
-        return Sampling(values["temperature"], max(top_k, 0), values["top_p"])
+        return Sampling(values["temperature"], max(top_k, 0), values["top_p"],
+                        self._penalties(body, default.penalties))  # fmt: skip
 
     def _messages(self, messages) -> list[int]:
         if not isinstance(messages, list) or not messages:
@@ -436,8 +436,7 @@ class Server:
                       sampling=req["sampling"],
                       score=req["echo"] and req["logprobs"] is not None,
                       ignore_eos=req["ignore_eos"], logit_bias=req["logit_bias"],
-                      min_tokens=req["min_tokens"], stop_ids=req["stop_ids"],
-                      penalties=req["penalties"])  # fmt: skip
+                      min_tokens=req["min_tokens"], stop_ids=req["stop_ids"])  # fmt: skip
             out.append((job, events))
         self.scheduler.submit(*(job for job, _ in out))
         return out

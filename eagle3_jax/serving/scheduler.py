@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from eagle3_jax.decoding.sampling import Penalties, Sampling
+from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.decoding.slots import SlotEngine
 from eagle3_jax.errors import Eagle3Error
 
@@ -59,7 +59,8 @@ class Job:
     max_tokens: int
     seed: int
     deliver: Callable[[Event], None]
-    sampling: Sampling | None = None  # temperature, top-k, top-p (None: the engine's default)
+    # temperature, top-k, top-p, penalties (None: the engine's default)
+    sampling: Sampling | None = None
     score: bool = False  # the prompt's log-probabilities first (`SlotEngine.score`: echo)
     ignore_eos: bool = False  # EOS emitted and decoding goes on (vLLM's request setting)
     # the target's logits processed before sampling (`SlotEngine.admit`): {token id: bias}, and
@@ -67,7 +68,6 @@ class Job:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()
-    penalties: Penalties | None = None  # repetition, frequency, presence (None: off)
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     first_token: float | None = None
     slot: int | None = None
@@ -224,7 +224,7 @@ class Scheduler:
             self.engine.admit(job.id, job.prompt, job.max_tokens, job.seed, slot=slot,
                               sampling=job.sampling, ignore_eos=job.ignore_eos,
                               logit_bias=job.logit_bias, min_tokens=job.min_tokens,
-                              stop_ids=job.stop_ids, penalties=job.penalties)  # fmt: skip
+                              stop_ids=job.stop_ids)  # fmt: skip
         except Exception as e:  # checked at submit; a refusal here is a bug, told to the client
             if not isinstance(e, Eagle3Error):
                 log.exception("admitting request %s failed", job.id)
