@@ -532,6 +532,19 @@ def test_ignore_eos_goes_on_past_eos(spec_setup):
     assert (got["goes on"], why["goes on"]) == (out, "max_tokens")
 
 
+def _until_all_end(eng, names, rounds=60):
+    """Rounds until every admitted request in `names` has ended: ({name: tokens}, {name:
+    finish reason})."""
+    got, why = {r: [] for r in names}, {}
+    for _ in range(rounds):
+        for u in eng.step():
+            got[u.request] += u.new_ids
+            why[u.request] = u.finish_reason
+        if all(why.get(r) for r in names):
+            return got, why
+    raise AssertionError(f"not all ended after {rounds} rounds: {why}")
+
+
 def test_logit_bias_and_min_tokens_are_transformers_processing(spec_setup, hf_checkpoint):
     """Side by side in one engine, greedy: a request with logit_bias (its second token barred at
     -100, another token raised) gives transformers' greedy `generate` with that `sequence_bias`,
@@ -555,13 +568,7 @@ def test_logit_bias_and_min_tokens_are_transformers_processing(spec_setup, hf_ch
     eng.admit("min", prompt, 12, min_tokens=k + 3)
     eng.admit("only", prompt, 10, seed=3, sampling=Sampling(temperature=1.0),
               logit_bias={raised: 100.0})  # fmt: skip
-    got, why = {"bias": [], "min": [], "only": []}, {}
-    for _ in range(60):
-        for u in eng.step():
-            got[u.request] += u.new_ids
-            why[u.request] = u.finish_reason
-        if all(why.get(r) for r in got):
-            break
+    got, why = _until_all_end(eng, ["bias", "min", "only"])
     with torch.no_grad():
         ids = torch.tensor([prompt])
         biased = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
@@ -621,13 +628,7 @@ def test_penalties_are_vllms_on_every_tree_node(spec_setup, hf_checkpoint):
             "none": None}  # fmt: skip
     for name, pen in asks.items():
         eng.admit(name, prompt, n, sampling=Sampling(penalties=pen or Penalties()))
-    got, why = {r: [] for r in asks}, {}
-    for _ in range(60):
-        for u in eng.step():
-            got[u.request] += u.new_ids
-            why[u.request] = u.finish_reason
-        if all(why.get(r) for r in got):
-            break
+    got, why = _until_all_end(eng, list(asks))
     assert (jax.device_get(eng.state.accept_hist)[:2, 1:].sum(1) > 2).all()  # drafts accepted
     alone = spec_generate(params, cfg, None, None, None, [prompt], n, TREE, "pld", eos_ids=())
     assert got["none"] == alone.output_ids[0]
