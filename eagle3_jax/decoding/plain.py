@@ -123,9 +123,9 @@ class DecodeState(NamedTuple):
     forwards: jax.Array  # [] target forward passes, prefill included
     limit: jax.Array  # [B] max new tokens per row (<= Shape.max_new; a runtime value, no recompile)
     key: jax.Array
-    # the penalties' logit processing (their token counts; without penalties its arrays have no
-    # room and nothing runs), as the speculative state keeps it (`SpecState.sampling`)
-    sampling: RowSampling
+    # the penalties' logit processing (their token counts), as the speculative state keeps it
+    # (`SpecState.sampling`); None without penalties: the step is plain decoding's own
+    sampling: RowSampling | None
 
 
 def pad_prompts(
@@ -179,15 +179,19 @@ def prefill(
         logits_idx_BP=(lengths_B - 1)[:, None],
     )
     key, sub = jax.random.split(key)
-    rows = RowSampling.fill(sampling, b, widths_for((0, 0, 0), sampling, cfg.vocab_size))
-    rows = rows.counting(prompt_BT, lengths_B)
-    first = sample(process_logits(out.logits[:, 0], rows, zeros), sub, sampling)
+    rows = None
+    logits = out.logits[:, 0]
+    if sampling.penalties.on:
+        rows = RowSampling.fill(sampling, b, widths_for((0, 0, 0), sampling, cfg.vocab_size))
+        rows = rows.counting(prompt_BT, lengths_B)
+        logits = process_logits(logits, rows, zeros)
+    first = sample(logits, sub, sampling)
     tokens = jnp.zeros((b, shape.max_new), jnp.int32).at[:, 0].set(first)
     num_new = jnp.ones((b,), jnp.int32)
     finish = _finish_code(first, num_new, limit_B, lengths_B, eos_ids, shape)
     return DecodeState(
         out.cache, tokens, num_new, lengths_B, first, finish, jnp.int32(1), limit_B, key,
-        rows.count(first[:, None], jnp.ones((b, 1), bool)),
+        None if rows is None else rows.count(first[:, None], jnp.ones((b, 1), bool)),
     )  # fmt: skip
 
 
@@ -210,7 +214,10 @@ def _step(
         state.cursor,
     )
     key, sub = jax.random.split(state.key)
-    tok = sample(process_logits(out.logits[:, 0], state.sampling, state.num_new), sub, sampling)
+    logits, proc = out.logits[:, 0], state.sampling
+    if proc is not None:  # the penalties
+        logits = process_logits(logits, proc, state.num_new)
+    tok = sample(logits, sub, sampling)
     idx = jnp.minimum(state.num_new, shape.max_new - 1)
     rows = jnp.arange(tok.shape[0])
     tokens = state.tokens.at[rows, idx].set(jnp.where(running, tok, state.tokens[rows, idx]))
@@ -222,7 +229,7 @@ def _step(
     last = jnp.where(running, tok, state.last)
     return DecodeState(
         out.cache, tokens, num_new, cursor, last, finish, state.forwards + 1, state.limit, key,
-        state.sampling.count(tok[:, None], running[:, None]),
+        None if proc is None else proc.count(tok[:, None], running[:, None]),
     )  # fmt: skip
 
 
