@@ -260,21 +260,13 @@ def decode_options(args, max_context: int) -> DecodeOptions:
 
 def add_penalty_flags(p, who: str) -> None:
     """The penalty flags (`sampling.Penalties`; `who`: whose default they are, for serve)."""
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help=f"{who}vLLM's repetition penalty over the prompt's and the output's "
-                   "tokens (1 = off)")  # fmt: skip
-    p.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=0.0,
-        help=f"{who}OpenAI's frequency penalty, [-2, 2] (0 = off)",
-    )
-    p.add_argument(
-        "--presence-penalty",
-        type=float,
-        default=0.0,
-        help=f"{who}OpenAI's presence penalty, [-2, 2] (0 = off)",
-    )
+    for flag, default, says in (
+        ("--repetition-penalty", 1.0, "vLLM's repetition penalty over the prompt's and the "
+         "output's tokens (1 = off)"),
+        ("--frequency-penalty", 0.0, "OpenAI's frequency penalty, [-2, 2] (0 = off)"),
+        ("--presence-penalty", 0.0, "OpenAI's presence penalty, [-2, 2] (0 = off)"),
+    ):  # fmt: skip
+        p.add_argument(flag, type=float, default=default, help=who + says)
 
 
 def sampling_of(args) -> Sampling:

@@ -20,7 +20,7 @@ import numpy as np
 
 from eagle3_jax import distributed
 from eagle3_jax.config import TargetConfig
-from eagle3_jax.decoding.sampling import RowSampling, Sampling, process_logits, sample, widths_for
+from eagle3_jax.decoding.sampling import RowSampling, Sampling, process_logits, sample
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import target as tgt
 from eagle3_jax.models.layers import causal_mask
@@ -182,7 +182,7 @@ def prefill(
     rows = None
     logits = out.logits[:, 0]
     if sampling.penalties.on:
-        rows = RowSampling.fill(sampling, b, widths_for((0, 0, 0), sampling, cfg.vocab_size))
+        rows = RowSampling.fill(sampling, b, (0, 0, cfg.vocab_size))
         rows = rows.counting(prompt_BT, lengths_B)
         logits = process_logits(logits, rows, zeros)
     first = sample(logits, sub, sampling)

@@ -104,7 +104,7 @@ class RowSampling:
     prompt_seen: jax.Array
 
     @classmethod
-    def fill(cls, sampling: Sampling, batch: int, widths: tuple[int, ...] = (0, 0, 0)
+    def fill(cls, sampling: Sampling, batch: int, widths: tuple[int, int, int] = (0, 0, 0)
              ) -> RowSampling:  # fmt: skip
         """`sampling` for every one of `batch` rows, no bias or bars, room for `widths` = (K,
         K2, V') entries of bias, barred ids and token counts."""
@@ -134,14 +134,14 @@ class RowSampling:
     def of(cls, rows: list[Sampling], ignore_eos: list[bool] | None = None,
            logit_bias: list[dict[int, float]] | None = None,
            min_tokens: list[int] | None = None, ban: list[tuple[int, ...]] | None = None,
-           widths: tuple[int, ...] = (0, 0, 0)) -> RowSampling:  # fmt: skip
+           widths: tuple[int, int, int] = (0, 0, 0)) -> RowSampling:  # fmt: skip
         """One row per `Sampling` (each validated on construction; its penalties need V' =
         widths[2], the vocabulary: the counts start empty, the prefill fills them); per row,
         `ignore_eos` its flag (default False), `logit_bias` {token id: bias} (at most K =
         widths[0] entries), `min_tokens` and `ban` the ids barred until then (at most K2 =
         widths[1])."""
         b = len(rows)
-        k, k2, v = (tuple(widths) + (0, 0, 0))[:3]
+        k, k2, v = widths
         bias_ids, bias = np.full((b, k), NO_ID, np.int32), np.zeros((b, k))
         ban_ids = np.full((b, k2), NO_ID, np.int32)
         for i, (biased, barred) in enumerate(zip(logit_bias or [{}] * b, ban or [()] * b)):
@@ -172,11 +172,11 @@ class RowSampling:
 
 
 def widths_for(
-    widths: tuple[int, ...], sampling: Sampling, vocab_size: int
+    widths: tuple[int, int, int], sampling: Sampling, vocab_size: int
 ) -> tuple[int, int, int]:
     """`widths` (K, K2, V'), with the counts' room (V' the vocabulary) when `sampling` has
     penalties: a decode's static sampling asking for them gets the room it needs."""
-    k, k2, v = (tuple(widths) + (0, 0, 0))[:3]
+    k, k2, v = widths
     return (k, k2, vocab_size if sampling.penalties.on else v)
 
 

@@ -217,26 +217,17 @@ def _free_row(state: SpecState, slot) -> SpecState:
     return _greedy_row(dataclasses.replace(state, finish=state.finish.at[slot].set(2)), slot)
 
 
+# a finished or free row's settings (`RowSampling` fields): greedy, no penalties
+QUIET = {"temperature": 0.0, **dataclasses.asdict(Penalties())}
+
+
 def _greedy_row(state: SpecState, slot) -> SpecState:
     """Row `slot` at temperature 0 and without penalties: a finished or free row's settings must
     not keep a batch of greedy requests on the sampling branch (`verify.accept` skips it only
     when no row samples) or the penalties' pass on (`sampling.process_logits`)."""
     rows = state.sampling
-    cold = dataclasses.replace(
-        rows,
-        temperature=rows.temperature.at[slot].set(0.0),
-        repetition=rows.repetition.at[slot].set(1.0),
-        frequency=rows.frequency.at[slot].set(0.0),
-        presence=rows.presence.at[slot].set(0.0),
-    )
-    return dataclasses.replace(state, sampling=cold)
-
-
-def _quiet(rows: RowSampling, i: int) -> bool:
-    """Whether row i's settings (host copies) leave both the sampling branch and the
-    penalties' pass off (`_greedy_row`'s state)."""
-    return (rows.temperature[i] == 0 and rows.repetition[i] == 1 and rows.frequency[i] == 0
-            and rows.presence[i] == 0)  # fmt: skip
+    cold = {f: getattr(rows, f).at[slot].set(v) for f, v in QUIET.items()}
+    return dataclasses.replace(state, sampling=dataclasses.replace(rows, **cold))
 
 
 def state_shapes(models: tuple, tcfg, dcfg, shape: plain.Shape, tree: TreeConfig,
@@ -809,10 +800,10 @@ class SlotEngine:
     def poll(self) -> list[Update]:
         """Each occupied slot's tokens since the last report (admitted slots: the prefill's)."""
         st = self.state
-        tokens, n, finish, fw, lp = jax.device_get(
-            (st.tokens, st.num_new, st.finish, st.forwards, st.logprobs)
-        )
-        rows = None  # the rows' settings, fetched once a request has ended
+        tokens, n, finish, fw, lp, settings = jax.device_get(
+            (st.tokens, st.num_new, st.finish, st.forwards, st.logprobs,
+             {f: getattr(st.sampling, f) for f in QUIET})  # [B] each, not the [B, V] counts
+        )  # fmt: skip
         out = []
         for i, req in enumerate(self.owner):
             if req is None:
@@ -829,9 +820,7 @@ class SlotEngine:
             self.shown[i] = int(n[i])
             if reason is not None:
                 self.owner[i] = None
-                if rows is None:
-                    rows = jax.device_get(self.state.sampling)
-                if not _quiet(rows, i):
+                if any(settings[f][i] != v for f, v in QUIET.items()):
                     self.state = _greedy_row(self.state, jnp.int32(i))
         return out
 
