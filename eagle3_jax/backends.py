@@ -9,7 +9,11 @@ load (`models.target.fuse_projections`); with weights that are not fp32, attenti
 products' inputs in their dtype with fp32 accumulation, a verification's cached and new parts
 merged by their log-sum-exp (`models.layers.mixed_attention`), as flash attention does, and on a
 GPU a decode step's and a verification's cached part run through JAX's Pallas flash-decoding
-kernel, which reads only the valid slots (`models.layers.pallas_attention`); and XLA
+kernel, which reads only the valid slots (`models.layers.pallas_attention`). A
+mixture-of-experts target's routed layers run only their tokens' chosen experts on one device
+(`models.target.moe_path`: a step's few experts gathered everywhere, and on a GPU or TPU larger
+forwards sorted by expert through `jax.lax.ragged_dot`); across a mesh whose model axis splits the
+experts each device keeps running its own experts on every token (no expert's weights move). XLA
 is asked to capture the programs' kernels, loops and conditionals included, as CUDA graphs
 (command buffers), so a round is launched as a few graphs rather than thousands of kernels.
 
@@ -18,6 +22,8 @@ command) and `prepare_target` once the target is loaded. Environment overrides, 
 choice against the other in one run (scripts/device_steps/gpu_speed.py):
   EAGLE3_JAX_FUSED_PROJECTIONS  1 / 0: fuse or not, whatever the backend (unset: by backend)
   EAGLE3_JAX_ATTENTION          exact / mixed / pallas, whatever the backend and dtype (unset:
+                                as above)
+  EAGLE3_JAX_MOE_DISPATCH       dense / gather / ragged, whatever the backend and mesh (unset:
                                 as above)
   EAGLE3_JAX_XLA_DEFAULTS       0: leave XLA_FLAGS as it is (XLA's own defaults)
 """
@@ -32,11 +38,12 @@ import jax.numpy as jnp
 
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models.layers import ATTENTION_KINDS
-from eagle3_jax.models.target import fuse_projections
+from eagle3_jax.models.target import MOE_DISPATCHES, fuse_projections
 from eagle3_jax.sharding import mesh_of
 
 FUSED_ENV = "EAGLE3_JAX_FUSED_PROJECTIONS"
 ATTENTION_ENV = "EAGLE3_JAX_ATTENTION"
+MOE_DISPATCH_ENV = "EAGLE3_JAX_MOE_DISPATCH"
 XLA_DEFAULTS_ENV = "EAGLE3_JAX_XLA_DEFAULTS"
 
 # XLA's GPU command buffers: its default kinds (fusions, cuBLAS/cuBLASLt products, custom calls,
@@ -92,16 +99,45 @@ def attention_wanted(dtype, backend: str | None = None, devices: int = 1) -> str
     return "pallas" if backend in ("gpu", "cuda", "rocm") and devices == 1 else "mixed"
 
 
+def moe_dispatch_wanted(backend: str | None = None, devices: int = 1, model_axis: int = 1) -> str:
+    """How routed layers run their experts (`TargetConfig.moe_dispatch`): "dense" where the
+    mesh's model axis splits the experts over `model_axis` > 1 devices (each device runs its own
+    experts on every token and nothing moves; a gather or a grouped product over a split expert
+    axis would gather the weights); "gather" (a step's chosen experts gathered, larger forwards
+    dense) on the CPU, where jax lowers `ragged_dot` as a dense product over every expert, and on
+    a mesh of several `devices` that replicates the experts (a gather stays on each device's
+    rows; the grouped product's sort would span the batch); "ragged" on one GPU or TPU (the same
+    gather, and larger forwards through `jax.lax.ragged_dot`, which XLA and Pallas lower as
+    grouped products). The environment's EAGLE3_JAX_MOE_DISPATCH decides where set."""
+    value = os.environ.get(MOE_DISPATCH_ENV, "").strip()
+    if value and value not in MOE_DISPATCHES:
+        raise Eagle3Error(f"{MOE_DISPATCH_ENV}={value!r}: use one of {', '.join(MOE_DISPATCHES)}")
+    if value:
+        return value
+    if model_axis > 1:
+        return "dense"
+    if devices > 1 or (backend or jax.default_backend()) == "cpu":
+        return "gather"
+    return "ragged"
+
+
 def prepare_target(target, products=None, backend: str | None = None, mesh=None):
     """The loaded target (`checkpoints.Target`) as this backend decodes it: the few-row products
     given (the CPU's measured `ProductPolicy`, or None to keep the config's), its attention
-    (`attention_wanted`), and q/k/v and gate/up fused where `fuse_projections_wanted` (on `mesh`,
-    the parameters' own when None). The unfused matrices are deleted as their fused ones are
-    made: use the returned target."""
+    (`attention_wanted`), a routed target's dispatch (`moe_dispatch_wanted`), and q/k/v and
+    gate/up fused where `fuse_projections_wanted` (on `mesh`, the parameters' own when None). The
+    unfused matrices are deleted as their fused ones are made: use the returned target."""
     dtype = target.params["embed"].dtype
     mesh = mesh if mesh is not None else mesh_of(target.params)
     devices = 1 if mesh is None else mesh.size
-    cfg = dataclasses.replace(target.cfg, attention=attention_wanted(dtype, backend, devices))
+    model_axis = 1 if mesh is None else dict(mesh.shape).get("model", 1)
+    cfg = dataclasses.replace(
+        target.cfg,
+        attention=attention_wanted(dtype, backend, devices),
+        moe_dispatch=moe_dispatch_wanted(backend, devices, model_axis)
+        if target.cfg.num_experts
+        else "dense",
+    )
     if products is not None:
         cfg = dataclasses.replace(cfg, products=products)
     target = target._replace(cfg=cfg)

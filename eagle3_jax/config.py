@@ -122,9 +122,12 @@ class TargetConfig:
     layer_types); the layers apply it themselves (`models.target.forward`), so callers' masks
     are plain causal. `products`: how a few rows are multiplied (ProductPolicy); `attention`:
     how attention computes its probabilities and p.V (`models.layers.attention`: "exact", or
-    "mixed" as flash attention does); both properties
-    of the machine, not of the checkpoint (`eagle3_jax.backends` chooses them), so they are left
-    out of `to_json`.
+    "mixed" as flash attention does); `moe_dispatch`: how a routed layer runs its experts
+    (`models.target.MOE_DISPATCHES`: "dense", every expert on every token; "gather", a small
+    forward's chosen experts gathered and the rest dense; "ragged", the same gather and larger
+    forwards token-sorted through `jax.lax.ragged_dot`); all three properties of the machine,
+    not of the checkpoint (`eagle3_jax.backends` chooses them), so they are left out of
+    `to_json`.
 
     Mixture of experts (`num_experts` > 0): the layers in `moe_layers` replace the SwiGLU MLP
     by `num_experts` SwiGLU experts of width `moe_intermediate_size`, of which a router picks
@@ -195,6 +198,7 @@ class TargetConfig:
     swiglu_alpha: float | None = None
     products: ProductPolicy = PLAIN_PRODUCTS
     attention: str = "exact"
+    moe_dispatch: str = "dense"
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is routed over experts."""
@@ -239,7 +243,7 @@ class TargetConfig:
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
-        del d["products"], d["attention"]
+        del d["products"], d["attention"], d["moe_dispatch"]
         if not self.num_experts:  # a dense config's file stays as it was before MoE targets
             for name in _MOE_FIELDS:
                 del d[name]

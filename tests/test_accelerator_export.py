@@ -160,6 +160,26 @@ def test_moe_program_moves_no_expert_weights(target, program, monkeypatch):
     assert "all-reduce(" in hlo
 
 
+@pytest.mark.parametrize("program", ["decode_step", "round_tree"])
+def test_moe_on_one_chip_lowers_its_routed_dispatch(program, monkeypatch):
+    """On one chip (a 1 x 1 mesh) Qwen3-30B-A3B's routed layers (two of them, at real width) take
+    the accelerators' dispatch (`backends.moe_dispatch_wanted`: ragged): the plain step gathers
+    its token's 8 experts (no product over all 128) and the reporting tree's 60 tokens go through
+    `ragged_dot`; both export for TPUs and GPUs with nothing a device would object to."""
+    two = {**specs.REAL_TARGETS["qwen3_30b_a3b"], "num_hidden_layers": 2}
+    monkeypatch.setitem(specs.REAL_TARGETS, "moe_2_layers", two)
+    prog = programs.build(program, programs.Setup(target="moe_2_layers", batch=1, mesh=(1, 1)))
+    tcfg = prog.kwargs.get("cfg") or prog.kwargs["tcfg"]
+    assert tcfg.moe_dispatch == "ragged"
+    exported, report = lowering.export_program(prog)
+    assert exported.nr_devices == 1 and report.problems == [], report.problems
+    text = exported.mlir_module()
+    assert ("ragged_dot" in text) == (program == "round_tree")
+    assert "x128x768x" not in text  # no dense product's [B, T, 128 experts, 768] activations
+    if program == "decode_step":  # the token's 8 experts' gate/up matrices, gathered
+        assert "tensor<8x2048x768xbf16>" in text
+
+
 def _toy(fn, dtype=jnp.bfloat16):
     mesh = make_mesh(1, 8, jax.devices()[:8])
     x = jax.ShapeDtypeStruct((8, 16), dtype, sharding=NamedSharding(mesh, P(None, "model")))

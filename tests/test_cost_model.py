@@ -205,9 +205,11 @@ SMALL_MOE = {  # the same, each layer routed over 8 experts of width 512, top 2
 def test_flops_match_xla_cost_analysis(config, monkeypatch):
     """XLA's count of the real programs' FLOPs (unoptimized HLO, lowered on this CPU) within 5 %
     of the model's, on a 2-layer config whose products dominate (at Llama-3.1-8B shapes the
-    benchmark's --xla finds 0.991-0.999); a mixture-of-experts one counted as our programs run
-    it, every expert on every token (`lowering.flops_check`: 0.995 when written)."""
+    benchmark's --xla finds 0.991-0.999); a mixture-of-experts one counted as each program runs
+    it (`lowering.flops_check`), under the CPU's dispatch: the step gathers its token's 2 of 8
+    experts (k experts' FLOPs), the round's 8 tree tokens run every expert on every token."""
     monkeypatch.setitem(specs.REAL_TARGETS, "cost_small", config)
+    monkeypatch.setenv("EAGLE3_JAX_MOE_DISPATCH", "gather")
     setup = programs.Setup(
         target="cost_small", mesh=(1, 1), prompt=64, new=64, tree=TreeConfig(4, 3, 8)
     )
@@ -215,6 +217,8 @@ def test_flops_match_xla_cost_analysis(config, monkeypatch):
         if row["xla"] is None:
             pytest.skip("no cost analysis from this backend")
         assert row["model"] == pytest.approx(row["xla"], rel=0.05), row["program"]
+        if "num_experts" in config:
+            assert row["moe_path"] == {"decode_step": "gather", "round_tree": "dense"}[row["program"]]
 
 
 @pytest.mark.parametrize(

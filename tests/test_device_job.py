@@ -516,8 +516,9 @@ def test_gpu_speed_parses_and_reaches_its_step(dj, monkeypatch):
         8.0, "llama31_8b", None, "1,8,32,64", "chain,10/8/60,best", "engine,baseline",
     )  # fmt: skip
     assert (a.layers, a.phases, a.plain_steps, a.rounds, a.loop_steps) == (
-        "3,5", "kernels,trace,sweep", 10, 3, 16,
+        "3,5", "kernels,trace,sweep,moe", 10, 3, 16,
     )  # fmt: skip
+    assert (a.moe_target, a.moe_tokens, a.moe_layers) == ("qwen3_30b_a3b", "1,8,16,32,60,512", 4)
     assert gs.sweep_targets(a) == ["llama31_8b", "olmo2_7b", "olmo2_1b"]
     words = gs.forward(a)
     assert words[:4] == ["--target", "llama31_8b", "--batches", "1,8,32,64"]
@@ -534,7 +535,8 @@ def test_gpu_speed_parses_and_reaches_its_step(dj, monkeypatch):
     assert gs.sweep_targets(seen["step"]) == ["tiny"] and seen["step"].trees == "best,chain"
     for bad in (["--variants", "fast"], ["--trees", "wide"], ["--layers", "2,4"],
                 ["--layers", "5,3"], ["--batches", "0"], ["--phases", "profile"],
-                ["--targets", "llama3"]):  # fmt: skip
+                ["--targets", "llama3"], ["--moe-target", "mixtral"],
+                ["--moe-tokens", "0"]):  # fmt: skip
         with pytest.raises(SystemExit):
             dj.main(["gpu-speed", *bad])
 
@@ -559,9 +561,23 @@ def test_gpu_speed_report(dj):
                                  "busy_fraction": 0.75, "events": 5000,
                                  "top": [{"name": "gemm", "share": 0.5}]}},
              "timed": {"plain": {"median_ms": 7.5}}}  # fmt: skip
+    moe_row = {
+        "tokens": 1,
+        "dispatch": "dense",
+        "path": "dense",
+        "ms_per_layer": 0.5,
+        "experts_touched": 8.0,
+        "touched_gb_per_layer": 0.075,
+        "all_gb_per_layer": 1.2,
+    }
+    moe = {"shape": {"target": "qwen3_30b_a3b", "experts": 128, "k": 8, "hidden": 2048,
+                     "ffn": 768, "layers": 4, "dtype": "bfloat16"},
+           "rows": [moe_row, {**moe_row, "dispatch": "ragged", "path": "gather",
+                              "ms_per_layer": 0.05}]}  # fmt: skip
     text = dj.gpu_speed.report({
         "programs": [row], "kernels": {"baseline": {"plain": kern}},
         "traces": {"baseline": {"cb_off": trace}}, "skipped": ["olmo2_1b batch 64: no time"],
+        "moe": moe,
     })  # fmt: skip
     assert (
         "| llama31_8b | 1 | round | chain (best) | 10 | 5 | 4 | 2.5 | 1.5 (1.4) | 5.87 | 3.91 |"
@@ -569,6 +585,8 @@ def test_gpu_speed_report(dj):
     )
     assert "| baseline | plain | 12 (14) | 50 (80) | 434 (528) | fusion 9, gemm 3 |" in text
     assert "| baseline | cb_off | plain | 10 | 7.5 | 80 | 60 | 0.75 | 500 | gemm (50%) |" in text
+    assert "| 1 | dense | dense | 0.5 | 1 | 8 | 1.2 | 2400 |" in text  # all 128 experts read
+    assert "| 1 | ragged | gather | 0.05 | 0.1 | 8 | 0.075 | 1500 |" in text  # the 8 touched
     assert text.endswith("- olmo2_1b batch 64: no time\n")
 
 
@@ -594,7 +612,19 @@ def test_gpu_speed_runs_every_phase_at_the_toy_shape(dj, tmp_path, monkeypatch):
     assert s["device"] == "cpu" and s["real_head"] is None and s["peers"] is None
     assert s["sweep_xla_flags"] is not None  # decoding's own, as the sweep ran with them
     assert not s["skipped"] and not s["failed"], (s["skipped"], s["failed"])
-    assert [s["phases"][p]["rc"] for p in ("kernels", "trace", "sweep")] == [[0], [0] * 4, [0]]
+    assert [s["phases"][p]["rc"] for p in ("kernels", "trace", "sweep", "moe")] == [
+        [0], [0] * 4, [0], [0],
+    ]  # fmt: skip
+    # the moe phase: a toy routed layer (16 experts, top 2) under each dispatch, and gathered
+    # where 16 tokens' 32 pairs are past what the CPU's dispatch gathers
+    moe = {(r["tokens"], r["dispatch"]): r for r in s["moe"]["rows"]}
+    every = {(n, d) for n in (1, 8, 16, 32, 60, 512) for d in ("dense", "gather", "ragged")}
+    assert set(moe) == every | {(16, "gather_forced")}
+    paths = {n: [moe[n, d]["path"] for d in ("dense", "gather", "ragged")] for n in (1, 8, 16)}
+    assert paths == {1: ["dense", "gather", "gather"], 8: ["dense", "gather", "ragged"],
+                     16: ["dense", "dense", "ragged"]}  # fmt: skip
+    assert moe[16, "gather_forced"]["path"] == "gather"
+    assert all(r["ms_per_layer"] > 0 and r["max_abs_diff_vs_dense"] < 1e-4 for r in moe.values())
     assert set(s["kernels"]) == set(s["traces"]) == {"baseline", "engine"}
     plain, chain = s["programs"]
     assert [(r["target"], r["batch"], r["program"], r["tree"]) for r in (plain, chain)] == [

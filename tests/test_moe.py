@@ -252,12 +252,88 @@ def test_greedy_decoding_matches_transformers_generate(family, moe_checkpoint):
         assert got == hf_greedy(model, p, 8)
 
 
-def test_greedy_speculative_decoding_equals_plain(moe_checkpoint):
+@pytest.mark.parametrize("dispatch", ["dense", "ragged"])
+def test_greedy_speculative_decoding_equals_plain(dispatch, moe_checkpoint):
     """Qwen3-MoE (routed and dense layers) with a random head: chain and tree give plain
-    decoding's tokens; the verification routes its tree's tokens as the steps routed them."""
+    decoding's tokens; the verification routes its tree's tokens as the steps routed them. With
+    the accelerators' dispatch ("ragged"), one prompt: its steps gather their 2 of 8 experts and
+    the verifications sort their tokens' pairs through `ragged_dot`."""
     _, _, params, cfg = moe_checkpoint("qwen3_moe")
-    prompts = random_prompts(cfg.vocab_size, [7, 12], seed=3)
+    cfg = dataclasses.replace(cfg, moe_dispatch=dispatch)
+    prompts = random_prompts(cfg.vocab_size, [7, 12] if dispatch == "dense" else [12], seed=3)
+    if dispatch == "ragged":
+        assert (tgt.moe_path(cfg, 1), tgt.moe_path(cfg, 5)) == ("gather", "ragged")
     assert_random_head_decodes_plainly(params, cfg, prompts)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_routed_dispatches_give_the_dense_forward(family, moe_checkpoint):
+    """The gathered and the ragged dispatch run each token on its k experts only, and give the
+    dense dispatch's logits and aux states (fp32, up to the products' summation order) for a
+    one-token forward (gathered, but for Mixtral's 4 experts under "ragged", whose 2 pairs are
+    past E / 3) and a 2 x 12-token one (dense or ragged); the programs hold a grouped product
+    only where `moe_path` says ragged."""
+    _, _, params, cfg = moe_checkpoint(family)
+    for b, t in ((1, 1), (2, 12)):
+        toks = jnp.asarray(family_tokens(b, t, cfg.vocab_size, seed=5))
+        ref = tgt.full_forward(params, toks, cfg, (1, 3))
+        for dispatch in ("gather", "ragged"):
+            routed = dataclasses.replace(cfg, moe_dispatch=dispatch)
+            path = tgt.moe_path(routed, b * t)
+            gathered = (
+                b * t * cfg.num_experts_per_tok <= tgt.GATHER_PAIRS[dispatch] * cfg.num_experts
+            )
+            larger = "ragged" if dispatch == "ragged" else "dense"
+            assert path == ("gather" if gathered else larger), (dispatch, b, t)
+            out = tgt.full_forward(params, toks, routed, (1, 3))
+            for got, exp in ((out.logits, ref.logits), (out.aux, ref.aux)):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(exp), rtol=2e-5, atol=2e-5)
+            jaxpr = str(
+                jax.make_jaxpr(lambda p, x, c=routed: tgt.full_forward(p, x, c, ()))(params, toks)
+            )
+            assert ("ragged_dot" in jaxpr) == (path == "ragged"), (dispatch, b, t)
+    with pytest.raises(Eagle3Error, match="moe_dispatch 'sparse': choose one of dense, gather"):
+        tgt.moe_path(dataclasses.replace(cfg, moe_dispatch="sparse"), 1)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_routed_greedy_decoding_matches_transformers_generate(family, moe_checkpoint):
+    """With the accelerators' dispatch, a prefill sorted through ragged_dot and one-token steps
+    (gathered for Qwen3-MoE, ragged for Mixtral) decode transformers' greedy tokens."""
+    model, _, params, cfg = moe_checkpoint(family)
+    cfg = dataclasses.replace(cfg, moe_dispatch="ragged")
+    prompt = random_prompts(cfg.vocab_size, [9], seed=6)[0]
+    res = plain.generate(params, cfg, [prompt], 8, eos_ids=())
+    assert res.output_ids[0] == hf_greedy(model, prompt, 8)
+
+
+def test_the_mesh_and_backend_decide_the_dispatch_unless_the_environment_does(
+    moe_checkpoint, monkeypatch
+):
+    """One GPU or TPU: ragged; the CPU, or several devices holding every expert: gather; a model
+    axis that splits the experts: dense (each device runs its own, nothing moves); the
+    environment's EAGLE3_JAX_MOE_DISPATCH wins. prepare_target sets it on a routed target's
+    config and leaves a dense one's alone; to_json leaves it out."""
+    from eagle3_jax import backends
+    from eagle3_jax.checkpoints import Target
+
+    monkeypatch.delenv(backends.MOE_DISPATCH_ENV, raising=False)
+    assert backends.moe_dispatch_wanted("gpu") == "ragged"
+    assert backends.moe_dispatch_wanted("tpu") == "ragged"
+    assert backends.moe_dispatch_wanted("cpu") == "gather"
+    assert backends.moe_dispatch_wanted("gpu", devices=8) == "gather"
+    assert backends.moe_dispatch_wanted("tpu", devices=8, model_axis=8) == "dense"
+    _, _, params, cfg = moe_checkpoint("qwen3_moe")
+    got = backends.prepare_target(Target(params, cfg, None, None), backend="cpu")
+    assert got.cfg.moe_dispatch == "gather" and got.cfg.to_json() == cfg.to_json()
+    dense_cfg = dataclasses.replace(cfg, num_experts=0, num_experts_per_tok=0, moe_layers=())
+    got = backends.prepare_target(Target(params, dense_cfg, None, None), backend="cpu")
+    assert got.cfg.moe_dispatch == "dense"
+    monkeypatch.setenv(backends.MOE_DISPATCH_ENV, "dense")
+    assert backends.moe_dispatch_wanted("gpu") == "dense"
+    monkeypatch.setenv(backends.MOE_DISPATCH_ENV, "sorted")
+    with pytest.raises(Eagle3Error, match="EAGLE3_JAX_MOE_DISPATCH='sorted'"):
+        backends.moe_dispatch_wanted("gpu")
 
 
 def test_experts_sharded_over_the_model_axis_give_the_same_forward(moe_checkpoint):

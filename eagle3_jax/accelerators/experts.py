@@ -26,9 +26,10 @@ Two sources for the count of distinct experts per routed layer, E_touched(n):
     stored as a small JSON file the predictor reads instead of the formula.
 
 `Routing` says which source a prediction uses and how the engine dispatches: "routed" (the
-engines above: the touched experts' weights, k experts' FLOPs a token) or "dense" (our
-`models.target._moe` today: every expert read and run on every token, E / k times the routed
-FLOPs). With the experts split over `chips` (expert parallelism, `sharding.Rules.experts`) the
+engines above, and ours on one chip: the touched experts' weights, k experts' FLOPs a token;
+`models.target.moe_path`) or "dense" (our `models.target._moe` where the experts are split over
+the model axis, and the CPU's larger forwards: every expert read and run on every token, E / k
+times the routed FLOPs). With the experts split over `chips` (expert parallelism, `sharding.Rules.experts`) the
 time is the busiest chip's: `busiest_chip` gives its expected share of the touched experts.
 """
 
@@ -182,7 +183,8 @@ DISPATCHES = ("routed", "dense")
 class Routing:
     """How a prediction charges routed layers: `dispatch` "routed" (the touched experts read,
     k experts' FLOPs a token) or "dense" (every expert read and run on every token, as
-    `models.target._moe` does today); `measured` counts instead of the uniform expectation."""
+    `models.target._moe`'s dense dispatch does); `measured` counts instead of the uniform
+    expectation."""
 
     dispatch: str = "routed"
     measured: ExpertCounts | None = None

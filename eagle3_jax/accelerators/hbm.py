@@ -65,8 +65,9 @@ def _div(n: int, mesh_axis: int) -> int:
 
 def _mlp_width(tcfg: TargetConfig, model: int) -> int:
     """A token's MLP intermediates per device: a dense layer's F over model, or a routed layer's
-    E x F' (`models.target._moe`'s dense dispatch runs every expert on every token) with the
-    experts over model. A target with routed layers is sized by them (the wider, at real sizes)."""
+    E x F' (`models.target._moe`'s dense dispatch runs every expert on every token; an upper
+    bound for the gathered and ragged ones, k x F' a token) with the experts over model. A
+    target with routed layers is sized by them (the wider, at real sizes)."""
     if tcfg.num_experts:
         return tcfg.num_experts // _div(tcfg.num_experts, model) * tcfg.moe_intermediate_size
     return tcfg.intermediate_size // _div(tcfg.intermediate_size, model)

@@ -321,23 +321,32 @@ def row(report: Report, mem: Memory) -> dict[str, Any]:
 def flops_check(s: Setup, names=("decode_step", "round_tree", "round_chain")) -> list[dict]:
     """XLA's FLOPs of the real programs (`cost_analysis()` of the unoptimized HLO, lowered on
     this backend) beside the roofline's count of the same shapes, in GFLOP; `xla` is None when
-    the backend gives no cost analysis. A mixture-of-experts target is counted as these programs
-    run it, a dense dispatch (every expert on every token)."""
+    the backend gives no cost analysis. A mixture-of-experts target is counted as each program
+    runs it (`models.target.moe_path` at its target forward's tokens): every expert on every
+    token where dense, k experts a token where gathered or ragged. A ragged program lowered on
+    the CPU is jax's dense fallback for `ragged_dot` (every group over every row): its `xla` is
+    None there (EAGLE3_JAX_MOE_DISPATCH=gather checks the CPU's own dispatch)."""
     tcfg = target_config(s.target)
     dcfg = draft_for(tcfg)
-    dense = Routing("dense")
     rows = []
     for name in names:
         prog = build(name, s)
+        ran = prog.kwargs.get("cfg") or prog.kwargs["tcfg"]
+        tree = prog.kwargs.get("tree")
+        tokens = s.batch * (1 if name == "decode_step" else tree.total_tokens)
+        path = tgt.moe_path(ran, tokens) if ran.num_experts else "dense"
+        routing = Routing("dense" if path == "dense" else "routed")
         analysis = prog.fn.lower(*prog.args, **prog.kwargs).cost_analysis() or {}
         slots = prog.kwargs["shape"].slots
         if name == "decode_step":
-            model = roofline.plain_step(tcfg, s.batch, slots, routing=dense).flops
+            model = roofline.plain_step(tcfg, s.batch, slots, routing=routing).flops
         else:
-            tree = prog.kwargs["tree"]
-            model = roofline.spec_round(tcfg, dcfg, tree, s.batch, slots, routing=dense).flops
+            model = roofline.spec_round(tcfg, dcfg, tree, s.batch, slots, routing=routing).flops
         xla = analysis.get("flops")
+        if path == "ragged" and jax.default_backend() == "cpu":
+            xla = None
         rows.append(
-            {"program": name, "xla": None if xla is None else xla / 1e9, "model": model / 1e9}
+            {"program": name, "xla": None if xla is None else xla / 1e9, "model": model / 1e9,
+             "moe_path": path}  # fmt: skip
         )
     return rows

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.accelerators.specs import DRAFT_VOCAB, draft_for, target_config
-from eagle3_jax.backends import attention_wanted, fuse_projections_wanted
+from eagle3_jax.backends import attention_wanted, fuse_projections_wanted, moe_dispatch_wanted
 from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.decoding import plain, slots
 from eagle3_jax.decoding import speculative as spec
@@ -195,14 +195,23 @@ def _prompt_args(mesh: Mesh, b: int, t: int):
 def build(name: str, s: Setup, sampling: Sampling = Sampling()) -> Program:
     """The named program (`PROGRAMS`) of a setup, with abstract, sharded arguments. Decoding
     programs are the ones an accelerator runs (`backends`): bf16 weights, q/k/v and gate/up
-    fused where the mesh allows, the attention bf16 weights get there."""
+    fused where the mesh allows, the attention bf16 weights get there, a routed target's experts
+    dispatched as there (`backends.moe_dispatch_wanted`: dense where the model axis splits them)."""
     tcfg = target_config(s.target)
     dcfg = draft_for(tcfg)
     b = s.batch
     if name == "train_step":
         return _train_program(s, tcfg, dcfg)
     mesh = _mesh(s.mesh)
-    tcfg = dataclasses.replace(tcfg, attention=attention_wanted(jnp.bfloat16, ACCELERATOR))
+    tcfg = dataclasses.replace(
+        tcfg,
+        attention=attention_wanted(jnp.bfloat16, ACCELERATOR),
+        moe_dispatch=(
+            moe_dispatch_wanted(ACCELERATOR, mesh.size, dict(mesh.shape).get("model", 1))
+            if tcfg.num_experts
+            else "dense"
+        ),
+    )
     tparams = abstract_target(tcfg, mesh, fused=fuse_projections_wanted(ACCELERATOR))
     eos = tcfg.eos_token_ids
     if name in ("prefill", "decode_step"):

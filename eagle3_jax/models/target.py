@@ -23,16 +23,22 @@ expert index first among equal probabilities; torch.topk's order at an exact tie
 `route`), renormalised where cfg.norm_topk_prob (Mixtral's softmax over the top-k logits is the
 same thing; gpt-oss takes the top k of the logits first, `cfg.router_topk_logits`). gpt-oss's
 layers (cfg.moe_bias) add router_bias [E] and be_gate/be_up [E, F'], be_down [E, D], and its
-experts run the clamped SwiGLU (`expert_activation`). It is a dense
-dispatch: every expert runs on every token and a [B, T, E] weight matrix, zero for the experts a
-token was not routed to, scales each expert's activations before the down projection, which
-contracts the expert axis with the intermediate one. That is exact (an unrouted expert adds an
-exact zero) and shape-static, at E / k times the routed FLOPs: fine for CPU tests, prefill and the
-few tokens of a decode step or tree verification, where reading the weights dominates anyway; a
-token-sorted grouped product (`jax.lax.ragged_dot`, maxtext's moe.py) is what a large batch
-would want. The expert axis is sharded over the mesh's model axis (logical axis "experts",
-expert parallelism): each device runs its own experts on every token and the contraction over
-experts becomes a partial sum XLA all-reduces, so no expert's weights move between devices.
+experts run the clamped SwiGLU (`expert_activation`).
+
+Three dispatches (cfg.moe_dispatch, chosen by `backends.moe_dispatch_wanted`; `moe_path` says
+which computation a forward of n tokens runs). Dense: every expert runs on every token and a
+[B, T, E] weight matrix, zero for the experts a token was not routed to, scales each expert's
+activations before the down projection, which contracts the expert axis with the intermediate
+one: exact (an unrouted expert adds an exact zero), shape-static, E / k times the routed FLOPs,
+and it reads every expert. Gathered (a forward whose n k (token, expert) pairs are few beside E,
+`GATHER_PAIRS`: a decode step, a short chain): each pair's matrices taken from the weights, so a
+step reads its k experts, not all E. Ragged (larger forwards on a GPU or TPU): the pairs sorted by expert and
+multiplied expert by expert (`jax.lax.ragged_dot`, the grouped product of maxtext's moe.py),
+k experts' FLOPs a token. All three are static in shape (no recompilation as the routing
+changes, which speculative rounds need). Where the mesh's model axis splits the experts (logical
+axis "experts", expert parallelism) the dispatch is dense: each device runs its own experts on
+every token and the contraction over experts becomes a partial sum XLA all-reduces, so no
+expert's weights move between devices.
 
 `forward` runs T new tokens against a static-shape KV cache under an explicit attention mask and
 returns logits, the final (normed) hidden state and the EAGLE-3 auxiliary hidden states.
@@ -545,15 +551,48 @@ def route(
     return top_idx, top_w, weights_BTE
 
 
+MOE_DISPATCHES = ("dense", "gather", "ragged")
+# A forward of n tokens gathers its n x k (token, expert) pairs' matrices while n k is at most
+# this fraction of E, by dispatch. "gather" (the CPU; its other path is dense, which reads all E):
+# a gathered pair cost about what one expert costs the dense product on a 2-core CPU: 0.10x of
+# dense at n k = E / 8, 0.63-0.74x at n k = E, 0.96-1.08x at 2 E (benchmarks/moe_dispatch.py, 64
+# experts of 1,024 x 512, top 8, fp32; benchmarks/results/moe_dispatch.json). "ragged" (GPUs,
+# TPUs; its other path reads only the touched experts): a guess that a gathered pair costs three
+# times its bytes (read, written as the gathered copy, read by the product) until a device
+# measures it (gpu-speed's moe phase).
+GATHER_PAIRS = {"gather": 1.0, "ragged": 1 / 3}
+
+
+def moe_path(cfg: TargetConfig, tokens: int) -> str:
+    """Which computation a routed layer of `cfg` runs for a forward of `tokens` tokens (static):
+    "dense" (every expert on every token), "gather" (each (token, expert) pair's expert weights
+    gathered, while the pairs are few: `GATHER_PAIRS`; a step or a short chain reads only its
+    chosen experts) or "ragged" (the pairs sorted by expert through `jax.lax.ragged_dot`), by
+    `cfg.moe_dispatch`: "dense" always dense, "gather" gathered or dense, "ragged" gathered or
+    ragged."""
+    if cfg.moe_dispatch not in MOE_DISPATCHES:
+        raise Eagle3Error(
+            f"moe_dispatch {cfg.moe_dispatch!r}: choose one of {', '.join(MOE_DISPATCHES)}"
+        )
+    if cfg.moe_dispatch == "dense":
+        return "dense"
+    if tokens * cfg.num_experts_per_tok <= GATHER_PAIRS[cfg.moe_dispatch] * cfg.num_experts:
+        return "gather"
+    return "ragged" if cfg.moe_dispatch == "ragged" else "dense"
+
+
 def _moe(p: Params, x_BTD: jax.Array, cfg: TargetConfig) -> jax.Array:
-    """A routed SwiGLU MLP as a dense dispatch (the module docstring): every expert on every
+    """A routed SwiGLU MLP. Dense (`moe_path`; the module docstring): every expert on every
     token, each expert's activations scaled by the token's weight for it (zero unless routed)
     before one down projection that sums over experts and intermediate units. With experts
     sharded over the model axis the products stay on each device's experts and the sum over
     experts is a partial sum XLA all-reduces. gpt-oss's biases (cfg.moe_bias): the gate and up
     biases join each expert's products, and each expert's down bias is weighted like its output
-    (a [B, T, E] x [E, D] product, zero for the unrouted)."""
-    _, _, weights_BTE = route(p["router"], x_BTD, cfg, p.get("router_bias"))
+    (a [B, T, E] x [E, D] product, zero for the unrouted). Gathered or ragged: `_moe_pairs`."""
+    idx_BTk, w_BTk, weights_BTE = route(p["router"], x_BTD, cfg, p.get("router_bias"))
+    path = moe_path(cfg, x_BTD.shape[0] * x_BTD.shape[1])
+    if path != "dense":
+        return _moe_pairs(p, x_BTD, idx_BTk, w_BTk, cfg, path)
     gate_BTEF = jnp.einsum("btd,edf->btef", x_BTD, p["we_gate"])
     up_BTEF = jnp.einsum("btd,edf->btef", x_BTD, p["we_up"])
     if cfg.moe_bias:
@@ -564,6 +603,46 @@ def _moe(p: Params, x_BTD: jax.Array, cfg: TargetConfig) -> jax.Array:
     if cfg.moe_bias:
         out_BTD = out_BTD + jnp.einsum("bte,ed->btd", w_BTE, p["be_down"])
     return out_BTD
+
+
+def _moe_pairs(
+    p: Params, x_BTD: jax.Array, idx_BTk: jax.Array, w_BTk: jax.Array, cfg: TargetConfig, path: str
+) -> jax.Array:
+    """The routed MLP run only on each token's k chosen experts, P = B x T x k (token, expert)
+    pairs: each pair's gate/up/down products with its own expert's weights, the pair's output
+    weighted by the router and the k outputs of a token summed in top-k order. "gather": the
+    pairs' expert matrices taken from the weights ([P, D, F'], a few experts' bytes: a decode
+    step reads k experts of E, not all of them); "ragged": the pairs sorted by expert and each
+    expert's run of pairs multiplied by its matrices (`jax.lax.ragged_dot`, the grouped product
+    maxtext's and MegaBlocks' MoE layers use: k experts' FLOPs a token), then put back in token
+    order. Both do the same arithmetic per pair (sums over D, then F'), so a verification routed
+    one way and a step the other differ only in the products' summation order."""
+    b, t, d = x_BTD.shape
+    k = cfg.num_experts_per_tok
+    x_PD = jnp.repeat(x_BTD.reshape(b * t, d), k, axis=0)
+    e_P = idx_BTk.reshape(-1)
+    if path == "gather":
+
+        def product(a_PX, w_EXY):
+            return jnp.einsum("px,pxy->py", a_PX, w_EXY.at[e_P].get(mode="promise_in_bounds"))
+    else:
+        order_P = jnp.argsort(e_P, stable=True)
+        e_P, x_PD = e_P[order_P], x_PD[order_P]
+        sizes_E = jnp.bincount(e_P, length=cfg.num_experts).astype(jnp.int32)
+
+        def product(a_PX, w_EXY):
+            return jax.lax.ragged_dot(a_PX, w_EXY, sizes_E)
+
+    gate_PF, up_PF = product(x_PD, p["we_gate"]), product(x_PD, p["we_up"])
+    if cfg.moe_bias:
+        gate_PF, up_PF = gate_PF + p["be_gate"][e_P], up_PF + p["be_up"][e_P]
+    out_PD = product(expert_activation(gate_PF, up_PF, cfg), p["we_down"])
+    if cfg.moe_bias:
+        out_PD = out_PD + p["be_down"][e_P]
+    if path != "gather":  # back to token order
+        out_PD = jnp.zeros_like(out_PD).at[order_P].set(out_PD)
+    out_BTkD = out_PD.reshape(b, t, k, d)
+    return jnp.einsum("btk,btkd->btd", w_BTk.astype(out_BTkD.dtype), out_BTkD)
 
 
 def expert_activation(gate: jax.Array, up: jax.Array, cfg: TargetConfig) -> jax.Array:

@@ -1,7 +1,7 @@
 """The `gpu-speed` step: measure before changing (issue 58 items 1, 4a and 6). One call of at most
 ~8 minutes on a lent GPU, random bf16 weights made on the device, nothing carried.
 
-Three phases, each a subprocess (`python -m device_steps.gpu_speed PHASE`) with a deadline, each
+Four phases, each a subprocess (`python -m device_steps.gpu_speed PHASE`) with a deadline, each
 writing its JSON after every program, and `summary.json` with `report.md` rewritten after every
 phase, so a call cut off early still returns what was measured:
 
@@ -22,6 +22,11 @@ phase, so a call cut off early still returns what was measured:
            cost model's time and its roofline (the same without the launch and loop costs it
            assumes), the most important first (Llama-3.1-8B, batch 1), with decoding's own
            XLA flags (`backends.set_xla_flags`) -> sweep.json
+  moe      a mixture-of-experts target's routed layers alone (`benchmarks/moe_dispatch.py`:
+           --moe-layers layers of --moe-target's shape, bf16) at each --moe-tokens count under
+           each dispatch (dense, gather, ragged: `models.target.moe_path`) and gathered past
+           where the dispatch would gather (to place `models.target.GATHER_PAIRS` on the
+           device), ms a layer beside the bytes of the experts touched -> moe.json
 
 The variants (`VARIANTS`): a name mapped to a kernel path of the engine, as a function
 TargetConfig -> TargetConfig (a path its static config selects) and, where the path lays the
@@ -114,10 +119,13 @@ VARIANTS: dict[str, Variant] = {
     "engine": Variant(config=_attention("pallas"), params=_fused_projections),
 }
 
-PHASES = ("kernels", "trace", "sweep")
+PHASES = ("kernels", "trace", "sweep", "moe")
 # each phase's share of what is left when it starts (a phase that ends early leaves the rest to
 # the next)
-SHARES = {"kernels": 0.2, "trace": 0.4, "sweep": 0.4}
+SHARES = {"kernels": 0.2, "trace": 0.35, "sweep": 0.35, "moe": 0.1}
+MOE_TARGETS = ("qwen3_30b_a3b", "gpt_oss_20b")
+# the moe phase's layer at --target tiny: 16 experts of width 32, top 2, hidden 64
+TINY_MOE = (16, 2, 64, 32)
 TARGETS = ("llama31_8b", "olmo2_7b", "olmo2_1b", "qwen3_4b", "tiny")
 SWEEP_TARGETS = "llama31_8b,olmo2_7b,olmo2_1b"
 # the rounds --trees may name: EAGLE-3's reporting tree, a chain as deep (1/8/9) and, in the
@@ -198,6 +206,10 @@ FLAGS = (
     ("--rounds", int, 3, "rounds traced"),
     ("--reps", int, 5, "timed calls of each program (trace: single calls; sweep: loops)"),
     ("--loop-steps", int, 16, "steps or rounds in one sweep program"),
+    ("--moe-target", _names(MOE_TARGETS), "qwen3_30b_a3b",
+     "the moe phase's routed-layer shape (`benchmarks/moe_dispatch.py`)"),
+    ("--moe-tokens", _ints, "1,8,16,32,60,512", "the moe phase's forward sizes (tokens)"),
+    ("--moe-layers", int, 4, "the moe phase's routed layers a program"),
     ("--predict-device", str, "auto",
      "accelerators.specs.DEVICES key the cost model is for, cpu, or auto (the device's kind)"),
 )  # fmt: skip
@@ -313,12 +325,13 @@ def write_summary(out: Path, args: argparse.Namespace, status: dict) -> dict:
     """summary.json and report.md from the phases' JSON files found in `out`."""
     kern = _read(out / "kernels.json") or {}
     sweep = _read(out / "sweep.json") or {}
+    moe = _read(out / "moe.json") or {}
     traces: dict[str, dict] = {}
     for path in sorted(out.glob("trace_*.json")):
         t = _read(path)
         if t:
             traces.setdefault(t["variant"], {})[t["cb"]] = t
-    parts = [kern, sweep, *(t for v in traces.values() for t in v.values())]
+    parts = [kern, sweep, moe, *(t for v in traces.values() for t in v.values())]
     first = next((p for p in parts if p.get("device")), {})
     summary = {
         "device": first.get("device"),
@@ -334,6 +347,7 @@ def write_summary(out: Path, args: argparse.Namespace, status: dict) -> dict:
         "programs": sweep.get("rows", []),
         "kernels": kern.get("programs", {}),
         "traces": traces,
+        "moe": {k: moe.get(k) for k in ("shape", "gather_pairs", "rows")} if moe else None,
         "skipped": [s for p in parts for s in p.get("skipped", [])],
         "failed": [s for p in parts for s in p.get("failed", [])],
         "phases": status,
@@ -353,6 +367,25 @@ def _f(v: Any, digits: int = 3) -> str:
     if isinstance(v, float):
         return f"{v:.{digits}g}" if abs(v) < 10**digits else f"{v:.0f}"
     return str(v)
+
+
+def moe_table(rows: list[dict]) -> str:
+    """The moe phase's rows: ms a layer by dispatch beside dense's and the experts' bytes."""
+    dense = {r["tokens"]: r["ms_per_layer"] for r in rows if r["dispatch"] == "dense"}
+    out = [
+        "| tokens | dispatch | path | ms a layer | / dense | experts touched | GB touched "
+        "| GB/s at the touched bytes |",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ms, ref = r["ms_per_layer"], dense.get(r["tokens"])
+        gb = r["all_gb_per_layer"] if r["path"] == "dense" else r["touched_gb_per_layer"]
+        out.append(
+            f"| {r['tokens']} | {r['dispatch']} | {r['path']} | {_f(ms)} "
+            f"| {_f(ms / ref if ref else None)} | {_f(r['experts_touched'])} | {_f(gb)} "
+            f"| {_f(gb / ms * 1e3 if ms else None)} |"
+        )
+    return "\n".join(out)
 
 
 def report(s: dict) -> str:
@@ -422,6 +455,18 @@ def report(s: dict) -> str:
                     f"| {_f(tr['device_busy_ms'])} | {_f(tr['busy_fraction'])} "
                     f"| {_f(tr['events'] / calls)} | {top} |"
                 )
+    moe = s.get("moe") or {}
+    if moe.get("rows"):
+        shape = moe["shape"]
+        lines += [
+            "",
+            f"Routed layers alone ({shape['target'] or 'toy'}: {shape['experts']} experts, top "
+            f"{shape['k']}, hidden {shape['hidden']}, expert width {shape['ffn']}, "
+            f"{shape['layers']} layers, {shape['dtype']}), by dispatch "
+            "(`benchmarks/moe_dispatch.py`):",
+            "",
+            moe_table(moe["rows"]),
+        ]
     for key, title in (("skipped", "Skipped (the deadline)"), ("failed", "Failed")):
         if s.get(key):
             lines += ["", f"{title}:", ""] + [f"- {x}" for x in s[key]]
@@ -871,6 +916,43 @@ def run_sweep(args: argparse.Namespace) -> dict:
     return ph.res
 
 
+def run_moe(args: argparse.Namespace) -> dict:
+    """Phase `moe`: --moe-target's routed layers alone under each dispatch at each --moe-tokens
+    count (`benchmarks.moe_dispatch.measure`; a toy layer with --target tiny) -> moe.json, saved
+    after every program."""
+    import jax.numpy as jnp
+
+    from benchmarks import moe_dispatch as md
+
+    ph = _Phase(args, Path(args.out) / "moe.json", rows=[])
+    tiny = args.target == "tiny"
+    tcfg = md.layer_config(None if tiny else args.moe_target, *TINY_MOE)
+    dtype = jnp.float32 if tiny else jnp.bfloat16
+    ph.res["shape"] = {
+        "target": None if tiny else args.moe_target,
+        "experts": tcfg.num_experts,
+        "k": tcfg.num_experts_per_tok,
+        "hidden": tcfg.hidden_size,
+        "ffn": tcfg.moe_intermediate_size,
+        "layers": args.moe_layers,
+        "dtype": jnp.dtype(dtype).name,
+    }
+    ph.res["gather_pairs"] = md.tgt.GATHER_PAIRS
+    tokens = [int(t) for t in args.moe_tokens.split(",")]
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        ph.save()
+
+    try:
+        md.measure(tcfg, tokens, list(md.MOE_DISPATCHES), args.moe_layers, dtype, args.reps,
+                   deadline=ph.t0 + args.deadline_s, log=log, rows=ph.res["rows"])  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        ph.fail(f"moe {ph.res['shape']['target']}", e)
+    ph.save()
+    return ph.res
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("phase", choices=PHASES)
@@ -886,7 +968,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    res = {"kernels": run_kernels, "trace": run_trace, "sweep": run_sweep}[args.phase](args)
+    phases = {"kernels": run_kernels, "trace": run_trace, "sweep": run_sweep, "moe": run_moe}
+    res = phases[args.phase](args)
     # the last lines are what the step's log shows of this phase
     print(f"{args.phase}: {len(res['skipped'])} skipped, {len(res['failed'])} failed")
     return 0
