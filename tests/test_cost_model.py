@@ -218,7 +218,9 @@ def test_flops_match_xla_cost_analysis(config, monkeypatch):
             pytest.skip("no cost analysis from this backend")
         assert row["model"] == pytest.approx(row["xla"], rel=0.05), row["program"]
         if "num_experts" in config:
-            assert row["moe_path"] == {"decode_step": "gather", "round_tree": "dense"}[row["program"]]
+            assert (
+                row["moe_path"] == {"decode_step": "gather", "round_tree": "dense"}[row["program"]]
+            )
 
 
 @pytest.mark.parametrize(

@@ -346,7 +346,11 @@ def flops_check(s: Setup, names=("decode_step", "round_tree", "round_chain")) ->
         if path == "ragged" and jax.default_backend() == "cpu":
             xla = None
         rows.append(
-            {"program": name, "xla": None if xla is None else xla / 1e9, "model": model / 1e9,
-             "moe_path": path}  # fmt: skip
+            {
+                "program": name,
+                "xla": None if xla is None else xla / 1e9,
+                "model": model / 1e9,
+                "moe_path": path,
+            }  # fmt: skip
         )
     return rows
