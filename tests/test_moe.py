@@ -252,7 +252,8 @@ def test_greedy_decoding_matches_transformers_generate(family, moe_checkpoint):
         assert got == hf_greedy(model, p, 8)
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "ragged"])
+# dense: 5-6 s, with the slow suite (test_gpt_oss's speculative check runs the dense dispatch)
+@pytest.mark.parametrize("dispatch", [pytest.param("dense", marks=pytest.mark.slow), "ragged"])
 def test_greedy_speculative_decoding_equals_plain(dispatch, moe_checkpoint):
     """Qwen3-MoE (routed and dense layers) with a random head: chain and tree give plain
     decoding's tokens; the verification routes its tree's tokens as the steps routed them. With
