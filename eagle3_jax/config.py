@@ -28,6 +28,7 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "OlmoeForCausalLM": "olmoe",
 }
 MODEL_TYPES = {
     "llama": "llama",
@@ -40,6 +41,7 @@ MODEL_TYPES = {
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
     "gpt_oss": "gpt_oss",
+    "olmoe": "olmoe",
 }
 # our family name -> the model_type and architecture a head's config.json records for its target
 # (`target_model_type`, `target_architectures`: checkpoints.head_config)
@@ -53,12 +55,13 @@ FAMILY_NAMES = {
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
+    "olmoe": ("olmoe", "OlmoeForCausalLM"),
 }
 # the families whose o_proj has a bias where config.json's attention_bias is true (transformers
 # 5.24's modeling files; Qwen2's, Mistral's and Mixtral's never has)
-_OUT_BIAS_FAMILIES = ("llama", "qwen3", "olmo2", "gemma3", "qwen3_moe", "gpt_oss")
+_OUT_BIAS_FAMILIES = ("llama", "qwen3", "olmo2", "gemma3", "qwen3_moe", "gpt_oss", "olmoe")
 # the mixture-of-experts families (`TargetConfig.num_experts` > 0)
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe")
 
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -389,6 +392,11 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
             f"unsupported architecture {archs or hf.get('model_type')!r}: eagle3_jax runs "
             f"{', '.join(FAMILIES)} checkpoints"
         )
+    if hf.get("clip_qkv") is not None:  # OLMo 1 / OLMoE's option; released OLMoE leaves it null
+        raise Eagle3Error(
+            f"this {family} config.json sets clip_qkv={hf['clip_qkv']}: clamping q/k/v after "
+            "their projections is not implemented"
+        )
     layered: dict[str, Any] = {}  # Gemma 3's or gpt-oss's: per-layer windows, their RoPE
     if family == "gemma3":
         hf = _gemma3_text_config(hf)
@@ -428,9 +436,13 @@ def target_config_from_hf(hf: dict[str, Any]) -> TargetConfig:
         rope=layered.pop("rope") if layered else _rope_from_hf(hf),
         attention_bias=bias,
         attention_out_bias=bias and family in _OUT_BIAS_FAMILIES,
-        qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "gemma3": "head"}.get(
-            family, "none"
-        ),
+        qk_norm={
+            "qwen3": "head",
+            "qwen3_moe": "head",
+            "olmo2": "full",
+            "gemma3": "head",
+            "olmoe": "full",
+        }.get(family, "none"),  # fmt: skip
         norm_placement={"olmo2": "post", "gemma3": "sandwich"}.get(family, "pre"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
@@ -591,15 +603,20 @@ def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _moe_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
-    """TargetConfig's expert fields from a Qwen3-MoE, Mixtral or gpt-oss config.json
+    """TargetConfig's expert fields from a Qwen3-MoE, Mixtral, gpt-oss or OLMoE config.json
     (transformers' own rules: Qwen3MoeDecoderLayer routes layer i unless i is in mlp_only_layers
     or (i + 1) is not a multiple of decoder_sparse_step; Mixtral and gpt-oss route every layer,
-    their experts as wide as intermediate_size, the chosen experts' weights summing to 1)."""
+    their experts as wide as intermediate_size, the chosen experts' weights summing to 1; OLMoE
+    routes every layer too, its experts as wide as intermediate_size, renormalised where
+    norm_topk_prob says so, as Qwen3-MoE)."""
     layers = int(hf["num_hidden_layers"])
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     top_k = int(hf.get("num_experts_per_tok") or hf.get("experts_per_token") or 0)
     if family in ("mixtral", "gpt_oss"):  # gpt-oss: the softmax over the top-k logits sums to 1
         width, norm, moe = int(hf["intermediate_size"]), True, tuple(range(layers))
+    elif family == "olmoe":
+        width, norm = int(hf["intermediate_size"]), bool(hf.get("norm_topk_prob", False))
+        moe = tuple(range(layers)) if experts > 0 else ()
     else:
         width, norm = int(hf["moe_intermediate_size"]), bool(hf.get("norm_topk_prob", False))
         step = int(hf.get("decoder_sparse_step") or 1)

@@ -34,7 +34,8 @@ COMMON = dict(
 # each family as llama.cpp can describe it: the fields its GGUF does not store at the values
 # llama.cpp's graph assumes (Qwen3-MoE renormalised, every layer routed; Mixtral without a
 # window; Gemma 3 with every sixth layer global, local base 10000, 1/sqrt(head_dim) scores;
-# gpt-oss alternating from a sliding layer, YaRN betas 32 / 1 untruncated, SwiGLU limit 7)
+# gpt-oss alternating from a sliding layer, YaRN betas 32 / 1 untruncated, SwiGLU limit 7;
+# OLMoE not renormalised)
 FAMILIES = {
     "qwen3_moe": (
         "qwen3moe",
@@ -57,6 +58,12 @@ FAMILIES = {
                  "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
              }),
+    ),
+    "olmoe": (
+        "olmoe",
+        "OlmoeConfig",
+        dict(num_hidden_layers=2, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+             norm_topk_prob=False),
     ),
     "gpt_oss": (
         "gpt-oss",
@@ -226,7 +233,12 @@ def _write_gguf(model, d, path, family: str, rng) -> None:
         model.save_pretrained(d)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+# OLMoE (3-4 s) with the slow suite: its loading differs from qwen3moe's only in the q/k norms'
+# width and the renormalisation default
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=pytest.mark.slow) if f == "olmoe" else f for f in FAMILIES],
+)
 def test_a_gguf_loads_as_its_safetensors_folder(family, tmp_path):
     """The GGUF converts (checkpoints.convert_gguf) to the config, parameters (within the
     rounding of Gemma's 1 + w) and logits (1e-5) of the safetensors folder."""

@@ -161,7 +161,7 @@ def test_config_reads_the_gpt_oss_fields(gpt_oss, tmp_path):
     assert draft_config_from_hf(draft_config_to_hf(head), cfg).rope == cfg.rope
     with pytest.raises(Eagle3Error, match="quant_method 'fp8' is not supported"):
         target_config_from_hf({**hf, "quantization_config": {"quant_method": "fp8"}})
-    with pytest.raises(Eagle3Error, match="MixtralForCausalLM, GptOssForCausalLM checkpoints"):
+    with pytest.raises(Eagle3Error, match="GptOssForCausalLM, OlmoeForCausalLM checkpoints"):
         target_config_from_hf({"architectures": ["DeepseekV3ForCausalLM"]})
 
 

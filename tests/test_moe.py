@@ -1,6 +1,7 @@
 """Mixture-of-experts targets (models/target.py's routed MLP, checkpoints/hf.py's expert names):
-tiny Qwen3-MoE (one dense-MLP layer among routed ones, no renormalisation) and Mixtral (every layer
-routed, renormalised, a sliding window) against transformers: logits and every hidden state, the
+tiny Qwen3-MoE (one dense-MLP layer among routed ones, no renormalisation), Mixtral (every layer
+routed, renormalised, a sliding window) and OLMoE (every layer routed, q/k normed over all heads)
+against transformers: logits and every hidden state, the
 router's choices, a router tie, prefill + steps == one forward, greedy == generate; the fused
 expert layout; greedy speculative == plain; experts sharded over the model axis == one device.
 
@@ -52,8 +53,18 @@ MOE_CONFIGS = {
         num_experts_per_tok=2,
         sliding_window=12,
     ),
+    "olmoe": dict(  # OLMo's: q/k normed over all heads (OLMo 2's), pre-norm layers, all routed
+        cls="OlmoeConfig",
+        intermediate_size=32,  # each expert's
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+    ),
 }
 MOE_FAMILIES = list(MOE_CONFIGS)
+# the checks of our own machinery (the cache, the dispatches) on the two that differ most; OLMoE
+# changes nothing there, only what transformers is compared with
+MACHINERY = ["qwen3_moe", "mixtral"]
 
 
 def tiny_moe_model(family: str, seed: int = 0, scale: float = 0.08):
@@ -107,7 +118,14 @@ def test_configs_read_the_expert_fields(moe_checkpoint):
     assert (mcfg.family, mcfg.qk_norm, mcfg.sliding_window) == ("mixtral", "none", 12)
     assert mcfg.moe_layers == (0, 1, 2, 3) and mcfg.norm_topk_prob
     assert mcfg.moe_intermediate_size == mcfg.intermediate_size == 48
-    for cfg in (qcfg, mcfg):
+    _, _, _, ocfg = moe_checkpoint("olmoe")  # OLMo 2's q/k norm over all heads, Llama's pre-norm
+    assert (ocfg.family, ocfg.qk_norm, ocfg.norm_placement) == ("olmoe", "full", "pre")
+    assert ocfg.moe_layers == (0, 1, 2, 3) and not ocfg.norm_topk_prob
+    assert ocfg.moe_intermediate_size == ocfg.intermediate_size == 32
+    hf = json.loads((moe_checkpoint("olmoe")[1] / "config.json").read_text())
+    with pytest.raises(Eagle3Error, match="sets clip_qkv=8.0: clamping q/k/v"):
+        target_config_from_hf({**hf, "clip_qkv": 8.0})
+    for cfg in (qcfg, mcfg, ocfg):
         assert TargetConfig.from_dict(json.loads(cfg.to_json())) == cfg
     hf = json.loads((moe_checkpoint("qwen3_moe")[1] / "config.json").read_text())
     hf.update(mlp_only_layers=[], decoder_sparse_step=2)
@@ -183,10 +201,9 @@ def test_fused_expert_tensors_load_like_per_expert_ones(moe_checkpoint, tmp_path
 
     for family in MOE_FAMILIES:
         _, path, params, cfg = moe_checkpoint(family)
-        names = (
-            ("gate_proj", "up_proj", "down_proj") if family == "qwen3_moe" else ("w1", "w3", "w2")
-        )
-        prefix = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+        mixtral = family == "mixtral"
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        prefix = "block_sparse_moe" if mixtral else "mlp"
         flat = load_file(path / "model.safetensors")
         assert f"model.layers.0.{prefix}.experts.0.{names[0]}.weight" in flat
         for i in cfg.moe_layers:
@@ -223,7 +240,7 @@ def test_fused_expert_tensors_load_like_per_expert_ones(moe_checkpoint, tmp_path
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", MACHINERY)
 def test_prefill_then_stepwise_decode_equals_full_forward(family, moe_checkpoint):
     """A 9-token prefill and 15 single-token steps through the cache give one full forward's
     logits and aux states; Mixtral (every layer routed) also with its layers stacked for the
@@ -267,7 +284,7 @@ def test_greedy_speculative_decoding_equals_plain(dispatch, moe_checkpoint):
     assert_random_head_decodes_plainly(params, cfg, prompts)
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", MACHINERY)
 def test_routed_dispatches_give_the_dense_forward(family, moe_checkpoint):
     """The gathered and the ragged dispatch run each token on its k experts only, and give the
     dense dispatch's logits and aux states (fp32, up to the products' summation order) for a

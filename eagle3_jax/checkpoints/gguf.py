@@ -8,11 +8,12 @@ used, with the same inputs its reader would give it.
 
 Architectures, as llama.cpp's `convert_hf_to_gguf.py` writes them (tensor names from gguf-py's
 `TensorNameMap`): llama (Llama, Mistral; Mixtral too, as "llama" with an `expert_count`), qwen2,
-qwen3, olmo2, qwen3moe, gemma3 (the text model) and gpt-oss. What a GGUF file does not record
-is what llama.cpp's graph hard-codes, and we read it the same way: Qwen3-MoE renormalises the
-chosen experts' weights (`expert_weights_norm`, absent = true); Gemma 3 has every sixth layer
-global (`attention.sliding_window_pattern` where given), a local RoPE base of 10000
-(`rope.freq_base_swa`) and scores scaled by 1/sqrt(head_dim) (hidden/heads for the 62-layer
+qwen3, olmo2, qwen3moe, gemma3 (the text model), gpt-oss and olmoe. What a GGUF file does not
+record is what llama.cpp's graph hard-codes, and we read it the same way: Qwen3-MoE renormalises
+the chosen experts' weights (`expert_weights_norm`, absent = true; for OLMoE, absent = false,
+its released config's norm_topk_prob); Gemma 3
+has every sixth layer global (`attention.sliding_window_pattern` where given), a local RoPE base
+of 10000 (`rope.freq_base_swa`) and scores scaled by 1/sqrt(head_dim) (hidden/heads for the 62-layer
 27B); gpt-oss alternates sliding and full layers (the first sliding), clamps its SwiGLU at 7 and
 takes YaRN's betas 32 / 1 without truncation (transformers' GptOssConfig; llama.cpp's own YaRN
 truncates the correction range, a difference of the runtime, not of the file). The converter
@@ -37,6 +38,7 @@ _ARCH = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -149,10 +151,11 @@ def _config_and_tensors(path: Path, reader, meta: dict) -> tuple[dict, dict[str,
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
     if experts:
-        if arch not in ("llama", "qwen3moe", "gpt-oss"):
+        if arch not in ("llama", "qwen3moe", "gpt-oss", "olmoe"):
             raise Eagle3Error(
                 f"GGUF architecture {arch!r} with {experts} experts is not supported: "
-                "mixture-of-experts GGUF files are read for Mixtral (llama), qwen3moe and gpt-oss"
+                "mixture-of-experts GGUF files are read for Mixtral (llama), qwen3moe, gpt-oss "
+                "and olmoe"
             )
         if arch == "llama":
             hf["architectures"] = ["MixtralForCausalLM"]
@@ -161,7 +164,7 @@ def _config_and_tensors(path: Path, reader, meta: dict) -> tuple[dict, dict[str,
             num_local_experts=experts,
             num_experts_per_tok=int(g("expert_used_count")),
             moe_intermediate_size=int(g("expert_feed_forward_length") or hf["intermediate_size"]),
-            norm_topk_prob=bool(g("expert_weights_norm", True)),
+            norm_topk_prob=bool(g("expert_weights_norm", arch != "olmoe")),
         )
     hf.update(_ARCH_FIELDS.get(arch, lambda g, hf: {})(g, hf))
     layer_names = {**_BLOCK, **_BLOCK_ARCH.get(arch, {})}
