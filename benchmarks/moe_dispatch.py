@@ -11,11 +11,12 @@ and a prefill run them. The dispatches (`models.target.MOE_DISPATCHES`, `moe_pat
 computation each runs at a token count):
 
 - `dense`: every expert on every token (reads all E experts, E / k times the routed FLOPs);
-- `gather`: the chosen experts' matrices gathered for a small forward (n k <= E), else dense;
-- `ragged`: gathered for n k <= E / 3 (`GATHER_PAIRS`), larger forwards sorted by expert through
-  `jax.lax.ragged_dot`;
+- `gather`: the chosen experts' matrices gathered for a small forward (n k at most
+  `moe_gather_pairs` x E, as decoding sets it on this backend: `backends.MOE_GATHER_PAIRS`),
+  else dense;
+- `ragged`: the same gather, larger forwards sorted by expert through `jax.lax.ragged_dot`;
 - `gather_forced`: the gathered path at every token count up to n k = 2 E, to show where
-  gathering stops paying (what `GATHER_PAIRS` should be on the machine).
+  gathering stops paying (what `moe_gather_pairs` should be on the machine).
 
 Prints ms a layer (median of `--reps` calls, each waited for), each dispatch's ratio to dense,
 the experts a forward touches in expectation (uniform routing) and XLA's own count of the bytes the
@@ -40,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax import backends
 from eagle3_jax.accelerators.experts import expected_touched
 from eagle3_jax.accelerators.specs import target_config
 from eagle3_jax.config import TargetConfig
@@ -107,11 +109,9 @@ FORCED_GATHER_UP_TO = 2.0
 FORCED = "gather_forced"
 
 
-def _forced_gather(tcfg: TargetConfig):
-    """A config whose every forward gathers (`GATHER_PAIRS` lifted for "gather"), for finding
-    where gathering stops paying."""
-    cfg = dataclasses.replace(tcfg, moe_dispatch="gather")
-    return cfg, {**tgt.GATHER_PAIRS, "gather": float("inf")}
+def gather_pairs() -> float:
+    """`TargetConfig.moe_gather_pairs` as decoding sets it on this backend."""
+    return backends.moe_gather_pairs_wanted(jax.default_backend())
 
 
 def measure(
@@ -141,26 +141,24 @@ def measure(
         x = x.astype(dtype)
         ref = None
         by_path: dict[str, dict] = {}
-        runs = [(d, dataclasses.replace(tcfg, moe_dispatch=d), tgt.GATHER_PAIRS) for d in order]
+        pairs = gather_pairs()
+        runs = [(d, d, pairs) for d in order]
         if forced and n * k <= FORCED_GATHER_UP_TO * e:
-            runs.append((FORCED, *_forced_gather(tcfg)))
-        for dispatch, cfg, pairs in runs:
-            saved, tgt.GATHER_PAIRS = tgt.GATHER_PAIRS, pairs
-            try:
-                path = tgt.moe_path(cfg, n)
-                if path in by_path:  # the same program as a dispatch measured already
-                    if dispatch != FORCED:
-                        rows.append({**by_path[path], "dispatch": dispatch,
-                                     "same_program_as": by_path[path]["dispatch"]})  # fmt: skip
-                    continue
-                if deadline is not None and time.monotonic() > deadline:
-                    log(f"moe dispatch: deadline, stopped before {dispatch} at {n} tokens")
-                    return rows
-                t0 = time.perf_counter()
-                compiled = program(cfg).lower(params, x).compile()
-                compile_s = time.perf_counter() - t0
-            finally:
-                tgt.GATHER_PAIRS = saved
+            runs.append((FORCED, "gather", float("inf")))  # every forward gathers
+        for dispatch, kind, most in runs:
+            cfg = dataclasses.replace(tcfg, moe_dispatch=kind, moe_gather_pairs=most)
+            path = tgt.moe_path(cfg, n)
+            if path in by_path:  # the same program as a dispatch measured already
+                if dispatch != FORCED:
+                    rows.append({**by_path[path], "dispatch": dispatch,
+                                 "same_program_as": by_path[path]["dispatch"]})  # fmt: skip
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                log(f"moe dispatch: deadline, stopped before {dispatch} at {n} tokens")
+                return rows
+            t0 = time.perf_counter()
+            compiled = program(cfg).lower(params, x).compile()
+            compile_s = time.perf_counter() - t0
             analysis = compiled.cost_analysis() or {}
             if isinstance(analysis, list):  # older jax: one dict per program
                 analysis = analysis[0] if analysis else {}
@@ -259,7 +257,7 @@ def main(argv=None) -> int:
             "layers": args.layers,
             "dtype": args.dtype,
         },
-        "gather_pairs": tgt.GATHER_PAIRS,
+        "gather_pairs": gather_pairs(),
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ merged by their log-sum-exp (`models.layers.mixed_attention`), as flash attentio
 GPU a decode step's and a verification's cached part run through JAX's Pallas flash-decoding
 kernel, which reads only the valid slots (`models.layers.pallas_attention`). A
 mixture-of-experts target's routed layers run only their tokens' chosen experts on one device
-(`models.target.moe_path`: a step's few experts gathered everywhere, and on a GPU or TPU larger
+(`models.target.moe_path`: a step's few experts gathered everywhere, and on a TPU larger
 forwards sorted by expert through `jax.lax.ragged_dot`); across a mesh whose model axis splits the
 experts each device keeps running its own experts on every token (no expert's weights move). XLA
 is asked to capture the programs' kernels, loops and conditionals included, as CUDA graphs
@@ -25,6 +25,8 @@ choice against the other in one run (scripts/device_steps/gpu_speed.py):
                                 as above)
   EAGLE3_JAX_MOE_DISPATCH       dense / gather / ragged, whatever the backend and mesh (unset:
                                 as above)
+  EAGLE3_JAX_MOE_GATHER_PAIRS   a routed forward gathers while its n k pairs are at most this
+                                times E (unset: 1 on the CPU, 1/3 elsewhere)
   EAGLE3_JAX_XLA_DEFAULTS       0: leave XLA_FLAGS as it is (XLA's own defaults)
 """
 
@@ -44,6 +46,15 @@ from eagle3_jax.sharding import mesh_of
 FUSED_ENV = "EAGLE3_JAX_FUSED_PROJECTIONS"
 ATTENTION_ENV = "EAGLE3_JAX_ATTENTION"
 MOE_DISPATCH_ENV = "EAGLE3_JAX_MOE_DISPATCH"
+MOE_GATHER_ENV = "EAGLE3_JAX_MOE_GATHER_PAIRS"
+# A routed forward gathers its n x k (token, expert) pairs' expert matrices while n k is at most
+# this many times E (`TargetConfig.moe_gather_pairs`), by backend. The CPU's, measured against
+# the dense product (which reads all E): 0.11x of dense's time at n k = E / 8, 0.64x at n k = E,
+# 1.18x at 2 E (benchmarks/moe_dispatch.py: 64 experts of 1,024 x 512, top 8, fp32, 2-core CPU;
+# benchmarks/results/moe_dispatch.json). Accelerators': a guess that a gathered pair costs
+# three times its bytes there (read, written as the gathered copy, read by the product), until
+# gpu-speed's moe phase measures it.
+MOE_GATHER_PAIRS = {"cpu": 1.0, "accelerator": 1 / 3}
 XLA_DEFAULTS_ENV = "EAGLE3_JAX_XLA_DEFAULTS"
 
 # XLA's GPU command buffers: its default kinds (fusions, cuBLAS/cuBLASLt products, custom calls,
@@ -99,26 +110,51 @@ def attention_wanted(dtype, backend: str | None = None, devices: int = 1) -> str
     return "pallas" if backend in ("gpu", "cuda", "rocm") and devices == 1 else "mixed"
 
 
-def moe_dispatch_wanted(backend: str | None = None, devices: int = 1, model_axis: int = 1) -> str:
+def moe_dispatch_wanted(backend: str | None = None, devices: int = 1, split: int = 1) -> str:
     """How routed layers run their experts (`TargetConfig.moe_dispatch`): "dense" where the
-    mesh's model axis splits the experts over `model_axis` > 1 devices (each device runs its own
-    experts on every token and nothing moves; a gather or a grouped product over a split expert
-    axis would gather the weights); "gather" (a step's chosen experts gathered, larger forwards
-    dense) on the CPU, where jax lowers `ragged_dot` as a dense product over every expert, and on
-    a mesh of several `devices` that replicates the experts (a gather stays on each device's
-    rows; the grouped product's sort would span the batch); "ragged" on one GPU or TPU (the same
-    gather, and larger forwards through `jax.lax.ragged_dot`, which XLA and Pallas lower as
-    grouped products). The environment's EAGLE3_JAX_MOE_DISPATCH decides where set."""
+    mesh splits the experts over `split` > 1 devices (expert parallelism: each device runs its
+    own experts on every token and their sum is all-reduced, as the export tests check; how
+    XLA would partition a gather or a grouped product over a split expert axis is not
+    measured); "ragged" on one TPU (a step's chosen experts gathered, larger forwards sorted by
+    expert through `jax.lax.ragged_dot`, which XLA's TPU backend runs as a grouped product);
+    "gather" (a step's chosen experts gathered, larger forwards dense: never more bytes than the
+    dense dispatch) elsewhere: on the CPU, where jax lowers `ragged_dot` as a dense product over
+    every group (8-9x dense at 512 tokens), on a GPU, where XLA may lower it as a zero-padded
+    dense product (its grouped kernel sits behind an experimental flag; gpu-speed's moe phase
+    measures both), and on a mesh of several `devices` that replicates the experts (a gather
+    stays on each device's rows; a grouped product's sort would span the batch). The
+    environment's EAGLE3_JAX_MOE_DISPATCH decides where set."""
     value = os.environ.get(MOE_DISPATCH_ENV, "").strip()
     if value and value not in MOE_DISPATCHES:
         raise Eagle3Error(f"{MOE_DISPATCH_ENV}={value!r}: use one of {', '.join(MOE_DISPATCHES)}")
     if value:
         return value
-    if model_axis > 1:
+    if split > 1:
         return "dense"
-    if devices > 1 or (backend or jax.default_backend()) == "cpu":
-        return "gather"
-    return "ragged"
+    return "ragged" if devices == 1 and (backend or jax.default_backend()) == "tpu" else "gather"
+
+
+def moe_gather_pairs_wanted(backend: str | None = None) -> float:
+    """`TargetConfig.moe_gather_pairs` for the backend (`MOE_GATHER_PAIRS`); the environment's
+    EAGLE3_JAX_MOE_GATHER_PAIRS (a number >= 0; inf gathers every forward) decides where set."""
+    value = os.environ.get(MOE_GATHER_ENV, "").strip()
+    if value:
+        try:
+            pairs = float(value)
+        except ValueError:
+            pairs = -1.0
+        if not pairs >= 0:
+            raise Eagle3Error(f"{MOE_GATHER_ENV}={value!r}: give a number >= 0 (times E)")
+        return pairs
+    cpu = (backend or jax.default_backend()) == "cpu"
+    return MOE_GATHER_PAIRS["cpu" if cpu else "accelerator"]
+
+
+def experts_split(cfg, mesh) -> int:
+    """Over how many devices `mesh` splits a routed target's experts: its model axis where that
+    divides the expert count (as `sharding.spec_for` lays them out), else 1 (replicated)."""
+    model = 1 if mesh is None else dict(mesh.shape).get("model", 1)
+    return model if cfg.num_experts and cfg.num_experts % model == 0 else 1
 
 
 def prepare_target(target, products=None, backend: str | None = None, mesh=None):
@@ -130,14 +166,13 @@ def prepare_target(target, products=None, backend: str | None = None, mesh=None)
     dtype = target.params["embed"].dtype
     mesh = mesh if mesh is not None else mesh_of(target.params)
     devices = 1 if mesh is None else mesh.size
-    model_axis = 1 if mesh is None else dict(mesh.shape).get("model", 1)
-    cfg = dataclasses.replace(
-        target.cfg,
-        attention=attention_wanted(dtype, backend, devices),
-        moe_dispatch=moe_dispatch_wanted(backend, devices, model_axis)
-        if target.cfg.num_experts
-        else "dense",
-    )
+    cfg = dataclasses.replace(target.cfg, attention=attention_wanted(dtype, backend, devices))
+    if cfg.num_experts:
+        cfg = dataclasses.replace(
+            cfg,
+            moe_dispatch=moe_dispatch_wanted(backend, devices, experts_split(cfg, mesh)),
+            moe_gather_pairs=moe_gather_pairs_wanted(backend),
+        )
     if products is not None:
         cfg = dataclasses.replace(cfg, products=products)
     target = target._replace(cfg=cfg)

@@ -128,9 +128,10 @@ class TargetConfig:
     "mixed" as flash attention does); `moe_dispatch`: how a routed layer runs its experts
     (`models.target.MOE_DISPATCHES`: "dense", every expert on every token; "gather", a small
     forward's chosen experts gathered and the rest dense; "ragged", the same gather and larger
-    forwards token-sorted through `jax.lax.ragged_dot`); all three properties of the machine,
-    not of the checkpoint (`eagle3_jax.backends` chooses them), so they are left out of
-    `to_json`.
+    forwards token-sorted through `jax.lax.ragged_dot`), a forward gathering while its n x k
+    (token, expert) pairs are at most `moe_gather_pairs` x E; all four properties of the
+    machine, not of the checkpoint (`eagle3_jax.backends` chooses them), so they are left out
+    of `to_json`.
 
     Mixture of experts (`num_experts` > 0): the layers in `moe_layers` replace the SwiGLU MLP
     by `num_experts` SwiGLU experts of width `moe_intermediate_size`, of which a router picks
@@ -202,6 +203,7 @@ class TargetConfig:
     products: ProductPolicy = PLAIN_PRODUCTS
     attention: str = "exact"
     moe_dispatch: str = "dense"
+    moe_gather_pairs: float = 1.0
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is routed over experts."""
@@ -246,7 +248,7 @@ class TargetConfig:
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
-        del d["products"], d["attention"], d["moe_dispatch"]
+        del d["products"], d["attention"], d["moe_dispatch"], d["moe_gather_pairs"]
         if not self.num_experts:  # a dense config's file stays as it was before MoE targets
             for name in _MOE_FIELDS:
                 del d[name]

@@ -250,6 +250,25 @@ def test_greedy_decoding_matches_transformers_generate(gpt_oss):
         assert got == hf_greedy(model, p, 12)
 
 
+def test_routed_dispatches_give_the_dense_forward(gpt_oss):
+    """gpt-oss's router bias, expert biases (the down bias weighted like its expert's output),
+    clamped SwiGLU and top-k-of-logits routing on the gathered and the ragged dispatch
+    (`models.target.moe_path`): the dense dispatch's logits and aux states (fp32, up to the
+    products' summation order) at 1, 3 and 2 x 12 tokens (4 experts, top 2: gathered up to 2)."""
+    _, _, params, cfg = gpt_oss
+    for b, t in ((1, 1), (1, 3), (2, 12)):
+        toks = jnp.asarray(family_tokens(b, t, cfg.vocab_size, seed=7))
+        ref = tgt.full_forward(params, toks, cfg, (1, 3))
+        for dispatch in ("gather", "ragged"):
+            routed = dataclasses.replace(cfg, moe_dispatch=dispatch)
+            gathered = b * t * cfg.num_experts_per_tok <= cfg.num_experts
+            path = tgt.moe_path(routed, b * t)
+            assert path == ("gather" if gathered else {"gather": "dense"}.get(dispatch, dispatch))
+            out = tgt.full_forward(params, toks, routed, (1, 3))
+            for got, exp in ((out.logits, ref.logits), (out.aux, ref.aux)):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(exp), rtol=2e-5, atol=2e-5)
+
+
 def test_greedy_speculative_decoding_equals_plain(gpt_oss):
     """A random head's chain and tree, and a near-oracle chain (long acceptances, so deep tree
     nodes decide tokens), on prompts longer than the window: the verification's sinks, window

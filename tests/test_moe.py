@@ -287,20 +287,18 @@ def test_greedy_speculative_decoding_equals_plain(dispatch, moe_checkpoint):
 @pytest.mark.parametrize("family", MACHINERY)
 def test_routed_dispatches_give_the_dense_forward(family, moe_checkpoint):
     """The gathered and the ragged dispatch run each token on its k experts only, and give the
-    dense dispatch's logits and aux states (fp32, up to the products' summation order) for a
-    one-token forward (gathered, but for Mixtral's 4 experts under "ragged", whose 2 pairs are
-    past E / 3) and a 2 x 12-token one (dense or ragged); the programs hold a grouped product
-    only where `moe_path` says ragged."""
+    dense dispatch's logits and aux states (fp32, up to the products' summation order) for
+    forwards of 1, 3 and 4 x 1 tokens (gathered while their pairs are at most E: all three for
+    Qwen3-MoE's 8 experts, one for Mixtral's 4) and 2 x 12 tokens (dense or ragged); the
+    programs hold a grouped product only where `moe_path` says ragged."""
     _, _, params, cfg = moe_checkpoint(family)
-    for b, t in ((1, 1), (2, 12)):
+    for b, t in ((1, 1), (1, 3), (4, 1), (2, 12)):
         toks = jnp.asarray(family_tokens(b, t, cfg.vocab_size, seed=5))
         ref = tgt.full_forward(params, toks, cfg, (1, 3))
         for dispatch in ("gather", "ragged"):
             routed = dataclasses.replace(cfg, moe_dispatch=dispatch)
             path = tgt.moe_path(routed, b * t)
-            gathered = (
-                b * t * cfg.num_experts_per_tok <= tgt.GATHER_PAIRS[dispatch] * cfg.num_experts
-            )
+            gathered = b * t * cfg.num_experts_per_tok <= cfg.num_experts  # moe_gather_pairs 1
             larger = "ragged" if dispatch == "ragged" else "dense"
             assert path == ("gather" if gathered else larger), (dispatch, b, t)
             out = tgt.full_forward(params, toks, routed, (1, 3))
@@ -328,22 +326,30 @@ def test_routed_greedy_decoding_matches_transformers_generate(family, moe_checkp
 def test_the_mesh_and_backend_decide_the_dispatch_unless_the_environment_does(
     moe_checkpoint, monkeypatch
 ):
-    """One GPU or TPU: ragged; the CPU, or several devices holding every expert: gather; a model
-    axis that splits the experts: dense (each device runs its own, nothing moves); the
-    environment's EAGLE3_JAX_MOE_DISPATCH wins. prepare_target sets it on a routed target's
-    config and leaves a dense one's alone; to_json leaves it out."""
+    """One TPU: ragged; the CPU, a GPU (until a device measures its ragged_dot), or several
+    devices holding every expert: gather; a model axis that splits the experts: dense (each
+    device runs its own, nothing moves); a gather up to E pairs on the CPU, E / 3 elsewhere; the
+    environment's EAGLE3_JAX_MOE_DISPATCH and EAGLE3_JAX_MOE_GATHER_PAIRS win. prepare_target
+    sets both on a routed target's config (a model axis that does not divide the experts leaves
+    them whole: gather) and leaves a dense one's alone; to_json leaves them out."""
     from eagle3_jax import backends
     from eagle3_jax.checkpoints import Target
 
-    monkeypatch.delenv(backends.MOE_DISPATCH_ENV, raising=False)
-    assert backends.moe_dispatch_wanted("gpu") == "ragged"
+    for name in (backends.MOE_DISPATCH_ENV, backends.MOE_GATHER_ENV):
+        monkeypatch.delenv(name, raising=False)
     assert backends.moe_dispatch_wanted("tpu") == "ragged"
+    assert backends.moe_dispatch_wanted("gpu") == "gather"
     assert backends.moe_dispatch_wanted("cpu") == "gather"
-    assert backends.moe_dispatch_wanted("gpu", devices=8) == "gather"
-    assert backends.moe_dispatch_wanted("tpu", devices=8, model_axis=8) == "dense"
+    assert backends.moe_dispatch_wanted("tpu", devices=8) == "gather"
+    assert backends.moe_dispatch_wanted("tpu", devices=8, split=8) == "dense"
+    assert backends.moe_gather_pairs_wanted("cpu") == 1.0
+    assert backends.moe_gather_pairs_wanted("gpu") == pytest.approx(1 / 3)
     _, _, params, cfg = moe_checkpoint("qwen3_moe")
     got = backends.prepare_target(Target(params, cfg, None, None), backend="cpu")
-    assert got.cfg.moe_dispatch == "gather" and got.cfg.to_json() == cfg.to_json()
+    assert (got.cfg.moe_dispatch, got.cfg.moe_gather_pairs) == ("gather", 1.0)
+    assert got.cfg.to_json() == cfg.to_json()
+    assert backends.experts_split(cfg, make_mesh(1, 4, jax.devices()[:4])) == 4
+    assert backends.experts_split(cfg, make_mesh(1, 3, jax.devices()[:3])) == 1  # 8 % 3
     dense_cfg = dataclasses.replace(cfg, num_experts=0, num_experts_per_tok=0, moe_layers=())
     got = backends.prepare_target(Target(params, dense_cfg, None, None), backend="cpu")
     assert got.cfg.moe_dispatch == "dense"
@@ -352,6 +358,12 @@ def test_the_mesh_and_backend_decide_the_dispatch_unless_the_environment_does(
     monkeypatch.setenv(backends.MOE_DISPATCH_ENV, "sorted")
     with pytest.raises(Eagle3Error, match="EAGLE3_JAX_MOE_DISPATCH='sorted'"):
         backends.moe_dispatch_wanted("gpu")
+    monkeypatch.setenv(backends.MOE_GATHER_ENV, "inf")
+    assert backends.moe_gather_pairs_wanted("gpu") == float("inf")
+    for bad in ("-1", "many", "nan"):
+        monkeypatch.setenv(backends.MOE_GATHER_ENV, bad)
+        with pytest.raises(Eagle3Error, match="EAGLE3_JAX_MOE_GATHER_PAIRS=.*a number >= 0"):
+            backends.moe_gather_pairs_wanted("gpu")
 
 
 def test_experts_sharded_over_the_model_axis_give_the_same_forward(moe_checkpoint):

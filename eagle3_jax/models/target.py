@@ -31,9 +31,9 @@ which computation a forward of n tokens runs). Dense: every expert runs on every
 activations before the down projection, which contracts the expert axis with the intermediate
 one: exact (an unrouted expert adds an exact zero), shape-static, E / k times the routed FLOPs,
 and it reads every expert. Gathered (a forward whose n k (token, expert) pairs are few beside E,
-`GATHER_PAIRS`: a decode step, a short chain): each pair's matrices taken from the weights, so a
-step reads its k experts, not all E. Ragged (larger forwards on a GPU or TPU): the pairs sorted by expert and
-multiplied expert by expert (`jax.lax.ragged_dot`, the grouped product of maxtext's moe.py),
+cfg.moe_gather_pairs: a decode step, a short chain): each pair's matrices taken from the weights, so a
+step reads its k experts, not all E. Ragged (larger forwards on a TPU): the pairs sorted by
+expert and multiplied expert by expert (`jax.lax.ragged_dot`, the grouped product of maxtext's moe.py),
 k experts' FLOPs a token. All three are static in shape (no recompilation as the routing
 changes, which speculative rounds need). Where the mesh's model axis splits the experts (logical
 axis "experts", expert parallelism) the dispatch is dense: each device runs its own experts on
@@ -552,31 +552,22 @@ def route(
 
 
 MOE_DISPATCHES = ("dense", "gather", "ragged")
-# A forward of n tokens gathers its n x k (token, expert) pairs' matrices while n k is at most
-# this fraction of E, by dispatch. "gather" (the CPU; its other path is dense, which reads all E):
-# a gathered pair cost about what one expert costs the dense product on a 2-core CPU: 0.10x of
-# dense at n k = E / 8, 0.63-0.74x at n k = E, 0.96-1.08x at 2 E (benchmarks/moe_dispatch.py, 64
-# experts of 1,024 x 512, top 8, fp32; benchmarks/results/moe_dispatch.json). "ragged" (GPUs,
-# TPUs; its other path reads only the touched experts): a guess that a gathered pair costs three
-# times its bytes (read, written as the gathered copy, read by the product) until a device
-# measures it (gpu-speed's moe phase).
-GATHER_PAIRS = {"gather": 1.0, "ragged": 1 / 3}
 
 
 def moe_path(cfg: TargetConfig, tokens: int) -> str:
     """Which computation a routed layer of `cfg` runs for a forward of `tokens` tokens (static):
     "dense" (every expert on every token), "gather" (each (token, expert) pair's expert weights
-    gathered, while the pairs are few: `GATHER_PAIRS`; a step or a short chain reads only its
-    chosen experts) or "ragged" (the pairs sorted by expert through `jax.lax.ragged_dot`), by
-    `cfg.moe_dispatch`: "dense" always dense, "gather" gathered or dense, "ragged" gathered or
-    ragged."""
+    gathered, while the n k pairs are at most cfg.moe_gather_pairs x E; a step or a short chain
+    reads only its chosen experts) or "ragged" (the pairs sorted by expert through
+    `jax.lax.ragged_dot`), by `cfg.moe_dispatch`: "dense" always dense, "gather" gathered or
+    dense, "ragged" gathered or ragged."""
     if cfg.moe_dispatch not in MOE_DISPATCHES:
         raise Eagle3Error(
             f"moe_dispatch {cfg.moe_dispatch!r}: choose one of {', '.join(MOE_DISPATCHES)}"
         )
     if cfg.moe_dispatch == "dense":
         return "dense"
-    if tokens * cfg.num_experts_per_tok <= GATHER_PAIRS[cfg.moe_dispatch] * cfg.num_experts:
+    if tokens * cfg.num_experts_per_tok <= cfg.moe_gather_pairs * cfg.num_experts:
         return "gather"
     return "ragged" if cfg.moe_dispatch == "ragged" else "dense"
 
@@ -639,8 +630,9 @@ def _moe_pairs(
     out_PD = product(expert_activation(gate_PF, up_PF, cfg), p["we_down"])
     if cfg.moe_bias:
         out_PD = out_PD + p["be_down"][e_P]
-    if path != "gather":  # back to token order
-        out_PD = jnp.zeros_like(out_PD).at[order_P].set(out_PD)
+    if path != "gather":  # back to token order: row p of the sorted output went to order_P[p]
+        back_P = jnp.zeros_like(order_P).at[order_P].set(jnp.arange(order_P.shape[0]))
+        out_PD = out_PD[back_P]
     out_BTkD = out_PD.reshape(b, t, k, d)
     return jnp.einsum("btk,btkd->btd", w_BTk.astype(out_BTkD.dtype), out_BTkD)
 

@@ -25,8 +25,9 @@ phase, so a call cut off early still returns what was measured:
   moe      a mixture-of-experts target's routed layers alone (`benchmarks/moe_dispatch.py`:
            --moe-layers layers of --moe-target's shape, bf16) at each --moe-tokens count under
            each dispatch (dense, gather, ragged: `models.target.moe_path`) and gathered past
-           where the dispatch would gather (to place `models.target.GATHER_PAIRS` on the
-           device), ms a layer beside the bytes of the experts touched -> moe.json
+           where the dispatch would gather (to place `backends.MOE_GATHER_PAIRS` on the
+           device, and to see whether ragged or gather should be a GPU's dispatch), ms a
+           layer beside the bytes of the experts touched -> moe.json
 
 The variants (`VARIANTS`): a name mapped to a kernel path of the engine, as a function
 TargetConfig -> TargetConfig (a path its static config selects) and, where the path lays the
@@ -937,7 +938,7 @@ def run_moe(args: argparse.Namespace) -> dict:
         "layers": args.moe_layers,
         "dtype": jnp.dtype(dtype).name,
     }
-    ph.res["gather_pairs"] = md.tgt.GATHER_PAIRS
+    ph.res["gather_pairs"] = md.gather_pairs()
     tokens = [int(t) for t in args.moe_tokens.split(",")]
 
     def log(line: str) -> None:
