@@ -1,11 +1,11 @@
-"""EAGLE-3 heads on the mixture-of-experts, Gemma 3 and gpt-oss targets (issue 61): a head trains
-on a sharp tiny target of each family (online features, the head sized from the target: TTT loss
-falls, held-out acc_0 rises); a head made for each round-trips through the official and
-speculators layouts with its target's family recorded, and one made for another family, hidden
-size or vocabulary is refused naming both.
+"""EAGLE-3 heads on the mixture-of-experts (Qwen3-MoE, Mixtral, OLMoE), Gemma 3 and gpt-oss
+targets (issue 61): a head trains on a sharp tiny target of each family (online features, the
+head sized from the target: TTT loss falls, held-out acc_0 rises); a head made for each
+round-trips through the official and speculators layouts with its target's family recorded, and
+one made for another family, hidden size or vocabulary is refused naming both.
 
 The training test runs one family in the default suite (gpt-oss, the one furthest from Llama:
-sinks, YaRN, biases, the clamped SwiGLU); the other three are marked slow."""
+sinks, YaRN, biases, the clamped SwiGLU); the other four are marked slow."""
 
 import json
 
@@ -35,6 +35,9 @@ CONFIGS = {
     )),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         num_local_experts=4, num_experts_per_tok=2,
+    )),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
     )),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         query_pre_attn_scalar=16, sliding_window=8,
