@@ -195,6 +195,7 @@ def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch)
 TINY = ["--target", "tiny", "--prompt", "16", "--new", "16", "--batches", "1,2"]
 
 
+@pytest.mark.slow  # 15-17 s (a subprocess compiling the toy's programs): the device steps' toy runs
 def test_round_cost_times_each_program_beside_its_prediction(dj, tmp_path, monkeypatch):
     """The step on the CPU with the toy target (a subprocess, as on the device): every program
     measured, next to the cost model's prediction; the ratios and the table; unpack keeps it."""
@@ -437,6 +438,7 @@ def test_the_trained_fusion_ablation_answers_every_turn_before_any_cell(
     assert calls == ["regenerate"] and not dj.study.complete_marker().exists()
 
 
+@pytest.mark.slow  # 13-15 s: with the device steps' other toy runs
 def test_round_timing_drafts_with_each_vocabulary_head(dj, tmp_path):
     """--head times each tree's round with every output layer named (the toy's 64 draft ids, its
     full 256 ids, SpecVocab's speculator and 32 candidates) on one target's weights, each beside

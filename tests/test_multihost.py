@@ -329,6 +329,7 @@ def _files(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir() if not p.name.endswith(".lock"))
 
 
+@pytest.mark.slow  # 17-19 s; two processes joining and batching stay in the default suite
 def test_data_jobs_on_two_processes_equal_one(tiny_target_dir, tmp_path, monkeypatch):
     """Two processes split regeneration (first turns, and every turn in context) and the feature
     precompute: the answers are one process's byte for byte, and the feature store (process 0's

@@ -292,7 +292,9 @@ def test_tree_schedule_parse():
         TreeSchedule.parse("1-2:10/8", base)
 
 
-@pytest.mark.parametrize("method, kind", [("eagle3", "table"), ("pld", "table"),
+# prompt lookup (12-13 s) with the slow suite: it serves in the default suite in the penalties test
+@pytest.mark.parametrize("method, kind", [("eagle3", "table"),
+                                          pytest.param("pld", "table", marks=pytest.mark.slow),
                                           ("eagle3", "measured")])  # fmt: skip
 def test_tree_by_occupancy_greedy_equals_alone(spec_setup, method, kind):
     """The tree switches between rounds as staggered requests arrive and leave (3 slots; a
