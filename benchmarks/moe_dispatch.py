@@ -225,7 +225,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--dispatches",
         default=None,
         help="default: dense,gather on the CPU (its ragged_dot is a dense fallback, "
-        "8.9x dense at 512 tokens), all three elsewhere",
+        "8-9x dense at 512 tokens), all three elsewhere",
     )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--reps", type=int, default=7)

@@ -181,22 +181,8 @@ def test_draft_vocab_auto_cuts_a_head_with_a_cpu_size(tiny_target_dir, head_dir,
     shutil.copytree(head_dir, ordered)
     v = json.loads((head_dir / "config.json").read_text())["vocab_size"]
     write_vocab_order(ordered, np.arange(v)[::-1], cpu_size=10)
-    common = [
-        "--target",
-        str(tiny_target_dir),
-        "--draft",
-        str(ordered),
-        "--prompt",
-        "w5 w6 w7",
-        "--max-new-tokens",
-        "12",
-        "--top-k",
-        "2",
-        "--depth",
-        "3",
-        "--total-tokens",
-        "6",
-    ]
+    common = ["--target", str(tiny_target_dir), "--draft", str(ordered), "--prompt", "w5 w6 w7",
+              "--max-new-tokens", "12", "--top-k", "2", "--depth", "3", "--total-tokens", "6"]  # fmt: skip
     cpu = jax.default_backend() == "cpu"
     for extra, vd in ((["--compare-plain"], 10 if cpu else v), (["--draft-vocab", "full"], v)):
         capsys.readouterr()
