@@ -309,6 +309,46 @@ def test_bad_prompt_files_and_truncated_weights_are_one_line(tiny_target_dir, he
     assert "truncated or corrupt" in capsys.readouterr().err
 
 
+def test_ignore_eos_leaves_the_options_no_end():
+    """--ignore-eos: the options every batch, --compare-plain's plain decoding and the chat
+    decode with hold no end-of-sequence id (None: the target's own); decoding with none is what
+    the exactness tests run, and the slow test below runs it end to end."""
+    from eagle3_jax.cli import decode_flags
+
+    for flags, eos in (([], None), (["--ignore-eos"], ())):
+        args = decode_flags.parse_args(["--target", "t", "--method", "vanilla", *flags])
+        assert decode_flags.decode_options(args, 64).eos_ids == eos
+
+
+@pytest.mark.slow  # 15-18 s: three decodes of the tiny target, two with --compare-plain
+def test_ignore_eos_decodes_past_the_end_of_sequence(tiny_target_dir, head_dir, tmp_path):
+    """A target whose end-of-sequence id is a token it emits after others: decoding stops there
+    ("eos"); with --ignore-eos, EAGLE-3 and --compare-plain's plain decoding both go on to
+    --max-new-tokens and give the tokens of a target whose end never comes."""
+    import shutil
+
+    base = ["--max-new-tokens", "12", "--prompt", "w3"]  # the tiny target: 69 69 80 29 80 29 ..
+    assert run("--target", str(tiny_target_dir), *base, "--json", str(tmp_path / "a.json")) == 0
+    (full,) = _records(tmp_path / "a.json")
+    assert full["finish_reason"] == "max_tokens", "the tiny target emitted its end: pick another"
+    ids = full["output_ids"]
+    end = next((i for i in range(1, len(ids)) if ids[i] not in ids[:i]), None)
+    assert end is not None, f"the tiny target repeats one token: {ids}"
+    ended = tmp_path / "ended"
+    shutil.copytree(tiny_target_dir, ended)
+    hf = json.loads((ended / "config.json").read_text())
+    (ended / "config.json").write_text(json.dumps({**hf, "eos_token_id": ids[end]}))
+    spec = ["--target", str(ended), "--draft", str(head_dir), *base, "--top-k", "2", "--depth",
+            "3", "--total-tokens", "6", "--compare-plain"]  # fmt: skip
+    assert run(*spec, "--json", str(tmp_path / "b.json")) == 0
+    (stopped,) = _records(tmp_path / "b.json")
+    assert stopped["finish_reason"] == "eos" and stopped["output_ids"] == ids[: end + 1]
+    assert run(*spec, "--ignore-eos", "--json", str(tmp_path / "c.json")) == 0
+    (past,) = _records(tmp_path / "c.json")
+    assert past["finish_reason"] == "max_tokens" and past["output_ids"] == ids
+    assert past["identical_to_plain"]
+
+
 def test_json_records_are_written_as_prompts_finish(tiny_target_dir, tmp_path):
     out = tmp_path / "out.json"
     argv = ["--target", str(tiny_target_dir), "--method", "vanilla", "--prompt", "w5 w6",

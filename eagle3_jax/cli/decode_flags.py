@@ -124,6 +124,12 @@ def _prompt_flags(p: argparse.ArgumentParser) -> None:
     )
     src.add_argument("--chat", action="store_true", help="interactive chat with streamed output")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="go on past end-of-sequence tokens: every answer is --max-new-tokens long (fixed-"
+        "length timing, as vLLM's ignore_eos); plain decoding in --compare-plain does the same",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument(
         "--sample-top-k", type=int, default=0, help="sampling: keep the k most likely (0 = off)"
@@ -253,6 +259,7 @@ def decode_options(args, max_context: int) -> DecodeOptions:
         tree=tree_of(args),
         sampling=sampling_of(args),
         seed=args.seed,
+        eos_ids=() if getattr(args, "ignore_eos", False) else None,
         max_context=max_context,
         same_engine=args.same_engine,
     )
