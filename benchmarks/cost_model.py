@@ -370,8 +370,9 @@ def moe_section(
                 dense_rows.append(
                     [b, name, label, pr.plain_s * 1e6, pr.round_s * 1e6, pr.ratio, pr.speedup]
                 )
-    print("\nRouted (the chosen experts only: ours on one chip) against the dense dispatch "
-          "(ours where the model axis splits the experts), H100, 10/8/60:\n")  # fmt: skip
+    print("\nRouted (the chosen experts only: ours in a plain step on one chip, and in a round "
+          "on a TPU) against the dense dispatch (ours where the model axis splits the experts, "
+          "and in a GPU's rounds until its ragged_dot is measured), H100, 10/8/60:\n")  # fmt: skip
     print(table(
         ["B", "target", "dispatch", "plain µs", "round µs", "round/plain", "speedup"],
         [[b, n, d, us(p * 1e-6), us(r * 1e-6), f"{q:.2f}", f"{x:.2f}×"]

@@ -115,7 +115,7 @@ PLAIN_PRODUCTS = ProductPolicy()
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """A decoder-only target model (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 / Gemma 3's text
-    model, and the mixture-of-experts Qwen3-MoE / Mixtral / gpt-oss).
+    model, and the mixture-of-experts Qwen3-MoE / Mixtral / gpt-oss / OLMoE).
 
     `qk_norm`: "none", "head" (Qwen3: RMSNorm over head_dim per head) or "full" (OLMo 2: RMSNorm over
     all heads' q and k before the head split). `norm_placement`: "pre" (Llama), "post" (OLMo 2: the
@@ -155,8 +155,8 @@ class TargetConfig:
     gpt-oss (`to_json` leaves each out at its default; docs/design.md, "gpt-oss targets"):
     `attention_sinks`, a learned logit per query head (the layer's `sinks` [H]) that joins each
     softmax's denominator and nothing else; `attention_out_bias`, the output projection's bias
-    `bo` [D] (also where Llama's, Qwen3's, OLMo 2's, Gemma 3's or Qwen3-MoE's attention_bias
-    is true: their o_proj takes it, as q/k/v do); `moe_bias`, biases on the router and on every
+    `bo` [D] (also where Llama's, Qwen3's, OLMo 2's, Gemma 3's, Qwen3-MoE's or OLMoE's
+    attention_bias is true: their o_proj takes it, as q/k/v do); `moe_bias`, biases on the router and on every
     expert projection; `router_topk_logits`, the top k of the router's logits and then the softmax over those k
     (rather than the top k of the softmax over all experts); `swiglu_limit` / `swiglu_alpha`,
     the experts' clamped SwiGLU, (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
@@ -806,11 +806,15 @@ class DraftConfig:
         the target's intermediate_size, dense: a Qwen3-MoE config's dense width (Qwen3-30B-A3B's
         6144, as SpecForge's head for it), a Mixtral's expert width (14336); gpt-oss's experts
         are narrow (2880 = hidden_size), and SpecForge's gpt-oss heads are 6 x hidden_size wide
-        (17280 for gpt-oss-20b), which we take.
+        (17280 for gpt-oss-20b), which we take; OLMoE's intermediate_size is one expert's (1024,
+        half its hidden size) and no published head sets it, so its head takes the width its k
+        experts give a token together (8 x 1024 = 8192, OLMo 2 1B's own MLP width).
         """
         width = target_cfg.intermediate_size
         if target_cfg.family == "gpt_oss":
             width = 6 * target_cfg.hidden_size
+        elif target_cfg.family == "olmoe":
+            width = target_cfg.num_experts_per_tok * target_cfg.moe_intermediate_size
         fields = dict(
             hidden_size=target_cfg.hidden_size,
             intermediate_size=width,

@@ -163,9 +163,10 @@ def test_moe_program_moves_no_expert_weights(target, program, monkeypatch):
 @pytest.mark.parametrize("program", ["decode_step", "round_tree"])
 def test_moe_on_one_chip_lowers_its_routed_dispatch(program, monkeypatch):
     """On one chip (a 1 x 1 mesh) Qwen3-30B-A3B's routed layers (two of them, at real width) take
-    the accelerators' dispatch (`backends.moe_dispatch_wanted`: ragged): the plain step gathers
-    its token's 8 experts (no product over all 128) and the reporting tree's 60 tokens go through
-    `ragged_dot`; both export for TPUs and GPUs with nothing a device would object to."""
+    a TPU's dispatch (`backends.moe_dispatch_wanted`: ragged): the plain step gathers its token's
+    8 experts (no product over all 128) and the reporting tree's 60 tokens go through
+    `ragged_dot`; both export for TPUs and GPUs with nothing a device would object to (a GPU
+    decodes with "gather" until its ragged_dot is measured)."""
     two = {**specs.REAL_TARGETS["qwen3_30b_a3b"], "num_hidden_layers": 2}
     monkeypatch.setitem(specs.REAL_TARGETS, "moe_2_layers", two)
     prog = programs.build(program, programs.Setup(target="moe_2_layers", batch=1, mesh=(1, 1)))

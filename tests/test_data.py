@@ -554,3 +554,32 @@ def test_select_prompts_command_writes_the_selection(tiny_target_dir, tmp_path, 
 
     assert select_prompts([str(tmp_path / "missing.json"), "--out", str(out)]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_shards_merge_in_plan_order_and_a_killed_runs_fold_in_once(tmp_path):
+    """regen_output's multi-process file handling on one process (the two-process run is in the
+    slow suite): process 0 merges the shards, each in plan order, into the one-process order
+    byte for byte (a raw U+2028 inside a record included) and removes them; a killed run's
+    shards fold into the file once, the records it already holds and a torn last line skipped."""
+    from eagle3_jax.data.regen_output import fold_shards, merge_shards, shard_path
+
+    def line(rid, text="x"):
+        return (json.dumps({"id": rid, "text": text}, ensure_ascii=False) + "\n").encode()
+
+    out = tmp_path / "answers.jsonl"
+    out.write_bytes(line("a"))
+    order = {rid: i for i, rid in enumerate("abcdef")}
+    shard_path(out, 0, 2).write_bytes(line("b") + line("e", "p\u2028q"))
+    shard_path(out, 1, 2).write_bytes(line("c") + line("d") + line("f"))
+    merge_shards(out, 2, order)
+    assert out.read_bytes() == b"".join(
+        line(r) if r != "e" else line("e", "p\u2028q") for r in "abcdef"
+    )
+    assert not list(tmp_path.glob("*.part*"))
+    killed = tmp_path / "killed.jsonl"
+    killed.write_bytes(line("a") + line("b"))
+    shard_path(killed, 0, 2).write_bytes(line("b") + line("c") + b'{"id": "torn"')
+    shard_path(killed, 1, 2).write_bytes(line("d"))
+    assert fold_shards(killed) == 2
+    assert killed.read_bytes() == b"".join(line(r) for r in "abcd")
+    assert not list(tmp_path.glob("killed.jsonl.part*")) and fold_shards(killed) == 0

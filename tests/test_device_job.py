@@ -195,14 +195,16 @@ def test_every_subcommand_parses_as_before_and_reaches_its_step(dj, monkeypatch)
 TINY = ["--target", "tiny", "--prompt", "16", "--new", "16", "--batches", "1,2"]
 
 
-@pytest.mark.slow  # 15-17 s (a subprocess compiling the toy's programs): the device steps' toy runs
-def test_round_cost_times_each_program_beside_its_prediction(dj, tmp_path, monkeypatch):
+# batch 1 alone in the default suite (the round program built and timed, the ratios); both
+# batches (15-17 s: a subprocess compiling the toy's programs) with the slow suite
+@pytest.mark.parametrize("batches", ["1", pytest.param("1,2", marks=pytest.mark.slow)])
+def test_round_cost_times_each_program_beside_its_prediction(dj, tmp_path, monkeypatch, batches):
     """The step on the CPU with the toy target (a subprocess, as on the device): every program
     measured, next to the cost model's prediction; the ratios and the table; unpack keeps it."""
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
     out = tmp_path / "out"
-    argv = ["round-cost", *TINY, "--trees", "chain", "--warmup", "1", "--reps", "2"]
+    argv = ["round-cost", *TINY[:-1], batches, "--trees", "chain", "--warmup", "1", "--reps", "2"]
     assert dj.main([*argv, "--minutes", "4", "--out", str(out)]) == 0
     folder = out / "round_cost"
     assert {p.name for p in folder.iterdir()} >= {
@@ -211,21 +213,24 @@ def test_round_cost_times_each_program_beside_its_prediction(dj, tmp_path, monke
     res = json.loads((folder / "results.json").read_text())
     assert res["target"] == "tiny" and res["predicted_for"] == "H200 SXM" and not res["skipped"]
     rows = res["rows"]
+    sizes = [int(b) for b in batches.split(",")]
     assert [(r["batch"], r["program"], r["tree"]) for r in rows] == [
-        (1, "plain step", None), (1, "round", "chain 1/8/9"),
-        (2, "plain step", None), (2, "round", "chain 1/8/9"),
+        (b, program, tree) for b in sizes
+        for program, tree in (("plain step", None), ("round", "chain 1/8/9"))
     ]  # fmt: skip
     for r in rows:
         assert r["reps"] == 2 and 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
         assert r["predicted_ms"] > 0 and r["slots"] == r["model_slots"] == 256
         assert r["kernels"] > 0 and r["unknown_trips"] == 0
         assert r["measured_over_predicted"] == pytest.approx(r["median_ms"] / r["predicted_ms"])
-    for q, (plain, rnd) in zip(res["ratios"], [rows[:2], rows[2:]], strict=True):
+    for q, (plain, rnd) in zip(res["ratios"], [rows[i : i + 2] for i in range(0, len(rows), 2)],
+                               strict=True):  # fmt: skip
         assert q["measured"] == pytest.approx(rnd["median_ms"] / plain["median_ms"])
         assert q["predicted"] == pytest.approx(rnd["predicted_ms"] / plain["predicted_ms"])
         assert q["speedup_measured"] == pytest.approx(q["tau_model"] / q["measured"])
     report = (folder / "report.md").read_text()
-    assert report.count("| round | eagle3 | chain 1/8/9 |") == 2 and "speedup at τ" in report
+    assert report.count("| round | eagle3 | chain 1/8/9 |") == len(sizes)
+    assert "speedup at τ" in report
     back = tmp_path / "back"
     assert dj.transfer.unpack(argparse.Namespace(files_at=str(out), dest=str(back))) == 0
     assert (back / "round_cost" / "report.md").read_text() == report

@@ -141,6 +141,8 @@ def test_a_head_for_each_family_round_trips_and_is_refused_elsewhere(family, tmp
     assert dcfg.target_family == family and dcfg.aux_layer_ids == (1, 2)
     if family == "gpt_oss":  # SpecForge's gpt-oss heads: a dense MLP 6 x hidden_size wide
         assert dcfg.intermediate_size == 6 * tcfg.hidden_size
+    elif family == "olmoe":  # its k experts' width together (intermediate_size is one expert's)
+        assert dcfg.intermediate_size == tcfg.num_experts_per_tok * tcfg.intermediate_size == 64
     else:
         assert dcfg.intermediate_size == tcfg.intermediate_size
     params = drf.init_params(dcfg, jax.random.PRNGKey(0), scale=0.1)

@@ -233,12 +233,7 @@ def _write_gguf(model, d, path, family: str, rng) -> None:
         model.save_pretrained(d)
 
 
-# OLMoE (3-4 s) with the slow suite: its loading differs from qwen3moe's only in the q/k norms'
-# width and the renormalisation default
-@pytest.mark.parametrize(
-    "family",
-    [pytest.param(f, marks=pytest.mark.slow) if f == "olmoe" else f for f in FAMILIES],
-)
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_gguf_loads_as_its_safetensors_folder(family, tmp_path):
     """The GGUF converts (checkpoints.convert_gguf) to the config, parameters (within the
     rounding of Gemma's 1 + w) and logits (1e-5) of the safetensors folder."""

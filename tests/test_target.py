@@ -44,6 +44,7 @@ BIASED = {
         attention_bias=True, head_dim=16, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32,
     ),
+    "OlmoeConfig": dict(attention_bias=True, num_experts=4, num_experts_per_tok=2),
     "MistralConfig": dict(attention_bias=True),
     "Qwen2Config": dict(attention_bias=False, use_sliding_window=False),
 }  # fmt: skip

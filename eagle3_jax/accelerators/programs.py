@@ -51,7 +51,9 @@ TRAIN_MESH = {"llama31_8b": (2, 4), "olmo2_7b": (2, 4), "qwen3_4b": (4, 2)}
 CHAIN_TREE = TreeConfig(
     top_k=1, depth=ACCELERATOR_TREE.depth, total_tokens=ACCELERATOR_TREE.depth + 1
 )
-ACCELERATOR = "tpu"  # the backend whose engine choices the programs take (GPUs' are the same)
+# the backend whose engine choices the programs take; a GPU's differ in its attention (the Pallas
+# kernel on one GPU) and a routed target's dispatch (gather, not ragged: `backends`)
+ACCELERATOR = "tpu"
 PROGRAMS = ("prefill", "spec_prefill", "decode_step", "round_tree", "round_chain", "train_step",
             "serve_admit", "serve_round", "serve_score")  # fmt: skip
 SERVE_LOGPROBS = 20  # what `serve --max-logprobs` allows at most

@@ -1,12 +1,12 @@
 """The frozen target model: a functional decoder (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 /
-Gemma 3's text model, and the mixture-of-experts Qwen3-MoE / Mixtral / gpt-oss).
+Gemma 3's text model, and the mixture-of-experts Qwen3-MoE / Mixtral / gpt-oss / OLMoE).
 
 Parameters are a plain pytree:
   {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (absent when tied),
    "layers": [per-layer dict] (a list: unrolled, fastest decode on CPU) or one dict of
              [L, ...]-stacked arrays (scanned: fast compiles, the layout for training on pods)}
 Per layer: attn_norm, mlp_norm [D]; wq [D, H*K], wk/wv [D, G*K], wo [H*K, D]; optional bq/bk/bv;
-optional q_norm/k_norm ([K] for Qwen3 and Gemma 3, [H*K]/[G*K] for OLMo 2); w_gate/w_up [D, F],
+optional q_norm/k_norm ([K] for Qwen3 and Gemma 3, [H*K]/[G*K] for OLMo 2 and OLMoE); w_gate/w_up [D, F],
 w_down [F, D]; Gemma 3's sandwich norms add post_attn_norm and post_mlp_norm [D] (its norms are
 x * (1 + w), so they start at zero); gpt-oss adds the output projection's bias bo [D] and the
 attention sinks, sinks [H] (a logit per query head in each softmax's denominator).
