@@ -79,6 +79,19 @@ def random_layers(tcfg: TargetConfig, layers: int, dtype, seed: int = 0) -> dict
     }
 
 
+def shape_of(tcfg: TargetConfig, target: str | None, layers: int, dtype) -> dict:
+    """The measured layer's shape as results record it."""
+    return {
+        "target": target,
+        "experts": tcfg.num_experts,
+        "k": tcfg.num_experts_per_tok,
+        "hidden": tcfg.hidden_size,
+        "ffn": tcfg.moe_intermediate_size,
+        "layers": layers,
+        "dtype": jnp.dtype(dtype).name,
+    }
+
+
 def program(tcfg: TargetConfig):
     """x [1, n, D] through the stacked layers' routed MLPs (residual added), jitted."""
 
@@ -136,12 +149,12 @@ def measure(
     expert_bytes = 3 * tcfg.hidden_size * tcfg.moe_intermediate_size * jnp.dtype(dtype).itemsize
     rows = [] if rows is None else rows
     order = ["dense"] + [d for d in dispatches if d != "dense"]
+    pairs = gather_pairs()
     for n in tokens:
         x = jax.random.normal(jax.random.PRNGKey(n), (1, n, tcfg.hidden_size), jnp.float32)
         x = x.astype(dtype)
         ref = None
         by_path: dict[str, dict] = {}
-        pairs = gather_pairs()
         runs = [(d, d, pairs) for d in order]
         if forced and n * k <= FORCED_GATHER_UP_TO * e:
             runs.append((FORCED, "gather", float("inf")))  # every forward gathers
@@ -248,15 +261,7 @@ def main(argv=None) -> int:
         "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind,
         "machine": platform.processor() or platform.machine(),
-        "shape": {
-            "target": args.target,
-            "experts": tcfg.num_experts,
-            "k": tcfg.num_experts_per_tok,
-            "hidden": tcfg.hidden_size,
-            "ffn": tcfg.moe_intermediate_size,
-            "layers": args.layers,
-            "dtype": args.dtype,
-        },
+        "shape": shape_of(tcfg, args.target, args.layers, args.dtype),
         "gather_pairs": gather_pairs(),
         "rows": rows,
     }

@@ -157,6 +157,19 @@ def experts_split(cfg, mesh) -> int:
     return model if cfg.num_experts and cfg.num_experts % model == 0 else 1
 
 
+def routed_as_wanted(cfg, backend: str | None = None, mesh=None):
+    """`cfg` with a routed target's dispatch and gather line for `backend` on `mesh`
+    (`moe_dispatch_wanted`, `moe_gather_pairs_wanted`); a dense target's as it is."""
+    if not cfg.num_experts:
+        return cfg
+    devices = 1 if mesh is None else mesh.size
+    return dataclasses.replace(
+        cfg,
+        moe_dispatch=moe_dispatch_wanted(backend, devices, experts_split(cfg, mesh)),
+        moe_gather_pairs=moe_gather_pairs_wanted(backend),
+    )
+
+
 def prepare_target(target, products=None, backend: str | None = None, mesh=None):
     """The loaded target (`checkpoints.Target`) as this backend decodes it: the few-row products
     given (the CPU's measured `ProductPolicy`, or None to keep the config's), its attention
@@ -167,12 +180,7 @@ def prepare_target(target, products=None, backend: str | None = None, mesh=None)
     mesh = mesh if mesh is not None else mesh_of(target.params)
     devices = 1 if mesh is None else mesh.size
     cfg = dataclasses.replace(target.cfg, attention=attention_wanted(dtype, backend, devices))
-    if cfg.num_experts:
-        cfg = dataclasses.replace(
-            cfg,
-            moe_dispatch=moe_dispatch_wanted(backend, devices, experts_split(cfg, mesh)),
-            moe_gather_pairs=moe_gather_pairs_wanted(backend),
-        )
+    cfg = routed_as_wanted(cfg, backend, mesh)
     if products is not None:
         cfg = dataclasses.replace(cfg, products=products)
     target = target._replace(cfg=cfg)

@@ -614,11 +614,10 @@ def _moe_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     layers = int(hf["num_hidden_layers"])
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     top_k = int(hf.get("num_experts_per_tok") or hf.get("experts_per_token") or 0)
-    if family in ("mixtral", "gpt_oss"):  # gpt-oss: the softmax over the top-k logits sums to 1
-        width, norm, moe = int(hf["intermediate_size"]), True, tuple(range(layers))
-    elif family == "olmoe":
-        width, norm = int(hf["intermediate_size"]), bool(hf.get("norm_topk_prob", False))
-        moe = tuple(range(layers)) if experts > 0 else ()
+    if family in ("mixtral", "gpt_oss", "olmoe"):  # every layer routed, experts intermediate_size
+        width, moe = int(hf["intermediate_size"]), tuple(range(layers))
+        # gpt-oss: the softmax over the top-k logits sums to 1; OLMoE as its config says
+        norm = bool(hf.get("norm_topk_prob", False)) if family == "olmoe" else True
     else:
         width, norm = int(hf["moe_intermediate_size"]), bool(hf.get("norm_topk_prob", False))
         step = int(hf.get("decoder_sparse_step") or 1)

@@ -23,13 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.accelerators.specs import DRAFT_VOCAB, draft_for, target_config
-from eagle3_jax.backends import (
-    attention_wanted,
-    experts_split,
-    fuse_projections_wanted,
-    moe_dispatch_wanted,
-    moe_gather_pairs_wanted,
-)
+from eagle3_jax.backends import attention_wanted, fuse_projections_wanted, routed_as_wanted
 from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.decoding import plain, slots
 from eagle3_jax.decoding import speculative as spec
@@ -212,12 +206,7 @@ def build(name: str, s: Setup, sampling: Sampling = Sampling()) -> Program:
         return _train_program(s, tcfg, dcfg)
     mesh = _mesh(s.mesh)
     tcfg = dataclasses.replace(tcfg, attention=attention_wanted(jnp.bfloat16, ACCELERATOR))
-    if tcfg.num_experts:
-        tcfg = dataclasses.replace(
-            tcfg,
-            moe_dispatch=moe_dispatch_wanted(ACCELERATOR, mesh.size, experts_split(tcfg, mesh)),
-            moe_gather_pairs=moe_gather_pairs_wanted(ACCELERATOR),
-        )
+    tcfg = routed_as_wanted(tcfg, ACCELERATOR, mesh)
     tparams = abstract_target(tcfg, mesh, fused=fuse_projections_wanted(ACCELERATOR))
     eos = tcfg.eos_token_ids
     if name in ("prefill", "decode_step"):

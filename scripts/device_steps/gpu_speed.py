@@ -929,15 +929,7 @@ def run_moe(args: argparse.Namespace) -> dict:
     tiny = args.target == "tiny"
     tcfg = md.layer_config(None if tiny else args.moe_target, *TINY_MOE)
     dtype = jnp.float32 if tiny else jnp.bfloat16
-    ph.res["shape"] = {
-        "target": None if tiny else args.moe_target,
-        "experts": tcfg.num_experts,
-        "k": tcfg.num_experts_per_tok,
-        "hidden": tcfg.hidden_size,
-        "ffn": tcfg.moe_intermediate_size,
-        "layers": args.moe_layers,
-        "dtype": jnp.dtype(dtype).name,
-    }
+    ph.res["shape"] = md.shape_of(tcfg, None if tiny else args.moe_target, args.moe_layers, dtype)
     ph.res["gather_pairs"] = md.gather_pairs()
     tokens = [int(t) for t in args.moe_tokens.split(",")]
 
