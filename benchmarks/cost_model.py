@@ -312,8 +312,8 @@ def moe_section(
     size, per batch and device: the plain step, the distinct experts a layer reads in a step and
     in the reporting tree's verification (the uniform expectation, or `counts`' measured file per
     target), each tree's round in plain steps and speedup at the assumed head's τ, and the best
-    tree of the grid; then the dense dispatch (every expert read and run: ours where a mesh's
-    model axis splits the experts, `backends.moe_dispatch_wanted`) for contrast."""
+    tree of the grid; then the dense dispatch (every expert read and run: ours in a GPU's
+    larger forwards, `backends.moe_dispatch_wanted`) for contrast."""
     routings = {
         name: experts.Routing(measured=experts.ExpertCounts.from_json(path))
         for name, path in counts.items()
@@ -357,8 +357,8 @@ def moe_section(
          "experts a round", *[f"{t}: speedup (round/plain)" for t in TREES], "best tree"],
         rows,
     ))  # fmt: skip
-    # the dense dispatch (models.target._moe where the model axis splits the experts): every
-    # expert read and run on every token
+    # the dense dispatch (models.target._moe's larger forwards on a GPU): every expert read and
+    # run on every token
     dense, dense_rows = experts.Routing("dense"), []
     h100, rep_tree = specs.DEVICES["H100"], acceptance.REPORTING_TREE
     for b in batches:
@@ -370,9 +370,9 @@ def moe_section(
                 dense_rows.append(
                     [b, name, label, pr.plain_s * 1e6, pr.round_s * 1e6, pr.ratio, pr.speedup]
                 )
-    print("\nRouted (the chosen experts only: ours in a plain step on one chip, and in a round "
-          "on a TPU) against the dense dispatch (ours where the model axis splits the experts, "
-          "and in a GPU's rounds until its ragged_dot is measured), H100, 10/8/60:\n")  # fmt: skip
+    print("\nRouted (the chosen experts only: ours in a plain step, and in a round on TPUs) "
+          "against the dense dispatch (ours in a GPU's rounds until its ragged_dot is "
+          "measured), H100, 10/8/60:\n")  # fmt: skip
     print(table(
         ["B", "target", "dispatch", "plain µs", "round µs", "round/plain", "speedup"],
         [[b, n, d, us(p * 1e-6), us(r * 1e-6), f"{q:.2f}", f"{x:.2f}×"]

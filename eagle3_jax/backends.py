@@ -12,8 +12,8 @@ GPU a decode step's and a verification's cached part run through JAX's Pallas fl
 kernel, which reads only the valid slots (`models.layers.pallas_attention`). A
 mixture-of-experts target's routed layers run only their tokens' chosen experts on one device
 (`models.target.moe_path`: a step's few experts gathered everywhere, and on a TPU larger
-forwards sorted by expert through `jax.lax.ragged_dot`); across a mesh whose model axis splits the
-experts each device keeps running its own experts on every token (no expert's weights move). XLA
+forwards sorted by expert through `jax.lax.ragged_dot`), and on a mesh each device does so for
+its own rows and its own experts (expert parallelism: no expert's weights move). XLA
 is asked to capture the programs' kernels, loops and conditionals included, as CUDA graphs
 (command buffers), so a round is launched as a few graphs rather than thousands of kernels.
 
@@ -26,7 +26,7 @@ choice against the other in one run (scripts/device_steps/gpu_speed.py):
   EAGLE3_JAX_MOE_DISPATCH       dense / gather / ragged, whatever the backend and mesh (unset:
                                 as above)
   EAGLE3_JAX_MOE_GATHER_PAIRS   a routed forward gathers while its n k pairs are at most this
-                                times E (unset: 1 on the CPU, 1/3 elsewhere)
+                                times a device's experts (unset: 1 on the CPU, 1/3 elsewhere)
   EAGLE3_JAX_XLA_DEFAULTS       0: leave XLA_FLAGS as it is (XLA's own defaults)
 """
 
@@ -110,28 +110,24 @@ def attention_wanted(dtype, backend: str | None = None, devices: int = 1) -> str
     return "pallas" if backend in ("gpu", "cuda", "rocm") and devices == 1 else "mixed"
 
 
-def moe_dispatch_wanted(backend: str | None = None, devices: int = 1, split: int = 1) -> str:
-    """How routed layers run their experts (`TargetConfig.moe_dispatch`): "dense" where the
-    mesh splits the experts over `split` > 1 devices (expert parallelism: each device runs its
-    own experts on every token and their sum is all-reduced, as the export tests check; how
-    XLA would partition a gather or a grouped product over a split expert axis is not
-    measured); "ragged" on one TPU (a step's chosen experts gathered, larger forwards sorted by
-    expert through `jax.lax.ragged_dot`, which XLA's TPU backend runs as a grouped product);
-    "gather" (a step's chosen experts gathered, larger forwards dense: never more bytes than the
-    dense dispatch) elsewhere: on the CPU, where jax lowers `ragged_dot` as a dense product over
-    every group (8-9x dense at 512 tokens), on a GPU, where XLA may lower it as a zero-padded
-    dense product (its grouped kernel sits behind an experimental flag; gpu-speed's moe phase
-    measures both), and on a mesh of several `devices` that replicates the experts (a gather
-    stays on each device's rows; a grouped product's sort would span the batch). The
-    environment's EAGLE3_JAX_MOE_DISPATCH decides where set."""
+def moe_dispatch_wanted(backend: str | None = None) -> str:
+    """How routed layers run their experts (`TargetConfig.moe_dispatch`): "ragged" on TPUs (a
+    step's chosen experts gathered, larger forwards sorted by expert through
+    `jax.lax.ragged_dot`, which XLA's TPU backend runs as a grouped product); "gather" (a step's
+    chosen experts gathered, larger forwards dense: never more bytes than the dense dispatch)
+    elsewhere: on the CPU, where jax lowers `ragged_dot` as a dense product over every group
+    (8-9x dense at 512 tokens), and on a GPU, where XLA may lower it as a zero-padded dense
+    product (its grouped kernel sits behind an experimental flag; gpu-speed's moe phase
+    measures both). On a mesh (`routed_as_wanted` sets the config's moe_mesh) each device runs
+    the dispatch on its own rows and its own experts, expert parallelism included
+    (`models.target._moe_on_mesh`). The environment's EAGLE3_JAX_MOE_DISPATCH decides where
+    set."""
     value = os.environ.get(MOE_DISPATCH_ENV, "").strip()
     if value and value not in MOE_DISPATCHES:
         raise Eagle3Error(f"{MOE_DISPATCH_ENV}={value!r}: use one of {', '.join(MOE_DISPATCHES)}")
     if value:
         return value
-    if split > 1:
-        return "dense"
-    return "ragged" if devices == 1 and (backend or jax.default_backend()) == "tpu" else "gather"
+    return "ragged" if (backend or jax.default_backend()) == "tpu" else "gather"
 
 
 def moe_gather_pairs_wanted(backend: str | None = None) -> float:
@@ -150,23 +146,17 @@ def moe_gather_pairs_wanted(backend: str | None = None) -> float:
     return MOE_GATHER_PAIRS["cpu" if cpu else "accelerator"]
 
 
-def experts_split(cfg, mesh) -> int:
-    """Over how many devices `mesh` splits a routed target's experts: its model axis where that
-    divides the expert count (as `sharding.spec_for` lays them out), else 1 (replicated)."""
-    model = 1 if mesh is None else dict(mesh.shape).get("model", 1)
-    return model if cfg.num_experts and cfg.num_experts % model == 0 else 1
-
-
 def routed_as_wanted(cfg, backend: str | None = None, mesh=None):
-    """`cfg` with a routed target's dispatch and gather line for `backend` on `mesh`
-    (`moe_dispatch_wanted`, `moe_gather_pairs_wanted`); a dense target's as it is."""
+    """`cfg` with a routed target's dispatch, gather line and mesh for `backend` on `mesh`
+    (`moe_dispatch_wanted`, `moe_gather_pairs_wanted`; the mesh where it has several devices);
+    a dense target's as it is."""
     if not cfg.num_experts:
         return cfg
-    devices = 1 if mesh is None else mesh.size
     return dataclasses.replace(
         cfg,
-        moe_dispatch=moe_dispatch_wanted(backend, devices, experts_split(cfg, mesh)),
+        moe_dispatch=moe_dispatch_wanted(backend),
         moe_gather_pairs=moe_gather_pairs_wanted(backend),
+        moe_mesh=mesh if mesh is not None and mesh.size > 1 else None,
     )
 
 

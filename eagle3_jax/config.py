@@ -129,9 +129,11 @@ class TargetConfig:
     (`models.target.MOE_DISPATCHES`: "dense", every expert on every token; "gather", a small
     forward's chosen experts gathered and the rest dense; "ragged", the same gather and larger
     forwards token-sorted through `jax.lax.ragged_dot`), a forward gathering while its n x k
-    (token, expert) pairs are at most `moe_gather_pairs` x E; all four properties of the
-    machine, not of the checkpoint (`eagle3_jax.backends` chooses them), so they are left out
-    of `to_json`.
+    (token, expert) pairs are at most `moe_gather_pairs` x E; `moe_mesh`: the device mesh
+    over which a gathered or ragged dispatch runs each device on its own rows and experts
+    (`models.target._moe_on_mesh`; None on one device); all five properties of the machine,
+    not of the checkpoint (`eagle3_jax.backends` chooses them), so they are left out of
+    `to_json`.
 
     Mixture of experts (`num_experts` > 0): the layers in `moe_layers` replace the SwiGLU MLP
     by `num_experts` SwiGLU experts of width `moe_intermediate_size`, of which a router picks
@@ -204,6 +206,7 @@ class TargetConfig:
     attention: str = "exact"
     moe_dispatch: str = "dense"
     moe_gather_pairs: float = 1.0
+    moe_mesh: Any = None  # a jax.sharding.Mesh (hashable, so the config stays a static argument)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is routed over experts."""
@@ -247,8 +250,9 @@ class TargetConfig:
         return ids
 
     def to_json(self) -> str:
-        d = dataclasses.asdict(self)
-        del d["products"], d["attention"], d["moe_dispatch"], d["moe_gather_pairs"]
+        d = dataclasses.asdict(dataclasses.replace(self, moe_mesh=None))  # asdict copies a Mesh
+        for name in ("products", "attention", "moe_dispatch", "moe_gather_pairs", "moe_mesh"):
+            del d[name]
         if not self.num_experts:  # a dense config's file stays as it was before MoE targets
             for name in _MOE_FIELDS:
                 del d[name]

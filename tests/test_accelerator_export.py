@@ -109,13 +109,21 @@ def test_moe_target_lowers_with_its_experts_over_the_model_axis(target, program)
     mesh: the plain step and the reporting-tree round export for TPUs and GPUs with nothing a
     device would object to, every expert matrix laid out [E / 8, ...] per device (expert
     parallelism), one device holding an eighth of the target's bf16 weights, and the program
-    fitting every chip's HBM."""
+    fitting every chip's HBM. The experts run routed (`models.target._moe_on_mesh`): each
+    device sorts the pairs routed to its own experts through `ragged_dot` (a step's 8 or 4
+    pairs are more than a third of a device's 16 or 4 experts) and no [..., E, F'] activations
+    of the dense dispatch are made."""
     experts, nbytes = MOE[target]
     setup = programs.Setup(target=target, batch=1)
     prog = programs.build(program, setup)
     exported, report = lowering.export_program(prog)
     assert exported.nr_devices == 8 and report.problems == [], report.problems
     tcfg = specs.target_config(target)
+    ran = prog.kwargs.get("cfg") or prog.kwargs["tcfg"]
+    assert (ran.moe_dispatch, ran.moe_mesh) == ("ragged", prog.mesh)
+    assert tgt.moe_split(ran, 1) == (1, 8) and tgt.moe_path(ran, 1, 1) == "ragged"
+    text = exported.mlir_module()
+    assert "ragged_dot" in text and f"x{experts}x{tcfg.moe_intermediate_size}x" not in text
     assert tcfg.moe_layers == tuple(range(tcfg.num_layers)) and tcfg.num_experts == experts
     for layer in prog.args[0]["layers"]:
         for name in ("we_gate", "we_up", "we_down"):
@@ -138,9 +146,9 @@ def test_moe_target_lowers_with_its_experts_over_the_model_axis(target, program)
 def test_moe_program_moves_no_expert_weights(target, program, monkeypatch):
     """Compiled for this CPU's 8 devices (the SPMD partitioner inserts the collectives), two of
     the target's routed layers at real width: each device's parameters hold its E / 8 experts
-    and no all-gather has an expert matrix's shape (the contraction over experts is
-    all-reduced instead). Two layers, not all: the layers are alike, and the compile takes 2-4 s
-    for the plain step (9-13 s for the round, marked slow)."""
+    and no all-gather has an expert matrix's shape (each device's partial sum over its experts
+    is all-reduced instead). Two layers, not all: the layers are alike, and the compile takes
+    2-4 s for the plain step (9-13 s for the round, marked slow)."""
     two = {**specs.REAL_TARGETS[target], "num_hidden_layers": 2}
     if "layer_types" in two:  # gpt-oss: one sliding-window layer and one full
         two["layer_types"] = two["layer_types"][:2]
@@ -158,6 +166,20 @@ def test_moe_program_moves_no_expert_weights(target, program, monkeypatch):
     ]
     assert not gathered, gathered
     assert "all-reduce(" in hlo
+
+
+def test_moe_training_step_runs_the_targets_experts_routed(monkeypatch):
+    """The TTT training step on Qwen3-30B-A3B (two routed layers at real width, a 1 x 8 mesh,
+    16 x 2,048 tokens) computes its target features as `training.loop` does: each device sorts
+    its rows' pairs for its own 16 experts through `ragged_dot`, with no [..., 128, 768]
+    activations of the dense dispatch (16x the routed FLOPs), and exports for TPUs and GPUs."""
+    two = {**specs.REAL_TARGETS["qwen3_30b_a3b"], "num_hidden_layers": 2}
+    monkeypatch.setitem(specs.REAL_TARGETS, "moe_2_layers", two)
+    prog = programs.build("train_step", programs.Setup(target="moe_2_layers", batch=16))
+    exported, report = lowering.export_program(prog)
+    assert exported.nr_devices == 8 and report.problems == [], report.problems
+    text = exported.mlir_module()
+    assert "ragged_dot" in text and "x128x768x" not in text
 
 
 @pytest.mark.parametrize("program", ["decode_step", "round_tree"])

@@ -10,6 +10,7 @@ sinks, YaRN, biases, the clamped SwiGLU); the other four are marked slow."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -21,6 +22,7 @@ from eagle3_jax.checkpoints.head_config import draft_config_from_hf, draft_confi
 from eagle3_jax.config import target_config_from_hf
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import draft as drf
+from eagle3_jax.models import target as tgt
 from eagle3_jax.vocab import from_target_ids, identity
 
 BASE = dict(
@@ -132,6 +134,68 @@ def test_a_head_trains_on_each_family(family, tmp_path):
     assert hf["target_model_type"] == _hf_config(family)["model_type"]
     _, dcfg, _, _ = load_draft(summary["head"], tcfg)
     assert dcfg.target_family == family
+
+
+def test_training_runs_a_routed_targets_experts_as_the_backend_does(tmp_path, monkeypatch):
+    """Training's target forward, in the step and in the feature store, takes the backend's
+    routed dispatch (`backends.routed_as_wanted`) on the training mesh: here the environment's
+    ragged on a 1 x 2 mesh splitting Qwen3-MoE's 4 experts (each device on its own 2), where it
+    used to run every expert on every token whatever the backend; the store's features equal
+    the dense dispatch's."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from eagle3_jax import backends
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.training import features, loop
+    from eagle3_jax.training.config import load_config
+    from eagle3_jax.training.step import target_features
+
+    monkeypatch.setenv(backends.MOE_DISPATCH_ENV, "ragged")
+    target = _sharp_target("qwen3_moe", tmp_path / "target")
+    tc = load_config(
+        Path(__file__).resolve().parents[1] / "configs/tiny.py",
+        [
+            f"--config.target={target}",
+            f"--config.data={_conversations(tmp_path / 'data.json', 4, 0)}",
+            f"--config.out_dir={tmp_path / 'run'}", "--config.max_steps=2",
+            "--config.mesh_model=2", "--config.draft_vocab_size=97",
+        ],
+    )  # fmt: skip
+    seen = []
+
+    def spy(tcfg, *args, **kwargs):
+        seen.append(tcfg)
+        raise KeyboardInterrupt  # enough: the step's config is what this test reads
+
+    monkeypatch.setattr(loop, "jit_train_step", spy)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(tc, progress=False)
+    (step_cfg,) = seen
+    assert step_cfg.moe_dispatch == "ragged" and dict(step_cfg.moe_mesh.shape) == {
+        "data": 1,
+        "model": 2,
+    }
+    assert tgt.moe_split(step_cfg, 2) == (1, 2)
+    monkeypatch.undo()
+    monkeypatch.setenv(backends.MOE_DISPATCH_ENV, "ragged")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 97, (4, 16)).astype(np.int32)
+    ds = SimpleNamespace(input_ids=ids, lengths=np.full(4, 16), num_records=4)
+    loaded = load_target(str(target))
+    got = []
+
+    def recording(tparams, ids_BT, mask_BT, tcfg, aux_ids):
+        got.append(tcfg)
+        return target_features(tparams, ids_BT, mask_BT, tcfg, aux_ids)
+
+    monkeypatch.setattr(features, "target_features", recording)
+    store = features.precompute(loaded, ds, (1, 2), tmp_path / "f", 2, False, 4)
+    assert {c.moe_dispatch for c in got} == {"ragged"}
+    aux = features.OfflineFeatures(store, ds, (1, 2)).batch(np.arange(4))["aux"]
+    dense, _ = target_features(loaded.params, jnp.asarray(ids), jnp.ones((4, 16), jnp.int32),
+                               loaded.cfg, (1, 2))  # fmt: skip
+    np.testing.assert_allclose(np.asarray(aux), np.asarray(dense), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

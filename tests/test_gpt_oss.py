@@ -286,7 +286,7 @@ def test_greedy_speculative_decoding_equals_plain(gpt_oss):
 def test_sharded_forward_equals_one_device(gpt_oss):
     """The checkpoint loaded onto a 2x4 mesh: one expert per device (weights and biases split
     over the model axis), the sinks split with their heads, the router replicated; logits and
-    every hidden state equal one device's."""
+    every hidden state equal one device's, with the dense dispatch and the routed ones."""
     _, path, params, cfg = gpt_oss
     mesh = make_mesh(2, 4)
     sharded, _ = load_hf(path, mesh=mesh)
@@ -303,6 +303,16 @@ def test_sharded_forward_equals_one_device(gpt_oss):
     out = tgt.full_forward(sharded, toks, cfg, aux_ids)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out.aux), np.asarray(ref.aux), rtol=1e-5, atol=1e-5)
+    # each device gathering (a step) or sorting (a prefill) its pairs for its own expert, with
+    # that expert's biases (`models.target._moe_on_mesh`)
+    for dispatch, (b, t) in (("gather", (1, 1)), ("ragged", (2, 20))):
+        routed = dataclasses.replace(cfg, moe_dispatch=dispatch, moe_mesh=mesh, moe_gather_pairs=2)
+        assert tgt.moe_path(routed, b * t, b) == dispatch
+        part = jnp.asarray(family_tokens(b, t, cfg.vocab_size, seed=4))
+        ref = tgt.full_forward(params, part, cfg, aux_ids)
+        out = tgt.full_forward(sharded, part, routed, aux_ids)
+        for got, exp in ((out.logits, ref.logits), (out.aux, ref.aux)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(exp), rtol=2e-5, atol=2e-5)
     # on one device q/k/v and their biases fuse (as accelerators load them); bo, the sinks and
     # the experts stay as they are
     fused = tgt.fuse_projections(load_hf(path)[0], cfg)

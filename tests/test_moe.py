@@ -10,6 +10,7 @@ family, built once per module, keeps this file's compilations few."""
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -326,12 +327,12 @@ def test_routed_greedy_decoding_matches_transformers_generate(family, moe_checkp
 def test_the_mesh_and_backend_decide_the_dispatch_unless_the_environment_does(
     moe_checkpoint, monkeypatch
 ):
-    """One TPU: ragged; the CPU, a GPU (until a device measures its ragged_dot), or several
-    devices holding every expert: gather; a model axis that splits the experts: dense (each
-    device runs its own, nothing moves); a gather up to E pairs on the CPU, E / 3 elsewhere; the
-    environment's EAGLE3_JAX_MOE_DISPATCH and EAGLE3_JAX_MOE_GATHER_PAIRS win. prepare_target
-    sets both on a routed target's config (a model axis that does not divide the experts leaves
-    them whole: gather) and leaves a dense one's alone; to_json leaves them out."""
+    """TPUs: ragged; the CPU and a GPU (until a device measures its ragged_dot): gather; a
+    gather up to E pairs on the CPU, E / 3 elsewhere; the environment's EAGLE3_JAX_MOE_DISPATCH
+    and EAGLE3_JAX_MOE_GATHER_PAIRS win. prepare_target sets both on a routed target's config,
+    with the mesh where it has several devices, and leaves a dense one's alone; to_json leaves
+    them out. On a mesh a device counts its own rows and experts (`moe_split`): the data axis
+    where it divides the batch, the model axis where it divides the experts."""
     from eagle3_jax import backends
     from eagle3_jax.checkpoints import Target
 
@@ -340,16 +341,25 @@ def test_the_mesh_and_backend_decide_the_dispatch_unless_the_environment_does(
     assert backends.moe_dispatch_wanted("tpu") == "ragged"
     assert backends.moe_dispatch_wanted("gpu") == "gather"
     assert backends.moe_dispatch_wanted("cpu") == "gather"
-    assert backends.moe_dispatch_wanted("tpu", devices=8) == "gather"
-    assert backends.moe_dispatch_wanted("tpu", devices=8, split=8) == "dense"
     assert backends.moe_gather_pairs_wanted("cpu") == 1.0
     assert backends.moe_gather_pairs_wanted("gpu") == pytest.approx(1 / 3)
     _, _, params, cfg = moe_checkpoint("qwen3_moe")
     got = backends.prepare_target(Target(params, cfg, None, None), backend="cpu")
     assert (got.cfg.moe_dispatch, got.cfg.moe_gather_pairs) == ("gather", 1.0)
-    assert got.cfg.to_json() == cfg.to_json()
-    assert backends.experts_split(cfg, make_mesh(1, 4, jax.devices()[:4])) == 4
-    assert backends.experts_split(cfg, make_mesh(1, 3, jax.devices()[:3])) == 1  # 8 % 3
+    assert got.cfg.to_json() == cfg.to_json() and got.cfg.moe_mesh is None
+    mesh = make_mesh(2, 4)
+    tpu = backends.routed_as_wanted(cfg, "tpu", mesh)  # prepare_target's (it fuses on a TPU)
+    assert (tpu.moe_dispatch, tpu.moe_mesh) == ("ragged", mesh)
+    assert tpu.to_json() == cfg.to_json() and hash(tpu) == hash(dataclasses.replace(tpu))
+    assert tgt.moe_split(tpu, 4) == (2, 4) and tgt.moe_split(tpu, 3) == (1, 4)
+    # a step of 2 rows: a device's one row's 2 pairs against its 2 experts x the line (1/3)
+    assert (tgt.moe_path(tpu, 2, 2), tgt.moe_path(tpu, 1, 1)) == ("ragged", "ragged")
+    cpu = backends.routed_as_wanted(cfg, "cpu", mesh)  # line 1: 2 pairs <= 2 experts
+    assert (tgt.moe_path(cpu, 2, 2), tgt.moe_path(cpu, 2, 1)) == ("gather", "dense")
+    three = dataclasses.replace(  # 8 % 3: the experts whole on every device
+        cfg, moe_dispatch="gather", moe_mesh=make_mesh(1, 3, jax.devices()[:3])
+    )
+    assert tgt.moe_split(three, 1) == (1, 1) and tgt.moe_path(three, 4) == "gather"
     dense_cfg = dataclasses.replace(cfg, num_experts=0, num_experts_per_tok=0, moe_layers=())
     got = backends.prepare_target(Target(params, dense_cfg, None, None), backend="cpu")
     assert got.cfg.moe_dispatch == "dense"
@@ -402,3 +412,51 @@ def test_experts_sharded_over_the_model_axis_give_the_same_forward(moe_checkpoin
     tgt.check_params(fused, cfg)
     out = tgt.full_forward(fused, toks, cfg, aux_ids)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "family,mesh_shape",
+    [("qwen3_moe", (2, 4)), ("qwen3_moe", (2, 3)), ("mixtral", (4, 2))],
+    ids=["experts-split", "experts-whole", "rows-and-experts-split"],
+)
+def test_routed_dispatches_on_a_mesh_give_one_devices_forward(family, mesh_shape, moe_checkpoint):
+    """Under a mesh (cfg.moe_mesh, `_moe_on_mesh`) each device gathers or sorts its own rows'
+    pairs for its own experts and the partial sums are all-reduced: Qwen3-MoE's 8 experts split
+    2 a device over a 2 x 4 mesh (expert parallelism) and whole on each device of a 2 x 3 mesh
+    (8 % 3), Mixtral's 4 split 2 a device with the rows over 4 (a batch of 4; a batch of 1 or 2
+    replicated over the data axis): the logits and aux states equal one device's dense forward
+    (fp32, up to summation order) for steps, a 4-row step and a 2 x 12 prefill, the stacked
+    (scanned) layout too, and the compiled program moves no expert weights."""
+    _, path, params, cfg = moe_checkpoint(family)
+    mesh = make_mesh(*mesh_shape, devices=jax.devices()[: mesh_shape[0] * mesh_shape[1]])
+    sharded, _ = load_hf(path, mesh=mesh)
+    split = mesh_shape[1] if cfg.num_experts % mesh_shape[1] == 0 else 1
+    stacked = tgt.stack_layers(sharded) if not cfg.mixed_layers else None
+    for b, t in ((1, 1), (4, 1), (2, 12)):
+        toks = jnp.asarray(family_tokens(b, t, cfg.vocab_size, seed=7))
+        ref = tgt.full_forward(params, toks, cfg, (1, 3))
+        for dispatch in ("gather", "ragged"):
+            routed = dataclasses.replace(cfg, moe_dispatch=dispatch, moe_mesh=mesh)
+            rows = mesh_shape[0] if b % mesh_shape[0] == 0 else 1
+            assert tgt.moe_split(routed, b) == (rows, split)
+            for p in (sharded, stacked) if b * t > 1 else (sharded,):
+                if p is None:
+                    continue
+                out = tgt.full_forward(p, toks, routed, (1, 3))
+                for got, exp in ((out.logits, ref.logits), (out.aux, ref.aux)):
+                    np.testing.assert_allclose(
+                        np.asarray(got), np.asarray(exp), rtol=2e-5, atol=2e-5
+                    )
+    routed = dataclasses.replace(cfg, moe_dispatch="ragged", moe_mesh=mesh)
+    toks = jnp.asarray(family_tokens(2, 12, cfg.vocab_size, seed=7))
+    jaxpr = str(jax.make_jaxpr(lambda p, x: tgt.full_forward(p, x, routed, ()))(sharded, toks))
+    assert "shard_map" in jaxpr and "ragged_dot" in jaxpr
+    hlo = tgt.full_forward.lower(sharded, toks, routed, ()).compile().as_text()
+    d, f, e = cfg.hidden_size, cfg.moe_intermediate_size or cfg.intermediate_size, cfg.num_experts
+    whole = [
+        dims
+        for dims in re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
+        if sorted(map(int, dims.split(","))) == sorted((e, d, f))
+    ]
+    assert not whole, whole
+    assert split == 1 or "all-reduce(" in hlo  # the partial sums over the experts' devices

@@ -835,7 +835,7 @@ def test_a_detected_cluster_fills_what_the_environment_leaves_unset(monkeypatch)
 # expert parallelism over both processes
 
 EXPERTS_WORKER = """
-import json, sys
+import dataclasses, json, sys
 from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental import multihost_utils
@@ -857,9 +857,16 @@ toks = np.asarray(json.loads(sys.argv[3]), np.int32)
 logits = tgt.full_forward(params, replicate(toks, mesh), cfg).logits
 logits = multihost_utils.process_allgather(logits, tiled=True)
 res = plain.generate(params, cfg, toks[:, :8].tolist(), 10, eos_ids=())
+# the routed dispatch: each device sorts (a prefill) or gathers (a step) its own experts' pairs
+routed = dataclasses.replace(cfg, moe_dispatch="ragged", moe_mesh=mesh, moe_gather_pairs=1.0)
+routed_logits = tgt.full_forward(params, replicate(toks, mesh), routed).logits
+routed_logits = multihost_utils.process_allgather(routed_logits, tiled=True)
+routed_res = plain.generate(params, routed, toks[:, :8].tolist(), 10, eos_ids=())
 if jax.process_index() == 0:
     np.save(out / "logits.npy", np.asarray(logits))
+    np.save(out / "routed_logits.npy", np.asarray(routed_logits))
     (out / "tokens.json").write_text(json.dumps(res.output_ids))
+    (out / "routed_tokens.json").write_text(json.dumps(routed_res.output_ids))
 distributed.barrier("done")
 print("ok", jax.process_index())
 """
@@ -869,7 +876,9 @@ print("ok", jax.process_index())
 def test_experts_sharded_over_two_processes_equal_one(tmp_path):
     """A tiny Qwen3-MoE (8 experts top-2, layers 0, 2 and 3 routed) on a 1x4 mesh over 2 processes x 2
     devices, 2 experts a device and each process holding half of them: its forward's logits
-    (1e-5) and greedy decoding's tokens equal one process's on one device."""
+    (1e-5) and greedy decoding's tokens equal one process's on one device, with the dense
+    dispatch and with the routed one (`models.target._moe_on_mesh`: each device sorting or
+    gathering the pairs routed to its own experts)."""
     from test_moe import tiny_moe_model
 
     from eagle3_jax.checkpoints.hf import load_hf
@@ -889,3 +898,6 @@ def test_experts_sharded_over_two_processes_equal_one(tmp_path):
     _wait(procs, logs, timeout=300)
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), ref, rtol=1e-5, atol=1e-5)
     assert json.loads((tmp_path / "tokens.json").read_text()) == want
+    routed = np.load(tmp_path / "routed_logits.npy")
+    np.testing.assert_allclose(routed, ref, rtol=2e-5, atol=2e-5)
+    assert json.loads((tmp_path / "routed_tokens.json").read_text()) == want

@@ -26,10 +26,12 @@ Two sources for the count of distinct experts per routed layer, E_touched(n):
     stored as a small JSON file the predictor reads instead of the formula.
 
 `Routing` says which source a prediction uses and how the engine dispatches: "routed" (the
-engines above, and ours where `models.target.moe_path` gathers or sorts: a small forward on any
-chip that holds every expert, and on a TPU larger ones: the touched experts' weights, k experts'
-FLOPs a token) or "dense" (ours where the model axis splits the experts, and a larger forward on
-the CPU or a GPU: every expert read and run on every token, E / k times the routed FLOPs).
+engines above, and ours where `models.target.moe_path` gathers or sorts: a small forward
+anywhere, and on TPUs larger ones: the touched experts' weights, k experts' FLOPs a token) or
+"dense" (ours for a larger forward on the CPU or a GPU: every expert read and run on every
+token, E / k times the routed FLOPs). A gather on chips that split the experts takes a matrix
+for every pair of its rows, its own or not, more than "routed" charges (`moe_path` keeps it to
+forwards of few pairs).
 With the experts split over `chips` (expert parallelism, `sharding.Rules.experts`) the time is
 the busiest chip's: `busiest_chip` gives its expected share of the touched experts.
 """

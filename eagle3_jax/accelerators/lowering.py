@@ -334,7 +334,7 @@ def flops_check(s: Setup, names=("decode_step", "round_tree", "round_chain")) ->
         ran = prog.kwargs.get("cfg") or prog.kwargs["tcfg"]
         tree = prog.kwargs.get("tree")
         tokens = s.batch * (1 if name == "decode_step" else tree.total_tokens)
-        path = tgt.moe_path(ran, tokens) if ran.num_experts else "dense"
+        path = tgt.moe_path(ran, tokens, s.batch) if ran.num_experts else "dense"
         routing = Routing("dense" if path == "dense" else "routed")
         analysis = prog.fn.lower(*prog.args, **prog.kwargs).cost_analysis() or {}
         slots = prog.kwargs["shape"].slots

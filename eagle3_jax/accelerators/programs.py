@@ -198,7 +198,7 @@ def build(name: str, s: Setup, sampling: Sampling = Sampling()) -> Program:
     """The named program (`PROGRAMS`) of a setup, with abstract, sharded arguments. Decoding
     programs are the ones an accelerator runs (`backends`): bf16 weights, q/k/v and gate/up
     fused where the mesh allows, the attention bf16 weights get there, a routed target's experts
-    dispatched as there (`backends.moe_dispatch_wanted`: dense where the model axis splits them)."""
+    dispatched as there (`backends.routed_as_wanted`: each device on its own rows and experts)."""
     tcfg = target_config(s.target)
     dcfg = draft_for(tcfg)
     b = s.batch
@@ -333,6 +333,7 @@ def _opt_shardings(opt_state, params, pshard, rep):
 def _train_program(s: Setup, tcfg: TargetConfig, dcfg: DraftConfig) -> Program:
     tc = train_config(s)
     mesh = _mesh(s.train_mesh)
+    tcfg = routed_as_wanted(tcfg, ACCELERATOR, mesh)  # training's forward, as `training.loop`'s
     rep = NamedSharding(mesh, P())
     tx = make_optimizer(tc.optim, 1000)
     tparams = abstract_target(tcfg, mesh, jnp.bfloat16)

@@ -35,10 +35,11 @@ cfg.moe_gather_pairs: a decode step, a short chain): each pair's matrices taken 
 step reads its k experts, not all E. Ragged (larger forwards on a TPU): the pairs sorted by
 expert and multiplied expert by expert (`jax.lax.ragged_dot`, the grouped product of maxtext's moe.py),
 k experts' FLOPs a token. All three are static in shape (no recompilation as the routing
-changes, which speculative rounds need). Where the mesh's model axis splits the experts (logical
-axis "experts", expert parallelism) the dispatch is dense: each device runs its own experts on
-every token and the contraction over experts becomes a partial sum XLA all-reduces, so no
-expert's weights move between devices.
+changes, which speculative rounds need). On a mesh (logical axis "experts" over the model axis:
+expert parallelism) no expert's weights move: dense, each device runs its own experts on every
+token and the contraction over experts becomes a partial sum XLA all-reduces; gathered or ragged
+(cfg.moe_mesh, `_moe_on_mesh`), each device runs the pairs of its own rows routed to its own
+experts under `jax.shard_map` and the partial sums are all-reduced.
 
 `forward` runs T new tokens against a static-shape KV cache under an explicit attention mask and
 returns logits, the final (normed) hidden state and the EAGLE-3 auxiliary hidden states.
@@ -60,6 +61,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from eagle3_jax.config import TargetConfig, rope_inv_freq
 from eagle3_jax.errors import Eagle3Error
@@ -75,7 +77,7 @@ from eagle3_jax.models.layers import (
     slot_major_keys,
     swiglu,
 )
-from eagle3_jax.sharding import Rules, mesh_of, named
+from eagle3_jax.sharding import Rules, mesh_of, named, spec_for
 
 Params = dict[str, Any]
 
@@ -554,20 +556,36 @@ def route(
 MOE_DISPATCHES = ("dense", "gather", "ragged")
 
 
-def moe_path(cfg: TargetConfig, tokens: int) -> str:
-    """Which computation a routed layer of `cfg` runs for a forward of `tokens` tokens (static):
-    "dense" (every expert on every token), "gather" (each (token, expert) pair's expert weights
-    gathered, while the n k pairs are at most cfg.moe_gather_pairs x E; a step or a short chain
-    reads only its chosen experts) or "ragged" (the pairs sorted by expert through
-    `jax.lax.ragged_dot`), by `cfg.moe_dispatch`: "dense" always dense, "gather" gathered or
-    dense, "ragged" gathered or ragged."""
+def moe_split(cfg: TargetConfig, batch: int) -> tuple[int, int]:
+    """Over how many devices a routed forward of `batch` rows splits its rows and its experts
+    under cfg.moe_mesh (`_moe_on_mesh`): the data axis where it divides the batch and the
+    model axis where the parameters' layout splits the experts (`sharding.spec_for`), else 1."""
+    mesh = cfg.moe_mesh
+    if mesh is None:
+        return 1, 1
+    data = mesh.shape["data"]
+    return (data if batch % data == 0 else 1), (
+        mesh.shape["model"] if _expert_specs(cfg)["we_gate"][0] == "model" else 1
+    )
+
+
+def moe_path(cfg: TargetConfig, tokens: int, batch: int = 1) -> str:
+    """Which computation a routed layer of `cfg` runs for a forward of `tokens` tokens in `batch`
+    rows (static): "dense" (every expert on every token), "gather" (each (token, expert) pair's
+    expert weights gathered, while a device's n k pairs are at most cfg.moe_gather_pairs x its
+    experts: a step or a short chain reads only its chosen experts) or "ragged" (the pairs sorted
+    by expert through `jax.lax.ragged_dot`), by `cfg.moe_dispatch`: "dense" always dense,
+    "gather" gathered or dense, "ragged" gathered or ragged. Under cfg.moe_mesh a device counts
+    its own rows' pairs and its own experts (`moe_split`)."""
     if cfg.moe_dispatch not in MOE_DISPATCHES:
         raise Eagle3Error(
             f"moe_dispatch {cfg.moe_dispatch!r}: choose one of {', '.join(MOE_DISPATCHES)}"
         )
     if cfg.moe_dispatch == "dense":
         return "dense"
-    if tokens * cfg.num_experts_per_tok <= cfg.moe_gather_pairs * cfg.num_experts:
+    rows, experts = moe_split(cfg, batch)
+    pairs = tokens // rows * cfg.num_experts_per_tok
+    if pairs <= cfg.moe_gather_pairs * (cfg.num_experts // experts):
         return "gather"
     return "ragged" if cfg.moe_dispatch == "ragged" else "dense"
 
@@ -581,7 +599,10 @@ def _moe(p: Params, x_BTD: jax.Array, cfg: TargetConfig) -> jax.Array:
     biases join each expert's products, and each expert's down bias is weighted like its output
     (a [B, T, E] x [E, D] product, zero for the unrouted). Gathered or ragged: `_moe_pairs`."""
     idx_BTk, w_BTk, weights_BTE = route(p["router"], x_BTD, cfg, p.get("router_bias"))
-    path = moe_path(cfg, x_BTD.shape[0] * x_BTD.shape[1])
+    b, t = x_BTD.shape[:2]
+    path = moe_path(cfg, b * t, b)
+    if path != "dense" and cfg.moe_mesh is not None:
+        return _moe_on_mesh(p, x_BTD, idx_BTk, w_BTk, cfg, path)
     if path != "dense":
         return _moe_pairs(p, x_BTD, idx_BTk, w_BTk, cfg, path)
     gate_BTEF = jnp.einsum("btd,edf->btef", x_BTD, p["we_gate"])
@@ -596,8 +617,59 @@ def _moe(p: Params, x_BTD: jax.Array, cfg: TargetConfig) -> jax.Array:
     return out_BTD
 
 
-def _moe_pairs(
+# a routed layer's expert parameters, the ones expert parallelism splits (`_moe_on_mesh`)
+EXPERT_PARAMS = ("we_gate", "we_up", "we_down", "be_gate", "be_up", "be_down")
+
+
+def _expert_specs(cfg: TargetConfig) -> dict[str, PartitionSpec]:
+    """Each expert parameter's partition spec on cfg.moe_mesh, as the loaders lay it out
+    (`sharding.spec_for` over `layer_param_specs`: the experts over the model axis where it
+    divides them, else whole on every device)."""
+    specs = layer_param_specs(cfg, cfg.moe_layers[0])
+    return {
+        name: spec_for(spec.axes, spec.shape, cfg.moe_mesh, Rules())
+        for name, spec in specs.items()
+        if name in EXPERT_PARAMS
+    }
+
+
+def _moe_on_mesh(
     p: Params, x_BTD: jax.Array, idx_BTk: jax.Array, w_BTk: jax.Array, cfg: TargetConfig, path: str
+) -> jax.Array:
+    """The gathered or ragged dispatch on cfg.moe_mesh, each device on its own rows and its own
+    experts (`jax.shard_map`): the rows over the data axis where it divides the batch, the
+    experts where the parameters are split over the model axis (expert parallelism). A device
+    runs `_moe_pairs` on the (token, expert) pairs routed to its experts (the others add an
+    exact zero) and the partial sums are all-reduced over the model axis, the one collective
+    the dense dispatch's contraction over experts also pays: no expert weights move, and a
+    device's gather reads its pairs' experts, its ragged product its own experts' FLOPs. Without
+    this GSPMD would have to partition a gather or a sort across devices (a sort spanning the
+    batch, or every device gathering every expert)."""
+    specs = _expert_specs(cfg)
+    rows, _ = moe_split(cfg, x_BTD.shape[0])
+    row = PartitionSpec("data" if rows > 1 else None)
+    axis = specs["we_gate"][0]  # "model" (of any size) or None: the experts whole everywhere
+
+    def local(x, idx, w, experts):
+        e = experts["we_gate"].shape[0]
+        first = 0 if axis is None else jax.lax.axis_index(axis) * e
+        out = _moe_pairs(experts, x, idx - first, w, cfg, path, local_experts=e)
+        return out if axis is None else jax.lax.psum(out, axis)
+
+    run = jax.shard_map(
+        local, mesh=cfg.moe_mesh, in_specs=(row, row, row, specs), out_specs=row
+    )  # fmt: skip
+    return run(x_BTD, idx_BTk, w_BTk, {name: p[name] for name in specs})
+
+
+def _moe_pairs(
+    p: Params,
+    x_BTD: jax.Array,
+    idx_BTk: jax.Array,
+    w_BTk: jax.Array,
+    cfg: TargetConfig,
+    path: str,
+    local_experts: int | None = None,
 ) -> jax.Array:
     """The routed MLP run only on each token's k chosen experts, P = B x T x k (token, expert)
     pairs: each pair's gate/up/down products with its own expert's weights, the pair's output
@@ -607,11 +679,19 @@ def _moe_pairs(
     expert's run of pairs multiplied by its matrices (`jax.lax.ragged_dot`, the grouped product
     maxtext's and MegaBlocks' MoE layers use: k experts' FLOPs a token), then put back in token
     order. Both do the same arithmetic per pair (sums over D, then F'), so a verification routed
-    one way and a step the other differ only in the products' summation order."""
+    one way and a step the other differ only in the products' summation order.
+    `local_experts`: a device's share of the experts under `_moe_on_mesh` (p holds those, and
+    idx counts from the device's first): a pair routed outside [0, local_experts) gathers
+    expert 0 or sorts after every group (ragged_dot leaves rows past its groups zero) and its
+    output is replaced by zero."""
     b, t, d = x_BTD.shape
     k = cfg.num_experts_per_tok
+    experts = cfg.num_experts if local_experts is None else local_experts
     x_PD = jnp.repeat(x_BTD.reshape(b * t, d), k, axis=0)
     e_P = idx_BTk.reshape(-1)
+    mine_P = None if local_experts is None else (e_P >= 0) & (e_P < experts)
+    if mine_P is not None:  # gather: expert 0's rows; ragged: after every group
+        e_P = jnp.where(mine_P, e_P, 0 if path == "gather" else experts)
     if path == "gather":
 
         def product(a_PX, w_EXY):
@@ -619,7 +699,8 @@ def _moe_pairs(
     else:
         order_P = jnp.argsort(e_P, stable=True)
         e_P, x_PD = e_P[order_P], x_PD[order_P]
-        sizes_E = jnp.bincount(e_P, length=cfg.num_experts).astype(jnp.int32)
+        sizes_E = jnp.bincount(e_P, length=experts).astype(jnp.int32)  # drops e_P == experts
+        e_P = jnp.minimum(e_P, experts - 1)  # the biases' rows of the pairs past every group
 
         def product(a_PX, w_EXY):
             return jax.lax.ragged_dot(a_PX, w_EXY, sizes_E)
@@ -633,6 +714,8 @@ def _moe_pairs(
     if path != "gather":  # back to token order: row p of the sorted output went to order_P[p]
         back_P = jnp.zeros_like(order_P).at[order_P].set(jnp.arange(order_P.shape[0]))
         out_PD = out_PD[back_P]
+    if mine_P is not None:
+        out_PD = jnp.where(mine_P[:, None], out_PD, jnp.zeros_like(out_PD))
     out_BTkD = out_PD.reshape(b, t, k, d)
     return jnp.einsum("btk,btkd->btd", w_BTk.astype(out_BTkD.dtype), out_BTkD)
 

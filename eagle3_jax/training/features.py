@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax import distributed
+from eagle3_jax.backends import routed_as_wanted
 from eagle3_jax.checkpoints import target_digest
 from eagle3_jax.checkpoints.atomic import (
     MARKER,
@@ -29,6 +30,7 @@ from eagle3_jax.checkpoints.atomic import (
 )
 from eagle3_jax.data.dataset import bucket_length
 from eagle3_jax.errors import Eagle3Error, differing_keys
+from eagle3_jax.sharding import mesh_of
 from eagle3_jax.training.step import target_features
 
 META = "features.json"
@@ -174,6 +176,8 @@ def precompute(
     store.progress = {"inputs": want, "processes": count, "batch_size": batch_size,
                       "total_batches": len(plan.starts)}  # fmt: skip
     fn = jax.jit(target_features, static_argnames=("tcfg", "aux_ids"))
+    # a routed target's experts dispatched as this backend runs them (training's own forward)
+    tcfg = routed_as_wanted(target.cfg, mesh=mesh_of(target.params))
     last = time.monotonic()
     desc = "features" if count == 1 else f"features (process 0's share of {count})"
     try:
@@ -184,7 +188,7 @@ def precompute(
             tl = bucket_length(ds.lengths[rows].max(), length_bucket, ds.input_ids.shape[1])
             mask = (np.arange(tl)[None, :] < ds.lengths[pad][:, None]).astype(np.int32)
             aux, hid = fn(target.params, jnp.asarray(ds.input_ids[pad, :tl]), jnp.asarray(mask),
-                          tcfg=target.cfg, aux_ids=layers)  # fmt: skip
+                          tcfg=tcfg, aux_ids=layers)  # fmt: skip
             store.write(
                 plan.at(rows), tl, np.asarray(aux)[: len(rows)], np.asarray(hid)[: len(rows)]
             )

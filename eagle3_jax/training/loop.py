@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax import distributed
+from eagle3_jax.backends import routed_as_wanted
 from eagle3_jax.checkpoints import load_target
 from eagle3_jax.checkpoints.atomic import exclusive
 from eagle3_jax.config import DTYPES
@@ -162,6 +163,9 @@ def _train(tc: TrainConfig, resume: bool, progress: bool, stop_after: int | None
         # processes in every step), and process 0 merges them; prepare_all then reads them
         prepare_data(tc, load_target(tc.corpus.target, dtype=DTYPES[tc.compute.param_dtype]), out)
     target = load_target(tc.corpus.target, dtype=DTYPES[tc.compute.param_dtype], mesh=mesh)
+    # a routed target's features with this backend's dispatch, each device on its own rows and
+    # experts (`backends.routed_as_wanted`): on a TPU k experts' FLOPs a token, not all E
+    target = target._replace(cfg=routed_as_wanted(target.cfg, mesh=mesh))
     ds, val, vocab = prepare_all(tc, target, out)
     dcfg = draft_config(tc, target.cfg, vocab.draft_size)
     total = tc.optim.max_steps or tc.optim.epochs * steps_per_epoch(ds, tc.optim.batch_size)
