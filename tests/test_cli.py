@@ -271,6 +271,7 @@ def test_a_difference_names_its_token_and_the_dtype():
         (["--json", "/nonexistent_dir/x.json"], "does not exist"),
         (["--batch-size", "0"], "--batch-size 0"),
         (["--frequency-penalty", "3"], "frequency_penalty 3.0 outside [-2, 2]"),
+        (["--prefill-chunk", "100"], "--prefill-chunk 100: give a multiple of 64"),
     ],
     ids=[
         "nan-temperature",
@@ -279,6 +280,7 @@ def test_a_difference_names_its_token_and_the_dtype():
         "json-unwritable",
         "batch-0",
         "frequency-penalty-3",
+        "prefill-chunk-100",
     ],  # fmt: skip
 )
 def test_bad_settings_are_one_line_before_any_work(tiny_target_dir, capsys, extra, msg):
@@ -318,6 +320,10 @@ def test_ignore_eos_leaves_the_options_no_end():
     for flags, eos in (([], None), (["--ignore-eos"], ())):
         args = decode_flags.parse_args(["--target", "t", "--method", "vanilla", *flags])
         assert decode_flags.decode_options(args, 64).eos_ids == eos
+    # --prefill-chunk reaches the same options (tests/test_chunked_prefill.py decodes with it)
+    for flags, chunk in (([], 0), (["--prefill-chunk", "128"], 128)):
+        args = decode_flags.parse_args(["--target", "t", "--method", "vanilla", *flags])
+        assert decode_flags.decode_options(args, 64).prefill_chunk == chunk
 
 
 @pytest.mark.slow  # 15-18 s: three decodes of the tiny target, two with --compare-plain

@@ -664,6 +664,8 @@ def test_serve_refuses_bad_flags_before_loading(capsys):
     assert "--port 70000" in capsys.readouterr().err
     assert serve.main(["--method", "vanilla", "--repetition-penalty", "0"]) == 2
     assert "repetition_penalty 0.0" in capsys.readouterr().err
+    assert serve.main(["--method", "vanilla", "--prefill-chunk", "-64"]) == 2
+    assert "--prefill-chunk -64: give a multiple of 64" in capsys.readouterr().err
     for bad, says in (("autox", "give auto or auto:TREE"), ("auto:2/3", "'2/3' is not a tree"),
                       ("1-2:9", "RANGE:TREE")):  # fmt: skip
         assert serve.main(["--tree-by-occupancy", bad]) == 2

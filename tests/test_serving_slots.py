@@ -110,6 +110,34 @@ def test_staggered_greedy_equals_alone(spec_setup, method, tree):
         assert eng.rounds < sum(m for _, _, m in requests)
 
 
+def test_chunked_admissions_interleave_with_rounds_and_equal_decoding_alone(spec_setup):
+    """prefill_chunk 64: a prompt of 150 tokens (3 chunks) arriving while another decodes is
+    prefilled a chunk before each round, the running request gaining tokens in the rounds
+    between, and joins the batch when its last chunk has run; greedy tokens equal `decode
+    --prefill-chunk 64` of each prompt alone; a staged request released mid-prefill frees its
+    slot; `compile_admissions` compiles each chunk size and each bucket's end ahead."""
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    opts = DecodeOptions("eagle3", NEW, TREE, eos_ids=(), max_context=256, prefill_chunk=64)
+    eng = SlotEngine(Target(params, cfg, None, None), Head(dparams, dcfg, vocab), opts, 2)
+    assert eng.compile_admissions([64, 192]) == 1 + 2  # chunk size 64; two buckets' ends
+    requests = _requests(cfg.vocab_size, [(0, 40, 16), (1, 150, 12), (2, 100, 10)])
+    seen = []  # (request, whether a prompt was still prefilling then) per update with tokens
+    out, reasons, where = _serve(
+        eng, requests, on_update=lambda u: seen.append((u.request, bool(eng.staged)))
+    )
+    assert (0, True) in seen  # request 0 decoded while request 1's chunks ran
+    for i, (_, prompt, limit) in enumerate(requests):
+        alone = spec_generate(params, cfg, dparams, dcfg, vocab, [prompt], limit, TREE,
+                              eos_ids=(), prefill_chunk=64)  # fmt: skip
+        assert out[i] == alone.output_ids[0], i
+        assert reasons[i] == "max_tokens"
+    slot = eng.admit("gone", requests[1][1], 4)
+    assert slot not in eng.free_slots() and eng.busy() == 1
+    eng.step()  # one chunk of three
+    eng.release(slot)
+    assert eng.free_slots() == [0, 1] and not eng.staged and eng.step() == []
+
+
 def test_slots_on_a_mesh_equal_one_device(spec_setup, hf_checkpoint):
     """`serve --mesh 2x2`: the target tensor-parallel over `model` (the head replicated), 4
     slots' rows over `data`; the staggered requests give the tokens of one device, and the state

@@ -17,6 +17,7 @@ from eagle3_jax import distributed
 from eagle3_jax.checkpoints.heads import parse_draft_vocab
 from eagle3_jax.config import DTYPES
 from eagle3_jax.decoding.generate import DecodeOptions
+from eagle3_jax.decoding.plain import PROMPT_BUCKET
 from eagle3_jax.decoding.sampling import Penalties, Sampling
 from eagle3_jax.decoding.tree import default_tree
 from eagle3_jax.errors import Eagle3Error
@@ -29,7 +30,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    for add in (_model_flags, _tree_flags, _prompt_flags, _run_flags, _output_flags):
+    for add in (_model_flags, _tree_flags, _prompt_flags, _run_flags, prefill_flag, _output_flags):
         add(p)
     return p.parse_args(argv)
 
@@ -161,6 +162,20 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def prefill_flag(p: argparse.ArgumentParser) -> None:
+    """--prefill-chunk (decode and serve: the same chunks give the same tokens)."""
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=0,
+        metavar="C",
+        help="run a prompt's prefill C tokens at a time (a multiple of 64; serve: one chunk "
+        "before each round while other requests decode, so a long prompt stalls them by a "
+        "chunk, not its whole prefill). A greedy answer of serve --prefill-chunk C is decode "
+        "--prefill-chunk C's (default 0: one pass)",
+    )
+
+
 def _output_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
@@ -191,6 +206,10 @@ def check_settings(args) -> None:
             raise Eagle3Error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
     if args.max_context is not None and args.max_context < 2:
         raise Eagle3Error(f"--max-context {args.max_context}: give 2 or more positions")
+    chunk = getattr(args, "prefill_chunk", 0)
+    if chunk and (chunk < 0 or chunk % PROMPT_BUCKET):
+        raise Eagle3Error(f"--prefill-chunk {chunk}: give a multiple of {PROMPT_BUCKET} "
+                          "(0: the prompt in one pass)")  # fmt: skip
     if args.json:  # process 0 writes it, so checks it; the others get its error
         distributed.from_primary("decode: --json", lambda: check_writable(args.json, "--json"))
 
@@ -262,6 +281,7 @@ def decode_options(args, max_context: int) -> DecodeOptions:
         eos_ids=() if getattr(args, "ignore_eos", False) else None,
         max_context=max_context,
         same_engine=args.same_engine,
+        prefill_chunk=getattr(args, "prefill_chunk", 0),
     )
 
 

@@ -41,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     decode_flags._model_flags(p)
     decode_flags._tree_flags(p)
     decode_flags._run_flags(p)
+    decode_flags.prefill_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=int, default=4, help="requests decoded together (default 4)")
@@ -141,7 +142,7 @@ def build_engine(args, target, head, max_context) -> SlotEngine:
     opts = DecodeOptions(
         args.method, args.max_new_tokens, decode_flags.tree_of(args),
         decode_flags.sampling_of(args),
-        max_context=max_context, same_engine=True,
+        max_context=max_context, same_engine=True, prefill_chunk=args.prefill_chunk,
     )  # fmt: skip
     if args.method == "eagle3" and (args.tree_by_occupancy or "").strip() == "auto":
         dtype = jax.tree.leaves(target.params)[0].dtype

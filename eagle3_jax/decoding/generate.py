@@ -48,6 +48,9 @@ class DecodeOptions:
     pad_id: None for the target's pad token (0 when it has none); padding never reaches an output.
     same_engine: vanilla through the speculative engine's verification step (the root alone
       each round) instead of plain decoding's loop.
+    prefill_chunk: the prompts' target forward run this many tokens at a time (a multiple of
+      `plain.PROMPT_BUCKET`; `plain.chunked_forward`, the programs `serve --prefill-chunk`
+      admits with); 0: in one pass.
     """
 
     method: str | Callable = "eagle3"
@@ -59,12 +62,15 @@ class DecodeOptions:
     max_context: int | None = None
     pad_id: int | None = None
     same_engine: bool = False
+    prefill_chunk: int = 0
 
     def __post_init__(self):
         if not callable(self.method) and self.method not in METHODS:
             raise Eagle3Error(f"method {self.method!r}: use one of {', '.join(METHODS)}")
         if self.max_new_tokens < 1:
             raise Eagle3Error(f"max_new_tokens {self.max_new_tokens}: give 1 or more")
+        if self.prefill_chunk:
+            plain.chunk_sizes(plain.PROMPT_BUCKET, self.prefill_chunk)  # a multiple of it
 
     @property
     def speculative(self) -> bool:
@@ -217,10 +223,10 @@ def _speculative(target: Target, head, prompts, opts: DecodeOptions, warmup: boo
     prompt, lengths, limit, ones = put_batch(mesh, req.tokens, req.lengths, req.limit,
                                              np.ones_like(req.limit))  # fmt: skip
     if warmup:
-        st = spec.prefill(*eng.models, prompt, lengths, ones, key, *eng.static, mesh=mesh)
+        st = _prefill(eng, prompt, lengths, ones, key, opts, mesh)
         jax.block_until_ready(spec.decode_loop(*eng.models, st, *eng.static, eng.method))
     t0 = time.perf_counter()
-    state = spec.prefill(*eng.models, prompt, lengths, limit, key, *eng.static, mesh=mesh)
+    state = _prefill(eng, prompt, lengths, limit, key, opts, mesh)
     state = spec.decode_loop(*eng.models, state, *eng.static, eng.method)
     fields = (state.tokens, state.num_new, state.finish, state.forwards, state.accept_hist,
               state.verified)  # fmt: skip
@@ -231,6 +237,15 @@ def _speculative(target: Target, head, prompts, opts: DecodeOptions, warmup: boo
         [plain.FINISH_REASONS[f] for f in finish], [int(x) for x in fw], wall,
         np.asarray(hist), [int(x) for x in ver],
     )  # fmt: skip
+
+
+def _prefill(eng: _Engine, prompt, lengths, limit, key, opts: DecodeOptions, mesh):
+    """The speculative state after the prompts' prefill: one pass, or `opts.prefill_chunk`
+    tokens at a time."""
+    if opts.prefill_chunk:
+        return spec.prefill_chunked(*eng.models, prompt, lengths, limit, key, *eng.static,
+                                    opts.prefill_chunk, mesh=mesh)  # fmt: skip
+    return spec.prefill(*eng.models, prompt, lengths, limit, key, *eng.static, mesh=mesh)
 
 
 def _result(target, opts, output_ids, finish, forwards, wall, hist=None, verified=None):
@@ -262,6 +277,7 @@ def generate_ids(
     res = plain.generate(
         target.params, target.cfg, prompts, opts.max_new_tokens, opts.sampling, opts.seed,
         opts.eos_ids, opts.max_context, _pad(target, opts), warmup,
+        prefill_chunk=opts.prefill_chunk,
     )  # fmt: skip
     forwards = [len(o) for o in res.output_ids]  # one target pass per token
     return _result(target, opts, res.output_ids, res.finish_reasons, forwards, res.wall_time_s)
@@ -274,14 +290,21 @@ def stream_ids(
     plain decoding step), for interactive chat; `opts` as `generate_ids` takes them."""
     if not opts.speculative:
         for t in plain.stream(target.params, target.cfg, prompt, opts.max_new_tokens,
-                              opts.sampling, opts.seed, opts.eos_ids, opts.max_context):  # fmt: skip
+                              opts.sampling, opts.seed, opts.eos_ids, opts.max_context,
+                              opts.prefill_chunk):  # fmt: skip
             yield [t]
         return
     eng = _engine(target, head, [prompt], opts)
     req = eng.req
-    state = spec.prefill(*eng.models, req.tokens, req.lengths, req.limit,
-                         jax.random.PRNGKey(opts.seed), *eng.static,
-                         mesh=mesh_of(target.params))  # fmt: skip
+    state = _prefill(
+        eng,
+        req.tokens,
+        req.lengths,
+        req.limit,
+        jax.random.PRNGKey(opts.seed),
+        opts,
+        mesh_of(target.params),
+    )
     shown = 0
     while True:
         n, finish = int(state.num_new[0]), int(state.finish[0])

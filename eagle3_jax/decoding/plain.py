@@ -178,9 +178,19 @@ def prefill(
         zeros,
         logits_idx_BP=(lengths_B - 1)[:, None],
     )
+    return _first_tokens(out.logits, out.cache, prompt_BT, lengths_B, limit_B, key, cfg, shape,
+                         sampling, eos_ids)  # fmt: skip
+
+
+def _first_tokens(logits_B1V, cache, prompt_BT, lengths_B, limit_B, key, cfg: TargetConfig,
+                  shape: Shape, sampling: Sampling, eos_ids: tuple[int, ...]) -> DecodeState:  # fmt: skip
+    """The decode state after a prefill: each row's first new token sampled from its last prompt
+    position's logits (`logits_B1V`), `cache` the prompt's."""
+    b = prompt_BT.shape[0]
+    zeros = jnp.zeros((b,), jnp.int32)
     key, sub = jax.random.split(key)
     rows = None
-    logits = out.logits[:, 0]
+    logits = logits_B1V[:, 0]
     if sampling.penalties.on:
         rows = RowSampling.fill(sampling, b, (0, 0, cfg.vocab_size))
         rows = rows.counting(prompt_BT, lengths_B)
@@ -190,9 +200,112 @@ def prefill(
     num_new = jnp.ones((b,), jnp.int32)
     finish = _finish_code(first, num_new, limit_B, lengths_B, eos_ids, shape)
     return DecodeState(
-        out.cache, tokens, num_new, lengths_B, first, finish, jnp.int32(1), limit_B, key,
+        cache, tokens, num_new, lengths_B, first, finish, jnp.int32(1), limit_B, key,
         None if rows is None else rows.count(first[:, None], jnp.ones((b, 1), bool)),
     )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- chunked prefill
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "aux_ids"), donate_argnums=(1, 2))
+def prefill_chunk(params, cache, logits_B1V, tokens_BC, start, lengths_B, cfg: TargetConfig,
+                  aux_ids: tuple[int, ...] = ()):  # fmt: skip
+    """One chunk of a chunked prefill (`chunked_forward`): the C prompt tokens at positions
+    start .. start + C - 1 (`start` a runtime int: one compile per chunk size) run against the
+    cache holding the positions before them, their K/V written at those slots; a row whose last
+    prompt position falls in the chunk has its logits there put in `logits_B1V`. Returns the
+    cache, the chunk's aux features [B, C, n_aux D] and the logits (the two buffers donated)."""
+    b, c = tokens_BC.shape
+    slots = jax.tree.leaves(cache["v"])[0].shape[-2]  # V is [.., B, G, S, K] in every layout
+    starts = jnp.full((b,), start, jnp.int32)
+    last = lengths_B - 1 - start  # the row's last prompt position within the chunk
+    out = tgt.forward(
+        params,
+        tokens_BC,
+        starts[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :],
+        causal_mask(starts, c, slots),
+        cfg,
+        cache,
+        starts,
+        aux_ids=aux_ids,
+        logits_idx_BP=jnp.clip(last, 0, c - 1)[:, None],
+    )
+    inside = (last >= 0) & (last < c)
+    logits = jnp.where(inside[:, None, None], out.logits, logits_B1V)
+    aux = out.aux if aux_ids else jnp.zeros((b, c, 0), jax.tree.leaves(params)[0].dtype)
+    return out.cache, aux, logits
+
+
+def chunk_sizes(prompt_len: int, chunk: int) -> list[int]:
+    """The chunks a prompt padded to `prompt_len` is prefilled in: `chunk` tokens each (a
+    multiple of PROMPT_BUCKET), the last one the rest (so a prompt never reaches past its
+    bucket): one compiled chunk program per distinct size."""
+    if chunk < PROMPT_BUCKET or chunk % PROMPT_BUCKET:
+        raise Eagle3Error(f"prefill chunk {chunk}: give a multiple of {PROMPT_BUCKET}")
+    return [min(chunk, prompt_len - s) for s in range(0, prompt_len, chunk)]
+
+
+class Prefilled(NamedTuple):
+    """What a prefill's target forward leaves (`chunked_forward`): the cache with the prompt's
+    K/V, the aux features of the prompt's positions, chunk by chunk ([B, C_i, n_aux D] each;
+    [B, C_i, 0] without aux ids; `jnp.concatenate` along axis 1 gives [B, T, .]), and each row's
+    logits at its last prompt position [B, 1, V]."""
+
+    cache: dict[str, Any]
+    aux: tuple[jax.Array, ...]
+    logits: jax.Array
+
+
+def start_prefill(params, cfg: TargetConfig, batch: int, slots: int, mesh=None) -> Prefilled:
+    """Empty buffers for a chunked prefill of `batch` prompts into a cache of `slots` (laid out
+    on `mesh` where given, as `prefill` lays its cache out)."""
+    dtype = jax.tree.leaves(params)[0].dtype
+    stacked = not isinstance(params["layers"], list)
+    cache = _empty_cache(cfg, batch, slots, dtype, stacked, mesh)
+    return Prefilled(cache, (), jnp.zeros((batch, 1, cfg.vocab_size), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _empty_cache(cfg, batch, slots, dtype, stacked, mesh):
+    return tgt.make_cache(cfg, batch, slots, dtype, stacked=stacked, mesh=mesh)
+
+
+def next_chunk(params, pre: Prefilled, prompt_BT, lengths_B, at: int, size: int,
+               cfg: TargetConfig, aux_ids: tuple[int, ...] = ()) -> Prefilled:  # fmt: skip
+    """`pre` after the chunk of `size` prompt tokens from position `at` (`prefill_chunk`)."""
+    cache, aux, logits = prefill_chunk(params, pre.cache, pre.logits, prompt_BT[:, at : at + size],
+                                       jnp.int32(at), lengths_B, cfg, aux_ids)  # fmt: skip
+    return Prefilled(cache, (*pre.aux, aux), logits)
+
+
+def chunked_forward(params, prompt_BT, lengths_B, cfg: TargetConfig, slots: int, chunk: int,
+                    aux_ids: tuple[int, ...] = (), mesh=None) -> Prefilled:  # fmt: skip
+    """The prefill's target forward `chunk` tokens at a time (`prefill_chunk`, a jitted program
+    per chunk size), each chunk attending to the cache the ones before it wrote: the K/V, aux
+    features and last logits of the one-pass forward up to the products' summation order (a
+    product's bits depend on its row count, so the two are not bit for bit alike: decoding
+    and serving with the same chunk run the same programs)."""
+    b, t = prompt_BT.shape
+    pre, at = start_prefill(params, cfg, b, slots, mesh), 0
+    for size in chunk_sizes(t, chunk):
+        pre = next_chunk(params, pre, prompt_BT, lengths_B, at, size, cfg, aux_ids)
+        at += size
+    return pre
+
+
+first_tokens = jax.jit(
+    _first_tokens, static_argnames=("cfg", "shape", "sampling", "eos_ids"), donate_argnums=1
+)
+
+
+def prefill_chunked(params, prompt_BT, lengths_B, limit_B, key, cfg: TargetConfig, shape: Shape,
+                    sampling: Sampling, eos_ids: tuple[int, ...], chunk: int,
+                    mesh=None) -> DecodeState:  # fmt: skip
+    """`prefill` with the prompt's forward run `chunk` tokens at a time (`chunked_forward`)."""
+    pre = chunked_forward(params, prompt_BT, lengths_B, cfg, shape.slots, chunk, mesh=mesh)
+    return first_tokens(pre.logits, pre.cache, prompt_BT, lengths_B, limit_B, key, cfg, shape,
+                        sampling, eos_ids)  # fmt: skip
 
 
 def _step(
@@ -296,11 +409,13 @@ def generate(
     pad_id: int = 0,
     warmup: bool = False,
     buckets: tuple[int, int] | None = None,
+    prefill_chunk: int = 0,
 ) -> Result:
     """Batched plain decoding of token-id prompts; each row stops at EOS, max tokens or the context.
 
     `warmup` first runs the same compiled programs with a one-token limit, so `wall_time_s` measures
-    decoding, not compilation. `buckets`: see plan_shape.
+    decoding, not compilation. `buckets`: see plan_shape. `prefill_chunk`: the prompts' forward
+    run that many tokens at a time (`prefill_chunked`); 0: in one pass.
     """
     req = prepare(cfg, prompts, max_new_tokens, eos_ids, max_context, pad_id, buckets=buckets)
     args = (cfg, req.shape, sampling, req.eos)
@@ -308,11 +423,17 @@ def generate(
     mesh = mesh_of(params)
     tokens, lengths, limit, ones = put_batch(mesh, req.tokens, req.lengths, req.limit,
                                              np.ones_like(req.limit))  # fmt: skip
+
+    def start(limit_B):
+        if prefill_chunk:
+            return prefill_chunked(params, tokens, lengths, limit_B, key, *args, prefill_chunk,
+                                   mesh=mesh)  # fmt: skip
+        return prefill(params, tokens, lengths, limit_B, key, *args, mesh=mesh)
+
     if warmup:
-        state = prefill(params, tokens, lengths, ones, key, *args, mesh=mesh)
-        jax.block_until_ready(decode_loop(params, state, *args))
+        jax.block_until_ready(decode_loop(params, start(ones), *args))
     t0 = time.perf_counter()
-    state = prefill(params, tokens, lengths, limit, key, *args, mesh=mesh)
+    state = start(limit)
     state = decode_loop(params, state, *args)
     out, reasons = _collect(state)
     wall = time.perf_counter() - t0
@@ -328,12 +449,18 @@ def stream(
     seed: int = 0,
     eos_ids: tuple[int, ...] | None = None,
     max_context: int | None = None,
+    prefill_chunk: int = 0,
 ) -> Iterator[int]:
     """Yields one row's tokens as they are produced (for interactive chat)."""
     req = prepare(cfg, [prompt], max_new_tokens, eos_ids, max_context)
     args = (cfg, req.shape, sampling, req.eos)
     key = jax.random.PRNGKey(seed)
-    state = prefill(params, req.tokens, req.lengths, req.limit, key, *args, mesh=mesh_of(params))
+    if prefill_chunk:
+        state = prefill_chunked(params, req.tokens, req.lengths, req.limit, key, *args,
+                                prefill_chunk, mesh=mesh_of(params))  # fmt: skip
+    else:
+        state = prefill(params, req.tokens, req.lengths, req.limit, key, *args,
+                        mesh=mesh_of(params))  # fmt: skip
     while True:
         yield int(state.last[0])
         if int(state.finish[0]) != 0:

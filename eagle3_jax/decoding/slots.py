@@ -7,7 +7,10 @@ pending K/V, buffers, counters and the row's own PRNG key); `step` runs one roun
 slots, padded with free ones to a row bucket (`speculative.rows_round`, the target cache read in
 place; all B: `speculative.round_step`), free and finished slots riding along frozen as a
 finished row always does (`finish != 0`), and reports each occupied slot's new tokens and, when
-it ended, why; `release` frees a slot before its end (a disconnect, a stop string).
+it ended, why; `release` frees a slot before its end (a disconnect, a stop string). With
+`DecodeOptions.prefill_chunk` C, `admit` reserves the slot and `step` prefills C tokens of it
+before each round (`prefill_some`), the row joining the batch after its last chunk
+(`admit_prefilled`): tokens as `decode --prefill-chunk C` gives them.
 
 Static shapes: the batched state is sized once (`Shape(B, 0, S, M)`: S cache slots for every
 request, M the largest max_tokens), so a round compiles once per tree and row bucket; `admit`
@@ -183,6 +186,41 @@ def admit_row(
     row = spec.prefill(tparams, dparams, embed, vocab, prompt_1T, length_1, limit_1, key,
                        tcfg, dcfg, shape, tree, sampling, eos_ids, row_sampling=rows)  # fmt: skip
     return insert_row(state, row, slot)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=3)
+def admit_prefilled(
+    tparams, dparams, embed, state: SpecState, slot, cache, aux, logits, prompt_1T, length_1,
+    limit_1, key, tcfg, dcfg, shape: plain.Shape, tree, sampling, eos_ids,
+    rows: RowSampling | None = None,
+) -> SpecState:  # fmt: skip
+    """A chunked admission's end (`SlotEngine` with prefill_chunk): the row's state from its
+    prompt's chunks (`plain.prefill_chunk`'s cache, aux features and last logits: the root
+    sampled, the draft's encode, as `speculative.prefill_chunked` ends) written into row `slot`
+    of the batched state, which is donated."""
+    row = spec.from_prefill(tparams, dparams, embed, cache, aux, logits, prompt_1T, length_1,
+                            limit_1, key, tcfg, dcfg, shape, tree, sampling, eos_ids,
+                            rows)  # fmt: skip
+    return insert_row(state, row, slot)
+
+
+@dataclasses.dataclass
+class _Staged:
+    """A request whose prompt is being prefilled chunk by chunk (`SlotEngine.prefill_chunk`):
+    its slot is reserved, its row not yet in the batched state."""
+
+    request: object
+    slot: int
+    args: tuple  # `admit_prefilled`'s prompt_1T, length_1, limit_1, key
+    shape: plain.Shape  # the batch of one's
+    rows: RowSampling
+    sizes: list[int]  # its chunks (`plain.chunk_sizes`)
+    pre: plain.Prefilled | None = None  # the cache, aux features and logits so far
+    done: int = 0  # chunks run
+
+    @property
+    def at(self) -> int:
+        return sum(self.sizes[: self.done])
 
 
 SCORE_CHUNK = 64  # prompt positions whose logits `score_prompt` computes at once
@@ -477,6 +515,12 @@ class SlotEngine:
       processing: room in the state for a request's logit processing (`RowSampling`): 300
         logit_bias entries, 16 ids barred until min_tokens, and each token's count for the
         penalties ([B, V] int32 and bool); False: none (every request refused that asks).
+      opts.prefill_chunk: C > 0 prefills a prompt C tokens at a time, one chunk before each
+        round while others decode (`step`; every chunk of it while nothing else runs), so a
+        long prompt's arrival stalls a round by one chunk's forward, not its whole prefill;
+        its slot is reserved meanwhile and its tokens are those of `decode --prefill-chunk C`
+        (the same programs: `plain.prefill_chunk`, `admit_prefilled`). 0: each admission one
+        pass (`admit_row`), tokens as `decode` without chunks.
     """
 
     def __init__(self, target: Target, head: Head | None, opts: DecodeOptions, slots: int,
@@ -485,6 +529,8 @@ class SlotEngine:
                  processing: bool = True):  # fmt: skip
         if slots < 1:
             raise Eagle3Error(f"slots {slots} < 1")
+        self.prefill_chunk = opts.prefill_chunk
+        self.staged: dict[int, _Staged] = {}  # slot -> its chunked admission, in arrival order
         # a round runs the busy slots (`row_buckets`) or all B
         self.busy_rows = busy_rows
         method = opts.method
@@ -617,7 +663,7 @@ class SlotEngine:
                               threads)  # fmt: skip
 
     def free_slots(self) -> list[int]:
-        return [i for i, o in enumerate(self.owner) if o is None]
+        return [i for i, o in enumerate(self.owner) if o is None and i not in self.staged]
 
     def busy(self) -> int:
         return self.slots - len(self.free_slots())
@@ -637,16 +683,55 @@ class SlotEngine:
         if not free:
             raise Eagle3Error("no free slot")
         slot = free[0] if slot is None else slot
-        if self.owner[slot] is not None:
+        if self.owner[slot] is not None or slot in self.staged:
             raise Eagle3Error(f"slot {slot} is busy")
         sampling = self.opts.sampling if sampling is None else sampling
-        self.state = admit_row(*self._admit_args(
+        args = self._admit_args(
             slot, prompt, max_tokens, seed, sampling, ignore_eos,
             self.check_processing(max_tokens, logit_bias, min_tokens, stop_ids, ignore_eos,
                                   sampling.penalties),
-        ))  # fmt: skip
+        )  # fmt: skip
+        if self.prefill_chunk:  # prefilled chunk by chunk from the next `step` on
+            one = args[12]
+            self.staged[slot] = _Staged(request, slot, args[6:10], one, args[-1],
+                                        plain.chunk_sizes(one.prompt_len, self.prefill_chunk))  # fmt: skip
+            return slot
+        self.state = admit_row(*args)
         self.owner[slot], self.shown[slot] = request, 0
         return slot
+
+    def _next_chunk(self, job: _Staged) -> plain.Prefilled:
+        """`job`'s buffers after its next chunk (`plain.next_chunk`)."""
+        tcfg, dcfg = self.cfgs
+        pre = job.pre or plain.start_prefill(self.models[0], tcfg, 1, self.shape.slots, self.mesh)
+        return plain.next_chunk(self.models[0], pre, job.args[0], job.args[1], job.at,
+                                job.sizes[job.done], tcfg,
+                                () if dcfg is None else dcfg.aux_layer_ids)  # fmt: skip
+
+    def _end_call(self, job: _Staged, pre: plain.Prefilled):
+        """(`admit_prefilled`, its arguments) for `job` once its chunks have run."""
+        tparams, dparams, embed, _ = self.models
+        return admit_prefilled, (tparams, dparams, embed, self.state, jnp.int32(job.slot), *pre,
+                                 *job.args, *self._static(job.shape), job.rows)  # fmt: skip
+
+    def prefill_some(self) -> int:
+        """Runs staged admissions' chunks (`prefill_chunk`), oldest first: one chunk's worth of
+        tokens while some row decodes, else all of them (no one waits); a staged request whose
+        last chunk ran joins the batch (its first token reported by the next `poll`). Returns
+        the prompt tokens prefilled."""
+        budget = self.prefill_chunk if any(o is not None for o in self.owner) else math.inf
+        spent = 0
+        while self.staged and spent < budget:
+            job = next(iter(self.staged.values()))
+            job.pre = self._next_chunk(job)
+            spent += job.sizes[job.done]
+            job.done += 1
+            if job.done == len(job.sizes):
+                fn, args = self._end_call(job, job.pre)
+                self.state = fn(*args)
+                del self.staged[job.slot]
+                self.owner[job.slot], self.shown[job.slot] = job.request, 0
+        return spent
 
     def check_processing(self, max_tokens: int, logit_bias: dict[int, float] | None = None,
                          min_tokens: int = 0, stop_ids: Iterable[int] = (),
@@ -714,8 +799,30 @@ class SlotEngine:
         up every running request); `threads` compile at once (default: one per CPU). Nothing
         runs: the state is untouched. Returns how many programs it compiled or found."""
         buckets = self.prompt_buckets() if buckets is None else buckets
+        if self.prefill_chunk:
+            return _compile_ahead(self._chunked_calls(buckets), threads)
         return _compile_ahead([(admit_row, self._admit_args(0, [self.pad] * n, 1))
                                for n in buckets], threads)  # fmt: skip
+
+    def _chunked_calls(self, buckets: list[int]) -> list[tuple]:
+        """A chunked admission's programs for prompts of these buckets: the chunk program of
+        each chunk size they take and each bucket's `admit_prefilled`."""
+        tcfg, dcfg = self.cfgs
+        aux_ids = () if dcfg is None else dcfg.aux_layer_ids
+        pre = plain.start_prefill(self.models[0], tcfg, 1, self.shape.slots, self.mesh)
+        length = jnp.ones((1,), jnp.int32)
+        chunk, calls = {}, []
+        for size in sorted({c for n in buckets for c in plain.chunk_sizes(n, self.prefill_chunk)}):
+            args = (self.models[0], pre.cache, pre.logits, jnp.zeros((1, size), jnp.int32),
+                    jnp.int32(0), length, tcfg, aux_ids)  # fmt: skip
+            chunk[size] = jax.eval_shape(plain.prefill_chunk, *args)[1]  # its aux part
+            calls.append((plain.prefill_chunk, args))
+        for n in buckets:
+            args = self._admit_args(0, [self.pad] * n, 1)
+            job = _Staged(None, 0, args[6:10], args[12], args[-1], [])
+            aux = tuple(chunk[c] for c in plain.chunk_sizes(n, self.prefill_chunk))
+            calls.append(self._end_call(job, plain.Prefilled(pre.cache, aux, pre.logits)))
+        return calls
 
     def _score_args(self, prompt: list[int]) -> tuple:
         """`score_prompt`'s arguments: the prompt padded as an admission pads it."""
@@ -745,6 +852,8 @@ class SlotEngine:
     def release(self, slot: int) -> None:
         """Frees `slot` now (its request is dropped: a disconnect, a stop string); its row rides
         along frozen until another request is admitted there."""
+        if self.staged.pop(slot, None) is not None:  # its chunks so far are dropped
+            return
         if self.owner[slot] is None:
             return
         self.state = _free_row(self.state, jnp.int32(slot))
@@ -764,13 +873,16 @@ class SlotEngine:
         self.state = self._empty()
         self.owner = [None] * self.slots
         self.shown = [0] * self.slots
+        self.staged = {}
         self.current_tree = None
 
     def step(self, tree: TreeConfig | None = None) -> list[Update]:
         """One speculative round over the busy slots (`round_rows`; none when no slot is
         running), then each occupied slot's new tokens; a slot whose request ended is freed. The round's tree is
         the schedule's for the busy slots (a `MeasuredSchedule` is told how the round went), or
-        `tree` if given (one of the schedule's: compiling them before serving)."""
+        `tree` if given (one of the schedule's: compiling them before serving). Staged
+        admissions first run a chunk (`prefill_some`)."""
+        self.prefill_some()
         running = [i for i, o in enumerate(self.owner) if o is not None]
         if not running:
             return []

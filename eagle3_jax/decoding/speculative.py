@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.drafters import DRAFTERS, encode_drafter, pairs_full
-from eagle3_jax.decoding.plain import Shape
+from eagle3_jax.decoding.plain import Shape, chunked_forward
 from eagle3_jax.decoding.sampling import (
     RowSampling,
     Sampling,
@@ -119,13 +119,33 @@ def prefill(
         aux_ids=() if dcfg is None else dcfg.aux_layer_ids,
         logits_idx_BP=(lengths_B - 1)[:, None],
     )
+    feat = out.aux if dcfg is not None else jnp.zeros((b, t, 0), dtype)
+    return _from_prefill(tparams, dparams, embed, out.cache, feat, out.logits, prompt_BT, lengths_B,
+                         limit_B, key, tcfg, dcfg, shape, tree, sampling, eos_ids,
+                         row_sampling)  # fmt: skip
+
+
+def _from_prefill(tparams, dparams, embed, cache, feat_BTX, logits_B1V, prompt_BT, lengths_B,
+                  limit_B, key, tcfg: TargetConfig, dcfg: drf.DraftConfig, shape: Shape,
+                  tree: TreeConfig, sampling: Sampling, eos_ids: tuple[int, ...],
+                  row_sampling: RowSampling | None = None) -> SpecState:  # fmt: skip
+    """The state after a prefill's target forward (`prefill`, or `plain.chunked_forward`'s
+    chunks): `cache` holding the prompt's K/V, the aux features of every prompt position
+    (`feat_BTX`, [B, T, 0] without a head; or its chunks, [B, C_i, .] each, concatenated here)
+    and each row's logits at its last position
+    [B, 1, V]: the root sampled, the draft's encode of the prompt."""
+    if isinstance(feat_BTX, (tuple, list)):  # a chunked prefill's, chunk by chunk
+        feat_BTX = jnp.concatenate(feat_BTX, axis=1)
+    b, t = prompt_BT.shape
+    dtype = jax.tree.leaves(tparams)[0].dtype
+    zeros = jnp.zeros((b,), jnp.int32)
     key, sub = jax.random.split(key)
     if row_sampling is None:  # a decode's: its static sampling's, penalties included
         widths = widths_for(shape.row_widths, sampling, tcfg.vocab_size)
         row_sampling = RowSampling.fill(sampling, b, widths)
     rows = jnp.arange(b)
     row_sampling = row_sampling.counting(prompt_BT, lengths_B)
-    logits = process_logits(out.logits[:, 0], row_sampling, zeros)  # the first new token's
+    logits = process_logits(logits_B1V[:, 0], row_sampling, zeros)  # the first new token's
     if sampling.greedy:
         root = sample(logits, sub, sampling)
     else:
@@ -133,22 +153,21 @@ def prefill(
     row_sampling = row_sampling.count(root[:, None], jnp.ones((b, 1), bool))
     e = tree.depth + 1
     dcache: dict[str, Any] = {}
-    feat = jnp.zeros((b, t, 0), dtype)
+    feat = feat_BTX
     if dcfg is not None:
-        dcache = _encode_prompt(dparams, embed, prompt_BT, out.aux, dtype, dcfg, shape, tree)
-        feat = out.aux
+        dcache = _encode_prompt(dparams, embed, prompt_BT, feat, dtype, dcfg, shape, tree)
     num_new = jnp.ones((b,), jnp.int32)
     stops = eos_mask(root, eos_ids) & ~row_sampling.ignore_eos
     finish = jnp.where(stops, 1, jnp.where(num_new >= limit_B, 2, 0))
     logprobs = None
     if shape.logprobs is not None:  # the root's, at emitted position 0
-        first = token_logprobs(out.logits[:, :1], root[:, None], shape.logprobs)
+        first = token_logprobs(logits_B1V, root[:, None], shape.logprobs)
         n = shape.max_new + e
         logprobs = TokenLogProbs(
             *(jnp.zeros((b, n) + x.shape[2:], x.dtype).at[:, :1].set(x) for x in first)
         )
     return SpecState(
-        tcache=out.cache,
+        tcache=cache,
         pending_kv={
             n: jnp.zeros((tcfg.num_layers, b, e, tcfg.num_kv_heads, tcfg.head_dim), dtype)
             for n in ("k", "v")
@@ -178,6 +197,27 @@ def prefill(
         sampling=row_sampling,
         logprobs=logprobs,
     )
+
+
+from_prefill = jax.jit(
+    _from_prefill,
+    static_argnames=("tcfg", "dcfg", "shape", "tree", "sampling", "eos_ids"),
+    donate_argnums=3,
+)
+
+
+def prefill_chunked(tparams, dparams, embed, vocab: DraftVocab, prompt_BT, lengths_B, limit_B,
+                    key, tcfg: TargetConfig, dcfg: drf.DraftConfig, shape: Shape,
+                    tree: TreeConfig, sampling: Sampling, eos_ids: tuple[int, ...], chunk: int,
+                    mesh=None, row_sampling: RowSampling | None = None) -> SpecState:  # fmt: skip
+    """`prefill` with the prompt's target forward run `chunk` tokens at a time
+    (`plain.chunked_forward`: the programs serving's chunked admissions run), then the same
+    root and draft encode (`from_prefill`)."""
+    aux_ids = () if dcfg is None else dcfg.aux_layer_ids
+    pre = chunked_forward(tparams, prompt_BT, lengths_B, tcfg, shape.slots, chunk, aux_ids, mesh)
+    return from_prefill(tparams, dparams, embed, pre.cache, pre.aux, pre.logits, prompt_BT,
+                        lengths_B, limit_B, key, tcfg, dcfg, shape, tree, sampling, eos_ids,
+                        row_sampling)  # fmt: skip
 
 
 def _commit(state: SpecState, v: Verdict, dcache, key, shape: Shape, tree: TreeConfig, eos_ids):

@@ -1,0 +1,69 @@
+"""Chunked prefill (`plain.chunked_forward`, `decode --prefill-chunk`): the prompt's target
+forward run C tokens at a time against the cache the earlier chunks wrote gives the one-pass
+forward's cache, aux features and last logits (fp32, up to the products' summation order), and
+decoding after it is exact: greedy speculative decoding with a chunked prefill equals plain
+decoding with the same chunks, batch rows of different lengths included."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import random_prompts, spec_generate
+
+from eagle3_jax.decoding import plain
+from eagle3_jax.decoding import speculative as spec
+from eagle3_jax.decoding.generate import DecodeOptions
+from eagle3_jax.decoding.sampling import Sampling
+from eagle3_jax.decoding.tree import TreeConfig
+from eagle3_jax.errors import Eagle3Error
+
+TREE = TreeConfig(top_k=3, depth=3, total_tokens=8)
+
+
+def test_chunks_give_the_one_pass_prefill(spec_setup):
+    """Prompts of 150 and 40 tokens (bucket 192) in chunks of 64: the K/V of every prompt slot,
+    the aux features of every prompt position and each row's last logits equal the one-pass
+    prefill's; the state after it (root, draft cache) too."""
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    prompts = random_prompts(cfg.vocab_size, [150, 40], seed=3)
+    req = plain.prepare(cfg, prompts, 8, (), None, 0, TREE.round_slots + 1)
+    assert plain.chunk_sizes(req.shape.prompt_len, 64) == [64, 64, 64]
+    assert plain.chunk_sizes(req.shape.prompt_len, 128) == [128, 64]
+    args = (params, dparams, params["embed"], vocab, req.tokens, req.lengths, req.limit,
+            jax.random.PRNGKey(0), cfg, dcfg, req.shape, TREE, Sampling(), req.eos)  # fmt: skip
+    one = spec.prefill(*args)
+    for chunk in (64, 128):
+        got = spec.prefill_chunked(*args, chunk)
+        for layer in range(cfg.num_layers):
+            for name in ("k", "v"):
+                a, b = one.tcache[name][layer], got.tcache[name][layer]
+                for row, n in enumerate(req.lengths):  # the prompt's slots (pads differ nowhere)
+                    sl = (row, ..., slice(0, n)) if name == "k" else (row, ..., slice(0, n), slice(None))
+                    np.testing.assert_allclose(np.asarray(b[sl]), np.asarray(a[sl]), atol=2e-5)
+        np.testing.assert_array_equal(np.asarray(got.root), np.asarray(one.root))
+        np.testing.assert_allclose(np.asarray(got.enc_feat), np.asarray(one.enc_feat), atol=2e-5)
+        for a, b in zip(jax.tree.leaves(one.dcache), jax.tree.leaves(got.dcache)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5)
+    pre = plain.chunked_forward(params, jnp.asarray(req.tokens), jnp.asarray(req.lengths), cfg,
+                                req.shape.slots, 64, dcfg.aux_layer_ids)  # fmt: skip
+    full = plain.prefill(params, req.tokens, req.lengths, req.limit, jax.random.PRNGKey(0), cfg,
+                         req.shape, Sampling(), req.eos)  # fmt: skip
+    aux = jnp.concatenate(pre.aux, axis=1)
+    assert aux.shape == (2, req.shape.prompt_len, len(dcfg.aux_layer_ids) * cfg.hidden_size)
+    assert np.asarray(jnp.argmax(pre.logits[:, 0], -1)).tolist() == np.asarray(full.last).tolist()
+
+
+def test_greedy_speculative_with_chunks_equals_plain_with_chunks(spec_setup):
+    """Greedy EAGLE-3 (a tree and a chain) after a chunked prefill equals plain decoding after
+    the same chunks, for prompts shorter than a chunk, spanning several, and of different
+    lengths in one batch; the bad chunk sizes are refused by name."""
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    prompts = random_prompts(cfg.vocab_size, [150, 40, 90], seed=4)
+    ref = plain.generate(params, cfg, prompts, 20, eos_ids=(), prefill_chunk=64)
+    for tree in (TREE, TreeConfig(top_k=1, depth=4, total_tokens=4)):
+        out = spec_generate(params, cfg, dparams, dcfg, vocab, prompts, 20, tree, eos_ids=(),
+                            prefill_chunk=64)  # fmt: skip
+        assert out.output_ids == ref.output_ids, tree
+    for bad in (32, 100):
+        with pytest.raises(Eagle3Error, match=f"prefill chunk {bad}: give a multiple of 64"):
+            DecodeOptions("eagle3", 8, prefill_chunk=bad)
