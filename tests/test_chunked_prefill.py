@@ -38,7 +38,11 @@ def test_chunks_give_the_one_pass_prefill(spec_setup):
             for name in ("k", "v"):
                 a, b = one.tcache[name][layer], got.tcache[name][layer]
                 for row, n in enumerate(req.lengths):  # the prompt's slots (pads differ nowhere)
-                    sl = (row, ..., slice(0, n)) if name == "k" else (row, ..., slice(0, n), slice(None))
+                    sl = (
+                        (row, ..., slice(0, n))
+                        if name == "k"
+                        else (row, ..., slice(0, n), slice(None))
+                    )
                     np.testing.assert_allclose(np.asarray(b[sl]), np.asarray(a[sl]), atol=2e-5)
         np.testing.assert_array_equal(np.asarray(got.root), np.asarray(one.root))
         np.testing.assert_allclose(np.asarray(got.enc_feat), np.asarray(one.enc_feat), atol=2e-5)
