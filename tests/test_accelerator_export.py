@@ -74,19 +74,28 @@ def test_program_lowers_for_tpu_and_cuda(program):
         assert prog.kwargs["tree"].total_tokens == 60 and prog.kwargs["tree"].top_k == 10
 
 
-@pytest.mark.parametrize("program", ["serve_admit", "serve_round", "serve_score"])
+@pytest.mark.parametrize("program", ["serve_admit", "serve_round", "serve_score", "serve_chunk"])
 def test_serving_programs_lower_for_tpu_and_cuda(program):
     """`serve`'s programs for 8 slots of Llama 3.1 8B (each with 20 log-probabilities kept): an
-    admission into a slot, a round over 4 of the 8 slots' rows (the target cache read in place)
-    and an echoed prompt's scoring, with the engine's state layout (the target cache's kv
-    heads over the 8 devices) and nothing only a CPU accepts; each fits every device."""
+    admission into a slot, a round over 4 of the 8 slots' rows (the target cache read in place),
+    an echoed prompt's scoring and a chunked admission's 512-token chunk (`--prefill-chunk`),
+    with the engine's state layout (the target cache's kv heads over the 8 devices) and nothing
+    only a CPU accepts; each fits every device."""
     setup = programs.Setup(target="llama31_8b", batch=8)
     prog = programs.build(program, setup)
     exported, report = lowering.export_program(prog)
     assert exported.platforms == ("tpu", "cuda") and exported.nr_devices == 8
     assert report.problems == [], report.problems
     tcfg = specs.target_config(setup.target)
-    if program != "serve_score":
+    if program == "serve_chunk":  # the row's cache: a batch of one, kv heads over 8
+        row = jax.tree.leaves(prog.args[1])
+        slots = row[0].shape[-1]
+        per_layer = 2 * slots * tcfg.num_kv_heads * tcfg.head_dim * 2
+        assert sum(lowering.shard_bytes(a, a.sharding) for a in row) == (
+            tcfg.num_layers * per_layer / 8
+        )  # fmt: skip
+        assert prog.args[3].shape == (1, programs.SERVE_CHUNK)
+    elif program != "serve_score":
         slots = prog.kwargs["shape"].slots  # an admission's batch of one has the same S
         per_layer = 2 * 8 * slots * tcfg.num_kv_heads * tcfg.head_dim * 2  # k and v, bf16
         cache = jax.tree.leaves(prog.args[4].tcache)

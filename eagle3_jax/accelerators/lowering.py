@@ -154,11 +154,12 @@ def _off_dtype(prog: Program, exported) -> list[str]:
 
 
 def _kept_fp32(path) -> bool:
-    """A row's sampling settings (SpecState.sampling: temperature, top-p, [B] float32 each) and
+    """A row's sampling settings (SpecState.sampling: temperature, top-p, [B] float32 each),
     the emitted tokens' log-probabilities (SpecState.logprobs: the fp32 log-softmax, as vLLM
-    reports them): per-request numbers, neither a cache nor a weight, kept in float32 whatever
-    the dtype."""
-    return any(getattr(k, "name", None) in ("sampling", "logprobs") for k in path)
+    reports them) and a chunked prefill's last logits (`plain.Chunk.logits`, fp32 as the LM
+    head gives them): per-request numbers, neither a cache nor a weight, kept in float32
+    whatever the dtype."""
+    return any(getattr(k, "name", None) in ("sampling", "logprobs", "logits") for k in path)
 
 
 def export_program(prog: Program, platforms=PLATFORMS):
@@ -245,6 +246,11 @@ def memory(prog: Program, report: Report, s: Setup) -> Memory:
     if prog.name == "serve_score":  # one prompt's pass, no cache kept
         t = prog.args[1].shape[1]
         return Memory(params, 0, 0, prefill_activations(tcfg, 1, t, t, s.mesh))
+    if prog.name == "serve_chunk":  # a chunk into a batch of one's cache (the slots' state aside)
+        kv = sum(shard_bytes(a, a.sharding) for a in jax.tree.leaves(prog.args[1]))
+        c, slots_ = prog.args[3].shape[1], jax.tree.leaves(prog.args[1]["v"])[0].shape[-2]
+        return Memory(params, kv, report.inputs["state"] - kv,
+                      prefill_activations(tcfg, 1, c, slots_, s.mesh))  # fmt: skip
     shape = prog.kwargs["shape"]
     if prog.name in ("prefill", "spec_prefill"):
         state = report.outputs_bytes

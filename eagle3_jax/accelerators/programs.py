@@ -49,8 +49,9 @@ CHAIN_TREE = TreeConfig(
 # kernel on one GPU) and a routed target's dispatch (gather, not ragged: `backends`)
 ACCELERATOR = "tpu"
 PROGRAMS = ("prefill", "spec_prefill", "decode_step", "round_tree", "round_chain", "train_step",
-            "serve_admit", "serve_round", "serve_score")  # fmt: skip
+            "serve_admit", "serve_round", "serve_score", "serve_chunk")  # fmt: skip
 SERVE_LOGPROBS = 20  # what `serve --max-logprobs` allows at most
+SERVE_CHUNK = 512  # `serve --prefill-chunk`'s chunk in `serve_chunk`
 
 # ----------------------------------------------------------------------------- abstract inputs
 
@@ -260,7 +261,9 @@ def _serve_program(name: str, s: Setup, tcfg, dcfg, head: tuple, mesh: Mesh,
     the largest `--max-logprobs` kept: `serve_admit` one request's prefill into a slot,
     `serve_round` a round over half the slots' rows (`speculative.rows_round`, the target cache
     read in place; all of them with one slot), `serve_score` an echoed prompt's
-    log-probabilities (`slots.score_prompt`). `groups`: the head's, as `build` counts them."""
+    log-probabilities (`slots.score_prompt`), `serve_chunk` one chunk of SERVE_CHUNK prompt
+    tokens of a chunked admission (`plain.prefill_chunk`, into a batch of one's cache of the
+    slots' S). `groups`: the head's, as `build` counts them."""
     b, tree = s.batch, s.tree.validate(dcfg.draft_vocab_size)
     cache = plain.round_up(s.prompt + s.new + tree.round_slots + 1, plain.PROMPT_BUCKET)
     shape = plain.Shape(b, 0, cache, plain.round_up(s.new, plain.NEW_BUCKET),
@@ -277,6 +280,17 @@ def _serve_program(name: str, s: Setup, tcfg, dcfg, head: tuple, mesh: Mesh,
         return Program(name, slots.score_prompt, (head[0], prompt),
                        {"tcfg": tcfg, "k": SERVE_LOGPROBS}, mesh,
                        {"params": groups["params"], "inputs": 1})  # fmt: skip
+    if name == "serve_chunk":
+        stacked = not isinstance(head[0]["layers"], list)
+        row = jax.eval_shape(lambda: tgt.make_cache(tcfg, 1, cache, jnp.bfloat16, stacked=stacked))
+        row = _with_shardings(row, tgt.cache_sharding(tcfg, mesh, 1, stacked=stacked))
+        args = (head[0], row, replicated((1, 1, tcfg.vocab_size), jnp.float32),
+                replicated((1, SERVE_CHUNK), jnp.int32), replicated((), jnp.int32),
+                replicated((1,), jnp.int32))  # fmt: skip
+        return Program(name, plain.prefill_chunk, args,
+                       {"cfg": tcfg, "aux_ids": dcfg.aux_layer_ids}, mesh,
+                       {"params": groups["params"], "state": _count(row), "inputs": 4},
+                       state_arg=1)  # fmt: skip
     eos = tcfg.eos_token_ids
     state = slots.state_shapes(head, tcfg, dcfg, shape, tree, eos)
     state = _with_shardings(state, slots.state_shardings(state, tcfg, dcfg, mesh, b))

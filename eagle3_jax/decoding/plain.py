@@ -234,7 +234,16 @@ def prefill_chunk(params, cache, logits_B1V, tokens_BC, start, lengths_B, cfg: T
     inside = (last >= 0) & (last < c)
     logits = jnp.where(inside[:, None, None], out.logits, logits_B1V)
     aux = out.aux if aux_ids else jnp.zeros((b, c, 0), jax.tree.leaves(params)[0].dtype)
-    return out.cache, aux, logits
+    return Chunk(out.cache, aux, logits)
+
+
+class Chunk(NamedTuple):
+    """What `prefill_chunk` returns: the cache, the chunk's aux features, the logits buffer
+    (fp32 as `target.lm_head` gives them)."""
+
+    cache: dict[str, Any]
+    aux: jax.Array
+    logits: jax.Array
 
 
 def chunk_sizes(prompt_len: int, chunk: int) -> list[int]:
