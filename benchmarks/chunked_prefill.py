@@ -13,7 +13,10 @@ the running request's gaps between token deliveries before the arrival (median) 
 (median and longest: a one-pass admission stalls it for the whole prefill, a chunked one for
 one chunk's forward a round), and the long request's time to first token from its arrival.
 Greedy outputs are checked equal across settings' own decode (`--prefill-chunk C` alone).
-Prints a table and writes OUT/chunked_prefill.json.
+Then (--shared): a --long prompt beginning with an earlier one's first --shared tokens, its
+time to first token with chunks of 256 without a prefix cache and with one (`serve
+--prefix-cache-mb`), the earlier one decoded first. Prints tables, writes
+OUT/chunked_prefill.json.
 """
 
 from __future__ import annotations
@@ -65,11 +68,58 @@ def scenario(engine, short: list[int], long: list[int]) -> dict:
     }
 
 
+def follow_up(engine, first: list[int], second: list[int]) -> dict:
+    """`first` decoded to its end, then `second` (which begins with `first`'s opening): the
+    second's time to first token from its admission, and both requests' tokens."""
+    tokens = {}
+    for name, prompt in (("first", first), ("second", second)):
+        t0 = time.perf_counter()
+        engine.admit(name, prompt, LONG_NEW, ignore_eos=True)
+        ttft, out = None, []
+        while engine.busy():
+            for u in engine.step():
+                out += u.new_ids
+                ttft = ttft or (time.perf_counter() - t0 if u.new_ids else None)
+        tokens[name] = out
+    return {"second_ttft_s": ttft, "tokens": tokens}
+
+
+def prefix_rows(target, head, max_context, base, chunk, first, second, mb) -> list[dict]:
+    """`follow_up` without and with a prefix cache of `mb` MB, at `chunk`."""
+    rows = []
+    for size in (0, mb):
+        args = serve.parse_args([*base, "--prefill-chunk", str(chunk), "--prefix-cache-mb",
+                                 str(size)])  # fmt: skip
+        serve.check(args)
+        engine = serve.build_engine(args, target, head, max_context)
+        engine.compile_admissions(sorted({plain.round_up(len(p), plain.PROMPT_BUCKET)
+                                          for p in (first, second)}))  # fmt: skip
+        engine.compile_rounds()
+        follow_up(engine, first, second)  # warm: every program run once
+        if engine.prefix is not None:
+            engine.prefix.entries.clear()
+            engine.prefix.bytes = engine.prefix.hit_tokens = engine.prefix.query_tokens = 0
+        got = follow_up(engine, first, second)
+        opts = replace(engine.opts, eos_ids=(), max_new_tokens=LONG_NEW)
+        alone = {k: generate_ids(target, head, [p], opts).output_ids[0]
+                 for k, p in (("first", first), ("second", second))}  # fmt: skip
+        rows.append({"prefix_cache_mb": size, "prefill_chunk": chunk,
+                     "second_ttft_s": got["second_ttft_s"],
+                     "hit_tokens": engine.prefix.hit_tokens if engine.prefix else 0,
+                     "equal_to_decode_alone": got["tokens"] == alone})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", default="0,256,512", help="prefill chunk sizes (0: one pass)")
     ap.add_argument("--long", type=int, default=1536, help="the arriving prompt's tokens")
     ap.add_argument("--out", default=None, help="folder for chunked_prefill.json")
+    ap.add_argument("--shared", type=int, default=1280,
+                    help="then, with --prefill-chunk 256: a --long prompt beginning with an "
+                    "earlier one's first SHARED tokens, its TTFT without and with a prefix cache "
+                    "(0: skip)")  # fmt: skip
     a = ap.parse_args(argv)
     chunks = [int(c) for c in a.chunks.split(",")]
     context = plain.round_up(a.long + LONG_NEW + 128, plain.PROMPT_BUCKET)
@@ -108,11 +158,24 @@ def main(argv=None) -> int:
         print(f"| {r['prefill_chunk'] or 'one pass'} | {r['gap_before_ms']:.0f} | "
               f"{r['gap_after_median_ms']:.0f} | {r['gap_after_max_ms']:.0f} | "
               f"{r['long_ttft_s']:.2f} | {r['equal_to_decode_alone']} |")  # fmt: skip
+    prefix = []
+    if a.shared:
+        second = long[: a.shared] + [int(x) for x in rng.integers(100, vocab, a.long - a.shared)]
+        prefix = prefix_rows(target, head, max_context, base, 256, long, second, 512)
+        print(f"\na {a.long}-token prompt beginning with an earlier one's {a.shared} tokens, "
+              "--prefill-chunk 256:\n")  # fmt: skip
+        print("| prefix cache | tokens restored | its first token (s) | equal to decode alone |")
+        print("|---|---:|---:|---|")
+        for r in prefix:
+            size = f"{r['prefix_cache_mb']} MB" if r["prefix_cache_mb"] else "off"
+            print(f"| {size} | {r['hit_tokens']} | {r['second_ttft_s']:.2f} | "
+                  f"{r['equal_to_decode_alone']} |")  # fmt: skip
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         rec = {"long_prompt": a.long, "short_prompt": SHORT, "arrives_after_rounds": ARRIVE,
-               "machine": platform.processor() or platform.machine(), "rows": rows}  # fmt: skip
+               "machine": platform.processor() or platform.machine(), "rows": rows,
+               "shared_prefix": a.shared, "prefix_cache": prefix}  # fmt: skip
         (out / "chunked_prefill.json").write_text(json.dumps(rec, indent=1) + "\n")
     return 0
 

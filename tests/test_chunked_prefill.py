@@ -71,3 +71,32 @@ def test_greedy_speculative_with_chunks_equals_plain_with_chunks(spec_setup):
     for bad in (32, 100):
         with pytest.raises(Eagle3Error, match=f"prefill chunk {bad}: give a multiple of 64"):
             DecodeOptions("eagle3", 8, prefill_chunk=bad)
+
+
+def test_restored_chunks_are_bit_for_bit_the_computed_ones(spec_setup):
+    """A prefix cache's premise (`slots.PrefixCache`): the K/V of a prompt's first chunks taken
+    from one prefill (`plain.take_chunk`) and written into a fresh cache (`plain.put_chunk`),
+    the rest of another prompt with the same beginning computed after them, give exactly the
+    cache, aux features and logits of computing that prompt's every chunk."""
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    a = random_prompts(cfg.vocab_size, [150], seed=5)[0]
+    b = a[:128] + random_prompts(cfg.vocab_size, [30], seed=6)[0]
+    aux_ids, slots, c = dcfg.aux_layer_ids, 256, 64
+
+    def padded(p):
+        t = plain.round_up(len(p), plain.PROMPT_BUCKET)
+        return jnp.asarray([p + [0] * (t - len(p))]), jnp.asarray([len(p)])
+
+    pa = plain.chunked_forward(params, *padded(a), cfg, slots, c, aux_ids)
+    kept = [plain.take_chunk(pa.cache, jnp.int32(i * c), cfg, c) for i in range(2)]
+    toks, n = padded(b)
+    want = plain.chunked_forward(params, toks, n, cfg, slots, c, aux_ids)
+    pre = plain.start_prefill(params, cfg, 1, slots)
+    cache = pre.cache
+    for i, kv in enumerate(kept):
+        cache = plain.put_chunk(cache, kv, jnp.int32(i * c), cfg)
+    got = plain.next_chunk(params, plain.Prefilled(cache, pa.aux[:2], pre.logits), toks, n,
+                           2 * c, plain.chunk_sizes(toks.shape[1], c)[2], cfg, aux_ids)  # fmt: skip
+    for x, y in zip(jax.tree.leaves((got.cache, got.aux, got.logits)),
+                    jax.tree.leaves((want.cache, want.aux, want.logits))):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

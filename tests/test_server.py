@@ -142,6 +142,7 @@ def test_health_models_and_staggered_requests_equal_decoding_alone(served):
     _, text = _get(srv, "/metrics")
     assert f"eagle3_generation_tokens_total {float(sum(limits))}" in text
     assert 'eagle3_requests_total{finish_reason="length"} 5.0' in text
+    assert "eagle3_prefix_cache_hit_tokens_total 0.0" in text  # no prefix cache here
 
 
 def test_streamed_chat_equals_whole_and_decoding_alone(served):
@@ -666,6 +667,8 @@ def test_serve_refuses_bad_flags_before_loading(capsys):
     assert "repetition_penalty 0.0" in capsys.readouterr().err
     assert serve.main(["--method", "vanilla", "--prefill-chunk", "-64"]) == 2
     assert "--prefill-chunk -64: give a multiple of 64" in capsys.readouterr().err
+    assert serve.main(["--method", "vanilla", "--prefix-cache-mb", "64"]) == 2
+    assert "with --prefill-chunk C" in capsys.readouterr().err
     for bad, says in (("autox", "give auto or auto:TREE"), ("auto:2/3", "'2/3' is not a tree"),
                       ("1-2:9", "RANGE:TREE")):  # fmt: skip
         assert serve.main(["--tree-by-occupancy", bad]) == 2

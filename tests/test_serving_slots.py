@@ -138,6 +138,44 @@ def test_chunked_admissions_interleave_with_rounds_and_equal_decoding_alone(spec
     assert eng.free_slots() == [0, 1] and not eng.staged and eng.step() == []
 
 
+def test_a_prefix_cache_restores_shared_chunks_and_keeps_the_tokens(spec_setup):
+    """prefill_chunk 64 with a prefix cache: a second prompt beginning with the first's 128
+    tokens restores those two chunks (`PrefixCache`: hit 128 of its 128 whole-chunk tokens)
+    and computes only its last; both answers equal `decode --prefill-chunk 64` alone. A budget
+    of one chunk keeps only the newest entry, so the same second prompt then restores nothing
+    (a run must start at the prompt's first chunk); a cache without chunks is refused."""
+    params, cfg, dparams, dcfg, vocab = spec_setup
+    opts = DecodeOptions("eagle3", NEW, TREE, eos_ids=(), max_context=256, prefill_chunk=64)
+    a = random_prompts(cfg.vocab_size, [150], seed=5)[0]
+    b = a[:128] + random_prompts(cfg.vocab_size, [30], seed=6)[0]
+    for budget, hit in ((64 << 20, 128), (1, 0), ("one chunk", 0)):
+        eng = SlotEngine(Target(params, cfg, None, None), Head(dparams, dcfg, vocab), opts, 2,
+                         prefix_cache_bytes=1 if budget == "one chunk" else budget)  # fmt: skip
+        if budget == "one chunk":  # sized now that an entry's bytes are known
+            eng.prefix.budget = _chunk_bytes(eng, a)
+        out, _, _ = _serve(eng, [(0, a, 8), (6, b, 8)])
+        assert (eng.prefix.hit_tokens, eng.prefix.query_tokens) == (hit, 2 * 64 + 2 * 64)
+        for i, prompt in enumerate((a, b)):
+            alone = spec_generate(params, cfg, dparams, dcfg, vocab, [prompt], 8, TREE,
+                                  eos_ids=(), prefill_chunk=64)  # fmt: skip
+            assert out[i] == alone.output_ids[0], (budget, i)
+    assert len(eng.prefix.entries) == 1 and eng.prefix.bytes <= eng.prefix.budget
+    with pytest.raises(Eagle3Error, match="a prefix cache keeps prefill chunks"):
+        SlotEngine(Target(params, cfg, None, None), Head(dparams, dcfg, vocab),
+                   dataclasses.replace(opts, prefill_chunk=0), 2, prefix_cache_bytes=1 << 20)  # fmt: skip
+
+
+def _chunk_bytes(eng, prompt) -> int:
+    """One prefix-cache entry's bytes for `eng` (a chunk's K/V and aux features)."""
+    from eagle3_jax.decoding import plain
+
+    c = eng.prefill_chunk
+    pre = plain.start_prefill(eng.models[0], eng.cfgs[0], 1, eng.shape.slots)
+    kv = plain.take_chunk(pre.cache, jnp.int32(0), eng.cfgs[0], c)
+    aux = c * len(eng.cfgs[1].aux_layer_ids) * eng.cfgs[0].hidden_size * 4
+    return sum(x.nbytes for x in jax.tree.leaves(kv)) + aux
+
+
 def test_slots_on_a_mesh_equal_one_device(spec_setup, hf_checkpoint):
     """`serve --mesh 2x2`: the target tensor-parallel over `model` (the head replicated), 4
     slots' rows over `data`; the staggered requests give the tokens of one device, and the state

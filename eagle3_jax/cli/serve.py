@@ -75,6 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--round-rows", choices=("busy", "all"), default="busy",
                    help="the rows a round runs: the busy slots, padded with free ones to a power "
                    "of two (the default: a round's cost follows the occupancy), or all --slots")  # fmt: skip
+    p.add_argument("--prefix-cache-mb", type=float, default=0.0, metavar="MB",
+                   help="with --prefill-chunk: keep prompts' whole chunks (their K/V and "
+                   "features) up to MB and restore those a new prompt begins with instead of "
+                   "prefilling them again (a system prompt, a conversation's earlier turns); "
+                   "answers unchanged (default 0: off)")  # fmt: skip
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the target's folder name)")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -94,6 +99,9 @@ def check(args) -> None:
         raise Eagle3Error(f"--max-logprobs {args.max_logprobs}: give 0..20")
     if not 0 < args.port < 65536:
         raise Eagle3Error(f"--port {args.port}: give 1..65535")
+    if not args.prefix_cache_mb >= 0 or args.prefix_cache_mb and not args.prefill_chunk:
+        raise Eagle3Error(f"--prefix-cache-mb {args.prefix_cache_mb}: give a size >= 0, with "
+                          "--prefill-chunk C (the cache keeps whole chunks)")  # fmt: skip
     args.json, args.timing_runs, args.batch_size = None, 1, 1  # what check_settings reads
     decode_flags.check_settings(args)
     decode_flags.sampling_of(args)
@@ -153,7 +161,8 @@ def build_engine(args, target, head, max_context) -> SlotEngine:
     else:
         schedule = schedule_of(args.tree_by_occupancy, opts.tree)
     return SlotEngine(target, head, opts, args.slots, schedule, args.round_rows == "busy",
-                      args.max_logprobs)  # fmt: skip
+                      args.max_logprobs,
+                      prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))  # fmt: skip
 
 
 def auto_candidates(tree, tcfg, dcfg, slots: int, context: int, device_kind: str,

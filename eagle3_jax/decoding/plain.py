@@ -23,7 +23,7 @@ from eagle3_jax.config import TargetConfig
 from eagle3_jax.decoding.sampling import RowSampling, Sampling, process_logits, sample
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.models import target as tgt
-from eagle3_jax.models.layers import causal_mask
+from eagle3_jax.models.layers import causal_mask, slot_major_keys
 from eagle3_jax.sharding import mesh_of, put_batch
 
 PROMPT_BUCKET = 64
@@ -301,6 +301,39 @@ def chunked_forward(params, prompt_BT, lengths_B, cfg: TargetConfig, slots: int,
         pre = next_chunk(params, pre, prompt_BT, lengths_B, at, size, cfg, aux_ids)
         at += size
     return pre
+
+
+def _slot_axes(cfg: TargetConfig) -> dict[str, int]:
+    """The slot axis of a cache's K and V leaves (from the end): V [.., G, S, K]; K [.., G, K, S],
+    or [.., G, S, K] slot-major (`layers.slot_major_keys`)."""
+    return {"k": -2 if slot_major_keys(cfg.attention) else -1, "v": -2}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "size"))
+def take_chunk(cache, start, cfg: TargetConfig, size: int) -> dict[str, Any]:
+    """The K/V of cache slots start .. start + size - 1 (a prefix cache's entry), every layer."""
+    axes = _slot_axes(cfg)
+    return {
+        n: jax.tree.map(
+            lambda a, ax=axes[n]: jax.lax.dynamic_slice_in_dim(a, start, size, a.ndim + ax),
+            cache[n],
+        )
+        for n in ("k", "v")
+    }
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=0)
+def put_chunk(cache, kv, start, cfg: TargetConfig) -> dict[str, Any]:
+    """`cache` (donated) with `take_chunk`'s K/V written back at slots from `start`."""
+    axes = _slot_axes(cfg)
+    return {
+        n: jax.tree.map(
+            lambda a, b, ax=axes[n]: jax.lax.dynamic_update_slice_in_dim(a, b, start, a.ndim + ax),
+            cache[n],
+            kv[n],
+        )
+        for n in ("k", "v")
+    }
 
 
 first_tokens = jax.jit(

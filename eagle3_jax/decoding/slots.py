@@ -46,6 +46,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import logging
 import math
 import os
@@ -216,11 +217,68 @@ class _Staged:
     rows: RowSampling
     sizes: list[int]  # its chunks (`plain.chunk_sizes`)
     pre: plain.Prefilled | None = None  # the cache, aux features and logits so far
-    done: int = 0  # chunks run
+    done: int = 0  # chunks run (or restored from the prefix cache)
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # its full chunks' prefix keys
 
     @property
     def at(self) -> int:
         return sum(self.sizes[: self.done])
+
+
+class PrefixCache:
+    """Prompts' chunks kept for later prompts that begin the same way (`SlotEngine`'s
+    prefix_cache_bytes, `serve --prefix-cache-mb`): an entry is chunk i of a chunked prefill,
+    its K/V (`plain.take_chunk`) and aux features, keyed by the SHA-256 of the prompt's first
+    (i + 1) C tokens (a chunk's K/V depend on every token before it). Only whole chunks before
+    a prompt's last are kept (the last holds the logits the root is sampled from). Restored
+    (`plain.put_chunk`) into a fresh row, a prefix's chunks are bit for bit what computing them
+    gives (the same program on the same inputs, the cache before them restored alike), so a
+    request's tokens do not depend on what was cached. The least recently used entries go
+    once the entries pass `budget` bytes."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.entries: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
+        self.bytes = 0
+        self.query_tokens = 0  # prompt tokens in whole chunks looked up
+        self.hit_tokens = 0  # of which restored
+
+    @staticmethod
+    def keys(prompt: list[int], chunk: int, count: int) -> list[bytes]:
+        """The keys of the prompt's first `count` chunks of `chunk` tokens."""
+        h, out = hashlib.sha256(), []
+        for i in range(count):
+            h.update(np.asarray(prompt[i * chunk : (i + 1) * chunk], np.int32).tobytes())
+            out.append(h.copy().digest())
+        return out
+
+    def lookup(self, keys: list[bytes], chunk: int) -> list[tuple]:
+        """The entries of the longest run of `keys` from the first that is kept, each marked
+        just used; counted in query_tokens / hit_tokens."""
+        got = []
+        for k in keys:
+            entry = self.entries.get(k)
+            if entry is None:
+                break
+            self.entries.move_to_end(k)
+            got.append(entry)
+        self.query_tokens += len(keys) * chunk
+        self.hit_tokens += len(got) * chunk
+        return got
+
+    def put(self, key: bytes, kv, aux) -> None:
+        """Keeps a chunk's (K/V, aux features) under `key`, dropping the least recently used
+        entries past the budget (one larger than the budget is not kept)."""
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return
+        size = sum(x.nbytes for x in jax.tree.leaves((kv, aux)))
+        if size > self.budget:
+            return
+        self.entries[key] = (kv, aux, size)
+        self.bytes += size
+        while self.bytes > self.budget:
+            self.bytes -= self.entries.popitem(last=False)[1][2]
 
 
 SCORE_CHUNK = 64  # prompt positions whose logits `score_prompt` computes at once
@@ -521,14 +579,21 @@ class SlotEngine:
         its slot is reserved meanwhile and its tokens are those of `decode --prefill-chunk C`
         (the same programs: `plain.prefill_chunk`, `admit_prefilled`). 0: each admission one
         pass (`admit_row`), tokens as `decode` without chunks.
+      prefix_cache_bytes: with prefill_chunk, keep prompts' whole chunks up to this many bytes
+        and restore those a new prompt begins with instead of computing them (`PrefixCache`:
+        the tokens stay `decode --prefill-chunk C`'s); 0: none.
     """
 
     def __init__(self, target: Target, head: Head | None, opts: DecodeOptions, slots: int,
                  schedule: TreeSchedule | MeasuredSchedule | None = None,
                  busy_rows: bool = True, max_logprobs: int | None = None,
-                 processing: bool = True):  # fmt: skip
+                 processing: bool = True, prefix_cache_bytes: int = 0):  # fmt: skip
         if slots < 1:
             raise Eagle3Error(f"slots {slots} < 1")
+        if prefix_cache_bytes < 0 or prefix_cache_bytes and not opts.prefill_chunk:
+            raise Eagle3Error("a prefix cache keeps prefill chunks: give --prefill-chunk too "
+                              "(and a size >= 0)")  # fmt: skip
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.prefill_chunk = opts.prefill_chunk
         self.staged: dict[int, _Staged] = {}  # slot -> its chunked admission, in arrival order
         # a round runs the busy slots (`row_buckets`) or all B
@@ -693,12 +758,29 @@ class SlotEngine:
         )  # fmt: skip
         if self.prefill_chunk:  # prefilled chunk by chunk from the next `step` on
             one = args[12]
-            self.staged[slot] = _Staged(request, slot, args[6:10], one, args[-1],
-                                        plain.chunk_sizes(one.prompt_len, self.prefill_chunk))  # fmt: skip
+            job = _Staged(request, slot, args[6:10], one, args[-1],
+                          plain.chunk_sizes(one.prompt_len, self.prefill_chunk))  # fmt: skip
+            if self.prefix is not None:
+                self._restore(job, prompt)
+            self.staged[slot] = job
             return slot
         self.state = admit_row(*args)
         self.owner[slot], self.shown[slot] = request, 0
         return slot
+
+    def _restore(self, job: _Staged, prompt: list[int]) -> None:
+        """`job` started from the prefix cache's chunks its prompt begins with, if any."""
+        c, tcfg = self.prefill_chunk, self.cfgs[0]
+        job.keys = PrefixCache.keys(prompt, c, len(job.sizes) - 1)  # all whole chunks but the last
+        hits = self.prefix.lookup(job.keys, c)
+        if not hits:
+            return
+        pre = plain.start_prefill(self.models[0], tcfg, 1, self.shape.slots, self.mesh)
+        cache = pre.cache
+        for i, (kv, _, _) in enumerate(hits):
+            cache = plain.put_chunk(cache, kv, jnp.int32(i * c), tcfg)
+        job.pre = plain.Prefilled(cache, tuple(aux for _, aux, _ in hits), pre.logits)
+        job.done = len(hits)
 
     def _next_chunk(self, job: _Staged) -> plain.Prefilled:
         """`job`'s buffers after its next chunk (`plain.next_chunk`)."""
@@ -725,6 +807,10 @@ class SlotEngine:
             job = next(iter(self.staged.values()))
             job.pre = self._next_chunk(job)
             spent += job.sizes[job.done]
+            if job.done < len(job.keys):  # a whole chunk a later prompt may begin with
+                at, c = job.at, self.prefill_chunk
+                kv = plain.take_chunk(job.pre.cache, jnp.int32(at), self.cfgs[0], c)
+                self.prefix.put(job.keys[job.done], kv, job.pre.aux[-1])
             job.done += 1
             if job.done == len(job.sizes):
                 fn, args = self._end_call(job, job.pre)

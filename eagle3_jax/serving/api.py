@@ -141,16 +141,24 @@ class Server:
                             registry=r)  # fmt: skip
         self.m_tree_rounds = Counter("eagle3_tree_rounds", "rounds run, by tree", ["tree"],
                                      registry=r)  # fmt: skip
-        self._seen = {"rounds": 0, "prompt": 0, "gen": 0}
+        self.m_prefix_query = Counter("eagle3_prefix_cache_query_tokens",
+                                      "prompt tokens in whole chunks looked up in the prefix cache",
+                                      registry=r)  # fmt: skip
+        self.m_prefix_hit = Counter("eagle3_prefix_cache_hit_tokens",
+                                    "of which restored from the prefix cache", registry=r)  # fmt: skip
+        self._seen = {"rounds": 0, "prompt": 0, "gen": 0, "query": 0, "hit": 0}
         self._seen_trees: dict[str, int] = {}
         self.m_slots.set(self.engine.slots)
 
     def metrics_text(self) -> bytes:
         """Counters brought up to date from the scheduler's stats, then the exposition."""
-        st = self.scheduler.stats
+        st, prefix = self.scheduler.stats, self.engine.prefix
         for key, metric, value in (("rounds", self.m_rounds, st.rounds),
                                    ("prompt", self.m_prompt, st.prompt_tokens),
-                                   ("gen", self.m_gen, st.generated)):  # fmt: skip
+                                   ("gen", self.m_gen, st.generated),
+                                   ("query", self.m_prefix_query, prefix and prefix.query_tokens),
+                                   ("hit", self.m_prefix_hit, prefix and prefix.hit_tokens)):  # fmt: skip
+            value = value or 0
             metric.inc(value - self._seen[key])
             self._seen[key] = value
         for values, hist in ((st.ttft, self.m_ttft), (st.latency, self.m_latency)):
