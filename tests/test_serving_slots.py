@@ -153,6 +153,7 @@ def test_a_prefix_cache_restores_shared_chunks_and_keeps_the_tokens(spec_setup):
                          prefix_cache_bytes=1 if budget == "one chunk" else budget)  # fmt: skip
         if budget == "one chunk":  # sized now that an entry's bytes are known
             eng.prefix.budget = _chunk_bytes(eng, a)
+            assert eng.compile_admissions([192]) == 1 + 1 + 2  # chunk, end, keep and restore
         out, _, _ = _serve(eng, [(0, a, 8), (6, b, 8)])
         assert (eng.prefix.hit_tokens, eng.prefix.query_tokens) == (hit, 2 * 64 + 2 * 64)
         for i, prompt in enumerate((a, b)):

@@ -908,6 +908,11 @@ class SlotEngine:
             job = _Staged(None, 0, args[6:10], args[12], args[-1], [])
             aux = tuple(chunk[c] for c in plain.chunk_sizes(n, self.prefill_chunk))
             calls.append(self._end_call(job, plain.Prefilled(pre.cache, aux, pre.logits)))
+        if self.prefix is not None:  # a chunk kept and one restored
+            at = jnp.int32(0)
+            kv = jax.eval_shape(plain.take_chunk, pre.cache, at, tcfg, self.prefill_chunk)
+            calls += [(plain.take_chunk, (pre.cache, at, tcfg, self.prefill_chunk)),
+                      (plain.put_chunk, (pre.cache, kv, at, tcfg))]  # fmt: skip
         return calls
 
     def _score_args(self, prompt: list[int]) -> tuple:
