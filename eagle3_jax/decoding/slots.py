@@ -817,6 +817,8 @@ class SlotEngine:
                 self.state = fn(*args)
                 del self.staged[job.slot]
                 self.owner[job.slot], self.shown[job.slot] = job.request, 0
+        if spent:  # done before the round starts, so the round's measured time is its own
+            jax.block_until_ready((self.state, [j.pre for j in self.staged.values()]))
         return spent
 
     def check_processing(self, max_tokens: int, logit_bias: dict[int, float] | None = None,
