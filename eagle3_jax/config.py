@@ -129,7 +129,8 @@ class TargetConfig:
     (`models.target.MOE_DISPATCHES`: "dense", every expert on every token; "gather", a small
     forward's chosen experts gathered and the rest dense; "ragged", the same gather and larger
     forwards token-sorted through `jax.lax.ragged_dot`), a forward gathering while its n x k
-    (token, expert) pairs are at most `moe_gather_pairs` x E; `moe_mesh`: the device mesh
+    (token, expert) pairs are at most `moe_gather_pairs` x E (under `moe_mesh`, a device's
+    pairs against its own experts: `models.target.moe_path`); `moe_mesh`: the device mesh
     over which a gathered or ragged dispatch runs each device on its own rows and experts
     (`models.target._moe_on_mesh`; None on one device); all five properties of the machine,
     not of the checkpoint (`eagle3_jax.backends` chooses them), so they are left out of

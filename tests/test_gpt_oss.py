@@ -303,14 +303,18 @@ def test_sharded_forward_equals_one_device(gpt_oss):
     out = tgt.full_forward(sharded, toks, cfg, aux_ids)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out.aux), np.asarray(ref.aux), rtol=1e-5, atol=1e-5)
-    # each device gathering (a step) or sorting (a prefill) its pairs for its own expert, with
-    # that expert's biases (`models.target._moe_on_mesh`)
-    for dispatch, (b, t) in (("gather", (1, 1)), ("ragged", (2, 20))):
-        routed = dataclasses.replace(cfg, moe_dispatch=dispatch, moe_mesh=mesh, moe_gather_pairs=2)
-        assert tgt.moe_path(routed, b * t, b) == dispatch
+    # each device gathering (a step) or sorting (a prefill) the pairs routed to its own
+    # experts, with their biases (`models.target._moe_on_mesh`): two experts a device on a
+    # 2 x 2 mesh, so a bias row taken by the wrong index shows
+    two = make_mesh(2, 2, devices=jax.devices()[:4])
+    split, _ = load_hf(path, mesh=two)
+    assert {s.data.shape[0] for s in split["layers"][0]["be_down"].addressable_shards} == {2}
+    for dispatch, (b, t) in (("gather", (2, 1)), ("ragged", (2, 20))):
+        routed = dataclasses.replace(cfg, moe_dispatch=dispatch, moe_mesh=two, moe_gather_pairs=2)
+        assert tgt.moe_path(routed, b * t, b) == dispatch and tgt.moe_split(routed, b) == (2, 2)
         part = jnp.asarray(family_tokens(b, t, cfg.vocab_size, seed=4))
         ref = tgt.full_forward(params, part, cfg, aux_ids)
-        out = tgt.full_forward(sharded, part, routed, aux_ids)
+        out = tgt.full_forward(split, part, routed, aux_ids)
         for got, exp in ((out.logits, ref.logits), (out.aux, ref.aux)):
             np.testing.assert_allclose(np.asarray(got), np.asarray(exp), rtol=2e-5, atol=2e-5)
     # on one device q/k/v and their biases fuse (as accelerators load them); bo, the sinks and

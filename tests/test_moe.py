@@ -460,3 +460,50 @@ def test_routed_dispatches_on_a_mesh_give_one_devices_forward(family, mesh_shape
     ]
     assert not whole, whole
     assert split == 1 or "all-reduce(" in hlo  # the partial sums over the experts' devices
+
+
+def test_a_device_runs_only_its_own_rows_and_experts(moe_checkpoint, monkeypatch):
+    """The work `_moe_on_mesh` saves, not only its result: on a 2 x 4 mesh a device's body sees
+    its own row of a 2-row forward and its own 2 experts (the grouped product's operands
+    [12 x 2 pairs, D] and [2, D, F']), and a device's grouped product multiplies only the pairs
+    routed to its own experts (the others sort past every group: the groups hold exactly the
+    local pairs, checked on `_moe_pairs` run eagerly)."""
+    _, path, params, cfg = moe_checkpoint("qwen3_moe")
+    mesh = make_mesh(2, 4)
+    sharded, _ = load_hf(path, mesh=mesh)
+    routed = dataclasses.replace(cfg, moe_dispatch="ragged", moe_mesh=mesh)
+    toks = jnp.asarray(family_tokens(2, 12, cfg.vocab_size, seed=7))
+    closed = jax.make_jaxpr(lambda p, x: tgt.full_forward(p, x, routed, ()))(sharded, toks)
+    d, f, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    products = [e for e in _eqns(closed.jaxpr, inside=False) if "ragged_dot" in e.primitive.name]
+    assert products  # each routed layer's three, all inside the shard_map
+    for e in products:
+        lhs, rhs = (v.aval.shape for v in e.invars[:2])
+        assert lhs[0] == 12 * k and rhs[0] == 2 and set(rhs[1:]) == {d, f}, (lhs, rhs)
+    sizes = []
+    real = jax.lax.ragged_dot
+
+    def spy(lhs, rhs, group_sizes, **kw):
+        sizes.append(np.asarray(group_sizes))
+        return real(lhs, rhs, group_sizes, **kw)
+
+    monkeypatch.setattr(jax.lax, "ragged_dot", spy)
+    x = jax.random.normal(jax.random.key(0), (1, 12, d))
+    idx = jax.random.randint(jax.random.key(1), (1, 12, k), 0, cfg.num_experts)
+    w = jnp.full((1, 12, k), 0.5)
+    experts = {n: params["layers"][0][n][2:4] for n in ("we_gate", "we_up", "we_down")}
+    tgt._moe_pairs(experts, x, idx - 2, w, routed, "ragged", local_experts=2)
+    local = np.bincount(np.asarray(idx).ravel(), minlength=cfg.num_experts)[2:4]
+    assert len(sizes) == 3 and all((s == local).all() for s in sizes), (sizes, local)
+
+
+def _eqns(jaxpr, inside: bool):
+    """The equations inside `jax.shard_map` bodies of `jaxpr`, sub-jaxprs included."""
+    for e in jaxpr.eqns:
+        if inside:
+            yield e
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _eqns(sub, inside or e.primitive.name == "shard_map")
