@@ -16,6 +16,7 @@ from eagle3_jax.decoding.generate import DecodeOptions
 from eagle3_jax.decoding.sampling import Sampling
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.models import target as tgt
 
 TREE = TreeConfig(top_k=3, depth=3, total_tokens=8)
 
@@ -100,3 +101,17 @@ def test_restored_chunks_are_bit_for_bit_the_computed_ones(spec_setup):
     for x, y in zip(jax.tree.leaves((got.cache, got.aux, got.logits)),
                     jax.tree.leaves((want.cache, want.aux, want.logits))):  # fmt: skip
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_the_last_logits_at_every_chunk_boundary(spec_setup):
+    """Prompts of 1, 63, 64, 65, 128 and 129 tokens (ending just before, at and just after a
+    64-token chunk's edge) in chunks of 64: each row's last logits are the one-pass forward's
+    at its last position (not the buffer's zeros of a chunk that missed it)."""
+    params, cfg, _, _, _ = spec_setup
+    for n in (1, 63, 64, 65, 128, 129):
+        prompt = random_prompts(cfg.vocab_size, [n], seed=n)[0]
+        t = plain.round_up(n, plain.PROMPT_BUCKET)
+        toks = jnp.asarray([prompt + [0] * (t - n)])
+        pre = plain.chunked_forward(params, toks, jnp.asarray([n]), cfg, 256, 64)
+        want = tgt.full_forward(params, jnp.asarray([prompt]), cfg).logits[0, -1]
+        np.testing.assert_allclose(np.asarray(pre.logits[0, 0]), np.asarray(want), atol=2e-5)

@@ -669,6 +669,9 @@ def test_serve_refuses_bad_flags_before_loading(capsys):
     assert "--prefill-chunk -64: give a multiple of 64" in capsys.readouterr().err
     assert serve.main(["--method", "vanilla", "--prefix-cache-mb", "64"]) == 2
     assert "with --prefill-chunk C" in capsys.readouterr().err
+    assert serve.main(["--method", "vanilla", "--prefill-chunk", "64", "--prefix-cache-mb",
+                       "inf"]) == 2  # fmt: skip
+    assert "--prefix-cache-mb inf" in capsys.readouterr().err
     for bad, says in (("autox", "give auto or auto:TREE"), ("auto:2/3", "'2/3' is not a tree"),
                       ("1-2:9", "RANGE:TREE")):  # fmt: skip
         assert serve.main(["--tree-by-occupancy", bad]) == 2

@@ -133,22 +133,33 @@ def test_chunked_admissions_interleave_with_rounds_and_equal_decoding_alone(spec
         assert reasons[i] == "max_tokens"
     slot = eng.admit("gone", requests[1][1], 4)
     assert slot not in eng.free_slots() and eng.busy() == 1
-    eng.step()  # one chunk of three
+    with pytest.raises(Eagle3Error, match=f"slot {slot} is busy"):
+        eng.admit("again", requests[0][1], 4, slot=slot)
     eng.release(slot)
     assert eng.free_slots() == [0, 1] and not eng.staged and eng.step() == []
+    # the budget: with nothing decoding, chunks run until a request joins and then C (64)
+    # more at most; with a row decoding, C tokens a round at most (at least one chunk)
+    for i, (_, prompt, _) in enumerate(requests[1:]):  # 150 and 100 tokens: 3 and 2 chunks
+        eng.admit(i, prompt, 4)
+    assert eng.prefill_some() == 3 * 64 + 64 and list(eng.staged) == [1]
+    assert eng.owner[0] == 0 and eng.prefill_some() == 64 and not eng.staged
+    eng.reset()
+    eng.admit("a", requests[1][1], 4)
+    eng.reset()  # staged work dropped with the state
+    assert not eng.staged and eng.free_slots() == [0, 1]
 
 
 def test_a_prefix_cache_restores_shared_chunks_and_keeps_the_tokens(spec_setup):
     """prefill_chunk 64 with a prefix cache: a second prompt beginning with the first's 128
     tokens restores those two chunks (`PrefixCache`: hit 128 of its 128 whole-chunk tokens)
     and computes only its last; both answers equal `decode --prefill-chunk 64` alone. A budget
-    of one chunk keeps only the newest entry, so the same second prompt then restores nothing
-    (a run must start at the prompt's first chunk); a cache without chunks is refused."""
+    of one chunk keeps the first prompt's first chunk, not its deeper one (usable only after
+    the first), so the second prompt restores 64 tokens; a cache without chunks is refused."""
     params, cfg, dparams, dcfg, vocab = spec_setup
     opts = DecodeOptions("eagle3", NEW, TREE, eos_ids=(), max_context=256, prefill_chunk=64)
     a = random_prompts(cfg.vocab_size, [150], seed=5)[0]
     b = a[:128] + random_prompts(cfg.vocab_size, [30], seed=6)[0]
-    for budget, hit in ((64 << 20, 128), (1, 0), ("one chunk", 0)):
+    for budget, hit in ((64 << 20, 128), (1, 0), ("one chunk", 64)):
         eng = SlotEngine(Target(params, cfg, None, None), Head(dparams, dcfg, vocab), opts, 2,
                          prefix_cache_bytes=1 if budget == "one chunk" else budget)  # fmt: skip
         if budget == "one chunk":  # sized now that an entry's bytes are known

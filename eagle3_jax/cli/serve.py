@@ -99,7 +99,8 @@ def check(args) -> None:
         raise Eagle3Error(f"--max-logprobs {args.max_logprobs}: give 0..20")
     if not 0 < args.port < 65536:
         raise Eagle3Error(f"--port {args.port}: give 1..65535")
-    if not args.prefix_cache_mb >= 0 or args.prefix_cache_mb and not args.prefill_chunk:
+    mb = args.prefix_cache_mb
+    if not (0 <= mb < 2**40) or mb and not args.prefill_chunk:  # nan and inf refused too
         raise Eagle3Error(f"--prefix-cache-mb {args.prefix_cache_mb}: give a size >= 0, with "
                           "--prefill-chunk C (the cache keeps whole chunks)")  # fmt: skip
     args.json, args.timing_runs, args.batch_size = None, 1, 1  # what check_settings reads
@@ -229,6 +230,8 @@ def warm(engine: SlotEngine) -> None:
         for tree in engine.schedule.trees():
             while engine.busy() < rows:  # a row that ended (EOS, its room) is replaced
                 engine.admit("warmup", [engine.pad], room)
+            if engine.prefill_chunk:  # every row joins before the round of `rows` rows
+                engine.prefill_some(everything=True)
             engine.step(tree)
         for slot in range(engine.slots):
             engine.release(slot)

@@ -234,7 +234,9 @@ class PrefixCache:
     (`plain.put_chunk`) into a fresh row, a prefix's chunks are bit for bit what computing them
     gives (the same program on the same inputs, the cache before them restored alike), so a
     request's tokens do not depend on what was cached. The least recently used entries go
-    once the entries pass `budget` bytes."""
+    once the entries pass `budget` bytes, a prompt's deeper chunks before its earlier ones (an
+    entry is usable only after every chunk before it: touching a prompt's chunks refreshes
+    them deepest first, so its first chunk is the last of them to go)."""
 
     def __init__(self, budget: int):
         self.budget = budget
@@ -260,23 +262,28 @@ class PrefixCache:
             entry = self.entries.get(k)
             if entry is None:
                 break
-            self.entries.move_to_end(k)
             got.append(entry)
+        self._touch(keys[: len(got)])
         self.query_tokens += len(keys) * chunk
         self.hit_tokens += len(got) * chunk
         return got
 
-    def put(self, key: bytes, kv, aux) -> None:
-        """Keeps a chunk's (K/V, aux features) under `key`, dropping the least recently used
-        entries past the budget (one larger than the budget is not kept)."""
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            return
+    def _touch(self, keys: list[bytes]) -> None:
+        """Marks a prompt's kept chunks (`keys`, first to deepest) just used, deepest first."""
+        for k in reversed(keys):
+            if k in self.entries:
+                self.entries.move_to_end(k)
+
+    def put(self, keys: list[bytes], kv, aux) -> None:
+        """Keeps a chunk's (K/V, aux features) under the last of `keys` (the prompt's chunks up
+        to it), its earlier chunks refreshed after it (`_touch`), dropping the least recently
+        used entries past the budget (one larger than the budget is not kept)."""
+        key = keys[-1]
         size = sum(x.nbytes for x in jax.tree.leaves((kv, aux)))
-        if size > self.budget:
-            return
-        self.entries[key] = (kv, aux, size)
-        self.bytes += size
+        if key not in self.entries and size <= self.budget:
+            self.entries[key] = (kv, aux, size)
+            self.bytes += size
+        self._touch(keys)
         while self.bytes > self.budget:
             self.bytes -= self.entries.popitem(last=False)[1][2]
 
@@ -573,8 +580,8 @@ class SlotEngine:
       processing: room in the state for a request's logit processing (`RowSampling`): 300
         logit_bias entries, 16 ids barred until min_tokens, and each token's count for the
         penalties ([B, V] int32 and bool); False: none (every request refused that asks).
-      opts.prefill_chunk: C > 0 prefills a prompt C tokens at a time, one chunk before each
-        round while others decode (`step`; every chunk of it while nothing else runs), so a
+      opts.prefill_chunk: C > 0 prefills a prompt C tokens at a time, at most C tokens before
+        each round while others decode (`step`, `prefill_some`), so a
         long prompt's arrival stalls a round by one chunk's forward, not its whole prefill;
         its slot is reserved meanwhile and its tokens are those of `decode --prefill-chunk C`
         (the same programs: `plain.prefill_chunk`, `admit_prefilled`). 0: each admission one
@@ -796,27 +803,33 @@ class SlotEngine:
         return admit_prefilled, (tparams, dparams, embed, self.state, jnp.int32(job.slot), *pre,
                                  *job.args, *self._static(job.shape), job.rows)  # fmt: skip
 
-    def prefill_some(self) -> int:
-        """Runs staged admissions' chunks (`prefill_chunk`), oldest first: one chunk's worth of
-        tokens while some row decodes, else all of them (no one waits); a staged request whose
-        last chunk ran joins the batch (its first token reported by the next `poll`). Returns
-        the prompt tokens prefilled."""
-        budget = self.prefill_chunk if any(o is not None for o in self.owner) else math.inf
+    def prefill_some(self, everything: bool = False) -> int:
+        """Runs staged admissions' chunks (`prefill_chunk`), oldest first: at most C tokens
+        (at least one chunk) while some row decodes; while none does, until one request joins
+        and then at most C more; `everything`: all of them. A staged request whose last chunk
+        ran joins the batch (its first token reported by the next `poll`). Returns the prompt
+        tokens prefilled."""
+        decoding = any(o is not None for o in self.owner)
+        budget = math.inf if everything or not decoding else self.prefill_chunk
         spent = 0
-        while self.staged and spent < budget:
+        while self.staged:
             job = next(iter(self.staged.values()))
+            if spent and spent + job.sizes[job.done] > budget:
+                break
             job.pre = self._next_chunk(job)
             spent += job.sizes[job.done]
             if job.done < len(job.keys):  # a whole chunk a later prompt may begin with
                 at, c = job.at, self.prefill_chunk
                 kv = plain.take_chunk(job.pre.cache, jnp.int32(at), self.cfgs[0], c)
-                self.prefix.put(job.keys[job.done], kv, job.pre.aux[-1])
+                self.prefix.put(job.keys[: job.done + 1], kv, job.pre.aux[-1])
             job.done += 1
             if job.done == len(job.sizes):
                 fn, args = self._end_call(job, job.pre)
                 self.state = fn(*args)
                 del self.staged[job.slot]
                 self.owner[job.slot], self.shown[job.slot] = job.request, 0
+                if budget == math.inf and not everything:  # a row decodes now: C more at most
+                    budget = spent + self.prefill_chunk
         if spent:  # done before the round starts, so the round's measured time is its own
             jax.block_until_ready((self.state, [j.pre for j in self.staged.values()]))
         return spent
