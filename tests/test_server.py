@@ -143,16 +143,14 @@ def test_health_models_and_staggered_requests_equal_decoding_alone(served):
     assert f"eagle3_generation_tokens_total {float(sum(limits))}" in text
     assert 'eagle3_requests_total{finish_reason="length"} 5.0' in text
     assert "eagle3_prefix_cache_hit_tokens_total 0.0" in text  # no prefix cache here
-    # a prefix cache's counts reach /metrics as they stand (a stand-in's, not a served run's)
+    # a prefix cache's counts reach /metrics as they stand (a stand-in's, not a served run's;
+    # it stays: counters only go up, and this engine, without chunks, never consults it)
     from eagle3_jax.decoding.slots import PrefixCache
 
     cache = PrefixCache(1)
     cache.query_tokens, cache.hit_tokens = 256, 64
     scheduler.engine.prefix = cache
-    try:
-        _, text = _get(srv, "/metrics")
-    finally:
-        scheduler.engine.prefix = None
+    _, text = _get(srv, "/metrics")
     assert "eagle3_prefix_cache_query_tokens_total 256.0" in text
     assert "eagle3_prefix_cache_hit_tokens_total 64.0" in text
 
