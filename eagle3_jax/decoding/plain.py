@@ -350,6 +350,18 @@ def prefill_chunked(params, prompt_BT, lengths_B, limit_B, key, cfg: TargetConfi
                         sampling, eos_ids)  # fmt: skip
 
 
+def start(params, prompt_BT, lengths_B, limit_B, key, cfg: TargetConfig, shape: Shape,
+          sampling: Sampling, eos_ids: tuple[int, ...], prefill_chunk: int = 0,
+          mesh=None) -> DecodeState:  # fmt: skip
+    """The decode state after the prompts' prefill: one pass (`prefill`), or `prefill_chunk`
+    tokens at a time (`prefill_chunked`)."""
+    if prefill_chunk:
+        return prefill_chunked(params, prompt_BT, lengths_B, limit_B, key, cfg, shape, sampling,
+                               eos_ids, prefill_chunk, mesh=mesh)  # fmt: skip
+    return prefill(params, prompt_BT, lengths_B, limit_B, key, cfg, shape, sampling, eos_ids,
+                   mesh=mesh)  # fmt: skip
+
+
 def _step(
     params,
     state: DecodeState,
@@ -465,17 +477,11 @@ def generate(
     mesh = mesh_of(params)
     tokens, lengths, limit, ones = put_batch(mesh, req.tokens, req.lengths, req.limit,
                                              np.ones_like(req.limit))  # fmt: skip
-
-    def start(limit_B):
-        if prefill_chunk:
-            return prefill_chunked(params, tokens, lengths, limit_B, key, *args, prefill_chunk,
-                                   mesh=mesh)  # fmt: skip
-        return prefill(params, tokens, lengths, limit_B, key, *args, mesh=mesh)
-
     if warmup:
-        jax.block_until_ready(decode_loop(params, start(ones), *args))
+        state = start(params, tokens, lengths, ones, key, *args, prefill_chunk, mesh)
+        jax.block_until_ready(decode_loop(params, state, *args))
     t0 = time.perf_counter()
-    state = start(limit)
+    state = start(params, tokens, lengths, limit, key, *args, prefill_chunk, mesh)
     state = decode_loop(params, state, *args)
     out, reasons = _collect(state)
     wall = time.perf_counter() - t0
@@ -497,12 +503,8 @@ def stream(
     req = prepare(cfg, [prompt], max_new_tokens, eos_ids, max_context)
     args = (cfg, req.shape, sampling, req.eos)
     key = jax.random.PRNGKey(seed)
-    if prefill_chunk:
-        state = prefill_chunked(params, req.tokens, req.lengths, req.limit, key, *args,
-                                prefill_chunk, mesh=mesh_of(params))  # fmt: skip
-    else:
-        state = prefill(params, req.tokens, req.lengths, req.limit, key, *args,
-                        mesh=mesh_of(params))  # fmt: skip
+    state = start(params, req.tokens, req.lengths, req.limit, key, *args, prefill_chunk,
+                  mesh_of(params))  # fmt: skip
     while True:
         yield int(state.last[0])
         if int(state.finish[0]) != 0:

@@ -764,9 +764,7 @@ class SlotEngine:
                                   sampling.penalties),
         )  # fmt: skip
         if self.prefill_chunk:  # prefilled chunk by chunk from the next `step` on
-            one = args[12]
-            job = _Staged(request, slot, args[6:10], one, args[-1],
-                          plain.chunk_sizes(one.prompt_len, self.prefill_chunk))  # fmt: skip
+            job = self._stage(request, slot, args)
             if self.prefix is not None:
                 self._restore(job, prompt)
             self.staged[slot] = job
@@ -775,6 +773,16 @@ class SlotEngine:
         self.owner[slot], self.shown[slot] = request, 0
         return slot
 
+    def _stage(self, request: object, slot: int, args: tuple) -> _Staged:
+        """A chunked admission of `admit_row`'s arguments (`_admit_args`), no chunk run yet."""
+        one = args[12]  # the batch of one's shape
+        return _Staged(request, slot, args[6:10], one, args[-1],
+                       plain.chunk_sizes(one.prompt_len, self.prefill_chunk))  # fmt: skip
+
+    def _fresh_row(self) -> plain.Prefilled:
+        """Empty buffers for one prompt's chunks: a batch of one's cache of the slots' S."""
+        return plain.start_prefill(self.models[0], self.cfgs[0], 1, self.shape.slots, self.mesh)
+
     def _restore(self, job: _Staged, prompt: list[int]) -> None:
         """`job` started from the prefix cache's chunks its prompt begins with, if any."""
         c, tcfg = self.prefill_chunk, self.cfgs[0]
@@ -782,7 +790,7 @@ class SlotEngine:
         hits = self.prefix.lookup(job.keys, c)
         if not hits:
             return
-        pre = plain.start_prefill(self.models[0], tcfg, 1, self.shape.slots, self.mesh)
+        pre = self._fresh_row()
         cache = pre.cache
         for i, (kv, _, _) in enumerate(hits):
             cache = plain.put_chunk(cache, kv, jnp.int32(i * c), tcfg)
@@ -792,7 +800,7 @@ class SlotEngine:
     def _next_chunk(self, job: _Staged) -> plain.Prefilled:
         """`job`'s buffers after its next chunk (`plain.next_chunk`)."""
         tcfg, dcfg = self.cfgs
-        pre = job.pre or plain.start_prefill(self.models[0], tcfg, 1, self.shape.slots, self.mesh)
+        pre = job.pre or self._fresh_row()
         return plain.next_chunk(self.models[0], pre, job.args[0], job.args[1], job.at,
                                 job.sizes[job.done], tcfg,
                                 () if dcfg is None else dcfg.aux_layer_ids)  # fmt: skip
@@ -910,7 +918,7 @@ class SlotEngine:
         each chunk size they take and each bucket's `admit_prefilled`."""
         tcfg, dcfg = self.cfgs
         aux_ids = () if dcfg is None else dcfg.aux_layer_ids
-        pre = plain.start_prefill(self.models[0], tcfg, 1, self.shape.slots, self.mesh)
+        pre = self._fresh_row()
         length = jnp.ones((1,), jnp.int32)
         chunk, calls = {}, []
         for size in sorted({c for n in buckets for c in plain.chunk_sizes(n, self.prefill_chunk)}):
@@ -919,8 +927,7 @@ class SlotEngine:
             chunk[size] = jax.eval_shape(plain.prefill_chunk, *args)[1]  # its aux part
             calls.append((plain.prefill_chunk, args))
         for n in buckets:
-            args = self._admit_args(0, [self.pad] * n, 1)
-            job = _Staged(None, 0, args[6:10], args[12], args[-1], [])
+            job = self._stage(None, 0, self._admit_args(0, [self.pad] * n, 1))
             aux = tuple(chunk[c] for c in plain.chunk_sizes(n, self.prefill_chunk))
             calls.append(self._end_call(job, plain.Prefilled(pre.cache, aux, pre.logits)))
         if self.prefix is not None:  # a chunk kept and one restored

@@ -156,9 +156,8 @@ class Server:
         for key, metric, value in (("rounds", self.m_rounds, st.rounds),
                                    ("prompt", self.m_prompt, st.prompt_tokens),
                                    ("gen", self.m_gen, st.generated),
-                                   ("query", self.m_prefix_query, prefix and prefix.query_tokens),
-                                   ("hit", self.m_prefix_hit, prefix and prefix.hit_tokens)):  # fmt: skip
-            value = value or 0
+                                   ("query", self.m_prefix_query, prefix.query_tokens if prefix else 0),
+                                   ("hit", self.m_prefix_hit, prefix.hit_tokens if prefix else 0)):  # fmt: skip
             metric.inc(value - self._seen[key])
             self._seen[key] = value
         for values, hist in ((st.ttft, self.m_ttft), (st.latency, self.m_latency)):
