@@ -247,10 +247,9 @@ def memory(prog: Program, report: Report, s: Setup) -> Memory:
         t = prog.args[1].shape[1]
         return Memory(params, 0, 0, prefill_activations(tcfg, 1, t, t, s.mesh))
     if prog.name == "serve_chunk":  # a chunk into a batch of one's cache (the slots' state aside)
-        kv = sum(shard_bytes(a, a.sharding) for a in jax.tree.leaves(prog.args[1]))
+        kv = report.inputs["state"]  # the row's cache is the program's whole state
         c, slots_ = prog.args[3].shape[1], jax.tree.leaves(prog.args[1]["v"])[0].shape[-2]
-        return Memory(params, kv, report.inputs["state"] - kv,
-                      prefill_activations(tcfg, 1, c, slots_, s.mesh))  # fmt: skip
+        return Memory(params, kv, 0, prefill_activations(tcfg, 1, c, slots_, s.mesh))
     shape = prog.kwargs["shape"]
     if prog.name in ("prefill", "spec_prefill"):
         state = report.outputs_bytes
