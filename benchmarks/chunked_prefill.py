@@ -84,17 +84,24 @@ def follow_up(engine, first: list[int], second: list[int]) -> dict:
     return {"second_ttft_s": ttft, "tokens": tokens}
 
 
+def compiled_engine(target, head, max_context, flags: list[str], lengths) -> object:
+    """serve's engine for `flags`, its admissions of prompts of `lengths` and its rounds
+    compiled."""
+    args = serve.parse_args(flags)
+    serve.check(args)
+    engine = serve.build_engine(args, target, head, max_context)
+    engine.compile_admissions(sorted({plain.round_up(n, plain.PROMPT_BUCKET) for n in lengths}))
+    engine.compile_rounds()
+    return engine
+
+
 def prefix_rows(target, head, max_context, base, chunk, first, second, mb) -> list[dict]:
     """`follow_up` without and with a prefix cache of `mb` MB, at `chunk`."""
     rows = []
     for size in (0, mb):
-        args = serve.parse_args([*base, "--prefill-chunk", str(chunk), "--prefix-cache-mb",
-                                 str(size)])  # fmt: skip
-        serve.check(args)
-        engine = serve.build_engine(args, target, head, max_context)
-        engine.compile_admissions(sorted({plain.round_up(len(p), plain.PROMPT_BUCKET)
-                                          for p in (first, second)}))  # fmt: skip
-        engine.compile_rounds()
+        engine = compiled_engine(target, head, max_context,
+                                 [*base, "--prefill-chunk", str(chunk), "--prefix-cache-mb",
+                                  str(size)], (len(first), len(second)))  # fmt: skip
         follow_up(engine, first, second)  # warm: every program run once
         if engine.prefix is not None:
             engine.prefix.entries.clear()
@@ -134,12 +141,8 @@ def main(argv=None) -> int:
     long = [int(x) for x in rng.integers(100, vocab, a.long)]
     rows = []
     for chunk in chunks:
-        args = serve.parse_args([*base, "--prefill-chunk", str(chunk)])
-        serve.check(args)
-        engine = serve.build_engine(args, target, head, max_context)
-        buckets = sorted({plain.round_up(n, plain.PROMPT_BUCKET) for n in (SHORT, a.long)})
-        engine.compile_admissions(buckets)
-        engine.compile_rounds()
+        engine = compiled_engine(target, head, max_context,
+                                 [*base, "--prefill-chunk", str(chunk)], (SHORT, a.long))  # fmt: skip
         scenario(engine, short, long)  # compiles nothing new; runs every program once
         got = scenario(engine, short, long)
         opts = replace(engine.opts, eos_ids=())  # past EOS, as the engine's requests go
