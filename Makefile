@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11):
 #   make demo   EAGLE-3 speculative decoding on the embedded default with its shipped head, compared
 #               with plain decoding in the same run (answer, tau, tokens/s, speedup)
-#   make test   the default test suite on 2 pytest-xdist workers, printing its wall time: 358 s
+#   make test   the default test suite on 2 pytest-xdist workers, printing its wall time: 346 s
 #               (698 tests) on a quiet 2-core VM, 721 s on a busy one (.ci/run calls
 #               it, then make test-slow, then make demo with the base install alone and an
 #               empty cache)
